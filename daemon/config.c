@@ -1,0 +1,135 @@
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+/* Strings outlive the parse: the config is read once at start-up. */
+static const char *keep_string(const char *v) {
+  char *copy = strdup(v);
+  return copy ? copy : v;
+}
+
+static int parse_u64(const char *v, uint64_t max, uint64_t *ret, int base) {
+  char *end;
+  if (!*v || *v == '-') return -1;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, base);
+  if (errno || *end || x > max) return -1;
+  *ret = x;
+  return 0;
+}
+
+int mok_config_set(mok_server_config *cfg, const char *key, const char *value, char *err,
+                   size_t errlen) {
+  uint64_t n;
+  if (strcmp(key, "socket") == 0) {
+    cfg->socket_path = keep_string(value);
+  } else if (strcmp(key, "engine") == 0) {
+    cfg->engine = keep_string(value);
+  } else if (strcmp(key, "log-level") == 0 || strcmp(key, "log_level") == 0) {
+    int l = mok_log_parse_level(value);
+    if (l < 0) goto bad;
+    mok_log_set_level((mok_log_level)l);
+  } else if (strcmp(key, "socket-mode") == 0 || strcmp(key, "socket_mode") == 0) {
+    if (parse_u64(value, 0777, &n, 8)) goto bad;
+    cfg->socket_mode = (mode_t)n;
+  } else {
+    struct { const char *name; uint64_t max; void *field; int width; } nums[] = {
+      {"device", 1024, &cfg->engine_cfg.device, 4},
+      {"threads", 1024, &cfg->engine_cfg.threads, 4},
+      {"max-sessions", 65536, &cfg->max_sessions, 4},
+      {"hello-timeout-ms", 3600000, &cfg->hello_timeout_ms, 4},
+      {"max-pending-requests", 65536, &cfg->max_pending_requests, 4},
+      {"drain-ms", 3600000, &cfg->drain_ms, 4},
+      {"max-regions", 1u << 20, &cfg->limits.max_regions, 4},
+      {"max-region-bytes", UINT64_MAX, &cfg->limits.max_region_bytes, 8},
+      {"max-layers", 65536, &cfg->limits.max_layers, 4},
+    };
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+      char alt[64];
+      snprintf(alt, sizeof alt, "%s", nums[i].name);
+      for (char *p = alt; *p; p++) if (*p == '-') *p = '_';
+      if (strcmp(key, nums[i].name) && strcmp(key, alt)) continue;
+      if (parse_u64(value, nums[i].max, &n, 10)) goto bad;
+      if (nums[i].width == 4) *(uint32_t *)nums[i].field = (uint32_t)n;
+      else *(uint64_t *)nums[i].field = n;
+      return 0;
+    }
+    snprintf(err, errlen, "unknown setting \"%s\"", key);
+    return -1;
+  }
+  return 0;
+bad:
+  snprintf(err, errlen, "bad value \"%s\" for %s", value, key);
+  return -1;
+}
+
+static char *trim(char *s) {
+  while (isspace((unsigned char)*s)) s++;
+  char *e = s + strlen(s);
+  while (e > s && isspace((unsigned char)e[-1])) *--e = '\0';
+  return s;
+}
+
+int mok_config_parse(mok_server_config *cfg, const char *text, char *err, size_t errlen) {
+  char line[1024];
+  int lineno = 0;
+  const char *p = text;
+  while (*p) {
+    const char *nl = strchr(p, '\n');
+    size_t len = nl ? (size_t)(nl - p) : strlen(p);
+    lineno++;
+    if (len >= sizeof line) {
+      snprintf(err, errlen, "line %d: longer than %zu bytes", lineno, sizeof line - 1);
+      return -1;
+    }
+    memcpy(line, p, len);
+    line[len] = '\0';
+    p = nl ? nl + 1 : p + len;
+    char *hash = strchr(line, '#');
+    if (hash) *hash = '\0';
+    char *s = trim(line);
+    if (!*s) continue;
+    char *eq = strchr(s, '=');
+    if (!eq) {
+      snprintf(err, errlen, "line %d: expected key = value", lineno);
+      return -1;
+    }
+    *eq = '\0';
+    char sub[200];
+    if (mok_config_set(cfg, trim(s), trim(eq + 1), sub, sizeof sub) < 0) {
+      snprintf(err, errlen, "line %d: %s", lineno, sub);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+int mok_config_load(mok_server_config *cfg, const char *path, char *err, size_t errlen) {
+  FILE *f = fopen(path, "re");
+  if (!f) {
+    snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+    return -1;
+  }
+  char *text = malloc(1 << 16);
+  size_t n = text ? fread(text, 1, (1 << 16) - 1, f) : 0;
+  int toolong = text && n == (1 << 16) - 1 && fgetc(f) != EOF;
+  fclose(f);
+  if (!text || toolong) {
+    free(text);
+    snprintf(err, errlen, "%s: %s", path, text ? "larger than 64 KiB" : "out of memory");
+    return -1;
+  }
+  text[n] = '\0';
+  char sub[240];
+  int r = mok_config_parse(cfg, text, sub, sizeof sub);
+  free(text);
+  if (r < 0) snprintf(err, errlen, "%s: %s", path, sub);
+  return r;
+}

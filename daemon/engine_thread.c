@@ -1,0 +1,555 @@
+#include "engine_thread.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "job_check.h"
+#include "log.h"
+#include "mok_status.h"
+#include "region.h"
+
+#define LATENCY_WINDOW 1024u
+#define SPIN_BEFORE_SLEEP_NS 50000ull /* poll briefly before parking: keeps latency low */
+
+typedef struct layer_entry {
+  uint32_t id;
+  mok_layer_config cfg;
+} layer_entry;
+
+/* The engine-side half of a session. */
+typedef struct esession {
+  uint64_t id;
+  mok_session_shm shm;
+  mok_session_limits limits;
+  mok_region_table regions;
+  layer_entry *layers;
+  size_t n_layers, cap_layers;
+  uint32_t next_layer_id;
+  uint32_t sq_head, cq_tail; /* our private copies: never read back from shared memory */
+  uint64_t seq;
+  uint64_t jobs_done, jobs_failed;
+  bool faulted;
+  struct esession *next;
+} esession;
+
+struct mok_engine_thread {
+  const mok_engine_ops *ops;
+  mok_engine *engine;
+  pthread_t thread;
+  int epfd;
+  int cmd_efd; /* wakes the thread for commands */
+  pthread_mutex_t lock;
+  mok_cmd *cmd_head, *cmd_tail;   /* loop -> engine */
+  mok_cmd *done_head, *done_tail; /* engine -> loop */
+  void (*on_done)(void *);
+  void *on_done_arg;
+  _Atomic bool stopping;
+  uint32_t drain_ms;
+  esession *sessions;
+  esession *rr_next; /* where the next round-robin turn starts */
+  uint64_t jobs_done, jobs_failed;
+  uint64_t latency[LATENCY_WINDOW];
+  uint64_t latency_count;
+  char describe[256];
+};
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void ring_doorbell(int efd) {
+  uint64_t one = 1;
+  ssize_t r = write(efd, &one, sizeof one);
+  (void)r; /* EAGAIN means the counter is already non-zero: the peer will wake */
+}
+
+static void drain_eventfd(int efd) {
+  uint64_t v;
+  while (read(efd, &v, sizeof v) > 0) {}
+}
+
+/* ---- done queue --------------------------------------------------------- */
+
+static void post_done(mok_engine_thread *t, mok_cmd *c) {
+  c->next = NULL;
+  pthread_mutex_lock(&t->lock);
+  if (t->done_tail) t->done_tail->next = c;
+  else t->done_head = c;
+  t->done_tail = c;
+  pthread_mutex_unlock(&t->lock);
+  t->on_done(t->on_done_arg);
+}
+
+mok_cmd *mok_engine_thread_take_done(mok_engine_thread *t) {
+  pthread_mutex_lock(&t->lock);
+  mok_cmd *c = t->done_head;
+  t->done_head = t->done_tail = NULL;
+  pthread_mutex_unlock(&t->lock);
+  return c;
+}
+
+void mok_engine_thread_submit(mok_engine_thread *t, mok_cmd *cmd) {
+  cmd->next = NULL;
+  pthread_mutex_lock(&t->lock);
+  if (t->cmd_tail) t->cmd_tail->next = cmd;
+  else t->cmd_head = cmd;
+  t->cmd_tail = cmd;
+  pthread_mutex_unlock(&t->lock);
+  ring_doorbell(t->cmd_efd);
+}
+
+/* ---- sessions ------------------------------------------------------------ */
+
+static esession *find_session(mok_engine_thread *t, uint64_t id) {
+  for (esession *s = t->sessions; s; s = s->next)
+    if (s->id == id) return s;
+  return NULL;
+}
+
+static const mok_layer_config *find_layer(esession *s, uint32_t id) {
+  for (size_t i = 0; i < s->n_layers; i++)
+    if (s->layers[i].id == id) return &s->layers[i].cfg;
+  return NULL;
+}
+
+static void release_region(mok_engine_thread *t, mok_region *r) {
+  (void)t;
+  if (r->kind == MOK_REGION_HOST_MEMFD) mok_region_unmap_host(r);
+}
+
+static void session_free(mok_engine_thread *t, esession *s) {
+  for (size_t i = 0; i < s->regions.count; i++) release_region(t, &s->regions.items[i]);
+  mok_region_table_free(&s->regions);
+  free(s->layers);
+  if (s->shm.doorbell_in >= 0) epoll_ctl(t->epfd, EPOLL_CTL_DEL, s->shm.doorbell_in, NULL);
+  mok_session_shm_destroy(&s->shm);
+  free(s);
+}
+
+static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
+  esession *s = calloc(1, sizeof *s);
+  if (!s) {
+    mok_session_shm_destroy(&c->in.attach.shm);
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory attaching the session");
+    return;
+  }
+  s->id = c->session_id;
+  s->shm = c->in.attach.shm;
+  s->limits = c->in.attach.limits;
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+  if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, s->shm.doorbell_in, &ev) < 0) {
+    c->status = MOK_EIO;
+    snprintf(c->message, sizeof c->message, "epoll_ctl: %s", strerror(errno));
+    session_free(t, s);
+    return;
+  }
+  s->next = t->sessions;
+  t->sessions = s;
+  c->status = MOK_OK;
+}
+
+static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
+  mok_region r;
+  if (s->regions.count >= s->limits.max_regions) {
+    c->status = MOK_ELIMIT;
+    snprintf(c->message, sizeof c->message, "session already has %zu regions (limit %u)",
+             s->regions.count, s->limits.max_regions);
+    return;
+  }
+  if (c->in.reg.bytes > s->limits.max_region_bytes - s->regions.total_bytes) {
+    c->status = MOK_ELIMIT;
+    snprintf(c->message, sizeof c->message,
+             "registering %llu bytes would exceed the session's quota of %llu bytes "
+             "(%llu in use)",
+             (unsigned long long)c->in.reg.bytes, (unsigned long long)s->limits.max_region_bytes,
+             (unsigned long long)s->regions.total_bytes);
+    return;
+  }
+  if (c->in.reg.kind != MOK_REGION_HOST_MEMFD) {
+    c->status = MOK_EUNSUPPORTED;
+    snprintf(c->message, sizeof c->message, "the %s engine cannot map GPU buffers",
+             t->ops->name);
+    return;
+  }
+  c->status = mok_region_map_memfd(c->in.reg.fd, c->in.reg.offset, c->in.reg.bytes, &r,
+                                   c->message, sizeof c->message);
+  if (c->status != MOK_OK) return;
+  c->status = mok_region_table_add(&s->regions, &r);
+  if (c->status != MOK_OK) {
+    release_region(t, &r);
+    snprintf(c->message, sizeof c->message, "out of memory");
+    return;
+  }
+  c->out.region_id = r.id;
+}
+
+static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
+  if (s->n_layers >= s->limits.max_layers) {
+    c->status = MOK_ELIMIT;
+    snprintf(c->message, sizeof c->message, "session already has %zu layers (limit %u)",
+             s->n_layers, s->limits.max_layers);
+    return;
+  }
+  mok_layer_config cfg = c->in.layer;
+  c->status = t->ops->prepare_layer(t->engine, &cfg, c->message, sizeof c->message);
+  if (c->status != MOK_OK) return;
+  if (s->n_layers == s->cap_layers) {
+    size_t cap = s->cap_layers ? 2 * s->cap_layers : 8;
+    layer_entry *n = realloc(s->layers, cap * sizeof *n);
+    if (!n) {
+      c->status = MOK_ENOMEM;
+      snprintf(c->message, sizeof c->message, "out of memory");
+      return;
+    }
+    s->layers = n;
+    s->cap_layers = cap;
+  }
+  s->layers[s->n_layers].id = ++s->next_layer_id;
+  s->layers[s->n_layers].cfg = cfg;
+  s->n_layers++;
+  c->layer_id = s->next_layer_id;
+  c->out.layer = cfg;
+}
+
+static void cmd_destroy_layer(esession *s, mok_cmd *c) {
+  for (size_t i = 0; i < s->n_layers; i++) {
+    if (s->layers[i].id != c->in.id) continue;
+    s->layers[i] = s->layers[--s->n_layers];
+    c->status = MOK_OK;
+    return;
+  }
+  c->status = MOK_ENOENT;
+  snprintf(c->message, sizeof c->message, "layer %u does not exist in this session", c->in.id);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
+  mok_engine_stats *st = &c->out.stats;
+  memset(st, 0, sizeof *st);
+  st->jobs_done = t->jobs_done;
+  st->jobs_failed = t->jobs_failed;
+  size_t n = t->latency_count < LATENCY_WINDOW ? t->latency_count : LATENCY_WINDOW;
+  if (n > 0) {
+    uint64_t sorted[LATENCY_WINDOW];
+    memcpy(sorted, t->latency, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, cmp_u64);
+    st->latency_p50_ns = sorted[n / 2];
+    st->latency_p99_ns = sorted[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1];
+  }
+  size_t count = 0;
+  for (esession *s = t->sessions; s; s = s->next) count++;
+  st->sessions = count ? calloc(count, sizeof *st->sessions) : NULL;
+  if (count && !st->sessions) {
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory");
+    return;
+  }
+  for (esession *s = t->sessions; s; s = s->next) {
+    mok_session_stats *o = &st->sessions[st->n_sessions++];
+    o->session_id = s->id;
+    o->regions = (uint32_t)s->regions.count;
+    o->region_bytes = s->regions.total_bytes;
+    o->layers = (uint32_t)s->n_layers;
+    o->jobs_done = s->jobs_done;
+    o->jobs_failed = s->jobs_failed;
+  }
+  c->status = MOK_OK;
+}
+
+static void cmd_detach(mok_engine_thread *t, esession *s) {
+  for (esession **p = &t->sessions; *p; p = &(*p)->next) {
+    if (*p != s) continue;
+    *p = s->next;
+    break;
+  }
+  if (t->rr_next == s) t->rr_next = NULL;
+  session_free(t, s);
+}
+
+static void run_command(mok_engine_thread *t, mok_cmd *c) {
+  c->status = MOK_OK;
+  c->message[0] = '\0';
+  if (c->kind == MOK_CMD_ATTACH) {
+    cmd_attach(t, c);
+    return;
+  }
+  if (c->kind == MOK_CMD_STATS) {
+    cmd_stats(t, c);
+    return;
+  }
+  esession *s = find_session(t, c->session_id);
+  if (!s) {
+    if (c->kind == MOK_CMD_REGISTER && c->in.reg.fd >= 0) close(c->in.reg.fd);
+    c->status = MOK_ENOENT;
+    snprintf(c->message, sizeof c->message, "session %llu is not attached",
+             (unsigned long long)c->session_id);
+    return;
+  }
+  switch (c->kind) {
+  case MOK_CMD_REGISTER:
+    cmd_register(t, s, c);
+    if (c->in.reg.fd >= 0) close(c->in.reg.fd); /* the mapping keeps what it needs */
+    c->in.reg.fd = -1;
+    break;
+  case MOK_CMD_UNREGISTER: {
+    mok_region r;
+    c->status = mok_region_table_remove(&s->regions, c->in.id, &r);
+    if (c->status == MOK_OK) release_region(t, &r);
+    else snprintf(c->message, sizeof c->message, "region %u is not registered", c->in.id);
+    break;
+  }
+  case MOK_CMD_CREATE_LAYER: cmd_create_layer(t, s, c); break;
+  case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(s, c); break;
+  case MOK_CMD_DETACH: cmd_detach(t, s); break;
+  default:
+    c->status = MOK_EINVAL;
+    snprintf(c->message, sizeof c->message, "unknown command %d", (int)c->kind);
+  }
+}
+
+static void run_commands(mok_engine_thread *t) {
+  pthread_mutex_lock(&t->lock);
+  mok_cmd *c = t->cmd_head;
+  t->cmd_head = t->cmd_tail = NULL;
+  pthread_mutex_unlock(&t->lock);
+  while (c) {
+    mok_cmd *next = c->next;
+    run_command(t, c);
+    post_done(t, c);
+    c = next;
+  }
+}
+
+/* ---- jobs ------------------------------------------------------------------ */
+
+static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
+  if (s->faulted) return;
+  s->faulted = true;
+  mok_cmd *c = calloc(1, sizeof *c);
+  if (!c) return; /* the loop will still see the socket close eventually */
+  c->kind = MOK_CMD_SESSION_FAULT;
+  c->session_id = s->id;
+  c->status = MOK_EPROTO;
+  snprintf(c->message, sizeof c->message, "%s", why);
+  post_done(t, c);
+}
+
+static void post_completion(esession *s, uint64_t user_data, int status, const char *msg,
+                            uint64_t engine_ns) {
+  mok_shm_header *h = s->shm.hdr;
+  mok_completion *slot = &mok_shm_cq(h)[s->cq_tail & (MOK_RING_ENTRIES - 1)];
+  mok_completion c = {.user_data = user_data, .seq = s->seq, .status = status,
+                      .engine_ns = engine_ns};
+  snprintf(c.message, sizeof c.message, "%s", msg ? msg : "");
+  memcpy(slot, &c, sizeof c);
+  s->cq_tail++;
+  atomic_store_explicit(&h->cq_tail.value, s->cq_tail, memory_order_release);
+  /* pairs with the client's fence between setting NEED_WAKEUP and re-reading cq_tail */
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&h->cq_flags.value, memory_order_relaxed) & MOK_RING_NEED_WAKEUP)
+    ring_doorbell(s->shm.doorbell_out);
+}
+
+/* Take and run one job of s if it has one and room for its completion.
+ * Returns true when a job ran. */
+static bool run_one_job(mok_engine_thread *t, esession *s) {
+  if (s->faulted) return false;
+  mok_shm_header *h = s->shm.hdr;
+  uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
+  uint32_t pending = tail - s->sq_head;
+  if (pending == 0) return false;
+  if (pending > MOK_RING_ENTRIES) {
+    session_fault(t, s, "submission ring tail moved past its capacity");
+    return false;
+  }
+  uint32_t cq_head = atomic_load_explicit(&h->cq_head.value, memory_order_acquire);
+  uint32_t used = s->cq_tail - cq_head;
+  if (used > MOK_RING_ENTRIES) {
+    session_fault(t, s, "completion ring head moved past its tail");
+    return false;
+  }
+  if (used == MOK_RING_ENTRIES) return false; /* the client must drain completions first */
+
+  /* copy once, then validate the copy: the client cannot change it under us */
+  mok_job_desc desc;
+  memcpy(&desc, &mok_shm_sq(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof desc);
+  s->sq_head++;
+  atomic_store_explicit(&h->sq_head.value, s->sq_head, memory_order_release);
+  s->seq++;
+
+  mok_job_args args;
+  mok_engine_result res = {.status = MOK_OK};
+  uint64_t t0 = now_ns();
+  const mok_layer_config *layer = desc.op == MOK_OP_NOP ? NULL : find_layer(s, desc.layer);
+  res.status = mok_job_check(&desc, &s->regions, layer, &args, res.message, sizeof res.message);
+  if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
+  uint64_t dt = now_ns() - t0;
+  if (res.status == MOK_OK) {
+    res.message[0] = '\0';
+    s->jobs_done++;
+    t->jobs_done++;
+  } else {
+    s->jobs_failed++;
+    t->jobs_failed++;
+    log_debug("session %llu job %llu (%s) failed: %s", (unsigned long long)s->id,
+              (unsigned long long)s->seq, mok_op_name(desc.op), res.message);
+  }
+  t->latency[t->latency_count++ % LATENCY_WINDOW] = dt;
+  post_completion(s, desc.user_data, res.status, res.message, dt);
+  return true;
+}
+
+/* One round-robin turn: at most one job per session. */
+static bool run_jobs_round(mok_engine_thread *t) {
+  bool any = false;
+  if (!t->sessions) return false;
+  esession *start = t->rr_next ? t->rr_next : t->sessions;
+  esession *s = start;
+  do {
+    if (run_one_job(t, s)) any = true;
+    s = s->next ? s->next : t->sessions;
+  } while (s != start && s);
+  t->rr_next = start->next; /* the next turn starts one further on */
+  return any;
+}
+
+static bool any_job_pending(mok_engine_thread *t) {
+  for (esession *s = t->sessions; s; s = s->next) {
+    if (s->faulted) continue;
+    uint32_t tail = atomic_load_explicit(&s->shm.hdr->sq_tail.value, memory_order_acquire);
+    if (tail != s->sq_head) return true;
+  }
+  return false;
+}
+
+static void set_need_wakeup(mok_engine_thread *t, bool on) {
+  for (esession *s = t->sessions; s; s = s->next)
+    atomic_store_explicit(&s->shm.hdr->sq_flags.value, on ? MOK_RING_NEED_WAKEUP : 0u,
+                          memory_order_relaxed);
+  atomic_thread_fence(memory_order_seq_cst);
+}
+
+static void sleep_until_work(mok_engine_thread *t) {
+  set_need_wakeup(t, true);
+  if (!any_job_pending(t)) {
+    struct epoll_event evs[32];
+    int n = epoll_wait(t->epfd, evs, 32, 1000);
+    for (int i = 0; i < n; i++) {
+      esession *s = evs[i].data.ptr;
+      drain_eventfd(s ? s->shm.doorbell_in : t->cmd_efd);
+    }
+  }
+  set_need_wakeup(t, false);
+}
+
+static void *engine_main(void *arg) {
+  mok_engine_thread *t = arg;
+  uint64_t idle_since = 0;
+  for (;;) {
+    run_commands(t);
+    if (atomic_load(&t->stopping)) break;
+    if (run_jobs_round(t)) {
+      idle_since = 0;
+      continue;
+    }
+    uint64_t now = now_ns();
+    if (!idle_since) idle_since = now;
+    if (now - idle_since < SPIN_BEFORE_SLEEP_NS) continue;
+    sleep_until_work(t);
+    idle_since = 0;
+  }
+  /* drain: what clients submitted before the stop still runs, within a bound */
+  uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
+  while (now_ns() < deadline && run_jobs_round(t)) {}
+  for (esession *s = t->sessions; s; s = s->next) {
+    mok_shm_header *h = s->shm.hdr;
+    uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
+    if (tail - s->sq_head > 0 && !s->faulted)
+      log_warn("session %llu: %u jobs left unrun at shutdown", (unsigned long long)s->id,
+               tail - s->sq_head);
+  }
+  return NULL;
+}
+
+int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *cfg,
+                            void (*on_done)(void *arg), void *arg, mok_engine_thread **ret,
+                            char *err, size_t errlen) {
+  mok_engine_thread *t = calloc(1, sizeof *t);
+  if (!t) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
+  t->ops = ops;
+  t->on_done = on_done;
+  t->on_done_arg = arg;
+  t->epfd = -1;
+  t->cmd_efd = -1;
+  pthread_mutex_init(&t->lock, NULL);
+  int r = ops->open(cfg, &t->engine, err, errlen);
+  if (r != MOK_OK) goto fail;
+  t->epfd = epoll_create1(EPOLL_CLOEXEC);
+  t->cmd_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+  if (t->epfd < 0 || t->cmd_efd < 0 || epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->cmd_efd, &ev) < 0) {
+    snprintf(err, errlen, "engine thread set-up: %s", strerror(errno));
+    r = MOK_EIO;
+    goto fail;
+  }
+  snprintf(t->describe, sizeof t->describe, "%s", ops->describe(t->engine));
+  if (pthread_create(&t->thread, NULL, engine_main, t) != 0) {
+    snprintf(err, errlen, "cannot start the engine thread");
+    r = MOK_ENOMEM;
+    goto fail;
+  }
+  *ret = t;
+  return MOK_OK;
+fail:
+  if (t->engine) ops->close(t->engine);
+  if (t->epfd >= 0) close(t->epfd);
+  if (t->cmd_efd >= 0) close(t->cmd_efd);
+  pthread_mutex_destroy(&t->lock);
+  free(t);
+  return r;
+}
+
+const char *mok_engine_thread_describe(mok_engine_thread *t) { return t->describe; }
+const char *mok_engine_thread_engine_name(mok_engine_thread *t) { return t->ops->name; }
+
+void mok_engine_thread_stop(mok_engine_thread *t, uint32_t drain_ms) {
+  if (!t) return;
+  t->drain_ms = drain_ms;
+  atomic_store(&t->stopping, true);
+  ring_doorbell(t->cmd_efd);
+  pthread_join(t->thread, NULL);
+  /* commands that arrived too late, and sessions never detached */
+  run_commands(t);
+  while (t->sessions) cmd_detach(t, t->sessions);
+  t->ops->close(t->engine);
+  close(t->epfd);
+  close(t->cmd_efd);
+  mok_cmd *c = mok_engine_thread_take_done(t);
+  while (c) {
+    mok_cmd *next = c->next;
+    if (c->kind == MOK_CMD_STATS) free(c->out.stats.sessions);
+    free(c);
+    c = next;
+  }
+  pthread_mutex_destroy(&t->lock);
+  free(t);
+}

@@ -1,0 +1,102 @@
+/* The engine thread: owns the engine and everything a job touches.
+ *
+ * The loop thread never touches regions, layers or rings directly: it sends
+ * commands (attach a session, register a buffer, create a layer, stats,
+ * detach) and gets each command back, filled in, through the done queue
+ * (on_done is called from the engine thread and must only wake the loop,
+ * e.g. uv_async_send). Between commands the engine thread takes jobs from
+ * every attached session's submission ring, round-robin, one job per session
+ * per turn, validates each and runs it, and posts the completion.
+ */
+#ifndef MOK_ENGINE_THREAD_H
+#define MOK_ENGINE_THREAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine.h"
+#include "session_shm.h"
+
+typedef enum mok_cmd_kind {
+  MOK_CMD_ATTACH = 1,   /* engine takes over the session's shm and doorbells */
+  MOK_CMD_REGISTER,     /* map a client buffer; takes ownership of reg.fd */
+  MOK_CMD_UNREGISTER,
+  MOK_CMD_CREATE_LAYER,
+  MOK_CMD_DESTROY_LAYER,
+  MOK_CMD_STATS,
+  MOK_CMD_DETACH,       /* release everything of the session */
+  MOK_CMD_SESSION_FAULT /* engine -> loop only: the session broke its ring */
+} mok_cmd_kind;
+
+typedef struct mok_session_stats {
+  uint64_t session_id;
+  uint32_t regions;
+  uint64_t region_bytes;
+  uint32_t layers;
+  uint64_t jobs_done, jobs_failed;
+} mok_session_stats;
+
+typedef struct mok_engine_stats {
+  uint64_t jobs_done, jobs_failed;
+  uint64_t latency_p50_ns, latency_p99_ns; /* over the recent jobs */
+  mok_session_stats *sessions;             /* malloc'd; the receiver frees */
+  size_t n_sessions;
+} mok_engine_stats;
+
+typedef struct mok_session_limits {
+  uint32_t max_regions;
+  uint64_t max_region_bytes;
+  uint32_t max_layers;
+} mok_session_limits;
+
+typedef struct mok_cmd {
+  mok_cmd_kind kind;
+  uint64_t session_id;
+  uint32_t request_id; /* the client's, for the reply */
+  union {
+    struct {
+      mok_session_shm shm;
+      mok_session_limits limits;
+    } attach;
+    struct {
+      int kind; /* mok_region_kind */
+      int fd;   /* -1 when none; the engine closes it */
+      uint64_t offset, bytes;
+      uint8_t ipc_handle[64];
+    } reg;
+    uint32_t id; /* region or layer to drop */
+    mok_layer_config layer;
+  } in;
+  /* filled by the engine thread */
+  int status;
+  char message[256];
+  union {
+    uint32_t region_id;
+    mok_layer_config layer; /* with id in layer_id */
+    mok_engine_stats stats;
+  } out;
+  uint32_t layer_id;
+  struct mok_cmd *next;
+} mok_cmd;
+
+typedef struct mok_engine_thread mok_engine_thread;
+
+/* Open the engine and start its thread. on_done(arg) is called (from the
+ * engine thread) whenever commands are waiting in the done queue. */
+int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *cfg,
+                            void (*on_done)(void *arg), void *arg, mok_engine_thread **ret,
+                            char *err, size_t errlen);
+const char *mok_engine_thread_describe(mok_engine_thread *t);
+const char *mok_engine_thread_engine_name(mok_engine_thread *t);
+
+/* Hand a command to the engine thread (it comes back through the done queue). */
+void mok_engine_thread_submit(mok_engine_thread *t, mok_cmd *cmd);
+/* Take every finished command, oldest first (a list through ->next). */
+mok_cmd *mok_engine_thread_take_done(mok_engine_thread *t);
+
+/* Drain: jobs already in the rings run (bounded by drain_ms), then the
+ * thread exits and the engine closes. Commands still queued come back with
+ * MOK_ESHUTDOWN. Safe to call once. */
+void mok_engine_thread_stop(mok_engine_thread *t, uint32_t drain_ms);
+
+#endif

@@ -1,0 +1,159 @@
+#include "job_check.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "mok_status.h"
+
+static int ranges_overlap(const mok_tensor_ref *a, const mok_tensor_ref *b) {
+  if (a->region != b->region) return 0;
+  return a->offset < b->offset + b->bytes && b->offset < a->offset + a->bytes;
+}
+
+static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
+                     const mok_layer_config *layer, uint32_t tokens, mok_tensor_view *view,
+                     char *err, size_t errlen) {
+  const char *name = mok_slot_name(ref->slot);
+  mok_region *r = mok_region_table_find(regions, ref->region);
+  if (!r) {
+    snprintf(err, errlen, "%s: region %u is not registered by this session", name, ref->region);
+    return MOK_ENOENT;
+  }
+  if (ref->offset > r->bytes || ref->bytes > r->bytes - ref->offset) {
+    snprintf(err, errlen, "%s: offset %llu + %llu bytes is outside region %u of %llu bytes",
+             name, (unsigned long long)ref->offset, (unsigned long long)ref->bytes, ref->region,
+             (unsigned long long)r->bytes);
+    return MOK_EBOUNDS;
+  }
+  uint32_t want_dt, want_nd;
+  uint64_t want[MOK_MAX_DIMS];
+  mok_job_slot_shape(layer, tokens, ref->slot, &want_dt, &want_nd, want);
+  uint32_t esz = mok_dtype_size(ref->dtype);
+  if (ref->dtype != want_dt) {
+    snprintf(err, errlen, "%s: dtype %u, the layer needs dtype %u", name, ref->dtype, want_dt);
+    return MOK_ESHAPE;
+  }
+  if (ref->ndim != want_nd) {
+    snprintf(err, errlen, "%s: %u dimensions, expected %u", name, ref->ndim, want_nd);
+    return MOK_ESHAPE;
+  }
+  uint64_t elems = 1;
+  for (uint32_t i = 0; i < want_nd; i++) {
+    if ((uint64_t)ref->shape[i] != want[i]) {
+      snprintf(err, errlen, "%s: dimension %u is %u, expected %llu", name, i, ref->shape[i],
+               (unsigned long long)want[i]);
+      return MOK_ESHAPE;
+    }
+    elems *= want[i]; /* bounded by the layer limits: no overflow */
+  }
+  for (uint32_t i = want_nd; i < MOK_MAX_DIMS; i++) {
+    if (ref->shape[i] != 0) {
+      snprintf(err, errlen, "%s: unused dimension %u must be 0", name, i);
+      return MOK_ESHAPE;
+    }
+  }
+  if (elems * esz != ref->bytes) {
+    snprintf(err, errlen, "%s: %llu bytes declared, its shape needs %llu", name,
+             (unsigned long long)ref->bytes, (unsigned long long)(elems * esz));
+    return MOK_ESHAPE;
+  }
+  if (ref->offset % esz != 0) {
+    snprintf(err, errlen, "%s: offset %llu is not aligned to its %u-byte elements", name,
+             (unsigned long long)ref->offset, esz);
+    return MOK_EINVAL;
+  }
+  view->ptr = (char *)r->base + ref->offset;
+  view->bytes = ref->bytes;
+  view->dtype = ref->dtype;
+  view->ndim = ref->ndim;
+  memcpy(view->shape, ref->shape, sizeof view->shape);
+  return MOK_OK;
+}
+
+int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
+                  const mok_layer_config *layer, mok_job_args *ret, char *err, size_t errlen) {
+  memset(ret, 0, sizeof *ret);
+  if (desc->version != MOK_JOB_VERSION) {
+    snprintf(err, errlen, "job descriptor version %u, this daemon speaks %u", desc->version,
+             MOK_JOB_VERSION);
+    return MOK_EVERSION;
+  }
+  if (desc->op >= MOK_OP_COUNT_) {
+    snprintf(err, errlen, "unknown op %u", desc->op);
+    return MOK_EINVAL;
+  }
+  if (desc->flags & ~MOK_JOB_FLAGS_ALL) {
+    snprintf(err, errlen, "unknown job flags 0x%x", desc->flags);
+    return MOK_EINVAL;
+  }
+  if (desc->flags && desc->op != MOK_OP_BACKWARD) {
+    snprintf(err, errlen, "flags 0x%x are only valid on backward", desc->flags);
+    return MOK_EINVAL;
+  }
+  if (desc->n_tensors > MOK_MAX_TENSORS) {
+    snprintf(err, errlen, "%u tensors, at most %u", desc->n_tensors, MOK_MAX_TENSORS);
+    return MOK_EINVAL;
+  }
+  ret->op = desc->op;
+  ret->flags = desc->flags;
+  ret->tokens = desc->tokens;
+  ret->fence_wait = desc->fence_wait;
+  ret->fence_signal = desc->fence_signal;
+  if (desc->op == MOK_OP_NOP) {
+    if (desc->n_tensors != 0) {
+      snprintf(err, errlen, "nop takes no tensors");
+      return MOK_EINVAL;
+    }
+    return MOK_OK;
+  }
+  if (!layer) {
+    snprintf(err, errlen, "layer %u does not exist in this session", desc->layer);
+    return MOK_ENOENT;
+  }
+  ret->layer = layer;
+  if (desc->tokens == 0 || desc->tokens > layer->max_tokens) {
+    snprintf(err, errlen, "tokens = %u, the layer takes 1..%u (max_tokens)", desc->tokens,
+             layer->max_tokens);
+    return MOK_EINVAL;
+  }
+  uint64_t seen = 0;
+  for (uint32_t i = 0; i < desc->n_tensors; i++) {
+    const mok_tensor_ref *ref = &desc->tensors[i];
+    if (ref->slot >= MOK_SLOT_COUNT_) {
+      snprintf(err, errlen, "tensor %u: unknown slot %u", i, ref->slot);
+      return MOK_EINVAL;
+    }
+    if (seen & (1ull << ref->slot)) {
+      snprintf(err, errlen, "%s given twice", mok_slot_name(ref->slot));
+      return MOK_EINVAL;
+    }
+    seen |= 1ull << ref->slot;
+    if (mok_job_slot_need(layer, desc->op, desc->flags, ref->slot) == MOK_NEED_NONE) {
+      snprintf(err, errlen, "%s is not an argument of %s%s", mok_slot_name(ref->slot),
+               mok_op_name(desc->op),
+               mok_slot_is_shared(ref->slot) ? " (the layer has no shared expert)" : "");
+      return MOK_EINVAL;
+    }
+    int r = check_ref(ref, regions, layer, desc->tokens, &ret->t[ref->slot], err, errlen);
+    if (r != MOK_OK) return r;
+  }
+  for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {
+    if (mok_job_slot_need(layer, desc->op, desc->flags, s) == MOK_NEED_REQUIRED &&
+        !(seen & (1ull << s))) {
+      snprintf(err, errlen, "%s needs %s", mok_op_name(desc->op), mok_slot_name(s));
+      return MOK_EINVAL;
+    }
+  }
+  /* an output may not share bytes with any other tensor of the job */
+  for (uint32_t i = 0; i < desc->n_tensors; i++) {
+    const mok_tensor_ref *a = &desc->tensors[i];
+    if (!mok_job_slot_is_output(desc->op, desc->flags, a->slot)) continue;
+    for (uint32_t j = 0; j < desc->n_tensors; j++) {
+      if (j == i || !ranges_overlap(a, &desc->tensors[j])) continue;
+      snprintf(err, errlen, "output %s overlaps %s", mok_slot_name(a->slot),
+               mok_slot_name(desc->tensors[j].slot));
+      return MOK_EINVAL;
+    }
+  }
+  return MOK_OK;
+}

@@ -1,0 +1,19 @@
+/* Layers: validating a client's layer description. */
+#ifndef MOK_LAYER_H
+#define MOK_LAYER_H
+
+#include <stddef.h>
+
+#include "engine.h"
+
+#define MOK_LAYER_MAX_DIM 65536u     /* H, I, I_s */
+#define MOK_LAYER_MAX_EXPERTS 4096u
+#define MOK_LAYER_MAX_TOPK 64u
+#define MOK_LAYER_MAX_TOKENS (1u << 20)
+
+/* Check the client-provided fields of cfg (everything but row_align, which
+ * the engine fills) and set local_experts/first_expert for a layer without
+ * a group. Returns a mok_status and fills err with what to change. */
+int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen);
+
+#endif

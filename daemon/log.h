@@ -1,0 +1,23 @@
+/* Leveled logging to stderr (the journal picks it up under systemd).
+ * Library-style code returns statuses; only the daemon's edges log. */
+#ifndef MOK_LOG_H
+#define MOK_LOG_H
+
+typedef enum mok_log_level {
+  MOK_LOG_ERROR = 0,
+  MOK_LOG_WARN = 1,
+  MOK_LOG_INFO = 2,
+  MOK_LOG_DEBUG = 3,
+} mok_log_level;
+
+void mok_log_set_level(mok_log_level level);
+/* Parse "error", "warn", "info" or "debug"; returns -1 if unknown. */
+int mok_log_parse_level(const char *s);
+void mok_log(mok_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#define log_error(...) mok_log(MOK_LOG_ERROR, __VA_ARGS__)
+#define log_warn(...) mok_log(MOK_LOG_WARN, __VA_ARGS__)
+#define log_info(...) mok_log(MOK_LOG_INFO, __VA_ARGS__)
+#define log_debug(...) mok_log(MOK_LOG_DEBUG, __VA_ARGS__)
+
+#endif

@@ -1,0 +1,70 @@
+/* mokd: serves Mixture-of-Experts layers to training processes.
+ *
+ *   mokd --socket PATH --engine cpu|cuda [--device N] [--config FILE]
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+
+static void usage(FILE *to) {
+  fprintf(to,
+          "usage: mokd [--socket PATH] [--engine cpu|cuda] [--device N] [--config FILE]\n"
+          "            [--threads N] [--log-level error|warn|info|debug] [--version]\n"
+          "  --socket PATH   control socket (default /run/mok/mokd-0.sock)\n"
+          "  --engine NAME   cpu (reference, runs everywhere) or cuda (sm_90a)\n"
+          "  --device N      GPU ordinal for the cuda engine\n"
+          "  --config FILE   key = value settings; command-line options win\n"
+          "  --threads N     cpu engine worker threads (0: one per core)\n");
+}
+
+int main(int argc, char **argv) {
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  static const struct option opts[] = {
+      {"socket", required_argument, 0, 's'}, {"engine", required_argument, 0, 'e'},
+      {"device", required_argument, 0, 'd'}, {"config", required_argument, 0, 'c'},
+      {"threads", required_argument, 0, 't'}, {"log-level", required_argument, 0, 'l'},
+      {"help", no_argument, 0, 'h'},         {"version", no_argument, 0, 'V'},
+      {0, 0, 0, 0}};
+  const char *config_path = NULL;
+  char err[256];
+  /* the config file first, so that command-line options override it */
+  for (int i = 1; i < argc - 1; i++)
+    if (strcmp(argv[i], "--config") == 0) config_path = argv[i + 1];
+  for (int i = 1; i < argc; i++)
+    if (strncmp(argv[i], "--config=", 9) == 0) config_path = argv[i] + 9;
+  if (config_path && mok_config_load(&cfg, config_path, err, sizeof err) < 0) {
+    fprintf(stderr, "mokd: %s\n", err);
+    return 2;
+  }
+  int c;
+  while ((c = getopt_long(argc, argv, "hV", opts, NULL)) != -1) {
+    const char *key = NULL;
+    switch (c) {
+    case 's': key = "socket"; break;
+    case 'e': key = "engine"; break;
+    case 'd': key = "device"; break;
+    case 't': key = "threads"; break;
+    case 'l': key = "log-level"; break;
+    case 'c': continue;
+    case 'h': usage(stdout); return 0;
+    case 'V': printf("mokd %s\n", MOK_VERSION); return 0;
+    default: usage(stderr); return 2;
+    }
+    if (mok_config_set(&cfg, key, optarg, err, sizeof err) < 0) {
+      fprintf(stderr, "mokd: %s\n", err);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "mokd: unexpected argument \"%s\"\n", argv[optind]);
+    usage(stderr);
+    return 2;
+  }
+  return mok_server_run(&cfg);
+}

@@ -1,0 +1,703 @@
+#include "server.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+#include <uv.h>
+
+#include "frame.h"
+#include "layer.h"
+#include "log.h"
+#include "mok.pb-c.h"
+#include "mok_status.h"
+#include "region.h"
+
+/* Loop-side half of a session: the socket, identity, protocol state. The
+ * engine-side half (rings, regions, layers) lives on the engine thread. */
+typedef struct session {
+  struct server *srv;
+  uint64_t id;
+  int fd;
+  uv_poll_t poll;
+  uv_timer_t hello_timer;
+  struct ucred cred;
+  char name[64];
+  bool hello_done;
+  bool attached;
+  bool closing;
+  int open_handles;  /* poll and timer; freed when both closed and no cmd pending */
+  uint32_t pending;  /* engine commands not yet back */
+  struct session *next;
+} session;
+
+typedef struct server {
+  mok_server_config cfg;
+  uv_loop_t *loop;
+  int listen_fd;
+  bool own_socket_path; /* we created it, so we unlink it */
+  uv_poll_t listen_poll;
+  uv_signal_t sigterm, sigint;
+  uv_async_t engine_done;
+  mok_engine_thread *engine;
+  session *sessions;
+  uint32_t n_sessions;
+  uint64_t next_session_id;
+  uint64_t sessions_total;
+  uint64_t epoch;
+  uint64_t start_ms;
+  bool stopping;
+  uint8_t *rxbuf; /* one receive buffer: the loop is single-threaded */
+} server;
+
+#define RXBUF_BYTES (MOK_FRAME_MAX + 1) /* one more, so an oversized frame shows */
+
+void mok_server_config_defaults(mok_server_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->socket_path = "/run/mok/mokd-0.sock";
+  cfg->listen_fd = -1;
+  cfg->socket_mode = 0660;
+  cfg->engine = "cpu";
+  cfg->max_sessions = 256;
+  cfg->hello_timeout_ms = 5000;
+  cfg->max_pending_requests = 64;
+  cfg->drain_ms = 10000;
+  cfg->limits.max_regions = 4096;
+  cfg->limits.max_region_bytes = 64ull << 30;
+  cfg->limits.max_layers = 256;
+}
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- replies ------------------------------------------------------------ */
+
+static void session_close(session *s, const char *why);
+
+/* Send a reply (with fds, which the kernel duplicates into the client).
+ * A client that does not read its replies is closed, not waited for. */
+static void send_reply(session *s, uint32_t request_id, Mok__Reply *reply, const int *fds,
+                       size_t nfds) {
+  if (s->closing) return;
+  size_t len = mok__reply__get_packed_size(reply);
+  uint8_t stackbuf[4096];
+  uint8_t *buf = len <= sizeof stackbuf ? stackbuf : malloc(len);
+  if (!buf) {
+    session_close(s, "out of memory packing a reply");
+    return;
+  }
+  mok__reply__pack(reply, buf);
+  int r = mok_frame_send(s->fd, request_id, buf, len, fds, nfds);
+  if (buf != stackbuf) free(buf);
+  if (r < 0) session_close(s, r == -EAGAIN ? "client is not reading its replies" : strerror(-r));
+}
+
+static void reply_status(session *s, uint32_t request_id, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void reply_status(session *s, uint32_t request_id, int status, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  Mok__Reply reply = MOK__REPLY__INIT;
+  reply.status = status;
+  reply.message = msg;
+  send_reply(s, request_id, &reply, NULL, 0);
+}
+
+/* Protocol errors: one error reply where possible, then close this session only. */
+static void protocol_error(session *s, uint32_t request_id, int status, const char *why) {
+  log_info("session %llu (%s, pid %d): %s; closing it", (unsigned long long)s->id,
+           s->name[0] ? s->name : "no hello", (int)s->cred.pid, why);
+  reply_status(s, request_id, status, "%s", why);
+  session_close(s, NULL);
+}
+
+/* ---- session lifetime ------------------------------------------------------- */
+
+static void session_maybe_free(session *s) {
+  if (s->open_handles > 0 || s->pending > 0) return;
+  server *srv = s->srv;
+  for (session **p = &srv->sessions; *p; p = &(*p)->next) {
+    if (*p != s) continue;
+    *p = s->next;
+    break;
+  }
+  srv->n_sessions--;
+  free(s);
+}
+
+static void on_handle_closed(uv_handle_t *h) {
+  session *s = h->data;
+  s->open_handles--;
+  if (s->open_handles == 0 && s->fd >= 0) {
+    close(s->fd);
+    s->fd = -1;
+  }
+  session_maybe_free(s);
+}
+
+static mok_cmd *new_cmd(session *s, mok_cmd_kind kind, uint32_t request_id) {
+  mok_cmd *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  c->kind = kind;
+  c->session_id = s->id;
+  c->request_id = request_id;
+  return c;
+}
+
+static void submit_cmd(session *s, mok_cmd *c) {
+  s->pending++;
+  mok_engine_thread_submit(s->srv->engine, c);
+}
+
+static void session_close(session *s, const char *why) {
+  if (s->closing) return;
+  s->closing = true;
+  if (why) log_info("session %llu (%s): %s", (unsigned long long)s->id, s->name, why);
+  if (s->attached) {
+    mok_cmd *c = new_cmd(s, MOK_CMD_DETACH, 0);
+    if (c) submit_cmd(s, c); /* its mappings go once the engine is done with them */
+    else log_error("out of memory detaching session %llu", (unsigned long long)s->id);
+  }
+  uv_close((uv_handle_t *)&s->poll, on_handle_closed);
+  uv_close((uv_handle_t *)&s->hello_timer, on_handle_closed);
+}
+
+static session *find_session(server *srv, uint64_t id) {
+  for (session *s = srv->sessions; s; s = s->next)
+    if (s->id == id) return s;
+  return NULL;
+}
+
+/* ---- requests -------------------------------------------------------------- */
+
+static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m, mok_frame *f) {
+  if (s->hello_done) {
+    protocol_error(s, rid, MOK_EPROTO, "Hello sent twice");
+    return;
+  }
+  if (m->protocol_version != MOK_PROTOCOL_VERSION) {
+    char why[128];
+    snprintf(why, sizeof why, "client speaks protocol %u, this mokd speaks %u",
+             m->protocol_version, MOK_PROTOCOL_VERSION);
+    protocol_error(s, rid, MOK_EVERSION, why);
+    return;
+  }
+  snprintf(s->name, sizeof s->name, "%s", m->client_name ? m->client_name : "");
+  mok_cmd *c = new_cmd(s, MOK_CMD_ATTACH, rid);
+  if (!c) {
+    protocol_error(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  int r = mok_session_shm_create(&c->in.attach.shm);
+  if (r < 0) {
+    free(c);
+    char why[128];
+    snprintf(why, sizeof why, "cannot create the session's shared memory: %s", strerror(-r));
+    protocol_error(s, rid, MOK_ENOMEM, why);
+    return;
+  }
+  c->in.attach.limits = s->srv->cfg.limits;
+  /* send the fds first: once attached they belong to the engine thread */
+  Mok__HelloReply hr = MOK__HELLO_REPLY__INIT;
+  char *caps[] = {"host-memfd", "single-steps", "recompute", "bf16", "f32"};
+  hr.session_id = s->id;
+  hr.daemon_version = MOK_VERSION;
+  hr.device = (char *)mok_engine_thread_describe(s->srv->engine);
+  hr.engine = (char *)mok_engine_thread_engine_name(s->srv->engine);
+  hr.n_capabilities = sizeof caps / sizeof caps[0];
+  hr.capabilities = caps;
+  hr.ring_entries = MOK_RING_ENTRIES;
+  hr.shm_bytes = MOK_SHM_BYTES;
+  hr.daemon_epoch = s->srv->epoch;
+  Mok__Reply reply = MOK__REPLY__INIT;
+  reply.body_case = MOK__REPLY__BODY_HELLO;
+  reply.hello = &hr;
+  int fds[3] = {c->in.attach.shm.memfd, c->in.attach.shm.doorbell_in,
+                c->in.attach.shm.doorbell_out};
+  send_reply(s, rid, &reply, fds, 3);
+  if (s->closing) {
+    mok_session_shm_destroy(&c->in.attach.shm);
+    free(c);
+    return;
+  }
+  s->hello_done = true;
+  s->attached = true;
+  uv_timer_stop(&s->hello_timer);
+  submit_cmd(s, c); /* the HelloReply went already: a failed attach closes the session */
+  (void)f;
+  log_info("session %llu: hello from \"%s\" (uid %d, pid %d)", (unsigned long long)s->id, s->name,
+           (int)s->cred.uid, (int)s->cred.pid);
+}
+
+static void handle_register(session *s, uint32_t rid, const Mok__RegisterBuffer *m, mok_frame *f) {
+  size_t want_fds = 0;
+  int kind = 0;
+  switch (m->kind) {
+  case MOK__BUFFER_KIND__BUFFER_HOST_MEMFD: want_fds = 1, kind = MOK_REGION_HOST_MEMFD; break;
+  case MOK__BUFFER_KIND__BUFFER_CUDA_VMM_FD: want_fds = 1, kind = MOK_REGION_CUDA_VMM; break;
+  case MOK__BUFFER_KIND__BUFFER_CUDA_IPC: want_fds = 0, kind = MOK_REGION_CUDA_IPC; break;
+  default:
+    mok_frame_close_fds(f);
+    reply_status(s, rid, MOK_EINVAL, "unknown buffer kind %d", (int)m->kind);
+    return;
+  }
+  if (f->nfds != want_fds) {
+    mok_frame_close_fds(f);
+    reply_status(s, rid, MOK_EINVAL, "this buffer kind takes %zu fd(s), %zu came", want_fds,
+                 f->nfds);
+    return;
+  }
+  if (kind == MOK_REGION_CUDA_IPC && m->cuda_ipc_handle.len != 64) {
+    reply_status(s, rid, MOK_EINVAL, "a CUDA IPC handle is 64 bytes, got %zu",
+                 m->cuda_ipc_handle.len);
+    return;
+  }
+  mok_cmd *c = new_cmd(s, MOK_CMD_REGISTER, rid);
+  if (!c) {
+    mok_frame_close_fds(f);
+    reply_status(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  c->in.reg.kind = kind;
+  c->in.reg.fd = want_fds ? f->fds[0] : -1;
+  f->nfds = 0; /* the engine owns the fd now */
+  c->in.reg.offset = m->offset;
+  c->in.reg.bytes = m->bytes;
+  if (kind == MOK_REGION_CUDA_IPC) memcpy(c->in.reg.ipc_handle, m->cuda_ipc_handle.data, 64);
+  submit_cmd(s, c);
+}
+
+static void handle_create_layer(session *s, uint32_t rid, const Mok__CreateLayer *m) {
+  if (!m->config) {
+    reply_status(s, rid, MOK_EINVAL, "CreateLayer without a config");
+    return;
+  }
+  const Mok__LayerConfig *lc = m->config;
+  if (lc->group_id != 0) {
+    reply_status(s, rid, MOK_EUNSUPPORTED, "expert-parallel groups are not implemented yet");
+    return;
+  }
+  mok_layer_config cfg = {
+      .hidden = lc->hidden,
+      .intermediate = lc->intermediate,
+      .experts = lc->experts,
+      .topk = lc->topk,
+      .shared_intermediate = lc->shared_intermediate,
+      .max_tokens = lc->max_tokens,
+      .dtype = lc->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
+               : lc->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
+                                                     : MOK_DTYPE_INVALID,
+      .has_limit = lc->has_swiglu_limit,
+      .swiglu_limit = lc->swiglu_limit,
+  };
+  char err[256];
+  int r = mok_layer_validate(&cfg, err, sizeof err);
+  if (r != MOK_OK) {
+    reply_status(s, rid, r, "%s", err);
+    return;
+  }
+  mok_cmd *c = new_cmd(s, MOK_CMD_CREATE_LAYER, rid);
+  if (!c) {
+    reply_status(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  c->in.layer = cfg;
+  submit_cmd(s, c);
+}
+
+static void handle_simple_cmd(session *s, uint32_t rid, mok_cmd_kind kind, uint32_t id) {
+  mok_cmd *c = new_cmd(s, kind, rid);
+  if (!c) {
+    reply_status(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  c->in.id = id;
+  submit_cmd(s, c);
+}
+
+static void handle_request(session *s, mok_frame *f) {
+  uint32_t rid = f->hdr.request_id;
+  Mok__Request *req = mok__request__unpack(NULL, f->len, f->payload);
+  if (!req) {
+    mok_frame_close_fds(f);
+    protocol_error(s, rid, MOK_EPROTO, "malformed request: protobuf decoding failed");
+    return;
+  }
+  bool takes_fds = req->body_case == MOK__REQUEST__BODY_REGISTER_BUFFER;
+  if (f->nfds && !takes_fds) {
+    mok_frame_close_fds(f);
+    protocol_error(s, rid, MOK_EPROTO, "file descriptors sent with a message that takes none");
+  } else if (!s->hello_done && req->body_case != MOK__REQUEST__BODY_HELLO) {
+    mok_frame_close_fds(f);
+    protocol_error(s, rid, MOK_EPROTO, "the first message must be Hello");
+  } else if (s->pending >= s->srv->cfg.max_pending_requests &&
+             req->body_case != MOK__REQUEST__BODY_GOODBYE) {
+    mok_frame_close_fds(f);
+    reply_status(s, rid, MOK_ELIMIT, "more than %u requests awaiting replies",
+                 s->srv->cfg.max_pending_requests);
+  } else {
+    switch (req->body_case) {
+    case MOK__REQUEST__BODY_HELLO: handle_hello(s, rid, req->hello, f); break;
+    case MOK__REQUEST__BODY_REGISTER_BUFFER: handle_register(s, rid, req->register_buffer, f); break;
+    case MOK__REQUEST__BODY_UNREGISTER_BUFFER:
+      handle_simple_cmd(s, rid, MOK_CMD_UNREGISTER, req->unregister_buffer->region_id);
+      break;
+    case MOK__REQUEST__BODY_CREATE_LAYER: handle_create_layer(s, rid, req->create_layer); break;
+    case MOK__REQUEST__BODY_DESTROY_LAYER:
+      handle_simple_cmd(s, rid, MOK_CMD_DESTROY_LAYER, req->destroy_layer->layer_id);
+      break;
+    case MOK__REQUEST__BODY_JOIN_GROUP:
+      reply_status(s, rid, MOK_EUNSUPPORTED,
+                   "expert-parallel groups are not implemented in this mokd yet");
+      break;
+    case MOK__REQUEST__BODY_STATS: handle_simple_cmd(s, rid, MOK_CMD_STATS, 0); break;
+    case MOK__REQUEST__BODY_GOODBYE:
+      reply_status(s, rid, MOK_OK, "goodbye");
+      session_close(s, "said goodbye");
+      break;
+    default:
+      protocol_error(s, rid, MOK_EPROTO, "unknown message");
+    }
+  }
+  mok__request__free_unpacked(req, NULL);
+}
+
+static void on_session_readable(uv_poll_t *h, int status, int events) {
+  session *s = h->data;
+  if (s->closing) return;
+  if (status < 0) {
+    session_close(s, uv_strerror(status));
+    return;
+  }
+  size_t limit = s->hello_done ? MOK_FRAME_MAX : MOK_FRAME_MAX_PRE_HELLO;
+  /* a bounded batch per wake-up, so one chatty client cannot starve the loop */
+  for (int i = 0; i < 16 && !s->closing; i++) {
+    mok_frame f;
+    int r = mok_frame_recv(s->fd, s->srv->rxbuf, RXBUF_BYTES, limit, MSG_DONTWAIT, &f);
+    if (r == -EAGAIN || r == -EWOULDBLOCK) return;
+    if (r == 1) {
+      session_close(s, "client disconnected");
+      return;
+    }
+    if (r < 0) {
+      char why[160];
+      int st = MOK_EPROTO;
+      if (r == -EMSGSIZE)
+        snprintf(why, sizeof why, "frame larger than %zu bytes refused", limit);
+      else if (r == -EPROTONOSUPPORT)
+        st = MOK_EVERSION, snprintf(why, sizeof why, "frame of another protocol version");
+      else if (r == -EBADMSG)
+        snprintf(why, sizeof why, "more than %u file descriptors in one frame",
+                 MOK_FRAME_MAX_FDS);
+      else if (r == -EPROTO)
+        snprintf(why, sizeof why, "malformed frame header or truncated control data");
+      else
+        snprintf(why, sizeof why, "receive failed: %s", strerror(-r));
+      protocol_error(s, 0, st, why);
+      return;
+    }
+    handle_request(s, &f);
+  }
+}
+
+static void on_hello_timeout(uv_timer_t *t) {
+  session *s = t->data;
+  protocol_error(s, 0, MOK_ETIMEOUT, "no Hello within the handshake timeout");
+}
+
+static void on_listen_readable(uv_poll_t *h, int status, int events) {
+  server *srv = h->data;
+  if (status < 0 || srv->stopping) return;
+  for (;;) {
+    int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        log_warn("accept: %s", strerror(errno));
+      return;
+    }
+    if (srv->n_sessions >= srv->cfg.max_sessions) {
+      log_warn("refusing a connection: %u sessions already (max_sessions)", srv->n_sessions);
+      close(fd);
+      continue;
+    }
+    session *s = calloc(1, sizeof *s);
+    if (!s) {
+      close(fd);
+      continue;
+    }
+    s->srv = srv;
+    s->fd = fd;
+    s->id = ++srv->next_session_id;
+    socklen_t len = sizeof s->cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &s->cred, &len) < 0) memset(&s->cred, 0, sizeof s->cred);
+    uv_poll_init(srv->loop, &s->poll, fd);
+    uv_timer_init(srv->loop, &s->hello_timer);
+    s->poll.data = s;
+    s->hello_timer.data = s;
+    s->open_handles = 2;
+    s->next = srv->sessions;
+    srv->sessions = s;
+    srv->n_sessions++;
+    srv->sessions_total++;
+    uv_poll_start(&s->poll, UV_READABLE | UV_DISCONNECT, on_session_readable);
+    uv_timer_start(&s->hello_timer, on_hello_timeout, srv->cfg.hello_timeout_ms, 0);
+  }
+}
+
+/* ---- engine results ----------------------------------------------------------- */
+
+static void reply_stats(session *s, mok_cmd *c) {
+  server *srv = s->srv;
+  mok_engine_stats *st = &c->out.stats;
+  Mok__StatsReply sr = MOK__STATS_REPLY__INIT;
+  sr.daemon_version = MOK_VERSION;
+  sr.device = (char *)mok_engine_thread_describe(srv->engine);
+  sr.engine = (char *)mok_engine_thread_engine_name(srv->engine);
+  sr.uptime_ms = now_ms() - srv->start_ms;
+  sr.jobs_done = st->jobs_done;
+  sr.jobs_failed = st->jobs_failed;
+  sr.sessions_total = srv->sessions_total;
+  sr.job_latency_p50_ns = st->latency_p50_ns;
+  sr.job_latency_p99_ns = st->latency_p99_ns;
+  Mok__SessionInfo *infos = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *infos);
+  Mok__SessionInfo **ptrs = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *ptrs);
+  if (!infos || !ptrs) {
+    free(infos);
+    free(ptrs);
+    reply_status(s, c->request_id, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < st->n_sessions; i++) {
+    const mok_session_stats *ss = &st->sessions[i];
+    session *peer = find_session(srv, ss->session_id);
+    mok__session_info__init(&infos[i]);
+    infos[i].session_id = ss->session_id;
+    infos[i].client_name = peer ? peer->name : "";
+    infos[i].uid = peer ? (uint32_t)peer->cred.uid : 0;
+    infos[i].pid = peer ? (uint32_t)peer->cred.pid : 0;
+    infos[i].regions = ss->regions;
+    infos[i].region_bytes = ss->region_bytes;
+    infos[i].layers = ss->layers;
+    infos[i].jobs_done = ss->jobs_done;
+    infos[i].jobs_failed = ss->jobs_failed;
+    ptrs[i] = &infos[i];
+  }
+  sr.n_sessions = st->n_sessions;
+  sr.sessions = ptrs;
+  Mok__Reply reply = MOK__REPLY__INIT;
+  reply.body_case = MOK__REPLY__BODY_STATS;
+  reply.stats = &sr;
+  send_reply(s, c->request_id, &reply, NULL, 0);
+  free(infos);
+  free(ptrs);
+}
+
+static void reply_from_engine(session *s, mok_cmd *c) {
+  Mok__Reply reply = MOK__REPLY__INIT;
+  reply.status = c->status;
+  reply.message = c->message;
+  if (c->status != MOK_OK) {
+    send_reply(s, c->request_id, &reply, NULL, 0);
+    return;
+  }
+  Mok__RegisterBufferReply rb = MOK__REGISTER_BUFFER_REPLY__INIT;
+  Mok__CreateLayerReply cl = MOK__CREATE_LAYER_REPLY__INIT;
+  switch (c->kind) {
+  case MOK_CMD_REGISTER:
+    rb.region_id = c->out.region_id;
+    reply.body_case = MOK__REPLY__BODY_REGISTER_BUFFER;
+    reply.register_buffer = &rb;
+    break;
+  case MOK_CMD_CREATE_LAYER:
+    cl.layer_id = c->layer_id;
+    cl.row_align = c->out.layer.row_align;
+    cl.local_experts = c->out.layer.local_experts;
+    cl.first_expert = c->out.layer.first_expert;
+    reply.body_case = MOK__REPLY__BODY_CREATE_LAYER;
+    reply.create_layer = &cl;
+    break;
+  case MOK_CMD_STATS:
+    reply_stats(s, c);
+    return;
+  default:
+    break;
+  }
+  send_reply(s, c->request_id, &reply, NULL, 0);
+}
+
+static void on_engine_done(uv_async_t *h) {
+  server *srv = h->data;
+  mok_cmd *c = mok_engine_thread_take_done(srv->engine);
+  while (c) {
+    mok_cmd *next = c->next;
+    session *s = find_session(srv, c->session_id);
+    if (c->kind == MOK_CMD_SESSION_FAULT) {
+      if (s) protocol_error(s, 0, MOK_EPROTO, c->message);
+    } else if (s) {
+      s->pending--;
+      if (c->kind == MOK_CMD_ATTACH) {
+        if (c->status != MOK_OK) {
+          s->attached = false;
+          session_close(s, c->message);
+        }
+      } else if (c->kind != MOK_CMD_DETACH && !s->closing) {
+        reply_from_engine(s, c);
+      }
+      session_maybe_free(s);
+    }
+    if (c->kind == MOK_CMD_STATS) free(c->out.stats.sessions);
+    free(c);
+    c = next;
+  }
+}
+
+static void wake_loop(void *arg) {
+  server *srv = arg;
+  uv_async_send(&srv->engine_done);
+}
+
+/* ---- start and stop ----------------------------------------------------------- */
+
+static int make_listen_socket(server *srv) {
+  const char *path = srv->cfg.socket_path;
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof addr.sun_path) {
+    log_error("socket path too long (%zu bytes, at most %zu): %s", strlen(path),
+              sizeof addr.sun_path - 1, path);
+    return -1;
+  }
+  strcpy(addr.sun_path, path);
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    log_error("socket: %s", strerror(errno));
+    return -1;
+  }
+  struct stat st;
+  if (lstat(path, &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      log_error("%s exists and is not a socket; refusing to replace it", path);
+      close(fd);
+      return -1;
+    }
+    /* a stale socket is replaced; a live daemon's is not */
+    int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof addr) == 0) {
+      close(probe);
+      close(fd);
+      log_error("another mokd is serving %s", path);
+      return -1;
+    }
+    if (probe >= 0) close(probe);
+    unlink(path);
+  }
+  mode_t old = umask(0777 & ~srv->cfg.socket_mode);
+  int r = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  umask(old);
+  if (r < 0 || listen(fd, 128) < 0) {
+    log_error("cannot listen on %s: %s", path, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  srv->own_socket_path = true;
+  return fd;
+}
+
+static void close_walk_cb(uv_handle_t *h, void *arg) {
+  if (!uv_is_closing(h)) uv_close(h, h->data == arg ? NULL : NULL);
+}
+
+static void begin_shutdown(server *srv, const char *why) {
+  if (srv->stopping) return;
+  srv->stopping = true;
+  log_info("%s: shutting down (draining queued jobs for at most %u ms)", why, srv->cfg.drain_ms);
+  sd_notify(0, "STOPPING=1\nSTATUS=draining jobs");
+  uv_poll_stop(&srv->listen_poll);
+  if (srv->own_socket_path) unlink(srv->cfg.socket_path);
+  /* the engine drains what clients already queued, then stops */
+  mok_engine_thread_stop(srv->engine, srv->cfg.drain_ms);
+  srv->engine = NULL;
+  for (session *s = srv->sessions; s; s = s->next) {
+    s->attached = false; /* the engine released everything already */
+    s->pending = 0;
+    session_close(s, NULL);
+  }
+  uv_close((uv_handle_t *)&srv->listen_poll, NULL);
+  uv_close((uv_handle_t *)&srv->sigterm, NULL);
+  uv_close((uv_handle_t *)&srv->sigint, NULL);
+  uv_close((uv_handle_t *)&srv->engine_done, NULL);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  begin_shutdown(h->data, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+int mok_server_run(const mok_server_config *cfg) {
+  server srv = {.cfg = *cfg, .listen_fd = -1};
+  char err[256];
+  int exit_code = 1;
+  signal(SIGPIPE, SIG_IGN);
+  srv.loop = uv_default_loop();
+  srv.start_ms = now_ms();
+  srv.epoch = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
+  srv.rxbuf = malloc(RXBUF_BYTES);
+  if (!srv.rxbuf) return 1;
+  const mok_engine_ops *ops = mok_engine_find(cfg->engine);
+  if (!ops) {
+    log_error("engine \"%s\" is not available in this build (have: cpu%s)", cfg->engine,
+              mok_engine_find("cuda") ? ", cuda" : "");
+    goto out;
+  }
+  uv_async_init(srv.loop, &srv.engine_done, on_engine_done);
+  srv.engine_done.data = &srv;
+  if (mok_engine_thread_start(ops, &cfg->engine_cfg, wake_loop, &srv, &srv.engine, err,
+                              sizeof err) != MOK_OK) {
+    log_error("cannot start the %s engine: %s", cfg->engine, err);
+    uv_close((uv_handle_t *)&srv.engine_done, NULL);
+    uv_run(srv.loop, UV_RUN_DEFAULT);
+    goto out;
+  }
+  srv.listen_fd = cfg->listen_fd >= 0 ? cfg->listen_fd : make_listen_socket(&srv);
+  if (srv.listen_fd < 0) {
+    mok_engine_thread_stop(srv.engine, 0);
+    uv_close((uv_handle_t *)&srv.engine_done, NULL);
+    uv_run(srv.loop, UV_RUN_DEFAULT);
+    goto out;
+  }
+  uv_poll_init(srv.loop, &srv.listen_poll, srv.listen_fd);
+  srv.listen_poll.data = &srv;
+  uv_poll_start(&srv.listen_poll, UV_READABLE, on_listen_readable);
+  uv_signal_init(srv.loop, &srv.sigterm);
+  uv_signal_init(srv.loop, &srv.sigint);
+  srv.sigterm.data = srv.sigint.data = &srv;
+  uv_signal_start(&srv.sigterm, on_signal, SIGTERM);
+  uv_signal_start(&srv.sigint, on_signal, SIGINT);
+  log_info("mokd %s serving %s with the %s engine (%s)", MOK_VERSION, cfg->socket_path,
+           ops->name, mok_engine_thread_describe(srv.engine));
+  sd_notifyf(0, "READY=1\nSTATUS=serving %s (%s engine)", cfg->socket_path, ops->name);
+  uv_run(srv.loop, UV_RUN_DEFAULT);
+  exit_code = 0;
+out:
+  if (srv.listen_fd >= 0) close(srv.listen_fd);
+  uv_walk(srv.loop, close_walk_cb, NULL);
+  uv_run(srv.loop, UV_RUN_DEFAULT);
+  uv_loop_close(srv.loop);
+  free(srv.rxbuf);
+  log_info("mokd stopped");
+  return exit_code;
+}

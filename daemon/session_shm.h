@@ -1,0 +1,26 @@
+/* The session's shared-memory region (rings) and its doorbells. */
+#ifndef MOK_SESSION_SHM_H
+#define MOK_SESSION_SHM_H
+
+#include <stddef.h>
+
+#include "mok_wire.h"
+
+typedef struct mok_session_shm {
+  int memfd;         /* sealed: the client can neither shrink nor grow it */
+  mok_shm_header *hdr;
+  size_t bytes;
+  int doorbell_in;   /* eventfd: client -> daemon */
+  int doorbell_out;  /* eventfd: daemon -> client */
+} mok_session_shm;
+
+/* Create the memfd, seal it, map it, lay out the header, make the doorbells.
+ * Returns 0 or -errno; on failure nothing is left open. */
+int mok_session_shm_create(mok_session_shm *ret);
+/* Close and unmap whatever is set; idempotent. */
+void mok_session_shm_destroy(mok_session_shm *s);
+
+mok_job_desc *mok_shm_sq(mok_shm_header *h);
+mok_completion *mok_shm_cq(mok_shm_header *h);
+
+#endif

@@ -1,0 +1,142 @@
+#include "mok_slots.h"
+
+#include <string.h>
+
+const char *mok_op_name(uint32_t op) {
+  switch (op) {
+#define OP_CASE_(name, value, str) case value: return str;
+    MOK_OP_MAP(OP_CASE_)
+#undef OP_CASE_
+  default: return "unknown";
+  }
+}
+
+const char *mok_slot_name(uint32_t slot) {
+  switch (slot) {
+#define SLOT_CASE_(name, value, str) case value: return str;
+    MOK_SLOT_MAP(SLOT_CASE_)
+#undef SLOT_CASE_
+  default: return "unknown";
+  }
+}
+
+/* Slots that exist only with a shared expert. */
+int mok_slot_is_shared(uint32_t s) {
+  return s == MOK_SLOT_S_GATE || s == MOK_SLOT_S_UP || s == MOK_SLOT_S_DOWN ||
+         s == MOK_SLOT_D_S_GATE || s == MOK_SLOT_D_S_UP || s == MOK_SLOT_D_S_DOWN ||
+         s == MOK_SLOT_SHARED_Y || s == MOK_SLOT_SHARED_DX;
+}
+
+#define BIT(s) (1ull << (MOK_SLOT_##s))
+#define WEIGHTS (BIT(W_GATE) | BIT(W_UP) | BIT(W_DOWN))
+#define SHARED_W (BIT(S_GATE) | BIT(S_UP) | BIT(S_DOWN))
+#define D_WEIGHTS (BIT(D_W_GATE) | BIT(D_W_UP) | BIT(D_W_DOWN))
+#define D_SHARED_W (BIT(D_S_GATE) | BIT(D_S_UP) | BIT(D_S_DOWN))
+
+typedef struct op_slots {
+  uint64_t required;        /* always */
+  uint64_t required_shared; /* when the layer has a shared expert */
+  uint64_t optional;
+  uint64_t outputs;
+} op_slots;
+
+static const op_slots op_table[MOK_OP_COUNT_] = {
+  [MOK_OP_NOP] = {0, 0, 0, 0},
+  [MOK_OP_FORWARD] = {BIT(X) | BIT(TOPK_IDS) | BIT(ROUTER_W) | WEIGHTS | BIT(OUT), SHARED_W,
+                      BIT(CTX), BIT(OUT) | BIT(CTX)},
+  [MOK_OP_BACKWARD] = {BIT(CTX) | BIT(D_OUT) | BIT(ROUTER_W) | BIT(X) | WEIGHTS | BIT(D_X) |
+                           BIT(D_RW) | D_WEIGHTS,
+                       SHARED_W | D_SHARED_W, BIT(TOPK_IDS),
+                       BIT(D_X) | BIT(D_RW) | D_WEIGHTS | D_SHARED_W},
+  [MOK_OP_DISPATCH] = {BIT(X) | BIT(TOPK_IDS) | BIT(SCHEDULE) | BIT(ROUTED_X), 0, 0,
+                       BIT(SCHEDULE) | BIT(ROUTED_X)},
+  [MOK_OP_COMPUTE] = {BIT(SCHEDULE) | BIT(ROUTED_X) | WEIGHTS | BIT(ROUTED_Y),
+                      BIT(X) | SHARED_W | BIT(SHARED_Y), BIT(ACTS),
+                      BIT(ROUTED_Y) | BIT(SHARED_Y) | BIT(ACTS)},
+  [MOK_OP_COMBINE] = {BIT(SCHEDULE) | BIT(ROUTED_Y) | BIT(ROUTER_W) | BIT(OUT), BIT(SHARED_Y), 0,
+                      BIT(OUT)},
+  [MOK_OP_COMBINE_BWD] = {BIT(SCHEDULE) | BIT(D_OUT) | BIT(ROUTED_DOUT), 0, 0,
+                          BIT(ROUTED_DOUT)},
+  [MOK_OP_COMPUTE_BWD] = {BIT(SCHEDULE) | BIT(ACTS) | BIT(ROUTED_X) | BIT(ROUTED_DOUT) |
+                              BIT(ROUTER_W) | WEIGHTS | BIT(ROUTED_DX) | BIT(D_RW) | D_WEIGHTS,
+                          BIT(X) | BIT(D_OUT) | SHARED_W | BIT(SHARED_DX) | D_SHARED_W, 0,
+                          BIT(ROUTED_DX) | BIT(D_RW) | D_WEIGHTS | BIT(SHARED_DX) | D_SHARED_W},
+  [MOK_OP_DISPATCH_BWD] = {BIT(SCHEDULE) | BIT(ROUTED_DX) | BIT(D_X), BIT(SHARED_DX), 0,
+                           BIT(D_X)},
+};
+
+mok_slot_need mok_job_slot_need(const mok_layer_config *layer, uint32_t op, uint32_t flags,
+                                uint32_t slot) {
+  if (op >= MOK_OP_COUNT_ || slot >= MOK_SLOT_COUNT_) return MOK_NEED_NONE;
+  const op_slots *o = &op_table[op];
+  uint64_t bit = 1ull << slot;
+  int shared = layer && layer->shared_intermediate > 0;
+  if (o->required & bit) return MOK_NEED_REQUIRED;
+  if (o->required_shared & bit) {
+    if (shared) return MOK_NEED_REQUIRED;
+    /* x and d_out also serve as plain inputs elsewhere; only the shared-expert slots vanish */
+    return mok_slot_is_shared(slot) ? MOK_NEED_NONE : MOK_NEED_OPTIONAL;
+  }
+  if (op == MOK_OP_BACKWARD && slot == MOK_SLOT_TOPK_IDS && (flags & MOK_JOB_RECOMPUTE))
+    return MOK_NEED_REQUIRED;
+  if (o->optional & bit) return MOK_NEED_OPTIONAL;
+  return MOK_NEED_NONE;
+}
+
+int mok_job_slot_is_output(uint32_t op, uint32_t flags, uint32_t slot) {
+  if (op >= MOK_OP_COUNT_ || slot >= MOK_SLOT_COUNT_) return 0;
+  /* recompute rebuilds ctx in place: it is written */
+  if (op == MOK_OP_BACKWARD && slot == MOK_SLOT_CTX) return (flags & MOK_JOB_RECOMPUTE) != 0;
+  return (op_table[op].outputs >> slot) & 1u;
+}
+
+void mok_job_slot_shape(const mok_layer_config *l, uint32_t tokens, uint32_t slot,
+                        uint32_t *ret_dtype, uint32_t *ret_ndim, uint64_t s[MOK_MAX_DIMS]) {
+  mok_layout_dims d = mok_layer_dims(l, tokens);
+  uint64_t T = tokens, H = l->hidden, I = l->intermediate, E = l->local_experts, K = l->topk,
+           Is = l->shared_intermediate;
+  uint32_t dt = l->dtype, nd = 2;
+  memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
+  switch (slot) {
+  case MOK_SLOT_X: case MOK_SLOT_OUT: case MOK_SLOT_D_OUT: case MOK_SLOT_D_X:
+  case MOK_SLOT_SHARED_Y: case MOK_SLOT_SHARED_DX:
+    s[0] = T, s[1] = H;
+    break;
+  case MOK_SLOT_TOPK_IDS:
+    dt = MOK_DTYPE_I32, s[0] = T, s[1] = K;
+    break;
+  case MOK_SLOT_ROUTER_W: case MOK_SLOT_D_RW:
+    dt = MOK_DTYPE_F32, s[0] = T, s[1] = K;
+    break;
+  case MOK_SLOT_W_GATE: case MOK_SLOT_W_UP: case MOK_SLOT_D_W_GATE: case MOK_SLOT_D_W_UP:
+    nd = 3, s[0] = E, s[1] = I, s[2] = H;
+    break;
+  case MOK_SLOT_W_DOWN: case MOK_SLOT_D_W_DOWN:
+    nd = 3, s[0] = E, s[1] = H, s[2] = I;
+    break;
+  case MOK_SLOT_S_GATE: case MOK_SLOT_S_UP: case MOK_SLOT_D_S_GATE: case MOK_SLOT_D_S_UP:
+    s[0] = Is, s[1] = H;
+    break;
+  case MOK_SLOT_S_DOWN: case MOK_SLOT_D_S_DOWN:
+    s[0] = H, s[1] = Is;
+    break;
+  case MOK_SLOT_ROUTED_X: case MOK_SLOT_ROUTED_Y: case MOK_SLOT_ROUTED_DOUT:
+  case MOK_SLOT_ROUTED_DX:
+    s[0] = mok_rows_capacity(&d), s[1] = H;
+    break;
+  case MOK_SLOT_SCHEDULE:
+    dt = MOK_DTYPE_I32, nd = 1, s[0] = mok_schedule_ints(&d);
+    break;
+  case MOK_SLOT_ACTS:
+    dt = MOK_DTYPE_U8, nd = 1, s[0] = mok_acts_bytes(&d);
+    break;
+  case MOK_SLOT_CTX:
+    dt = MOK_DTYPE_U8, nd = 1, s[0] = mok_ctx_bytes(&d);
+    break;
+  default:
+    dt = MOK_DTYPE_INVALID, nd = 0;
+  }
+  *ret_dtype = dt;
+  *ret_ndim = nd;
+}
+

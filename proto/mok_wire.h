@@ -1,0 +1,208 @@
+/* mok wire formats shared by mokd and libmok (not part of the public API).
+ *
+ *  - the control-socket frame header (a protobuf message follows it);
+ *  - the per-session shared-memory region: submission and completion rings
+ *    of fixed-size descriptors, head/tail as C11 atomics on their own lines;
+ *  - the job descriptor (operation, layer, tensors by region + offset);
+ *  - the layouts of the schedule and context buffers that jobs exchange.
+ *
+ * Everything here is read by a process that must not trust the other side:
+ * readers copy a descriptor out of shared memory once, then validate the copy.
+ */
+#ifndef MOK_WIRE_H
+#define MOK_WIRE_H
+
+#include <stdalign.h>
+#include <stdbool.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mok_enums.h"
+#include "mok_status.h"
+
+#define MOK_PROTOCOL_VERSION 1u
+
+/* ---- control socket framing ------------------------------------------- */
+
+#define MOK_FRAME_MAGIC 0x464b4f4du /* "MOKF" little-endian */
+#define MOK_FRAME_MAX (1u << 20)    /* whole frame, header included */
+#define MOK_FRAME_MAX_PRE_HELLO 4096u
+#define MOK_FRAME_MAX_FDS 4u
+
+typedef struct mok_frame_header {
+  uint32_t magic;
+  uint16_t version;    /* MOK_PROTOCOL_VERSION */
+  uint16_t flags;      /* reserved, must be 0 */
+  uint32_t request_id; /* echoed in the reply */
+  uint32_t length;     /* protobuf payload bytes after this header */
+} mok_frame_header;
+_Static_assert(sizeof(mok_frame_header) == 16, "frame header is 16 bytes");
+
+/* ---- job and completion descriptors --------------------------------------- */
+
+#define MOK_JOB_VERSION 1u
+#define MOK_MAX_TENSORS 24u
+#define MOK_MAX_DIMS 4u
+
+typedef struct mok_tensor_ref {
+  uint32_t region; /* session-local region id; 0 is never valid */
+  uint16_t slot;   /* mok_slot */
+  uint8_t dtype;   /* mok_dtype */
+  uint8_t ndim;    /* 1..MOK_MAX_DIMS */
+  uint64_t offset; /* bytes from the start of the region */
+  uint64_t bytes;  /* must equal prod(shape) * dtype size */
+  uint32_t shape[MOK_MAX_DIMS];
+} mok_tensor_ref;
+_Static_assert(sizeof(mok_tensor_ref) == 40, "tensor ref is 40 bytes");
+
+typedef struct mok_job_desc {
+  uint32_t version; /* MOK_JOB_VERSION */
+  uint16_t op;      /* mok_op */
+  uint16_t flags;   /* MOK_JOB_* */
+  uint32_t layer;   /* layer id from CreateLayer (0 for NOP) */
+  uint32_t tokens;  /* T of this job */
+  uint32_t n_tensors;
+  uint32_t reserved0;
+  uint64_t user_data;    /* echoed in the completion */
+  uint64_t fence_wait;   /* GPU engine: wait for this value first (0: none) */
+  uint64_t fence_signal; /* GPU engine: write this value when done (0: none) */
+  uint64_t reserved[2];
+  mok_tensor_ref tensors[MOK_MAX_TENSORS];
+} mok_job_desc;
+_Static_assert(sizeof(mok_job_desc) == 1024, "job descriptor is 1 KiB");
+
+#define MOK_COMPLETION_MSG 96u
+typedef struct mok_completion {
+  uint64_t user_data; /* from the job */
+  uint64_t seq;       /* the session's job sequence number, from 1 */
+  int32_t status;     /* mok_status */
+  uint32_t reserved0;
+  uint64_t engine_ns; /* time the engine spent on the job */
+  char message[MOK_COMPLETION_MSG]; /* NUL-terminated */
+} mok_completion;
+_Static_assert(sizeof(mok_completion) == 128, "completion is 128 bytes");
+
+/* ---- the session's shared-memory region ------------------------------------ */
+
+#define MOK_SHM_MAGIC 0x524b4f4du /* "MOKR" */
+#define MOK_SHM_LAYOUT_VERSION 1u
+#define MOK_RING_ENTRIES 64u /* power of two */
+
+#define MOK_RING_NEED_WAKEUP 0x1u /* consumer sleeps: producer must ring */
+
+/* One line per index, so producer and consumer never share a cache line. */
+typedef struct mok_ring_index {
+  alignas(64) _Atomic uint32_t value;
+  char pad_[60];
+} mok_ring_index;
+
+typedef struct mok_shm_header {
+  uint32_t magic;
+  uint32_t layout_version;
+  uint32_t entries;    /* both rings */
+  uint32_t sq_entry_size;
+  uint32_t cq_entry_size;
+  uint32_t reserved0;
+  uint64_t sq_offset;  /* bytes from region start */
+  uint64_t cq_offset;
+  uint64_t region_bytes;
+  char pad_[16];
+  mok_ring_index sq_head;  /* daemon consumes */
+  mok_ring_index sq_tail;  /* client produces */
+  mok_ring_index sq_flags; /* daemon sets NEED_WAKEUP before sleeping */
+  mok_ring_index cq_head;  /* client consumes */
+  mok_ring_index cq_tail;  /* daemon produces */
+  mok_ring_index cq_flags; /* client sets NEED_WAKEUP before sleeping */
+} mok_shm_header;
+
+#define MOK_SHM_SQ_OFFSET 4096u
+#define MOK_SHM_CQ_OFFSET (MOK_SHM_SQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_job_desc))
+#define MOK_SHM_BYTES (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
+_Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
+
+/* ---- buffer layouts a job exchanges (schedule, acts, ctx) ------------------
+ *
+ * Routed rows are grouped by local expert, ascending; within an expert, in
+ * ascending flat slot order t*K+k; each expert's group starts at a multiple
+ * of row_align (an engine property reported by CreateLayer). Padding rows
+ * have row_slot = -1.
+ *
+ * schedule (int32 array):
+ *   [0] magic  [1] T  [2] K  [3] E_loc  [4] row_align  [5] rows_capacity
+ *   [6] rows_used (padded end of the last group)  [7] first_expert
+ *   counts[E_loc]        rows per local expert
+ *   offsets[E_loc + 1]   first row of each group; offsets[E_loc] = rows_used
+ *   row_slot[rows_capacity]   t*K+k of each row, -1 for padding
+ *   slot_row[T*K]        row of slot t*K+k, -1 when dropped or not local
+ *
+ * acts (layer dtype; each array starts at a 256-byte boundary):
+ *   g_routed[rows_capacity, I], u_routed[rows_capacity, I],
+ *   g_shared[T, I_s], u_shared[T, I_s]   (pre-clamp projections)
+ *
+ * ctx (bytes) = schedule, padded to 256, then acts.
+ */
+#define MOK_SCHED_MAGIC 0x5343484bu /* "KHCS" */
+#define MOK_SCHED_HEADER_INTS 8u
+
+typedef struct mok_layout_dims {
+  uint64_t tokens, topk, local_experts, row_align;
+  uint64_t intermediate, shared_intermediate, elem_size;
+} mok_layout_dims;
+
+static inline uint64_t mok_align256(uint64_t v) { return (v + 255u) & ~(uint64_t)255u; }
+
+static inline uint64_t mok_rows_capacity(const mok_layout_dims *d) {
+  return d->tokens * d->topk + d->local_experts * (d->row_align - 1u);
+}
+static inline uint64_t mok_schedule_ints(const mok_layout_dims *d) {
+  return MOK_SCHED_HEADER_INTS + d->local_experts + (d->local_experts + 1u) +
+         mok_rows_capacity(d) + d->tokens * d->topk;
+}
+static inline uint64_t mok_schedule_bytes(const mok_layout_dims *d) {
+  return 4u * mok_schedule_ints(d);
+}
+/* Offsets inside acts */
+static inline uint64_t mok_acts_routed_bytes(const mok_layout_dims *d) {
+  return mok_align256(mok_rows_capacity(d) * d->intermediate * d->elem_size);
+}
+static inline uint64_t mok_acts_shared_bytes(const mok_layout_dims *d) {
+  return mok_align256(d->tokens * d->shared_intermediate * d->elem_size);
+}
+static inline uint64_t mok_acts_bytes(const mok_layout_dims *d) {
+  return 2u * mok_acts_routed_bytes(d) + 2u * mok_acts_shared_bytes(d);
+}
+static inline uint64_t mok_ctx_bytes(const mok_layout_dims *d) {
+  return mok_align256(mok_schedule_bytes(d)) + mok_acts_bytes(d);
+}
+
+/* A layer, as daemon and client both describe it (validated by daemon/layer.c). */
+typedef struct mok_layer_config {
+  uint32_t hidden;              /* H */
+  uint32_t intermediate;        /* I */
+  uint32_t experts;             /* E, global */
+  uint32_t local_experts;       /* E_loc (== E without a group) */
+  uint32_t first_expert;        /* global id of local expert 0 */
+  uint32_t topk;                /* K */
+  uint32_t shared_intermediate; /* I_s; 0: no shared expert */
+  uint32_t max_tokens;          /* largest T a job may carry */
+  uint32_t dtype;               /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
+  uint32_t row_align;           /* routed-row group alignment (engine's) */
+  bool has_limit;               /* SwiGLU clamp on */
+  float swiglu_limit;           /* L, > 0 when has_limit */
+} mok_layer_config;
+
+/* Layout dimensions of a layer at T tokens (the shared formulas in mok_wire.h). */
+static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t tokens) {
+  mok_layout_dims d;
+  d.tokens = tokens;
+  d.topk = l->topk;
+  d.local_experts = l->local_experts;
+  d.row_align = l->row_align;
+  d.intermediate = l->intermediate;
+  d.shared_intermediate = l->shared_intermediate;
+  d.elem_size = mok_dtype_size(l->dtype);
+  return d;
+}
+
+#endif /* MOK_WIRE_H */
