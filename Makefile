@@ -31,7 +31,7 @@ endif
 
 GEN := $(BUILD)/gen
 OBJ := $(BUILD)/obj
-INCLUDES := -Iproto -I$(GEN) -Idaemon -Iclient/include -Ikernels -Itests -Itests/ref
+INCLUDES := -Iproto -I$(GEN) -Idaemon -Iclient/include -Iclient/src -Ikernels -Itests -Itests/ref
 CFLAGS += $(CFLAGS_COMMON) $(CFLAGS_MODE) $(INCLUDES)
 DEPFLAGS = -MMD -MP
 
@@ -46,7 +46,7 @@ GEN_SRC := $(GEN)/mok.pb-c.c
 DAEMON_SRC := $(filter-out daemon/main.c daemon/engine_cuda.c,$(wildcard daemon/*.c))
 CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)
-UNIT_SRC := $(wildcard tests/unit/test_*.c)
+UNIT_SRC := $(wildcard tests/unit/test_*.c tests/integration/test_*.c)
 BENCH_SRC := $(wildcard tests/bench/*.c)
 KERNEL_SRC := $(wildcard kernels/*.cu)
 
@@ -78,7 +78,7 @@ endif
 
 BINS := $(BUILD)/bin/mokd $(BUILD)/bin/mokctl
 LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
-UNIT_BINS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
+UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
 .PHONY: all debug test unit setup clean gpu bench
@@ -138,9 +138,12 @@ $(BUILD)/bin/mokctl: $(OBJ)/client/tools/mokctl.o $(BUILD)/lib/libmok.a
 	$(CC) $(LDFLAGS_SAN) -o $@ $^ $(PB_LIBS) $(LDLIBS)
 
 # unit tests link the daemon and client libraries and the f64 reference
-$(BUILD)/tests/%: $(OBJ)/tests/unit/%.o $(REF_OBJ) $(DAEMON_DEPS) $(BUILD)/lib/libmok.a
-	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS_SAN) -o $@ $< $(REF_OBJ) $(BUILD)/lib/libmok.a $(DAEMON_LINK)
+define test_rule
+$(BUILD)/tests/$(basename $(notdir $(1))): $(call o,$(1)) $(REF_OBJ) $(DAEMON_DEPS) $(BUILD)/lib/libmok.a
+	@mkdir -p $$(dir $$@)
+	$(CC) $(LDFLAGS_SAN) -o $$@ $$< $(REF_OBJ) $(BUILD)/lib/libmok.a $(DAEMON_LINK)
+endef
+$(foreach t,$(UNIT_SRC),$(eval $(call test_rule,$(t))))
 
 $(BUILD)/bench/%: $(OBJ)/tests/bench/%.o $(REF_OBJ) $(DAEMON_DEPS) $(BUILD)/lib/libmok.a
 	@mkdir -p $(dir $@)

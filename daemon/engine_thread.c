@@ -353,7 +353,7 @@ static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
 static void post_completion(esession *s, uint64_t user_data, int status, const char *msg,
                             uint64_t engine_ns) {
   mok_shm_header *h = s->shm.hdr;
-  mok_completion *slot = &mok_shm_cq(h)[s->cq_tail & (MOK_RING_ENTRIES - 1)];
+  mok_completion *slot = &mok_shm_cq_entries(h)[s->cq_tail & (MOK_RING_ENTRIES - 1)];
   mok_completion c = {.user_data = user_data, .seq = s->seq, .status = status,
                       .engine_ns = engine_ns};
   snprintf(c.message, sizeof c.message, "%s", msg ? msg : "");
@@ -388,7 +388,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
 
   /* copy once, then validate the copy: the client cannot change it under us */
   mok_job_desc desc;
-  memcpy(&desc, &mok_shm_sq(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof desc);
+  memcpy(&desc, &mok_shm_sq_entries(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof desc);
   s->sq_head++;
   atomic_store_explicit(&h->sq_head.value, s->sq_head, memory_order_release);
   s->seq++;

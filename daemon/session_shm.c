@@ -68,11 +68,3 @@ void mok_session_shm_destroy(mok_session_shm *s) {
   s->hdr = NULL;
   s->memfd = s->doorbell_in = s->doorbell_out = -1;
 }
-
-mok_job_desc *mok_shm_sq(mok_shm_header *h) {
-  return (mok_job_desc *)((char *)h + MOK_SHM_SQ_OFFSET);
-}
-
-mok_completion *mok_shm_cq(mok_shm_header *h) {
-  return (mok_completion *)((char *)h + MOK_SHM_CQ_OFFSET);
-}

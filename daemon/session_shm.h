@@ -20,7 +20,4 @@ int mok_session_shm_create(mok_session_shm *ret);
 /* Close and unmap whatever is set; idempotent. */
 void mok_session_shm_destroy(mok_session_shm *s);
 
-mok_job_desc *mok_shm_sq(mok_shm_header *h);
-mok_completion *mok_shm_cq(mok_shm_header *h);
-
 #endif

@@ -121,6 +121,15 @@ typedef struct mok_shm_header {
 #define MOK_SHM_BYTES (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
+/* The rings sit at fixed offsets: neither side trusts the offsets written in
+ * the (shared, writable) header. */
+static inline mok_job_desc *mok_shm_sq_entries(mok_shm_header *h) {
+  return (mok_job_desc *)((char *)h + MOK_SHM_SQ_OFFSET);
+}
+static inline mok_completion *mok_shm_cq_entries(mok_shm_header *h) {
+  return (mok_completion *)((char *)h + MOK_SHM_CQ_OFFSET);
+}
+
 /* ---- buffer layouts a job exchanges (schedule, acts, ctx) ------------------
  *
  * Routed rows are grouped by local expert, ascending; within an expert, in

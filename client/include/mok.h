@@ -1,0 +1,150 @@
+/* libmok: the client library of mokd, the Mixture-of-Experts daemon.
+ *
+ * A trainer connects to its GPU's mokd, registers the memory its tensors
+ * live in, creates a layer (shapes, dtype, options) and submits jobs:
+ * forward, backward, or the single steps dispatch / compute / combine and
+ * their backward forms. Jobs go through a shared-memory ring; submission
+ * returns at once with a ticket, mok_wait() returns the job's status.
+ * Tensors are never copied: they are named by address inside registered
+ * memory, and the daemon reads and writes them in place.
+ *
+ * Conventions (as libuv): functions return MOK_OK (0) or a positive
+ * mok_status; mok_last_error() gives the message for the last failure on
+ * the calling thread, written for a person. Objects are owned by the
+ * caller: every mok_connect() needs a mok_close(), every layer a
+ * mok_layer_destroy() (or the client's close). A mok_client may be used
+ * from several threads; its calls are serialised inside.
+ *
+ * The math of each job is DESIGN §1 and docs/math.md; shapes are those of
+ * docs/math.md's slot table.
+ */
+#ifndef MOK_H
+#define MOK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mok_enums.h"
+#include "mok_status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOK_DEFAULT_SOCKET "/run/mok/mokd-0.sock"
+
+typedef struct mok_client mok_client;
+typedef struct mok_layer mok_layer;
+
+/* ---- errors ---- */
+
+/* The message of the last failed call on this thread ("" if none). */
+const char *mok_last_error(void);
+/* "EINVAL" etc. for a status code. */
+const char *mok_status_name(int status);
+
+/* ---- connection ---- */
+
+/* Connect and say Hello. socket_path NULL: $MOK_SOCKET, else
+ * MOK_DEFAULT_SOCKET. client_name is shown by mokctl. */
+int mok_connect(const char *socket_path, const char *client_name, mok_client **ret);
+/* Say Goodbye, release every layer and registration; accepts NULL. Jobs
+ * still in flight are waited for first (up to a few seconds). */
+void mok_close(mok_client *c);
+
+const char *mok_client_engine(const mok_client *c); /* "cpu" or "cuda" */
+const char *mok_client_device(const mok_client *c);
+uint64_t mok_client_session(const mok_client *c);
+
+typedef struct mok_daemon_stats {
+  uint64_t uptime_ms, jobs_done, jobs_failed, sessions_now, sessions_total;
+  uint64_t latency_p50_ns, latency_p99_ns;
+} mok_daemon_stats;
+int mok_stats(mok_client *c, mok_daemon_stats *ret);
+
+/* ---- memory the daemon can address ---- */
+
+/* Shared host memory (a sealed memfd), registered with the daemon: tensors
+ * placed here travel without copies. Returns NULL on failure. */
+void *mok_host_alloc(mok_client *c, size_t bytes);
+/* Unregister and unmap. Jobs using it must have completed. */
+int mok_host_free(mok_client *c, void *ptr);
+
+/* ---- layers ---- */
+
+typedef struct mok_layer_desc {
+  uint32_t hidden;              /* H */
+  uint32_t intermediate;        /* I */
+  uint32_t experts;             /* E (global) */
+  uint32_t topk;                /* K */
+  uint32_t shared_intermediate; /* I_s; 0: no shared expert */
+  uint32_t max_tokens;          /* the largest T a job will carry */
+  uint32_t dtype;               /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
+  int has_swiglu_limit;
+  float swiglu_limit;           /* L, when has_swiglu_limit */
+} mok_layer_desc;
+
+int mok_layer_create(mok_client *c, const mok_layer_desc *desc, mok_layer **ret);
+/* accepts NULL */
+void mok_layer_destroy(mok_layer *l);
+
+uint32_t mok_layer_row_align(const mok_layer *l);
+uint32_t mok_layer_local_experts(const mok_layer *l);
+/* Sizes of the buffers a job at T tokens exchanges (docs/math.md). */
+uint64_t mok_layer_ctx_bytes(const mok_layer *l, uint32_t tokens);
+uint64_t mok_layer_acts_bytes(const mok_layer *l, uint32_t tokens);
+uint64_t mok_layer_schedule_ints(const mok_layer *l, uint32_t tokens);
+uint64_t mok_layer_rows_capacity(const mok_layer *l, uint32_t tokens);
+
+/* ---- jobs ---- */
+
+/* A tensor argument: where it is and what it claims to be. The daemon
+ * checks dtype and shape against the layer. data NULL: argument absent. */
+typedef struct mok_tensor {
+  const void *data;
+  uint32_t dtype;
+  uint32_t ndim;
+  uint64_t shape[4];
+} mok_tensor;
+
+/* The tensor the layer expects in slot at T tokens, placed at data. */
+mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, const void *data);
+
+/* Submit a job (op: MOK_OP_*; tensors indexed by MOK_SLOT_*). Returns at
+ * once with a ticket for mok_wait(). MOK_EBUSY when the ring holds as many
+ * un-waited jobs as it has entries (wait for some first). */
+int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+               const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket);
+/* An empty job through the rings (latency measurement). */
+int mok_submit_nop(mok_client *c, uint64_t *ret_ticket);
+/* Wait for a job; returns its status (message in mok_last_error()).
+ * timeout_ms < 0 waits for ever; MOK_ETIMEOUT leaves the job pending. */
+int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms);
+
+/* The whole layer, typed. Pointers into registered memory; s_* NULL
+ * without a shared expert; ctx (mok_layer_ctx_bytes) NULL to not save it. */
+typedef struct mok_forward_args {
+  const void *x, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down;
+  const int32_t *topk_ids;
+  const float *router_weights;
+  void *out, *ctx;
+} mok_forward_args;
+
+typedef struct mok_backward_args {
+  const void *x, *w_gate, *w_up, *w_down, *s_gate, *s_up, *s_down, *d_out;
+  const int32_t *topk_ids; /* needed with MOK_JOB_RECOMPUTE */
+  const float *router_weights;
+  void *ctx; /* from forward; rebuilt in place with MOK_JOB_RECOMPUTE */
+  void *d_x, *d_w_gate, *d_w_up, *d_w_down, *d_s_gate, *d_s_up, *d_s_down;
+  float *d_router_weights;
+} mok_backward_args;
+
+int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket);
+int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
+                 uint64_t *ret_ticket);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_H */

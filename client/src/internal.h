@@ -1,0 +1,69 @@
+/* libmok internals shared by its source files (and by white-box tests). */
+#ifndef MOK_CLIENT_INTERNAL_H
+#define MOK_CLIENT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+
+#include "mok.h"
+#include "mok.pb-c.h"
+#include "mok_wire.h"
+
+typedef struct host_region {
+  void *ptr;
+  size_t bytes; /* mapped bytes */
+  uint32_t id;  /* daemon region id */
+} host_region;
+
+typedef struct job_result {
+  uint64_t ticket; /* 0: empty */
+  bool done;
+  int status;
+  char message[MOK_COMPLETION_MSG];
+} job_result;
+
+struct mok_client {
+  pthread_mutex_t lock;
+  int sock;
+  uint32_t next_request;
+  uint64_t session_id;
+  char engine[32];
+  char device[128];
+  mok_shm_header *shm;
+  size_t shm_bytes;
+  int doorbell_in, doorbell_out;
+  uint32_t sq_tail, cq_head; /* private copies */
+  uint64_t next_ticket;
+  uint32_t outstanding; /* submitted, not yet returned by mok_wait */
+  job_result results[MOK_RING_ENTRIES];
+  host_region *regions;
+  size_t n_regions, cap_regions;
+  mok_layer **layers;
+  size_t n_layers, cap_layers;
+  bool broken; /* the daemon went away */
+};
+
+struct mok_layer {
+  mok_client *client;
+  uint32_t id;
+  mok_layer_config cfg;
+};
+
+/* Set the thread's last error; returns status for tail calls. */
+int mok_set_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* One request, one reply (the client lock held). The reply is the
+ * caller's to free with mok__reply__free_unpacked. fds: sent beside it;
+ * ret_fds/ret_nfds (may be NULL) receive the reply's fds. */
+int mok_rpc(mok_client *c, const Mok__Request *req, const int *fds, size_t nfds,
+            Mok__Reply **ret_reply, int *ret_fds, size_t *ret_nfds);
+
+/* Place a descriptor in the ring (the client lock held); user_data is set. */
+int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
+/* For tests: submit a raw descriptor (nothing checked on this side). */
+int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
+
+/* Find the registered region holding [p, p+bytes); NULL if none. */
+const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes);
+
+#endif

@@ -1,0 +1,245 @@
+/* Jobs: descriptors into the submission ring, completions out of the other. */
+#include <errno.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define SPIN_NS 20000ull /* a job often completes within this: skip the syscalls */
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket) {
+  if (c->broken) return mok_set_error(MOK_ECLOSED, "the connection to mokd is closed");
+  if (c->outstanding >= MOK_RING_ENTRIES)
+    return mok_set_error(MOK_EBUSY, "%u jobs submitted and not waited for: wait for some first",
+                         c->outstanding);
+  uint64_t ticket = c->next_ticket++;
+  job_result *jr = &c->results[ticket % MOK_RING_ENTRIES];
+  *jr = (job_result){.ticket = ticket};
+  desc->user_data = ticket;
+  mok_shm_header *h = c->shm;
+  memcpy(&mok_shm_sq_entries(h)[c->sq_tail & (MOK_RING_ENTRIES - 1)], desc, sizeof *desc);
+  c->sq_tail++;
+  atomic_store_explicit(&h->sq_tail.value, c->sq_tail, memory_order_release);
+  c->outstanding++;
+  /* pairs with the daemon's fence between setting NEED_WAKEUP and re-reading the tail */
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load_explicit(&h->sq_flags.value, memory_order_relaxed) & MOK_RING_NEED_WAKEUP) {
+    uint64_t one = 1;
+    ssize_t w = write(c->doorbell_in, &one, sizeof one);
+    (void)w; /* EAGAIN: the counter is already set, the daemon wakes anyway */
+  }
+  *ret_ticket = ticket;
+  return MOK_OK;
+}
+
+int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket) {
+  pthread_mutex_lock(&c->lock);
+  int r = mok_submit_desc_locked(c, desc, ret_ticket);
+  pthread_mutex_unlock(&c->lock);
+  return r;
+}
+
+int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+               const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket) {
+  mok_client *c = l->client;
+  mok_job_desc desc;
+  memset(&desc, 0, sizeof desc);
+  desc.version = MOK_JOB_VERSION;
+  desc.op = (uint16_t)op;
+  desc.flags = (uint16_t)flags;
+  desc.layer = l->id;
+  desc.tokens = tokens;
+  pthread_mutex_lock(&c->lock);
+  for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {
+    const mok_tensor *t = &tensors[s];
+    if (!t->data) continue;
+    uint64_t esz = mok_dtype_size(t->dtype), elems = 1;
+    if (t->ndim < 1 || t->ndim > MOK_MAX_DIMS || esz == 0) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ESHAPE, "tensor %u: bad dtype or rank", s);
+    }
+    for (uint32_t i = 0; i < t->ndim; i++) {
+      if (t->shape[i] > UINT32_MAX || (t->shape[i] && elems > UINT64_MAX / t->shape[i])) {
+        pthread_mutex_unlock(&c->lock);
+        return mok_set_error(MOK_ESHAPE, "tensor %u: dimension %u too large", s, i);
+      }
+      elems *= t->shape[i];
+    }
+    uint64_t bytes = elems * esz;
+    const host_region *hr = mok_find_region(c, t->data, bytes);
+    if (!hr) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ENOENT,
+                           "tensor %u (%llu bytes at %p) is not inside memory registered with "
+                           "mokd (use mok_host_alloc)",
+                           s, (unsigned long long)bytes, t->data);
+    }
+    mok_tensor_ref *ref = &desc.tensors[desc.n_tensors++];
+    ref->region = hr->id;
+    ref->slot = (uint16_t)s;
+    ref->dtype = (uint8_t)t->dtype;
+    ref->ndim = (uint8_t)t->ndim;
+    ref->offset = (uint64_t)((const char *)t->data - (const char *)hr->ptr);
+    ref->bytes = bytes;
+    for (uint32_t i = 0; i < t->ndim; i++) ref->shape[i] = (uint32_t)t->shape[i];
+  }
+  int r = mok_submit_desc_locked(c, &desc, ret_ticket);
+  pthread_mutex_unlock(&c->lock);
+  return r;
+}
+
+int mok_submit_nop(mok_client *c, uint64_t *ret_ticket) {
+  mok_job_desc desc;
+  memset(&desc, 0, sizeof desc);
+  desc.version = MOK_JOB_VERSION;
+  desc.op = MOK_OP_NOP;
+  return mok_submit_desc(c, &desc, ret_ticket);
+}
+
+/* Move every posted completion into its result slot. Returns false if the
+ * daemon broke the ring protocol. */
+static bool drain_completions(mok_client *c) {
+  mok_shm_header *h = c->shm;
+  uint32_t tail = atomic_load_explicit(&h->cq_tail.value, memory_order_acquire);
+  if (tail - c->cq_head > MOK_RING_ENTRIES) return false;
+  while (c->cq_head != tail) {
+    mok_completion comp;
+    memcpy(&comp, &mok_shm_cq_entries(h)[c->cq_head & (MOK_RING_ENTRIES - 1)], sizeof comp);
+    c->cq_head++;
+    job_result *jr = &c->results[comp.user_data % MOK_RING_ENTRIES];
+    if (jr->ticket == comp.user_data && !jr->done) {
+      jr->done = true;
+      jr->status = comp.status;
+      comp.message[MOK_COMPLETION_MSG - 1] = '\0';
+      memcpy(jr->message, comp.message, sizeof jr->message);
+    }
+  }
+  atomic_store_explicit(&h->cq_head.value, c->cq_head, memory_order_release);
+  return true;
+}
+
+/* Sleep until the daemon rings or the socket shows it went away. */
+static int park(mok_client *c, int timeout_ms) {
+  mok_shm_header *h = c->shm;
+  atomic_store_explicit(&h->cq_flags.value, MOK_RING_NEED_WAKEUP, memory_order_relaxed);
+  atomic_thread_fence(memory_order_seq_cst);
+  uint32_t tail = atomic_load_explicit(&h->cq_tail.value, memory_order_acquire);
+  int r = 0;
+  if (tail == c->cq_head) {
+    struct pollfd p[2] = {{.fd = c->doorbell_out, .events = POLLIN},
+                          {.fd = c->sock, .events = POLLIN}};
+    r = poll(p, 2, timeout_ms);
+    if (r > 0 && (p[1].revents & (POLLHUP | POLLERR | POLLIN))) {
+      /* mokd never speaks unasked: readable or hung up means it is gone */
+      c->broken = true;
+    }
+    if (r > 0 && (p[0].revents & POLLIN)) {
+      uint64_t v;
+      ssize_t n = read(c->doorbell_out, &v, sizeof v);
+      (void)n;
+    }
+  }
+  atomic_store_explicit(&h->cq_flags.value, 0, memory_order_relaxed);
+  return r;
+}
+
+int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
+  pthread_mutex_lock(&c->lock);
+  job_result *jr = &c->results[ticket % MOK_RING_ENTRIES];
+  if (ticket == 0 || jr->ticket != ticket) {
+    pthread_mutex_unlock(&c->lock);
+    return mok_set_error(MOK_ENOENT, "ticket %llu is not pending", (unsigned long long)ticket);
+  }
+  uint64_t start = now_ns();
+  uint64_t deadline = timeout_ms < 0 ? UINT64_MAX : start + (uint64_t)timeout_ms * 1000000ull;
+  for (;;) {
+    if (!drain_completions(c)) {
+      c->broken = true;
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_EPROTO, "the completion ring is corrupt");
+    }
+    if (jr->done) break;
+    /* the daemon may have died after posting: check completions before giving up */
+    if (c->broken) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ECLOSED, "mokd went away before job %llu completed",
+                           (unsigned long long)ticket);
+    }
+    uint64_t now = now_ns();
+    if (now >= deadline) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ETIMEOUT, "job %llu still running after %d ms",
+                           (unsigned long long)ticket, timeout_ms);
+    }
+    if (now - start < SPIN_NS) continue;
+    uint64_t left_ms = (deadline - now) / 1000000ull;
+    park(c, deadline == UINT64_MAX ? 1000 : (int)(left_ms < 1000 ? left_ms + 1 : 1000));
+  }
+  int status = jr->status;
+  if (status != MOK_OK) mok_set_error(status, "%s", jr->message);
+  jr->ticket = 0;
+  jr->done = false;
+  c->outstanding--;
+  pthread_mutex_unlock(&c->lock);
+  return status;
+}
+
+/* ---- typed whole-layer jobs ---- */
+
+static void put(mok_tensor *t, const mok_layer *l, uint32_t tokens, uint32_t slot,
+                const void *data) {
+  if (data) t[slot] = mok_tensor_for(l, tokens, slot, data);
+}
+
+int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket) {
+  mok_tensor t[MOK_SLOT_COUNT_];
+  memset(t, 0, sizeof t);
+  put(t, l, tokens, MOK_SLOT_X, a->x);
+  put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
+  put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
+  put(t, l, tokens, MOK_SLOT_W_GATE, a->w_gate);
+  put(t, l, tokens, MOK_SLOT_W_UP, a->w_up);
+  put(t, l, tokens, MOK_SLOT_W_DOWN, a->w_down);
+  put(t, l, tokens, MOK_SLOT_S_GATE, a->s_gate);
+  put(t, l, tokens, MOK_SLOT_S_UP, a->s_up);
+  put(t, l, tokens, MOK_SLOT_S_DOWN, a->s_down);
+  put(t, l, tokens, MOK_SLOT_OUT, a->out);
+  put(t, l, tokens, MOK_SLOT_CTX, a->ctx);
+  return mok_submit(l, MOK_OP_FORWARD, 0, tokens, t, ret_ticket);
+}
+
+int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
+                 uint64_t *ret_ticket) {
+  mok_tensor t[MOK_SLOT_COUNT_];
+  memset(t, 0, sizeof t);
+  put(t, l, tokens, MOK_SLOT_X, a->x);
+  put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
+  put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
+  put(t, l, tokens, MOK_SLOT_W_GATE, a->w_gate);
+  put(t, l, tokens, MOK_SLOT_W_UP, a->w_up);
+  put(t, l, tokens, MOK_SLOT_W_DOWN, a->w_down);
+  put(t, l, tokens, MOK_SLOT_S_GATE, a->s_gate);
+  put(t, l, tokens, MOK_SLOT_S_UP, a->s_up);
+  put(t, l, tokens, MOK_SLOT_S_DOWN, a->s_down);
+  put(t, l, tokens, MOK_SLOT_D_OUT, a->d_out);
+  put(t, l, tokens, MOK_SLOT_CTX, a->ctx);
+  put(t, l, tokens, MOK_SLOT_D_X, a->d_x);
+  put(t, l, tokens, MOK_SLOT_D_RW, a->d_router_weights);
+  put(t, l, tokens, MOK_SLOT_D_W_GATE, a->d_w_gate);
+  put(t, l, tokens, MOK_SLOT_D_W_UP, a->d_w_up);
+  put(t, l, tokens, MOK_SLOT_D_W_DOWN, a->d_w_down);
+  put(t, l, tokens, MOK_SLOT_D_S_GATE, a->d_s_gate);
+  put(t, l, tokens, MOK_SLOT_D_S_UP, a->d_s_up);
+  put(t, l, tokens, MOK_SLOT_D_S_DOWN, a->d_s_down);
+  return mok_submit(l, MOK_OP_BACKWARD, flags, tokens, t, ret_ticket);
+}

@@ -1,0 +1,110 @@
+/* Layers: creation, destruction and the sizes of the buffers jobs use. */
+#include <stdlib.h>
+
+#include "internal.h"
+#include "mok_slots.h"
+
+int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
+  Mok__LayerConfig lc = MOK__LAYER_CONFIG__INIT;
+  lc.hidden = d->hidden;
+  lc.intermediate = d->intermediate;
+  lc.experts = d->experts;
+  lc.topk = d->topk;
+  lc.shared_intermediate = d->shared_intermediate;
+  lc.max_tokens = d->max_tokens;
+  lc.dtype = d->dtype == MOK_DTYPE_F32    ? MOK__DTYPE__DTYPE_F32
+             : d->dtype == MOK_DTYPE_BF16 ? MOK__DTYPE__DTYPE_BF16
+                                          : MOK__DTYPE__DTYPE_UNSPECIFIED;
+  lc.has_swiglu_limit = d->has_swiglu_limit != 0;
+  lc.swiglu_limit = d->swiglu_limit;
+  Mok__CreateLayer cl = MOK__CREATE_LAYER__INIT;
+  cl.config = &lc;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_CREATE_LAYER;
+  req.create_layer = &cl;
+  mok_layer *l = calloc(1, sizeof *l);
+  mok_layer **grown = NULL;
+  if (!l) return mok_set_error(MOK_ENOMEM, "out of memory");
+  pthread_mutex_lock(&c->lock);
+  if (c->n_layers == c->cap_layers) {
+    size_t cap = c->cap_layers ? 2 * c->cap_layers : 8;
+    grown = realloc(c->layers, cap * sizeof *grown);
+    if (grown) c->layers = grown, c->cap_layers = cap;
+  } else {
+    grown = c->layers;
+  }
+  Mok__Reply *reply = NULL;
+  int r = grown ? mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL)
+                : mok_set_error(MOK_ENOMEM, "out of memory");
+  if (r == MOK_OK && reply->body_case != MOK__REPLY__BODY_CREATE_LAYER)
+    r = mok_set_error(MOK_EPROTO, "create-layer reply without a layer");
+  if (r == MOK_OK) {
+    const Mok__CreateLayerReply *cr = reply->create_layer;
+    l->client = c;
+    l->id = cr->layer_id;
+    l->cfg = (mok_layer_config){
+        .hidden = d->hidden, .intermediate = d->intermediate, .experts = d->experts,
+        .local_experts = cr->local_experts, .first_expert = cr->first_expert, .topk = d->topk,
+        .shared_intermediate = d->shared_intermediate, .max_tokens = d->max_tokens,
+        .dtype = d->dtype, .row_align = cr->row_align, .has_limit = d->has_swiglu_limit != 0,
+        .swiglu_limit = d->swiglu_limit};
+    c->layers[c->n_layers++] = l;
+  }
+  if (reply) mok__reply__free_unpacked(reply, NULL);
+  pthread_mutex_unlock(&c->lock);
+  if (r != MOK_OK) {
+    free(l);
+    return r;
+  }
+  *ret = l;
+  return MOK_OK;
+}
+
+void mok_layer_destroy(mok_layer *l) {
+  if (!l) return;
+  mok_client *c = l->client;
+  pthread_mutex_lock(&c->lock);
+  for (size_t i = 0; i < c->n_layers; i++) {
+    if (c->layers[i] != l) continue;
+    c->layers[i] = c->layers[--c->n_layers];
+    break;
+  }
+  Mok__DestroyLayer dl = MOK__DESTROY_LAYER__INIT;
+  dl.layer_id = l->id;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_DESTROY_LAYER;
+  req.destroy_layer = &dl;
+  Mok__Reply *reply = NULL;
+  if (!c->broken && mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL) == MOK_OK)
+    mok__reply__free_unpacked(reply, NULL);
+  pthread_mutex_unlock(&c->lock);
+  free(l);
+}
+
+uint32_t mok_layer_row_align(const mok_layer *l) { return l->cfg.row_align; }
+uint32_t mok_layer_local_experts(const mok_layer *l) { return l->cfg.local_experts; }
+
+uint64_t mok_layer_ctx_bytes(const mok_layer *l, uint32_t tokens) {
+  mok_layout_dims d = mok_layer_dims(&l->cfg, tokens);
+  return mok_ctx_bytes(&d);
+}
+uint64_t mok_layer_acts_bytes(const mok_layer *l, uint32_t tokens) {
+  mok_layout_dims d = mok_layer_dims(&l->cfg, tokens);
+  return mok_acts_bytes(&d);
+}
+uint64_t mok_layer_schedule_ints(const mok_layer *l, uint32_t tokens) {
+  mok_layout_dims d = mok_layer_dims(&l->cfg, tokens);
+  return mok_schedule_ints(&d);
+}
+uint64_t mok_layer_rows_capacity(const mok_layer *l, uint32_t tokens) {
+  mok_layout_dims d = mok_layer_dims(&l->cfg, tokens);
+  return mok_rows_capacity(&d);
+}
+
+mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, const void *data) {
+  mok_tensor t = {.data = data};
+  uint64_t shape[MOK_MAX_DIMS];
+  mok_job_slot_shape(&l->cfg, tokens, slot, &t.dtype, &t.ndim, shape);
+  for (int i = 0; i < 4; i++) t.shape[i] = shape[i];
+  return t;
+}

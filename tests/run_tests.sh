@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs every test: the C test binaries (unit and integration) and the Python
+# tests. Prints each suite's own lines, then one closing line:
+#   "N passed, N failed"
+# Exit status is non-zero when anything failed or a suite could not run.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+export MOK_BUILD="$BUILD"
+PYTHON=${PYTHON:-}
+passed=0
+failed=0
+suites_failed=()
+
+count_line() { # "<name>: N passed, N failed" or pytest's summary
+  local out=$1 p f
+  p=$(printf '%s\n' "$out" | sed -n 's/.*: \([0-9]\+\) passed, \([0-9]\+\) failed$/\1/p' | tail -1)
+  f=$(printf '%s\n' "$out" | sed -n 's/.*: \([0-9]\+\) passed, \([0-9]\+\) failed$/\2/p' | tail -1)
+  echo "${p:-0} ${f:-0}"
+}
+
+for t in "$BUILD"/tests/test_*; do
+  [ -x "$t" ] || continue
+  echo "== $(basename "$t")"
+  out=$("$t" 2>&1)
+  rc=$?
+  printf '%s\n' "$out"
+  read -r p f < <(count_line "$out")
+  passed=$((passed + p))
+  failed=$((failed + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "$(basename "$t") exited with status $rc"
+    failed=$((failed + 1))
+  fi
+  [ "$rc" -ne 0 ] && suites_failed+=("$(basename "$t")")
+done
+
+if [ -z "$PYTHON" ]; then
+  echo "== python: no python3 with numpy found (run: make setup)"
+  failed=$((failed + 1))
+  suites_failed+=(python)
+elif [ -d tests/python ]; then
+  echo "== python ($PYTHON)"
+  out=$(MOK_BUILD="$BUILD" "$PYTHON" -m pytest -q -p no:cacheprovider tests/python 2>&1)
+  rc=$?
+  printf '%s\n' "$out"
+  summary=$(printf '%s\n' "$out" | tail -1)
+  p=$(printf '%s' "$summary" | grep -o '[0-9]\+ passed' | grep -o '[0-9]\+' || true)
+  f=$(printf '%s' "$summary" | grep -o '[0-9]\+ \(failed\|error\|errors\)' | awk '{s += $1} END {print s + 0}')
+  passed=$((passed + ${p:-0}))
+  failed=$((failed + ${f:-0}))
+  if [ "$rc" -ne 0 ] && [ "${f:-0}" -eq 0 ]; then
+    failed=$((failed + 1))
+  fi
+  [ "$rc" -ne 0 ] && suites_failed+=(python)
+fi
+
+echo
+[ ${#suites_failed[@]} -gt 0 ] && echo "failing suites: ${suites_failed[*]}"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
