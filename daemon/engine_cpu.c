@@ -1,0 +1,1267 @@
+/* The cpu engine: docs/math.md on the host, f32 and bf16 layers.
+ *
+ * Every op is built from the six steps (dispatch, compute, combine and their
+ * backward forms); the whole-layer ops call the same step functions on
+ * engine scratch, so the single-step chain gives the same bits.
+ *
+ * Determinism: work is split over cpu_pool threads by output element, each
+ * element computed by exactly one task, and every sum runs serially in
+ * ascending index order starting from +0 (or from the value math.md names).
+ * The task decomposition does not depend on the thread count. The GEMM
+ * kernels vectorise across output columns only, so each lane is the scalar
+ * sum. The build uses -ffp-contract=off: no fused multiply-add anywhere.
+ *
+ * Internally everything is computed in f32: bf16 tensors are widened
+ * (exactly) to f32 scratch, results are rounded where math.md says rnd().
+ *
+ * Memory: scratch buffers are cached in the engine and grown on demand; the
+ * routed buffers are bounded by max_tokens, the weight copies (transposed
+ * for forward, widened for bf16) by the size of the layer's weights.
+ * run() is called by one thread at a time (the engine thread).
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "cpu_pool.h"
+#include "engine.h"
+#include "mok_slots.h"
+#include "schedule.h"
+
+/* ---- engine state and scratch --------------------------------------------- */
+
+/* Scratch buffers, cached and grown; one purpose per id within a job. */
+enum scratch_id {
+  /* whole-layer buffers (layer dtype or raw bytes) */
+  SCR_LAYER_CTX,
+  SCR_LAYER_ROUTED_X,
+  SCR_LAYER_ROUTED_Y,
+  SCR_LAYER_SHARED_Y,
+  SCR_LAYER_ROUTED_DOUT,
+  SCR_LAYER_ROUTED_DX,
+  SCR_LAYER_SHARED_DX,
+  /* step temporaries (f32 unless noted) */
+  SCR_X,
+  SCR_DO,
+  SCR_W1,
+  SCR_W2,
+  SCR_W3,
+  SCR_GU,
+  SCR_A,
+  SCR_H,
+  SCR_DG,
+  SCR_DU,
+  SCR_DY,
+  SCR_OUT1,
+  SCR_OUT2,
+  SCR_OUT3,
+  SCR_RW_ROW,
+  SCR_DRW_ROW,
+  SCR_GROUPS,
+  SCR_GEMM_JOBS,
+  SCR_GEMM_TASKS,
+  SCR_COUNT_
+};
+
+typedef struct scratch_buf {
+  void *ptr;
+  size_t cap;
+} scratch_buf;
+
+struct mok_engine {
+  cpu_pool *pool;
+  char description[64];
+  scratch_buf scratch[SCR_COUNT_];
+};
+
+/* Everything a job's functions need, resolved once. */
+typedef struct job_env {
+  mok_engine *eng;
+  const mok_job_args *args;
+  const mok_layer_config *cfg;
+  mok_engine_result *res;
+  const char *op_name;
+  uint32_t dtype; /* layer dtype */
+  size_t es;      /* its size in bytes */
+  size_t T, H, I, Is, K, E_loc;
+  size_t rows_cap; /* R_cap */
+  mok_layout_dims dims;
+  mok_sched_shape shape;
+  void *tensors[MOK_SLOT_COUNT_]; /* resolved by check_tensors() */
+} job_env;
+
+/* Stands in for a tensor of zero bytes handed over as NULL, so that NULL
+ * always means "absent" inside the engine. Never read or written. */
+static max_align_t empty_tensor[1];
+
+__attribute__((format(printf, 3, 4))) static mok_status job_fail(job_env *env, mok_status st,
+                                                                   const char *fmt, ...) {
+  char *m = env->res->message;
+  int n = snprintf(m, MOK_COMPLETION_MSG, "%s: ", env->op_name);
+  if (n < 0 || n >= (int)MOK_COMPLETION_MSG) n = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(m + n, MOK_COMPLETION_MSG - (size_t)n, fmt, ap);
+  va_end(ap);
+  env->res->status = st;
+  return st;
+}
+
+/* Returns a buffer of at least `bytes` (64-byte aligned), or NULL after
+ * failing the job with MOK_ENOMEM. */
+static void *scratch(job_env *env, int id, size_t bytes) {
+  scratch_buf *b = &env->eng->scratch[id];
+  if (bytes == 0) bytes = 64;
+  if (b->cap < bytes) {
+    size_t cap = (bytes + 63u) & ~(size_t)63u;
+    void *p = NULL;
+    if (cap < bytes || posix_memalign(&p, 64, cap) != 0) {
+      job_fail(env, MOK_ENOMEM, "out of memory for %zu bytes of scratch", bytes);
+      return NULL;
+    }
+    free(b->ptr);
+    b->ptr = p;
+    b->cap = cap;
+  }
+  return b->ptr;
+}
+
+static float *scratch_f32(job_env *env, int id, size_t n) {
+  if (n > SIZE_MAX / sizeof(float)) {
+    job_fail(env, MOK_ENOMEM, "scratch of %zu floats is too large", n);
+    return NULL;
+  }
+  return scratch(env, id, n * sizeof(float));
+}
+
+static void par_for(job_env *env, size_t n, cpu_pool_fn fn, void *arg) {
+  cpu_pool_run(env->eng->pool, n, fn, arg);
+}
+
+/* ---- element conversion --------------------------------------------------- */
+
+static inline float rnd(uint32_t dt, float v) {
+  return dt == MOK_DTYPE_BF16 ? mok_round_bf16(v) : v;
+}
+
+/* dst[0..n) = src[off..off+n) widened to f32 (exact). */
+static void load_f32(uint32_t dt, const void *src, size_t off, size_t n, float *dst) {
+  if (dt == MOK_DTYPE_F32) {
+    memcpy(dst, (const float *)src + off, n * sizeof(float));
+    return;
+  }
+  const mok_bf16 *s = (const mok_bf16 *)src + off;
+  for (size_t i = 0; i < n; i++) dst[i] = mok_bf16_to_f32(s[i]);
+}
+
+/* dst[off..off+n) = rnd(src[0..n)) in the layer dtype. */
+static void store_rnd(uint32_t dt, const float *src, void *dst, size_t off, size_t n) {
+  if (dt == MOK_DTYPE_F32) {
+    memcpy((float *)dst + off, src, n * sizeof(float));
+    return;
+  }
+  mok_bf16 *d = (mok_bf16 *)dst + off;
+  for (size_t i = 0; i < n; i++) d[i] = mok_f32_to_bf16(src[i]);
+}
+
+#define CONVERT_BLOCK 16384u
+
+typedef struct convert_arg {
+  uint32_t dt;
+  const void *src; /* layer dtype (widen) or f32 (narrow) */
+  void *dst;
+  size_t n;
+} convert_arg;
+
+static void widen_blocks(void *p, size_t b0, size_t b1) {
+  const convert_arg *c = p;
+  for (size_t b = b0; b < b1; b++) {
+    size_t off = b * CONVERT_BLOCK, n = c->n - off < CONVERT_BLOCK ? c->n - off : CONVERT_BLOCK;
+    load_f32(c->dt, c->src, off, n, (float *)c->dst + off);
+  }
+}
+
+static void narrow_blocks(void *p, size_t b0, size_t b1) {
+  const convert_arg *c = p;
+  for (size_t b = b0; b < b1; b++) {
+    size_t off = b * CONVERT_BLOCK, n = c->n - off < CONVERT_BLOCK ? c->n - off : CONVERT_BLOCK;
+    store_rnd(c->dt, (const float *)c->src + off, c->dst, off, n);
+  }
+}
+
+static size_t n_blocks(size_t n) { return (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK; }
+
+/* A layer-dtype input as f32: the tensor itself for f32 layers, else a
+ * widened copy in scratch. NULL after failing the job. */
+static const float *f32_in(job_env *env, int id, const void *src, size_t n) {
+  if (env->dtype == MOK_DTYPE_F32) return src;
+  float *dst = scratch_f32(env, id, n);
+  if (!dst) return NULL;
+  convert_arg c = {env->dtype, src, dst, n};
+  par_for(env, n_blocks(n), widen_blocks, &c);
+  return dst;
+}
+
+/* Where to write an f32 result bound for a layer-dtype output: the output
+ * itself for f32 layers, else scratch that f32_out_finish() rounds into it. */
+static float *f32_out(job_env *env, int id, void *dst, size_t n) {
+  if (env->dtype == MOK_DTYPE_F32) return dst;
+  return scratch_f32(env, id, n);
+}
+
+static void f32_out_finish(job_env *env, const float *src, void *dst, size_t n) {
+  if (env->dtype == MOK_DTYPE_F32) return;
+  convert_arg c = {env->dtype, src, dst, n};
+  par_for(env, n_blocks(n), narrow_blocks, &c);
+}
+
+/* ---- GEMM: C[m,n] = Σ_k A[m,k]·B[k,n] (+ A2[m,k]·B2[k,n]), k ascending ------
+ *
+ * Each C element is one serial f32 sum from +0 in ascending k; with the
+ * second operand pair every term is (a·b + a2·b2), rounded, then added.
+ * Tiles of 4x8 keep 8 four-lane accumulators in registers; lanes are
+ * independent output columns, so vector and scalar paths give equal bits. */
+
+typedef struct gemm_job {
+  size_t M, N, K;
+  const float *A; /* A[m,k] = A[m*a_m + k*a_k] */
+  const float *A2;
+  size_t a_m, a_k;
+  const float *B; /* B[k,n] = B[k*ldb + n] */
+  const float *B2;
+  size_t ldb;
+  float *C; /* C[m,n] = C[m*ldc + n] */
+  size_t ldc;
+} gemm_job;
+
+typedef struct gemm_task {
+  size_t job, m0, m1, n0, n1;
+} gemm_task;
+
+#define GEMM_MB 32u  /* rows per task */
+#define GEMM_NB 128u /* columns per task */
+
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline v4f v4_load(const float *p) {
+  v4f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void v4_store(float *p, v4f v) { memcpy(p, &v, sizeof v); }
+static inline v4f v4_splat(float a) { return (v4f){a, a, a, a}; }
+
+/* Four rows by eight columns at (m, n). */
+static inline __attribute__((always_inline)) void gemm_tile_4x8(const gemm_job *j, size_t m,
+                                                                size_t n, bool two) {
+  const size_t am = j->a_m, ak = j->a_k, ldb = j->ldb;
+  const float *a = j->A + m * am, *a2 = two ? j->A2 + m * am : a;
+  const float *b = j->B + n, *b2 = two ? j->B2 + n : b;
+  v4f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+  for (size_t k = 0; k < j->K; k++, a += ak, a2 += ak, b += ldb, b2 += ldb) {
+    v4f b0 = v4_load(b), b1 = v4_load(b + 4);
+    v4f x0 = v4_splat(a[0]), x1 = v4_splat(a[am]), x2 = v4_splat(a[2 * am]),
+        x3 = v4_splat(a[3 * am]);
+    if (two) {
+      v4f d0 = v4_load(b2), d1 = v4_load(b2 + 4);
+      v4f y0 = v4_splat(a2[0]), y1 = v4_splat(a2[am]), y2 = v4_splat(a2[2 * am]),
+          y3 = v4_splat(a2[3 * am]);
+      c00 += x0 * b0 + y0 * d0;
+      c01 += x0 * b1 + y0 * d1;
+      c10 += x1 * b0 + y1 * d0;
+      c11 += x1 * b1 + y1 * d1;
+      c20 += x2 * b0 + y2 * d0;
+      c21 += x2 * b1 + y2 * d1;
+      c30 += x3 * b0 + y3 * d0;
+      c31 += x3 * b1 + y3 * d1;
+    } else {
+      c00 += x0 * b0;
+      c01 += x0 * b1;
+      c10 += x1 * b0;
+      c11 += x1 * b1;
+      c20 += x2 * b0;
+      c21 += x2 * b1;
+      c30 += x3 * b0;
+      c31 += x3 * b1;
+    }
+  }
+  float *c = j->C + m * j->ldc + n;
+  v4_store(c, c00);
+  v4_store(c + 4, c01);
+  c += j->ldc;
+  v4_store(c, c10);
+  v4_store(c + 4, c11);
+  c += j->ldc;
+  v4_store(c, c20);
+  v4_store(c + 4, c21);
+  c += j->ldc;
+  v4_store(c, c30);
+  v4_store(c + 4, c31);
+}
+
+/* One row by eight columns. */
+static inline __attribute__((always_inline)) void gemm_tile_1x8(const gemm_job *j, size_t m,
+                                                                size_t n, bool two) {
+  const size_t ak = j->a_k, ldb = j->ldb;
+  const float *a = j->A + m * j->a_m, *a2 = two ? j->A2 + m * j->a_m : a;
+  const float *b = j->B + n, *b2 = two ? j->B2 + n : b;
+  v4f c0 = {0}, c1 = {0};
+  for (size_t k = 0; k < j->K; k++, a += ak, a2 += ak, b += ldb, b2 += ldb) {
+    v4f x = v4_splat(a[0]);
+    if (two) {
+      v4f y = v4_splat(a2[0]);
+      c0 += x * v4_load(b) + y * v4_load(b2);
+      c1 += x * v4_load(b + 4) + y * v4_load(b2 + 4);
+    } else {
+      c0 += x * v4_load(b);
+      c1 += x * v4_load(b + 4);
+    }
+  }
+  float *c = j->C + m * j->ldc + n;
+  v4_store(c, c0);
+  v4_store(c + 4, c1);
+}
+
+/* Any rows, columns [n0, n1) one at a time (the ragged right edge). */
+static void gemm_scalar(const gemm_job *j, size_t m0, size_t m1, size_t n0, size_t n1) {
+  for (size_t m = m0; m < m1; m++)
+    for (size_t n = n0; n < n1; n++) {
+      const float *a = j->A + m * j->a_m, *b = j->B + n;
+      float acc = 0.0f;
+      if (j->A2) {
+        const float *a2 = j->A2 + m * j->a_m, *b2 = j->B2 + n;
+        for (size_t k = 0; k < j->K; k++)
+          acc += a[k * j->a_k] * b[k * j->ldb] + a2[k * j->a_k] * b2[k * j->ldb];
+      } else {
+        for (size_t k = 0; k < j->K; k++) acc += a[k * j->a_k] * b[k * j->ldb];
+      }
+      j->C[m * j->ldc + n] = acc;
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_block(const gemm_job *j, const gemm_task *t,
+                                                             bool two) {
+  size_t n_full = t->n0 + (t->n1 - t->n0) / 8 * 8;
+  for (size_t n = t->n0; n < n_full; n += 8) { /* B panel stays in L1 across rows */
+    size_t m = t->m0;
+    for (; m + 4 <= t->m1; m += 4) gemm_tile_4x8(j, m, n, two);
+    for (; m < t->m1; m++) gemm_tile_1x8(j, m, n, two);
+  }
+  if (n_full < t->n1) gemm_scalar(j, t->m0, t->m1, n_full, t->n1);
+}
+
+typedef struct gemm_batch {
+  const gemm_job *jobs;
+  const gemm_task *tasks;
+} gemm_batch;
+
+static void gemm_tasks(void *p, size_t begin, size_t end) {
+  const gemm_batch *g = p;
+  for (size_t i = begin; i < end; i++) {
+    const gemm_task *t = &g->tasks[i];
+    const gemm_job *j = &g->jobs[t->job];
+    if (j->A2)
+      gemm_block(j, t, true);
+    else
+      gemm_block(j, t, false);
+  }
+}
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* Runs every job, split into fixed blocks that do not depend on the thread
+ * count. */
+static mok_status gemm_run(job_env *env, const gemm_job *jobs, size_t n_jobs) {
+  size_t n_tasks = 0;
+  for (size_t i = 0; i < n_jobs; i++)
+    n_tasks += ceil_div(jobs[i].M, GEMM_MB) * ceil_div(jobs[i].N, GEMM_NB);
+  if (n_tasks == 0) return MOK_OK;
+  gemm_task *tasks = scratch(env, SCR_GEMM_TASKS, n_tasks * sizeof *tasks);
+  if (!tasks) return env->res->status;
+  size_t t = 0;
+  for (size_t i = 0; i < n_jobs; i++)
+    for (size_t m0 = 0; m0 < jobs[i].M; m0 += GEMM_MB)
+      for (size_t n0 = 0; n0 < jobs[i].N; n0 += GEMM_NB) {
+        size_t m1 = m0 + GEMM_MB < jobs[i].M ? m0 + GEMM_MB : jobs[i].M;
+        size_t n1 = n0 + GEMM_NB < jobs[i].N ? n0 + GEMM_NB : jobs[i].N;
+        tasks[t++] = (gemm_task){i, m0, m1, n0, n1};
+      }
+  gemm_batch g = {jobs, tasks};
+  par_for(env, n_tasks, gemm_tasks, &g);
+  return MOK_OK;
+}
+
+static gemm_job *gemm_jobs(job_env *env, size_t n) {
+  return scratch(env, SCR_GEMM_JOBS, (n ? n : 1) * sizeof(gemm_job));
+}
+
+/* ---- transposes (weights into the layout the GEMMs stream) ----------------- */
+
+/* Rows [row0, row0+rows) of a row buffer that use one weight set. */
+typedef struct ffn_group {
+  size_t row0, rows;
+} ffn_group;
+
+typedef struct transpose_arg {
+  uint32_t dt;
+  const void *src1, *src2; /* [n_w, rows, cols] each, layer dtype */
+  size_t rows, cols;       /* of one source matrix */
+  float *dst;              /* [n_w, cols, rows (x2 with src2)] */
+  const ffn_group *groups; /* weight sets whose group has no rows are skipped */
+} transpose_arg;
+
+/* dst[w][c][r] = src1[w][r][c] and, with src2, dst[w][c][rows + r] = src2[w][r][c].
+ * Items are output rows (w, c). */
+static void transpose_rows(void *p, size_t i0, size_t i1) {
+  const transpose_arg *t = p;
+  size_t width = t->src2 ? 2 * t->rows : t->rows;
+  for (size_t item = i0; item < i1; item++) {
+    size_t w = item / t->cols, c = item % t->cols;
+    if (t->groups[w].rows == 0) continue; /* idle expert: never read */
+    float *d = t->dst + item * width;
+    size_t base = w * t->rows * t->cols + c;
+    if (t->dt == MOK_DTYPE_F32) {
+      const float *s1 = t->src1, *s2 = t->src2;
+      for (size_t r = 0; r < t->rows; r++) d[r] = s1[base + r * t->cols];
+      if (s2)
+        for (size_t r = 0; r < t->rows; r++) d[t->rows + r] = s2[base + r * t->cols];
+    } else {
+      const mok_bf16 *s1 = t->src1, *s2 = t->src2;
+      for (size_t r = 0; r < t->rows; r++) d[r] = mok_bf16_to_f32(s1[base + r * t->cols]);
+      if (s2)
+        for (size_t r = 0; r < t->rows; r++)
+          d[t->rows + r] = mok_bf16_to_f32(s2[base + r * t->cols]);
+    }
+  }
+}
+
+/* ---- SwiGLU pieces, in f32 exactly as docs/math.md writes them ------------ */
+
+static inline float silu_f32(float v) { return v / (1.0f + expf(-v)); }
+
+static inline float dsilu_f32(float v) {
+  float s = 1.0f / (1.0f + expf(-v));
+  return s * (1.0f + v * (1.0f - s));
+}
+
+typedef struct swiglu_clamp {
+  bool on;
+  float limit;
+} swiglu_clamp;
+
+/* NaN stays NaN (no fminf). */
+static inline float clamp_gate(swiglu_clamp c, float g) {
+  return c.on && g > c.limit ? c.limit : g;
+}
+static inline float clamp_up(swiglu_clamp c, float u) {
+  if (!c.on) return u;
+  if (u > c.limit) return c.limit;
+  if (u < -c.limit) return -c.limit;
+  return u;
+}
+static inline float pass_gate(swiglu_clamp c, float g) {
+  return !c.on || g <= c.limit ? 1.0f : 0.0f;
+}
+static inline float pass_up(swiglu_clamp c, float u) {
+  return !c.on || (u >= -c.limit && u <= c.limit) ? 1.0f : 0.0f;
+}
+
+/* ---- a grouped SwiGLU FFN (the routed experts, or the shared expert) -------
+ *
+ * Rows [row0, row0+rows) of the row buffers use weight set w = the group's
+ * index; every other row (padding) is unused. */
+
+typedef struct ffn_set {
+  size_t n_rows;           /* rows of the row buffers */
+  size_t n_w;              /* weight sets = groups */
+  const ffn_group *groups; /* [n_w] */
+  const int32_t *row_slot; /* row used iff row_slot[r] >= 0; NULL: all used */
+  size_t I;                /* intermediate of these weights */
+  const void *wg, *wu;     /* [n_w, I, H] layer dtype */
+  const void *wd;          /* [n_w, H, I] */
+} ffn_set;
+
+static inline bool row_used(const ffn_set *s, size_t r) {
+  return !s->row_slot || s->row_slot[r] >= 0;
+}
+
+typedef struct zero_rows_arg {
+  const ffn_set *set;
+  float *buf;
+  size_t width;
+} zero_rows_arg;
+
+static void zero_unused_rows(void *p, size_t r0, size_t r1) {
+  const zero_rows_arg *z = p;
+  for (size_t r = r0; r < r1; r++)
+    if (!row_used(z->set, r)) memset(z->buf + r * z->width, 0, z->width * sizeof(float));
+}
+
+typedef struct fwd_epilogue_arg {
+  const ffn_set *set;
+  uint32_t dt;
+  swiglu_clamp clamp;
+  float *gu;            /* [n_rows, 2I]: f32 sums in, rounded g|u out */
+  float *h;             /* [n_rows, I] */
+  void *acts_g, *acts_u; /* [n_rows, I] layer dtype, or NULL */
+} fwd_epilogue_arg;
+
+/* g = rnd(sum), u = rnd(sum) (saved pre-clamp), h = rnd(silu(g')·u'). */
+static void fwd_epilogue_rows(void *p, size_t r0, size_t r1) {
+  const fwd_epilogue_arg *a = p;
+  const size_t I = a->set->I, es = mok_dtype_size(a->dt);
+  for (size_t r = r0; r < r1; r++) {
+    if (!row_used(a->set, r)) {
+      if (a->acts_g) {
+        memset((char *)a->acts_g + r * I * es, 0, I * es);
+        memset((char *)a->acts_u + r * I * es, 0, I * es);
+      }
+      continue;
+    }
+    float *g = a->gu + r * 2 * I, *u = g + I, *h = a->h + r * I;
+    for (size_t i = 0; i < I; i++) {
+      g[i] = rnd(a->dt, g[i]);
+      u[i] = rnd(a->dt, u[i]);
+      h[i] = rnd(a->dt, silu_f32(clamp_gate(a->clamp, g[i])) * clamp_up(a->clamp, u[i]));
+    }
+    if (a->acts_g) {
+      store_rnd(a->dt, g, a->acts_g, r * I, I);
+      store_rnd(a->dt, u, a->acts_u, r * I, I);
+    }
+  }
+}
+
+static swiglu_clamp layer_clamp(const job_env *env) {
+  swiglu_clamp c = {env->cfg->has_limit, env->cfg->swiglu_limit};
+  return c;
+}
+
+/* compute: x rows -> acts (g, u) and, when y != NULL, y rows. */
+static mok_status ffn_forward(job_env *env, const ffn_set *s, const void *x, void *acts_g,
+                              void *acts_u, void *y) {
+  const size_t H = env->H, I = s->I;
+  const float *X = f32_in(env, SCR_X, x, s->n_rows * H);
+  float *wgu_t = scratch_f32(env, SCR_W1, s->n_w * H * 2 * I);
+  float *gu = scratch_f32(env, SCR_GU, s->n_rows * 2 * I);
+  float *hm = scratch_f32(env, SCR_H, s->n_rows * I);
+  gemm_job *jobs = gemm_jobs(env, s->n_w);
+  if (!X || !wgu_t || !gu || !hm || !jobs) return env->res->status;
+
+  /* gate and up side by side: wgu_t[w] = [H, 2I] */
+  transpose_arg tr = {env->dtype, s->wg, s->wu, I, H, wgu_t, s->groups};
+  par_for(env, s->n_w * H, transpose_rows, &tr);
+
+  size_t n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (gemm_job){g->rows, 2 * I, H, X + g->row0 * H, NULL, H, 1,
+                           wgu_t + w * H * 2 * I, NULL, 2 * I, gu + g->row0 * 2 * I, 2 * I};
+  }
+  mok_status st = gemm_run(env, jobs, n);
+  if (st != MOK_OK) return st;
+
+  fwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), gu, hm, acts_g, acts_u};
+  par_for(env, s->n_rows, fwd_epilogue_rows, &ep);
+  if (!y) return MOK_OK;
+
+  float *wd_t = scratch_f32(env, SCR_W2, s->n_w * I * H);
+  float *Y = f32_out(env, SCR_OUT1, y, s->n_rows * H);
+  if (!wd_t || !Y) return env->res->status;
+  transpose_arg td = {env->dtype, s->wd, NULL, H, I, wd_t, s->groups};
+  par_for(env, s->n_w * I, transpose_rows, &td);
+  n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (gemm_job){g->rows, H, I, hm + g->row0 * I, NULL, I, 1,
+                           wd_t + w * I * H, NULL, H, Y + g->row0 * H, H};
+  }
+  st = gemm_run(env, jobs, n);
+  if (st != MOK_OK) return st;
+  zero_rows_arg z = {s, Y, H};
+  par_for(env, s->n_rows, zero_unused_rows, &z);
+  f32_out_finish(env, Y, y, s->n_rows * H);
+  return MOK_OK;
+}
+
+typedef struct bwd_epilogue_arg {
+  const ffn_set *set;
+  uint32_t dt;
+  swiglu_clamp clamp;
+  size_t H;
+  const void *acts_g, *acts_u; /* [n_rows, I] layer dtype */
+  const float *a;              /* [n_rows, I] = d_out rows · w_down */
+  const float *dout;           /* [n_rows, H] */
+  const float *rw_row;         /* router weight per row; NULL: 1 (shared expert) */
+  float *dg, *du, *h;          /* [n_rows, I] */
+  float *dy;                   /* [n_rows, H]; unused when rw_row is NULL */
+  float *drw_row;              /* per row, or NULL */
+} bwd_epilogue_arg;
+
+/* Per used row: h recomputed as in compute, d_rw = Σ_i a·h, dg, du, dy. */
+static void bwd_epilogue_rows(void *p, size_t r0, size_t r1) {
+  const bwd_epilogue_arg *a = p;
+  const size_t I = a->set->I, H = a->H;
+  const swiglu_clamp c = a->clamp;
+  for (size_t r = r0; r < r1; r++) {
+    if (!row_used(a->set, r)) {
+      if (a->drw_row) a->drw_row[r] = 0.0f;
+      continue;
+    }
+    float *dg = a->dg + r * I, *du = a->du + r * I, *h = a->h + r * I;
+    const float *ar = a->a + r * I;
+    load_f32(a->dt, a->acts_g, r * I, I, dg); /* g and u first, overwritten in place */
+    load_f32(a->dt, a->acts_u, r * I, I, du);
+    const float rw = a->rw_row ? a->rw_row[r] : 1.0f;
+    float drw = 0.0f;
+    for (size_t i = 0; i < I; i++) {
+      const float g = dg[i], u = du[i];
+      const float gc = clamp_gate(c, g), uc = clamp_up(c, u);
+      const float s = silu_f32(gc);
+      h[i] = rnd(a->dt, s * uc);
+      drw += ar[i] * h[i];
+      const float dh = a->rw_row ? rw * ar[i] : ar[i];
+      dg[i] = rnd(a->dt, dh * uc * dsilu_f32(gc) * pass_gate(c, g));
+      du[i] = rnd(a->dt, dh * s * pass_up(c, u));
+    }
+    if (a->drw_row) a->drw_row[r] = drw;
+    if (a->rw_row) {
+      const float *d = a->dout + r * H;
+      float *dy = a->dy + r * H;
+      for (size_t j = 0; j < H; j++) dy[j] = rnd(a->dt, rw * d[j]);
+    }
+  }
+}
+
+/* compute_backward of one FFN: rows of dx, per-row d_rw, weight gradients
+ * (every weight set written; an idle one gets zeros). */
+static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, const void *acts_g,
+                               const void *acts_u, const void *dout, const float *rw_row, void *dx,
+                               float *drw_row, void *d_wg, void *d_wu, void *d_wd) {
+  const size_t H = env->H, I = s->I, R = s->n_rows;
+  const float *DO = f32_in(env, SCR_DO, dout, R * H);
+  const float *wd = f32_in(env, SCR_W1, s->wd, s->n_w * H * I);
+  float *A = scratch_f32(env, SCR_A, R * I);
+  float *dg = scratch_f32(env, SCR_DG, R * I), *du = scratch_f32(env, SCR_DU, R * I);
+  float *hm = scratch_f32(env, SCR_H, R * I);
+  float *dy = rw_row ? scratch_f32(env, SCR_DY, R * H) : NULL;
+  gemm_job *jobs = gemm_jobs(env, 3 * s->n_w);
+  if (!DO || !wd || !A || !dg || !du || !hm || (rw_row && !dy) || !jobs) return env->res->status;
+
+  /* a = d_out · w_down  ([rows,H] x [H,I]) */
+  size_t n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (gemm_job){g->rows, I, H, DO + g->row0 * H, NULL, H, 1,
+                           wd + w * H * I, NULL, I, A + g->row0 * I, I};
+  }
+  mok_status st = gemm_run(env, jobs, n);
+  if (st != MOK_OK) return st;
+
+  bwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), H, acts_g, acts_u, A, DO, rw_row,
+                         dg, du, hm, dy, drw_row};
+  par_for(env, R, bwd_epilogue_rows, &ep);
+  if (!rw_row) dy = (float *)DO; /* rw = 1: dy = rnd(d_out) = d_out */
+
+  /* dx = dg · w_gate + du · w_up, one sum over i */
+  const float *wg = f32_in(env, SCR_W2, s->wg, s->n_w * I * H);
+  const float *wu = f32_in(env, SCR_W3, s->wu, s->n_w * I * H);
+  float *DX = f32_out(env, SCR_OUT1, dx, R * H);
+  if (!wg || !wu || !DX) return env->res->status;
+  n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (gemm_job){g->rows, H, I, dg + g->row0 * I, du + g->row0 * I, I, 1,
+                           wg + w * I * H, wu + w * I * H, H, DX + g->row0 * H, H};
+  }
+  st = gemm_run(env, jobs, n);
+  if (st != MOK_OK) return st;
+  zero_rows_arg z = {s, DX, H};
+  par_for(env, R, zero_unused_rows, &z);
+  f32_out_finish(env, DX, dx, R * H);
+
+  /* weight gradients: sums over the group's rows, ascending */
+  const float *X = f32_in(env, SCR_X, x, R * H);
+  float *dWd = f32_out(env, SCR_OUT1, d_wd, s->n_w * H * I);
+  float *dWg = f32_out(env, SCR_OUT2, d_wg, s->n_w * I * H);
+  float *dWu = f32_out(env, SCR_OUT3, d_wu, s->n_w * I * H);
+  if (!X || !dWd || !dWg || !dWu) return env->res->status;
+  n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    size_t r0 = g->row0, k = g->rows;
+    jobs[n++] = (gemm_job){H, I, k, dy + r0 * H, NULL, 1, H, hm + r0 * I, NULL, I,
+                           dWd + w * H * I, I};
+    jobs[n++] = (gemm_job){I, H, k, dg + r0 * I, NULL, 1, I, X + r0 * H, NULL, H,
+                           dWg + w * I * H, H};
+    jobs[n++] = (gemm_job){I, H, k, du + r0 * I, NULL, 1, I, X + r0 * H, NULL, H,
+                           dWu + w * I * H, H};
+  }
+  st = gemm_run(env, jobs, n);
+  if (st != MOK_OK) return st;
+  f32_out_finish(env, dWd, d_wd, s->n_w * H * I);
+  f32_out_finish(env, dWg, d_wg, s->n_w * I * H);
+  f32_out_finish(env, dWu, d_wu, s->n_w * I * H);
+  return MOK_OK;
+}
+
+/* ---- the steps ------------------------------------------------------------- */
+
+static void *tensor(const job_env *env, int slot) { return env->tensors[slot]; }
+
+static mok_status routed_set(job_env *env, const mok_sched_view *v, ffn_set *ret) {
+  ffn_group *groups = scratch(env, SCR_GROUPS, env->E_loc * sizeof *groups);
+  if (!groups) return env->res->status;
+  for (size_t e = 0; e < env->E_loc; e++)
+    groups[e] = (ffn_group){(size_t)v->offsets[e], (size_t)v->counts[e]};
+  *ret = (ffn_set){env->rows_cap, env->E_loc, groups, v->row_slot, env->I,
+                   tensor(env, MOK_SLOT_W_GATE), tensor(env, MOK_SLOT_W_UP),
+                   tensor(env, MOK_SLOT_W_DOWN)};
+  return MOK_OK;
+}
+
+static ffn_set shared_set(const job_env *env, const ffn_group *one_group) {
+  return (ffn_set){env->T, 1, one_group, NULL, env->Is, tensor(env, MOK_SLOT_S_GATE),
+                   tensor(env, MOK_SLOT_S_UP), tensor(env, MOK_SLOT_S_DOWN)};
+}
+
+typedef struct gather_arg {
+  const mok_sched_view *v;
+  const char *src; /* [T,H] */
+  char *dst;       /* [R_cap,H] */
+  size_t row_bytes;
+} gather_arg;
+
+static void gather_rows_fn(void *p, size_t r0, size_t r1) {
+  const gather_arg *g = p;
+  for (size_t r = r0; r < r1; r++) {
+    int32_t slot = g->v->row_slot[r];
+    char *d = g->dst + r * g->row_bytes;
+    if (slot < 0)
+      memset(d, 0, g->row_bytes);
+    else
+      memcpy(d, g->src + (size_t)slot / g->v->topk * g->row_bytes, g->row_bytes);
+  }
+}
+
+/* routed[r] = src[t of row r] (exact copy), padding rows zero: the data
+ * movement of dispatch and of combine_backward. */
+static void gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed) {
+  gather_arg g = {v, src, routed, env->H * env->es};
+  par_for(env, env->rows_cap, gather_rows_fn, &g);
+}
+
+static mok_status step_dispatch(job_env *env, const void *x, const int32_t *ids, int32_t *sched,
+                                void *routed_x) {
+  char msg[MOK_COMPLETION_MSG];
+  mok_status st = mok_schedule_build(&env->shape, ids, sched, mok_schedule_ints(&env->dims), msg,
+                                     sizeof msg);
+  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
+  mok_sched_view v = mok_schedule_view(&env->shape, sched);
+  gather_rows(env, &v, x, routed_x);
+  return MOK_OK;
+}
+
+typedef struct acts_layout {
+  char *g_routed, *u_routed, *g_shared, *u_shared;
+} acts_layout;
+
+static acts_layout acts_split(const job_env *env, const void *acts) {
+  acts_layout a = {0};
+  if (!acts) return a;
+  uint64_t routed = mok_acts_routed_bytes(&env->dims), shared = mok_acts_shared_bytes(&env->dims);
+  a.g_routed = (char *)acts;
+  a.u_routed = a.g_routed + routed;
+  a.g_shared = a.u_routed + routed;
+  a.u_shared = a.g_shared + shared;
+  return a;
+}
+
+/* The bytes between each acts array's end and its 256-byte boundary. */
+static void acts_zero_padding(const job_env *env, const acts_layout *a) {
+  size_t routed_used = env->rows_cap * env->I * env->es, shared_used = env->T * env->Is * env->es;
+  size_t routed = mok_acts_routed_bytes(&env->dims), shared = mok_acts_shared_bytes(&env->dims);
+  memset(a->g_routed + routed_used, 0, routed - routed_used);
+  memset(a->u_routed + routed_used, 0, routed - routed_used);
+  memset(a->g_shared + shared_used, 0, shared - shared_used);
+  memset(a->u_shared + shared_used, 0, shared - shared_used);
+}
+
+/* compute. routed_y / shared_y may be NULL (recompute needs only acts). */
+static mok_status step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
+                               const void *x, void *routed_y, void *shared_y, void *acts) {
+  acts_layout a = acts_split(env, acts);
+  if (acts) acts_zero_padding(env, &a);
+  ffn_set rs;
+  mok_status st = routed_set(env, v, &rs);
+  if (st == MOK_OK) st = ffn_forward(env, &rs, routed_x, a.g_routed, a.u_routed, routed_y);
+  if (st != MOK_OK || env->Is == 0 || (!shared_y && !acts)) return st;
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_forward(env, &ss, x, a.g_shared, a.u_shared, shared_y);
+}
+
+typedef struct reduce_arg {
+  const job_env *env;
+  const mok_sched_view *v;
+  const void *rows;  /* [R_cap,H] layer dtype */
+  const float *rw;   /* [T,K]; NULL: plain sum */
+  const void *base;  /* [T,H] start value, or NULL for 0 */
+  void *out;         /* [T,H] */
+} reduce_arg;
+
+#define REDUCE_CHUNK 256u
+
+/* out[t] = rnd(base[t] + Σ_k (rw[t,k]·rows[slot_row[t,k]])), k ascending,
+ * local slots only: combine (with rw) and dispatch_backward (without). */
+static void reduce_tokens(void *p, size_t t0, size_t t1) {
+  const reduce_arg *a = p;
+  const uint32_t dt = a->env->dtype;
+  const size_t H = a->env->H, K = a->v->topk;
+  float acc[REDUCE_CHUNK], row[REDUCE_CHUNK];
+  for (size_t t = t0; t < t1; t++)
+    for (size_t j0 = 0; j0 < H; j0 += REDUCE_CHUNK) {
+      size_t n = H - j0 < REDUCE_CHUNK ? H - j0 : REDUCE_CHUNK;
+      if (a->base)
+        load_f32(dt, a->base, t * H + j0, n, acc);
+      else
+        memset(acc, 0, n * sizeof(float));
+      for (size_t k = 0; k < K; k++) {
+        int32_t r = a->v->slot_row[t * K + k];
+        if (r < 0) continue;
+        load_f32(dt, a->rows, (size_t)r * H + j0, n, row);
+        if (a->rw) {
+          const float w = a->rw[t * K + k];
+          for (size_t j = 0; j < n; j++) acc[j] = acc[j] + w * row[j];
+        } else {
+          for (size_t j = 0; j < n; j++) acc[j] = acc[j] + row[j];
+        }
+      }
+      store_rnd(dt, acc, a->out, t * H + j0, n);
+    }
+}
+
+static mok_status step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
+                               const float *rw, const void *shared_y, void *out) {
+  reduce_arg a = {env, v, routed_y, rw, shared_y, out};
+  par_for(env, env->T, reduce_tokens, &a);
+  return MOK_OK;
+}
+
+static mok_status step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
+                                    const void *shared_dx, void *d_x) {
+  reduce_arg a = {env, v, routed_dx, NULL, shared_dx, d_x};
+  par_for(env, env->T, reduce_tokens, &a);
+  return MOK_OK;
+}
+
+static mok_status step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
+                                   const void *routed_x, const void *routed_dout, const float *rw,
+                                   const void *x, const void *d_out, void *routed_dx, float *d_rw,
+                                   void *shared_dx) {
+  const size_t R = env->rows_cap, n_slots = env->T * env->K;
+  float *rw_row = scratch_f32(env, SCR_RW_ROW, R);
+  float *drw_row = scratch_f32(env, SCR_DRW_ROW, R);
+  if (!rw_row || !drw_row) return env->res->status;
+  for (size_t r = 0; r < R; r++) rw_row[r] = v->row_slot[r] >= 0 ? rw[v->row_slot[r]] : 0.0f;
+
+  acts_layout a = acts_split(env, acts);
+  ffn_set rs;
+  mok_status st = routed_set(env, v, &rs);
+  if (st == MOK_OK)
+    st = ffn_backward(env, &rs, routed_x, a.g_routed, a.u_routed, routed_dout, rw_row, routed_dx,
+                      drw_row, tensor(env, MOK_SLOT_D_W_GATE), tensor(env, MOK_SLOT_D_W_UP),
+                      tensor(env, MOK_SLOT_D_W_DOWN));
+  if (st != MOK_OK) return st;
+  for (size_t i = 0; i < n_slots; i++)
+    d_rw[i] = v->slot_row[i] >= 0 ? drw_row[v->slot_row[i]] : 0.0f;
+  if (env->Is == 0) return MOK_OK;
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_backward(env, &ss, x, a.g_shared, a.u_shared, d_out, NULL, shared_dx, NULL,
+                      tensor(env, MOK_SLOT_D_S_GATE), tensor(env, MOK_SLOT_D_S_UP),
+                      tensor(env, MOK_SLOT_D_S_DOWN));
+}
+
+/* A schedule the engine did not write: validate before use. */
+static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
+  char msg[MOK_COMPLETION_MSG];
+  mok_status st = mok_schedule_validate(&env->shape, sched, mok_schedule_ints(&env->dims), msg,
+                                        sizeof msg);
+  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
+  *ret = mok_schedule_view(&env->shape, sched);
+  return MOK_OK;
+}
+
+/* ---- the ops ---------------------------------------------------------------- */
+
+static size_t routed_bytes(const job_env *env) { return env->rows_cap * env->H * env->es; }
+static size_t token_bytes(const job_env *env) { return env->T * env->H * env->es; }
+
+/* ctx = schedule, zero padding to 256, acts. */
+static void ctx_split(const job_env *env, void *ctx, int32_t **ret_sched, void **ret_acts) {
+  uint64_t sb = mok_schedule_bytes(&env->dims);
+  memset((char *)ctx + sb, 0, mok_align256(sb) - sb);
+  *ret_sched = ctx;
+  *ret_acts = (char *)ctx + mok_align256(sb);
+}
+
+static mok_status op_forward(job_env *env) {
+  void *ctx = tensor(env, MOK_SLOT_CTX), *acts = NULL;
+  int32_t *sched;
+  if (ctx)
+    ctx_split(env, ctx, &sched, &acts);
+  else
+    sched = scratch(env, SCR_LAYER_CTX, mok_schedule_bytes(&env->dims));
+  void *routed_x = scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
+  void *routed_y = scratch(env, SCR_LAYER_ROUTED_Y, routed_bytes(env));
+  void *shared_y = env->Is ? scratch(env, SCR_LAYER_SHARED_Y, token_bytes(env)) : NULL;
+  if (!sched || !routed_x || !routed_y || (env->Is && !shared_y)) return env->res->status;
+  const void *x = tensor(env, MOK_SLOT_X);
+  mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched, routed_x);
+  if (st != MOK_OK) return st;
+  mok_sched_view v = mok_schedule_view(&env->shape, sched);
+  st = step_compute(env, &v, routed_x, x, routed_y, shared_y, acts);
+  if (st != MOK_OK) return st;
+  return step_combine(env, &v, routed_y, tensor(env, MOK_SLOT_ROUTER_W), shared_y,
+                      tensor(env, MOK_SLOT_OUT));
+}
+
+/* The context backward reads: rebuilt (RECOMPUTE) or the client's, checked. */
+static mok_status backward_context(job_env *env, mok_sched_view *v, const void **ret_acts,
+                                   void *routed_x) {
+  const void *x = tensor(env, MOK_SLOT_X);
+  void *ctx = tensor(env, MOK_SLOT_CTX);
+  if (env->args->flags & MOK_JOB_RECOMPUTE) {
+    if (!ctx) ctx = scratch(env, SCR_LAYER_CTX, mok_ctx_bytes(&env->dims));
+    if (!ctx) return env->res->status;
+    int32_t *sched;
+    void *acts;
+    ctx_split(env, ctx, &sched, &acts);
+    mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched, routed_x);
+    if (st != MOK_OK) return st;
+    *v = mok_schedule_view(&env->shape, sched);
+    *ret_acts = acts;
+    return step_compute(env, v, routed_x, x, NULL, NULL, acts);
+  }
+  mok_status st = schedule_in(env, ctx, v);
+  if (st != MOK_OK) return st;
+  *ret_acts = (const char *)ctx + mok_align256(mok_schedule_bytes(&env->dims));
+  gather_rows(env, v, x, routed_x); /* dispatch's copy, from the saved schedule */
+  return MOK_OK;
+}
+
+static mok_status op_backward(job_env *env) {
+  void *routed_x = scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
+  void *routed_dout = scratch(env, SCR_LAYER_ROUTED_DOUT, routed_bytes(env));
+  void *routed_dx = scratch(env, SCR_LAYER_ROUTED_DX, routed_bytes(env));
+  void *shared_dx = env->Is ? scratch(env, SCR_LAYER_SHARED_DX, token_bytes(env)) : NULL;
+  if (!routed_x || !routed_dout || !routed_dx || (env->Is && !shared_dx)) return env->res->status;
+  mok_sched_view v;
+  const void *acts = NULL;
+  mok_status st = backward_context(env, &v, &acts, routed_x);
+  if (st != MOK_OK) return st;
+  const void *d_out = tensor(env, MOK_SLOT_D_OUT);
+  gather_rows(env, &v, d_out, routed_dout); /* combine_backward */
+  st = step_compute_bwd(env, &v, acts, routed_x, routed_dout, tensor(env, MOK_SLOT_ROUTER_W),
+                        tensor(env, MOK_SLOT_X), d_out, routed_dx, tensor(env, MOK_SLOT_D_RW),
+                        shared_dx);
+  if (st != MOK_OK) return st;
+  return step_dispatch_bwd(env, &v, routed_dx, shared_dx, tensor(env, MOK_SLOT_D_X));
+}
+
+static mok_status op_dispatch(job_env *env) {
+  return step_dispatch(env, tensor(env, MOK_SLOT_X), tensor(env, MOK_SLOT_TOPK_IDS),
+                       tensor(env, MOK_SLOT_SCHEDULE), tensor(env, MOK_SLOT_ROUTED_X));
+}
+
+static mok_status op_compute(job_env *env) {
+  mok_sched_view v;
+  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  if (st != MOK_OK) return st;
+  return step_compute(env, &v, tensor(env, MOK_SLOT_ROUTED_X), tensor(env, MOK_SLOT_X),
+                      tensor(env, MOK_SLOT_ROUTED_Y), tensor(env, MOK_SLOT_SHARED_Y),
+                      tensor(env, MOK_SLOT_ACTS));
+}
+
+static mok_status op_combine(job_env *env) {
+  mok_sched_view v;
+  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  if (st != MOK_OK) return st;
+  return step_combine(env, &v, tensor(env, MOK_SLOT_ROUTED_Y), tensor(env, MOK_SLOT_ROUTER_W),
+                      tensor(env, MOK_SLOT_SHARED_Y), tensor(env, MOK_SLOT_OUT));
+}
+
+static mok_status op_combine_bwd(job_env *env) {
+  mok_sched_view v;
+  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  if (st != MOK_OK) return st;
+  gather_rows(env, &v, tensor(env, MOK_SLOT_D_OUT), tensor(env, MOK_SLOT_ROUTED_DOUT));
+  return MOK_OK;
+}
+
+static mok_status op_compute_bwd(job_env *env) {
+  mok_sched_view v;
+  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  if (st != MOK_OK) return st;
+  return step_compute_bwd(env, &v, tensor(env, MOK_SLOT_ACTS), tensor(env, MOK_SLOT_ROUTED_X),
+                          tensor(env, MOK_SLOT_ROUTED_DOUT), tensor(env, MOK_SLOT_ROUTER_W),
+                          tensor(env, MOK_SLOT_X), tensor(env, MOK_SLOT_D_OUT),
+                          tensor(env, MOK_SLOT_ROUTED_DX), tensor(env, MOK_SLOT_D_RW),
+                          tensor(env, MOK_SLOT_SHARED_DX));
+}
+
+static mok_status op_dispatch_bwd(job_env *env) {
+  mok_sched_view v;
+  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  if (st != MOK_OK) return st;
+  return step_dispatch_bwd(env, &v, tensor(env, MOK_SLOT_ROUTED_DX),
+                           tensor(env, MOK_SLOT_SHARED_DX), tensor(env, MOK_SLOT_D_X));
+}
+
+/* ---- which tensors each op reads and writes --------------------------------
+ *
+ * What this engine dereferences; the daemon's table (proto/mok_slots.c) may
+ * require more, never less. Shapes come from that table. */
+
+#define SLOT_BIT(name) (1ull << MOK_SLOT_##name)
+#define WEIGHTS (SLOT_BIT(W_GATE) | SLOT_BIT(W_UP) | SLOT_BIT(W_DOWN))
+#define SHARED_WEIGHTS (SLOT_BIT(S_GATE) | SLOT_BIT(S_UP) | SLOT_BIT(S_DOWN))
+#define WEIGHT_GRADS (SLOT_BIT(D_W_GATE) | SLOT_BIT(D_W_UP) | SLOT_BIT(D_W_DOWN))
+#define SHARED_GRADS (SLOT_BIT(D_S_GATE) | SLOT_BIT(D_S_UP) | SLOT_BIT(D_S_DOWN))
+
+typedef struct op_slots {
+  uint64_t required;        /* always */
+  uint64_t required_shared; /* when the layer has a shared expert */
+  uint64_t optional;
+} op_slots;
+
+static op_slots slots_of(uint32_t op, uint32_t flags) {
+  op_slots s = {0, 0, 0};
+  switch (op) {
+  case MOK_OP_FORWARD:
+    s.required = SLOT_BIT(X) | SLOT_BIT(TOPK_IDS) | SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(OUT);
+    s.required_shared = SHARED_WEIGHTS;
+    s.optional = SLOT_BIT(CTX);
+    break;
+  case MOK_OP_BACKWARD:
+    s.required = SLOT_BIT(X) | SLOT_BIT(D_OUT) | SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(D_X) |
+                 SLOT_BIT(D_RW) | WEIGHT_GRADS;
+    s.required_shared = SHARED_WEIGHTS | SHARED_GRADS;
+    if (flags & MOK_JOB_RECOMPUTE) {
+      s.required |= SLOT_BIT(TOPK_IDS);
+      s.optional = SLOT_BIT(CTX);
+    } else {
+      s.required |= SLOT_BIT(CTX);
+    }
+    break;
+  case MOK_OP_DISPATCH:
+    s.required = SLOT_BIT(X) | SLOT_BIT(TOPK_IDS) | SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_X);
+    break;
+  case MOK_OP_COMPUTE:
+    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_X) | WEIGHTS | SLOT_BIT(ROUTED_Y);
+    s.required_shared = SLOT_BIT(X) | SHARED_WEIGHTS | SLOT_BIT(SHARED_Y);
+    s.optional = SLOT_BIT(ACTS);
+    break;
+  case MOK_OP_COMBINE:
+    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_Y) | SLOT_BIT(ROUTER_W) | SLOT_BIT(OUT);
+    s.optional = SLOT_BIT(SHARED_Y);
+    break;
+  case MOK_OP_COMBINE_BWD:
+    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(D_OUT) | SLOT_BIT(ROUTED_DOUT);
+    break;
+  case MOK_OP_COMPUTE_BWD:
+    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ACTS) | SLOT_BIT(ROUTED_X) | SLOT_BIT(ROUTED_DOUT) |
+                 SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(ROUTED_DX) | SLOT_BIT(D_RW) |
+                 WEIGHT_GRADS;
+    s.required_shared =
+        SLOT_BIT(X) | SLOT_BIT(D_OUT) | SHARED_WEIGHTS | SLOT_BIT(SHARED_DX) | SHARED_GRADS;
+    break;
+  case MOK_OP_DISPATCH_BWD:
+    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_DX) | SLOT_BIT(D_X);
+    s.optional = SLOT_BIT(SHARED_DX);
+    break;
+  default:
+    break;
+  }
+  return s;
+}
+
+/* Expected dtype and byte size of a slot for this job (the shared table). */
+static void slot_expect(const job_env *env, int slot, uint32_t *ret_dtype, uint64_t *ret_bytes) {
+  uint32_t nd = 0;
+  uint64_t shape[MOK_MAX_DIMS];
+  mok_job_slot_shape(env->cfg, (uint32_t)env->T, (uint32_t)slot, ret_dtype, &nd, shape);
+  uint64_t n = nd ? 1 : 0;
+  for (uint32_t i = 0; i < nd; i++) n *= shape[i];
+  *ret_bytes = n * mok_dtype_size(*ret_dtype);
+}
+
+/* The daemon has checked shapes already; this keeps the engine safe when
+ * called directly (tests, tools) and names the slot when something is off.
+ * Resolves env->tensors: only the slots this op reads or writes. */
+static mok_status check_tensors(job_env *env) {
+  op_slots s = slots_of(env->args->op, env->args->flags);
+  uint64_t required = s.required | (env->Is ? s.required_shared : 0);
+  for (int slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
+    uint64_t bit = 1ull << slot;
+    if (!((required | s.optional) & bit)) continue;
+    const mok_tensor_view *t = &env->args->t[slot];
+    const char *name = mok_slot_name((uint32_t)slot);
+    uint32_t dt;
+    uint64_t bytes;
+    slot_expect(env, slot, &dt, &bytes);
+    if (!t->ptr) {
+      if (!(required & bit)) continue;
+      if (bytes > 0) return job_fail(env, MOK_EINVAL, "tensor '%s' is required", name);
+      env->tensors[slot] = empty_tensor;
+      continue;
+    }
+    if (t->dtype != dt)
+      return job_fail(env, MOK_ESHAPE, "tensor '%s' has dtype %u, expected %u", name, t->dtype,
+                      dt);
+    if (t->bytes < bytes)
+      return job_fail(env, MOK_ESHAPE, "tensor '%s' has %llu bytes, expected %llu", name,
+                      (unsigned long long)t->bytes, (unsigned long long)bytes);
+    env->tensors[slot] = t->ptr;
+  }
+  return MOK_OK;
+}
+
+static mok_status check_layer(const mok_layer_config *c, char *err, size_t errlen) {
+  if (c->dtype != MOK_DTYPE_F32 && c->dtype != MOK_DTYPE_BF16) {
+    snprintf(err, errlen, "the cpu engine runs float32 and bfloat16 layers, not dtype %u",
+             c->dtype);
+    return MOK_EUNSUPPORTED;
+  }
+  if (!c->hidden || !c->intermediate || !c->topk || !c->local_experts || !c->experts) {
+    snprintf(err, errlen, "hidden, intermediate, topk and experts must be at least 1");
+    return MOK_EINVAL;
+  }
+  if (c->has_limit && !(c->swiglu_limit > 0.0f && isfinite(c->swiglu_limit))) {
+    snprintf(err, errlen, "swiglu_limit must be finite and > 0, got %g", (double)c->swiglu_limit);
+    return MOK_EINVAL;
+  }
+  if (c->row_align != 1) {
+    snprintf(err, errlen, "the cpu engine needs row_align 1, got %u", c->row_align);
+    return MOK_EINVAL;
+  }
+  mok_sched_shape shape = {mok_layer_dims(c, c->max_tokens), c->experts, c->first_expert};
+  return mok_schedule_shape_check(&shape, err, errlen);
+}
+
+static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
+                               mok_engine_result *res) {
+  memset(env, 0, sizeof *env);
+  env->eng = e;
+  env->args = a;
+  env->res = res;
+  env->op_name = mok_op_name(a->op);
+  env->cfg = a->layer;
+  const mok_layer_config *c = a->layer;
+  if (!c) return job_fail(env, MOK_EINVAL, "the job names no layer");
+  if (a->flags & ~(uint32_t)MOK_JOB_FLAGS_ALL)
+    return job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
+  if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD)
+    return job_fail(env, MOK_EINVAL, "the recompute flag applies to backward only");
+  char err[MOK_COMPLETION_MSG];
+  mok_status st = check_layer(c, err, sizeof err);
+  if (st != MOK_OK) return job_fail(env, st, "%s", err);
+  if (a->tokens > c->max_tokens)
+    return job_fail(env, MOK_ELIMIT, "%u tokens exceed the layer's max_tokens %u", a->tokens,
+                    c->max_tokens);
+  env->dtype = c->dtype;
+  env->es = mok_dtype_size(c->dtype);
+  env->T = a->tokens;
+  env->H = c->hidden;
+  env->I = c->intermediate;
+  env->Is = c->shared_intermediate;
+  env->K = c->topk;
+  env->E_loc = c->local_experts;
+  env->dims = mok_layer_dims(c, a->tokens);
+  env->rows_cap = (size_t)mok_rows_capacity(&env->dims);
+  env->shape = (mok_sched_shape){env->dims, c->experts, c->first_expert};
+  return MOK_OK;
+}
+
+/* ---- the engine table ------------------------------------------------------- */
+
+static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
+  *ret = NULL;
+  int threads = cfg ? cfg->threads : 0;
+  if (threads < 0) {
+    snprintf(err, errlen, "cpu engine: threads must be >= 0 (0: one per core), got %d", threads);
+    return MOK_EINVAL;
+  }
+  mok_engine *e = calloc(1, sizeof *e);
+  if (!e) {
+    snprintf(err, errlen, "cpu engine: out of memory");
+    return MOK_ENOMEM;
+  }
+  int rc = cpu_pool_create(threads, &e->pool);
+  if (rc) {
+    snprintf(err, errlen, "cpu engine: cannot start %d worker threads: %s", threads, strerror(rc));
+    free(e);
+    return rc == ENOMEM ? MOK_ENOMEM : MOK_EENGINE;
+  }
+  int n = cpu_pool_threads(e->pool);
+  snprintf(e->description, sizeof e->description, "cpu: %d thread%s", n, n == 1 ? "" : "s");
+  *ret = e;
+  return MOK_OK;
+}
+
+static void cpu_close(mok_engine *e) {
+  if (!e) return;
+  cpu_pool_destroy(e->pool);
+  for (int i = 0; i < SCR_COUNT_; i++) free(e->scratch[i].ptr);
+  free(e);
+}
+
+static const char *cpu_describe(const mok_engine *e) { return e ? e->description : "cpu"; }
+
+static int cpu_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
+  (void)e;
+  cfg->row_align = 1;
+  return check_layer(cfg, err, errlen);
+}
+
+static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  if (a->op == MOK_OP_NOP) return;
+  job_env env;
+  if (job_env_init(&env, e, a, res) != MOK_OK) return;
+  if (check_tensors(&env) != MOK_OK) return;
+  mok_status st;
+  switch (a->op) {
+  case MOK_OP_FORWARD: st = op_forward(&env); break;
+  case MOK_OP_BACKWARD: st = op_backward(&env); break;
+  case MOK_OP_DISPATCH: st = op_dispatch(&env); break;
+  case MOK_OP_COMPUTE: st = op_compute(&env); break;
+  case MOK_OP_COMBINE: st = op_combine(&env); break;
+  case MOK_OP_COMBINE_BWD: st = op_combine_bwd(&env); break;
+  case MOK_OP_COMPUTE_BWD: st = op_compute_bwd(&env); break;
+  case MOK_OP_DISPATCH_BWD: st = op_dispatch_bwd(&env); break;
+  default: st = job_fail(&env, MOK_EUNSUPPORTED, "op %u is not known to the cpu engine", a->op);
+  }
+  if (st != MOK_OK && res->status == MOK_OK) job_fail(&env, MOK_EENGINE, "failed (status %d)", st);
+}
+
+const mok_engine_ops mok_engine_cpu = {
+    .name = "cpu",
+    .open = cpu_open,
+    .close = cpu_close,
+    .describe = cpu_describe,
+    .prepare_layer = cpu_prepare_layer,
+    .run = cpu_run,
+};
