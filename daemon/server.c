@@ -340,7 +340,10 @@ static void handle_request(session *s, mok_frame *f) {
     return;
   }
   bool takes_fds = req->body_case == MOK__REQUEST__BODY_REGISTER_BUFFER;
-  if (f->nfds && !takes_fds) {
+  if (req->body_case == MOK__REQUEST__BODY__NOT_SET) {
+    mok_frame_close_fds(f);
+    protocol_error(s, rid, MOK_EPROTO, "unknown message (a newer client, or not a mok request)");
+  } else if (f->nfds && !takes_fds) {
     mok_frame_close_fds(f);
     protocol_error(s, rid, MOK_EPROTO, "file descriptors sent with a message that takes none");
   } else if (!s->hello_done && req->body_case != MOK__REQUEST__BODY_HELLO) {
@@ -618,8 +621,10 @@ static int make_listen_socket(server *srv) {
   return fd;
 }
 
+/* Close whatever handle is still open (the failure paths of start-up). */
 static void close_walk_cb(uv_handle_t *h, void *arg) {
-  if (!uv_is_closing(h)) uv_close(h, h->data == arg ? NULL : NULL);
+  (void)arg;
+  if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
 static void begin_shutdown(server *srv, const char *why) {
@@ -668,25 +673,22 @@ int mok_server_run(const mok_server_config *cfg) {
   if (mok_engine_thread_start(ops, &cfg->engine_cfg, wake_loop, &srv, &srv.engine, err,
                               sizeof err) != MOK_OK) {
     log_error("cannot start the %s engine: %s", cfg->engine, err);
-    uv_close((uv_handle_t *)&srv.engine_done, NULL);
-    uv_run(srv.loop, UV_RUN_DEFAULT);
     goto out;
   }
-  srv.listen_fd = cfg->listen_fd >= 0 ? cfg->listen_fd : make_listen_socket(&srv);
-  if (srv.listen_fd < 0) {
-    mok_engine_thread_stop(srv.engine, 0);
-    uv_close((uv_handle_t *)&srv.engine_done, NULL);
-    uv_run(srv.loop, UV_RUN_DEFAULT);
-    goto out;
-  }
-  uv_poll_init(srv.loop, &srv.listen_poll, srv.listen_fd);
-  srv.listen_poll.data = &srv;
-  uv_poll_start(&srv.listen_poll, UV_READABLE, on_listen_readable);
+  /* before the socket exists, so a SIGTERM never finds us without a handler */
   uv_signal_init(srv.loop, &srv.sigterm);
   uv_signal_init(srv.loop, &srv.sigint);
   srv.sigterm.data = srv.sigint.data = &srv;
   uv_signal_start(&srv.sigterm, on_signal, SIGTERM);
   uv_signal_start(&srv.sigint, on_signal, SIGINT);
+  srv.listen_fd = cfg->listen_fd >= 0 ? cfg->listen_fd : make_listen_socket(&srv);
+  if (srv.listen_fd < 0) {
+    mok_engine_thread_stop(srv.engine, 0);
+    goto out;
+  }
+  uv_poll_init(srv.loop, &srv.listen_poll, srv.listen_fd);
+  srv.listen_poll.data = &srv;
+  uv_poll_start(&srv.listen_poll, UV_READABLE, on_listen_readable);
   log_info("mokd %s serving %s with the %s engine (%s)", MOK_VERSION, cfg->socket_path,
            ops->name, mok_engine_thread_describe(srv.engine));
   sd_notifyf(0, "READY=1\nSTATUS=serving %s (%s engine)", cfg->socket_path, ops->name);
