@@ -1,0 +1,41 @@
+"""mok: run Mixture-of-Experts layers on mokd from Python (a ctypes binding of libmok).
+
+    import mok
+    with mok.connect() as c:              # socket: argument, $MOK_SOCKET, /run/mok/mokd-0.sock
+        layer = c.layer(hidden=H, intermediate=I, experts=E, topk=K,
+                        shared_intermediate=0, dtype="float32", swiglu_limit=None)
+        out, ctx = layer.forward(x, topk_ids, router_weights, w_gate, w_up, w_down)
+        grads = layer.backward(ctx, d_out)  # Grads(d_x, d_router_weights, d_w_*, d_s_*)
+
+Arrays are numpy in host memory: float32 layers take float32 arrays;
+bfloat16 layers take uint16 bit patterns (mok.to_bf16 / mok.from_bf16;
+ml_dtypes' bfloat16 arrays are accepted too). topk_ids is int32 (-1: a
+dropped slot), router_weights float32. Shapes are docs/math.md's. Dtypes
+are not converted silently: a wrong dtype or shape raises mok.Error
+(status "ESHAPE") before anything is sent; mokd checks everything again.
+
+Memory: arrays from ``c.empty(shape, dtype)`` live in memory shared with
+mokd and travel without copies (also as ``out=`` arrays, which mokd then
+writes in place). Other inputs are copied into per-client staging regions
+that are reused and grown, never re-registered in a steady loop; outputs
+are returned as fresh arrays. Details in mok._client.
+
+max_tokens: None (the default) starts a layer at 1024 tokens and lets it
+re-create itself at the next power of two when a job brings more; an
+explicit max_tokens is a hard limit (ELIMIT beyond it).
+
+libmok.so is found through $MOK_LIBRARY, else the build tree
+(<repo>/build/lib/libmok.so), else the system (find_library, libmok.so.1).
+Torch CUDA tensors (zero copy on the client's stream) need the cuda engine
+and are not supported by this binding yet: they raise mok.Error.
+"""
+from ._errors import Error
+from .bf16 import from_bf16, round_bf16, to_bf16
+from ._client import (DEFAULT_MAX_TOKENS, Client, ComputeGrads, Context, Grads, Layer, Stats,
+                      connect)
+from ._lib import library_path
+
+__version__ = "0.1.0"
+
+__all__ = ["Error", "connect", "Client", "Layer", "Context", "Grads", "ComputeGrads", "Stats",
+           "to_bf16", "from_bf16", "round_bf16", "library_path", "DEFAULT_MAX_TOKENS"]

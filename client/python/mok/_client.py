@@ -1,0 +1,864 @@
+"""The Python binding proper: Client, Layer, Context, shared staging memory.
+
+Memory (see also the package docstring):
+
+* Every tensor a job names must live in memory registered with mokd. The
+  binding keeps, per client, one *staging* region per tensor slot ("x",
+  "w_gate", "out", ...), allocated with mok_host_alloc and grown (never
+  shrunk) when a larger tensor comes. A steady loop therefore registers
+  nothing new after its first iteration; ``Client._registrations`` counts
+  every mok_host_alloc the binding made.
+* Inputs that already live in this client's ``c.empty()`` memory
+  (C-contiguous) are named in place: zero copy. Others are copied into
+  their slot's staging region.
+* Outputs are written by mokd into staging and returned as fresh numpy
+  arrays (copies), so a later call never changes what the caller holds.
+  ``out=`` arrays avoid that allocation: if an out array lives in
+  ``c.empty()`` memory, mokd writes into it directly (zero copy); any other
+  writable numpy array of the right shape and dtype is filled by one copy.
+* The saved context of a forward (schedule + activations, ctx_bytes) lives
+  in a region of its own from a per-client pool; backward names it in place.
+  Backward hands the region back to the pool unless ``retain_ctx=True``
+  (like PyTorch's retain_graph); so does dropping the Context.
+
+Jobs of one client run one at a time (a lock guards the staging regions);
+use one client per thread for parallelism (mok_wait releases the GIL).
+"""
+import collections
+import os
+import sys
+import threading
+import weakref
+from ctypes import byref, c_uint64, c_void_p
+
+import numpy as np
+
+from . import _lib
+from ._errors import Error
+from ._lib import OP, SLOT, JOB_RECOMPUTE, TensorArray
+
+__all__ = ["connect", "Client", "Layer", "Context", "Stats", "Grads", "ComputeGrads"]
+
+Stats = collections.namedtuple("Stats", [f for f, _ in _lib.DaemonStats._fields_])
+Grads = collections.namedtuple("Grads", ["d_x", "d_router_weights", "d_w_gate", "d_w_up",
+                                         "d_w_down", "d_s_gate", "d_s_up", "d_s_down"])
+ComputeGrads = collections.namedtuple("ComputeGrads", [
+    "routed_d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down", "shared_d_x",
+    "d_s_gate", "d_s_up", "d_s_down"])
+
+_NP_OF_CODE = {_lib.DTYPE_F32: np.dtype(np.float32), _lib.DTYPE_BF16: np.dtype(np.uint16),
+               _lib.DTYPE_I32: np.dtype(np.int32), _lib.DTYPE_U8: np.dtype(np.uint8)}
+_CODE_NAME = {_lib.DTYPE_F32: "float32", _lib.DTYPE_BF16: "bfloat16 (uint16 bit patterns)",
+              _lib.DTYPE_I32: "int32", _lib.DTYPE_U8: "uint8"}
+# dims of each slot, for messages
+_SLOT_DIMS = {
+    "x": "[T,H]", "out": "[T,H]", "d_out": "[T,H]", "d_x": "[T,H]", "shared_y": "[T,H]",
+    "shared_d_x": "[T,H]", "topk_ids": "[T,K]", "router_weights": "[T,K]",
+    "d_router_weights": "[T,K]", "w_gate": "[E_loc,I,H]", "w_up": "[E_loc,I,H]",
+    "d_w_gate": "[E_loc,I,H]", "d_w_up": "[E_loc,I,H]", "w_down": "[E_loc,H,I]",
+    "d_w_down": "[E_loc,H,I]", "s_gate": "[I_s,H]", "s_up": "[I_s,H]", "d_s_gate": "[I_s,H]",
+    "d_s_up": "[I_s,H]", "s_down": "[H,I_s]", "d_s_down": "[H,I_s]",
+    "routed_x": "[R_cap,H]", "routed_y": "[R_cap,H]", "routed_d_out": "[R_cap,H]",
+    "routed_d_x": "[R_cap,H]", "schedule": "[schedule_ints]", "acts": "[acts_bytes]",
+    "ctx": "[ctx_bytes]",
+}
+DEFAULT_MAX_TOKENS = 1024  # first size of a layer created with max_tokens=None
+_MAX_TOKENS_LIMIT = 1 << 20  # mokd's MOK_LAYER_MAX_TOKENS
+
+
+def _raise(status):
+    raise Error(status, _lib.last_error())
+
+
+def _check_torch(name, a):
+    mod = type(a).__module__ or ""
+    if mod == "torch" or mod.startswith("torch.") or hasattr(a, "__cuda_array_interface__"):
+        cuda = bool(getattr(a, "is_cuda", False)) or hasattr(a, "__cuda_array_interface__")
+        raise Error("EUNSUPPORTED",
+                    "%s is a %s tensor: torch CUDA tensors need the cuda engine and the torch "
+                    "path of this binding, which is not implemented yet; pass numpy arrays "
+                    "(e.g. t.detach().cpu().numpy())" % (name, "torch CUDA" if cuda else "torch"))
+
+
+def _round_region(n):
+    """Staging sizes grow in coarse steps so slowly varying shapes settle."""
+    n = max(int(n), 4096)
+    step = max(4096, 1 << max(0, n.bit_length() - 4))  # <= 1/8 waste
+    return (n + step - 1) // step * step
+
+
+class _Buf:
+    """[ptr, ptr+nbytes) as an object numpy can view (np.asarray keeps it alive)."""
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, ptr, nbytes):
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+
+
+class _Region:
+    """One mok_host_alloc region the binding owns (staging or ctx)."""
+    __slots__ = ("ptr", "cap", "u8")
+
+    def __init__(self, ptr, cap):
+        self.ptr = ptr
+        self.cap = cap
+        self.u8 = np.asarray(_Buf(ptr, cap))
+
+    def view(self, dtype, shape):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.u8[:n].view(dtype).reshape(shape)
+
+
+class _Native:
+    """The mok_client handle. Closed (mok_close) when the last reference goes:
+    the Client, and every c.empty() buffer still alive, hold one."""
+
+    def __init__(self, ptr):
+        self.holder = [ptr]
+        self._fin = weakref.finalize(self, _Native._close, self.holder)
+
+    @property
+    def ptr(self):
+        return self.holder[0]
+
+    @staticmethod
+    def _close(holder):
+        p, holder[0] = holder[0], None
+        if p:
+            _lib.lib().mok_close(p)
+
+
+def _free_user(native, ptr, user_regions):
+    user_regions.pop(ptr, None)
+    if native.ptr:
+        _lib.lib().mok_host_free(native.ptr, ptr)
+
+
+def connect(socket=None, name=None):
+    """Connect to mokd: socket path, else $MOK_SOCKET, else /run/mok/mokd-0.sock."""
+    return Client(socket, name)
+
+
+class Client:
+    """A session with mokd. Use as a context manager or call close()."""
+
+    def __init__(self, socket=None, name=None):
+        L = _lib.lib()
+        if socket is not None:
+            socket = os.fsencode(socket)
+        if name is None:
+            name = "python:%s:%d" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0]
+                                                      else "python"), os.getpid())
+        h = c_void_p()
+        st = L.mok_connect(socket, name.encode(), byref(h))
+        if st:
+            _raise(st)
+        self._native = _Native(h.value)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._staging = {}                      # slot name -> _Region
+        self._ctx_all = set()                   # every ctx-pool _Region
+        self._ctx_free = []                     # idle ctx-pool regions
+        self._ctx_returned = collections.deque()  # from Context finalizers (no lock there)
+        self._dead_layers = collections.deque()   # native-handle holders of dropped Layers
+        self._abandoned = []                    # (ticket, ctx region) left by an interrupted wait
+        self._layers = weakref.WeakSet()
+        self._user = {}                         # c.empty() regions: ptr -> bytes
+        self._registrations = 0                 # mok_host_alloc calls made by the binding
+        self.engine = L.mok_client_engine(h).decode()
+        self.device = L.mok_client_device(h).decode()
+        self.session = int(L.mok_client_session(h))
+
+    # ---- life cycle ----
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "<mok.Client session=%d engine=%s device=%r%s>" % (
+            self.session, self.engine, self.device, " closed" if self._closed else "")
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def close(self):
+        """Destroy this client's layers and staging, say Goodbye. Arrays from
+        c.empty() stay valid: the session (and their memory) ends when the last
+        of them is gone. Contexts of this client become unusable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            L = _lib.lib()
+            p = self._native.ptr
+            while self._abandoned:  # jobs still using staging: let them finish
+                L.mok_wait(p, self._abandoned.pop(0)[0], 5000)
+            for layer in list(self._layers):
+                layer._destroy_locked()
+            while self._dead_layers:
+                holder = self._dead_layers.popleft()
+                if holder[0]:
+                    L.mok_layer_destroy(holder[0])
+                    holder[0] = None
+            for r in list(self._staging.values()) + list(self._ctx_all):
+                L.mok_host_free(p, r.ptr)
+            self._staging.clear()
+            self._ctx_all.clear()
+            self._ctx_free.clear()
+            self._ctx_returned.clear()
+            native, self._native = self._native, None
+        del native  # mok_close now, unless c.empty() buffers still hold it
+
+    def _check_open(self):
+        if self._closed:
+            raise Error("ECLOSED", "this mok client is closed")
+
+    # ---- daemon info ----
+    def stats(self):
+        """Daemon-wide counters (mok_stats) as a Stats namedtuple."""
+        with self._lock:
+            self._check_open()
+            s = _lib.DaemonStats()
+            st = _lib.lib().mok_stats(self._native.ptr, byref(s))
+            if st:
+                _raise(st)
+            return Stats(*(getattr(s, f) for f in Stats._fields))
+
+    def nop(self):
+        """An empty job through the rings; returns the round trip in seconds."""
+        import time
+        with self._lock:
+            self._check_open()
+            L = _lib.lib()
+            t0 = time.perf_counter()
+            self._service()
+            ticket = c_uint64()
+            st = L.mok_submit_nop(self._native.ptr, byref(ticket))
+            if st:
+                _raise(st)
+            self._wait(ticket.value)
+            return time.perf_counter() - t0
+
+    # ---- memory ----
+    def _alloc_region(self, nbytes):
+        p = _lib.lib().mok_host_alloc(self._native.ptr, nbytes)
+        if not p:
+            raise Error("ENOMEM", _lib.last_error() or "mok_host_alloc failed")
+        self._registrations += 1
+        return p
+
+    def empty(self, shape, dtype="float32"):
+        """A numpy array in memory shared with mokd (a registered memfd): jobs
+        read and write it in place. dtype: "float32", "bfloat16" (gives uint16),
+        "int32", "uint8" or a numpy dtype. Contents are zero."""
+        if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+            dtype = np.uint16
+        elif isinstance(dtype, str) and dtype in ("f32",):
+            dtype = np.float32
+        dt = np.dtype(dtype)
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise Error("EINVAL", "negative dimension in shape %s" % (shape,))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        size = max(nbytes, 1)
+        with self._lock:
+            self._check_open()
+            self._service()
+            ptr = self._alloc_region(size)
+            self._user[ptr] = size
+            native = self._native
+        buf = _Buf(ptr, size)
+        weakref.finalize(buf, _free_user, native, ptr, self._user)
+        return np.asarray(buf)[:nbytes].view(dt).reshape(shape)
+
+    def _in_mok_memory(self, a, writable=False):
+        """Address of a if it lies, C-contiguous, in this client's c.empty() memory."""
+        if not (a.flags.c_contiguous and a.flags.aligned) or (writable and not a.flags.writeable):
+            return None
+        ptr = a.__array_interface__["data"][0]
+        n = a.nbytes
+        for base, size in list(self._user.items()):
+            if base <= ptr and ptr + n <= base + size:
+                return ptr
+        return None
+
+    def _stage(self, key, nbytes):
+        r = self._staging.get(key)
+        if r is None or r.cap < nbytes:
+            if r is not None:
+                del self._staging[key]
+                _lib.lib().mok_host_free(self._native.ptr, r.ptr)
+            cap = _round_region(nbytes)
+            r = _Region(self._alloc_region(cap), cap)
+            self._staging[key] = r
+        return r
+
+    def _ctx_acquire(self, nbytes):
+        self._service()
+        fits = [r for r in self._ctx_free if r.cap >= nbytes]
+        if fits:
+            r = min(fits, key=lambda q: q.cap)
+            self._ctx_free.remove(r)
+            return r
+        if self._ctx_free:  # too small: replace one rather than pile up
+            old = self._ctx_free.pop()
+            self._ctx_all.discard(old)
+            _lib.lib().mok_host_free(self._native.ptr, old.ptr)
+        cap = _round_region(nbytes)
+        r = _Region(self._alloc_region(cap), cap)
+        self._ctx_all.add(r)
+        return r
+
+    def _ctx_release(self, r):
+        if r in self._ctx_all:
+            self._ctx_free.append(r)
+
+    def _wait(self, ticket, region=None):
+        """Wait for a job in slices, so that Ctrl-C (signals) get through. If the
+        wait is interrupted, the job stays recorded and the next job of this
+        client waits for it first: staging and ctx memory are never reused
+        while mokd may still touch them."""
+        L = _lib.lib()
+        try:
+            while True:
+                st = L.mok_wait(self._native.ptr, ticket, 200)  # releases the GIL
+                if st != _lib.STATUS_CODES["ETIMEOUT"]:
+                    break
+        except BaseException:
+            self._abandoned.append((ticket, region))
+            raise
+        if st:
+            _raise(st)
+
+    def _service(self):
+        """Work queued by finalizers (which take no locks), and jobs whose wait
+        was interrupted; the lock is held."""
+        while self._abandoned:
+            ticket, region = self._abandoned[0]
+            while _lib.lib().mok_wait(self._native.ptr, ticket, 200) == \
+                    _lib.STATUS_CODES["ETIMEOUT"]:
+                pass  # interruptible: on Ctrl-C the job stays first in the list
+            self._abandoned.pop(0)
+            if region is not None:
+                self._ctx_release(region)
+        while self._ctx_returned:
+            self._ctx_release(self._ctx_returned.popleft())
+        while self._dead_layers:
+            holder = self._dead_layers.popleft()
+            if holder[0]:
+                _lib.lib().mok_layer_destroy(holder[0])
+                holder[0] = None
+
+    # ---- layers ----
+    def layer(self, hidden, intermediate, experts, topk, shared_intermediate=0,
+              dtype="float32", swiglu_limit=None, group=None, max_tokens=None):
+        """A layer (DESIGN §1). max_tokens=None: the layer starts at
+        DEFAULT_MAX_TOKENS and re-creates itself larger (next power of two)
+        when a job brings more tokens; an explicit max_tokens is a hard limit
+        (a larger job raises ELIMIT)."""
+        if group is not None:
+            raise Error("EUNSUPPORTED", "expert-parallel groups are not implemented yet in "
+                        "mok's Python binding: use group=None (all experts local)")
+        return Layer(self, hidden, intermediate, experts, topk, shared_intermediate, dtype,
+                     swiglu_limit, max_tokens)
+
+
+def _dtype_code(dtype):
+    if isinstance(dtype, str):
+        d = dtype.lower()
+        if d in ("float32", "f32", "fp32"):
+            return _lib.DTYPE_F32
+        if d in ("bfloat16", "bf16"):
+            return _lib.DTYPE_BF16
+    else:
+        try:
+            d = np.dtype(dtype)
+        except TypeError:
+            d = None
+        if d == np.float32:
+            return _lib.DTYPE_F32
+        if d is not None and d.name == "bfloat16":
+            return _lib.DTYPE_BF16
+    raise Error("EINVAL", "dtype must be \"float32\" or \"bfloat16\", got %r" % (dtype,))
+
+
+def _dim(name, v, lo=1):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo or v >= 1 << 32:
+        raise Error("EINVAL", "%s must be an integer >= %d, got %r" % (name, lo, v))
+    return int(v)
+
+
+def _out_map(out, names, op):
+    """out= as a dict {slot: array}: one array, a dict, or a (named)tuple."""
+    if out is None:
+        return {}
+    if isinstance(out, np.ndarray):
+        if len(names) != 1:
+            raise Error("EINVAL", "%s: out= must name its arrays (%s)" % (op, ", ".join(names)))
+        return {names[0]: out}
+    if isinstance(out, dict):
+        d = dict(out)
+    elif isinstance(out, tuple) and hasattr(out, "_fields"):
+        d = dict(zip(out._fields, out))
+    elif isinstance(out, (tuple, list)) and len(out) == len(names):
+        d = dict(zip(names, out))
+    else:
+        raise Error("EINVAL", "%s: out= takes an array, a dict or a tuple of %s" %
+                    (op, ", ".join(names)))
+    bad = [k for k, v in d.items() if v is not None and k not in names]
+    if bad:
+        raise Error("EINVAL", "%s: out= names %s, not outputs of this job (%s)" %
+                    (op, ", ".join(bad), ", ".join(names)))
+    return {k: v for k, v in d.items() if v is not None}
+
+
+class Context:
+    """What forward saved for backward (opaque). Saved mode: the schedule and
+    activations (ctx_bytes of them, in a mok-memory region) plus references
+    to x, router_weights and the weights. Recompute mode: references to the
+    inputs only; backward rebuilds the saved part with MOK_JOB_RECOMPUTE.
+    The references are not copies: change those arrays in place between
+    forward and backward and backward sees the change."""
+
+    def __init__(self, layer, tokens, recompute, inputs, region):
+        self.layer = layer
+        self.tokens = tokens
+        self.recompute = recompute
+        self._inputs = inputs
+        self._region = region
+        self._fin = (weakref.finalize(self, layer.client._ctx_returned.append, region)
+                     if region is not None else None)
+
+    @property
+    def nbytes(self):
+        """Bytes saved in mok memory (0 in recompute mode)."""
+        return 0 if self.recompute else self.layer.ctx_bytes(self.tokens)
+
+    @property
+    def released(self):
+        return self._inputs is None
+
+    def release(self):
+        """Give the saved memory back now (backward does this unless retain_ctx)."""
+        self._inputs = None
+        if self._fin is not None:
+            self._fin()  # hands the region back to the client's pool
+        self._region = None
+
+    def saved(self):
+        """A copy of the saved bytes (uint8 [ctx_bytes]); None in recompute mode."""
+        if self.recompute:
+            return None
+        c = self.layer.client
+        with c._lock:
+            c._check_open()
+            if self._region is None:
+                raise Error("EINVAL", "this ctx was released")
+            return self._region.u8[:self.nbytes].copy()
+
+    def __repr__(self):
+        return "<mok.Context T=%d %s%s>" % (self.tokens, "recompute" if self.recompute else
+                                             "saved %d bytes" % self.nbytes,
+                                             " released" if self.released else "")
+
+
+class Layer:
+    """A MoE layer on mokd (see Client.layer). Arrays are numpy, host memory."""
+
+    def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
+                 dtype, swiglu_limit, max_tokens):
+        self.client = client
+        self.hidden = _dim("hidden", hidden)
+        self.intermediate = _dim("intermediate", intermediate)
+        self.experts = _dim("experts", experts)
+        self.topk = _dim("topk", topk)
+        self.shared_intermediate = _dim("shared_intermediate", shared_intermediate, 0)
+        self._dtype_code = _dtype_code(dtype)
+        self.dtype = "float32" if self._dtype_code == _lib.DTYPE_F32 else "bfloat16"
+        self.np_dtype = _NP_OF_CODE[self._dtype_code]
+        if swiglu_limit is not None:
+            try:
+                swiglu_limit = float(swiglu_limit)
+            except (TypeError, ValueError):
+                raise Error("EINVAL", "swiglu_limit must be a number or None, got %r" %
+                            (swiglu_limit,))
+        self.swiglu_limit = swiglu_limit
+        self._auto_grow = max_tokens is None
+        self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else _dim("max_tokens",
+                                                                             max_tokens)
+        self._holder = [None]
+        self._shapes = {}
+        with client._lock:
+            client._check_open()
+            client._service()
+            self._holder[0] = self._create(self.max_tokens)
+            client._layers.add(self)
+        self._fin = weakref.finalize(self, client._dead_layers.append, self._holder)
+        L = _lib.lib()
+        self.row_align = int(L.mok_layer_row_align(self._holder[0]))
+        self.local_experts = int(L.mok_layer_local_experts(self._holder[0]))
+
+    def _create(self, max_tokens):
+        d = _lib.LayerDesc(hidden=self.hidden, intermediate=self.intermediate,
+                           experts=self.experts, topk=self.topk,
+                           shared_intermediate=self.shared_intermediate, max_tokens=max_tokens,
+                           dtype=self._dtype_code,
+                           has_swiglu_limit=int(self.swiglu_limit is not None),
+                           swiglu_limit=self.swiglu_limit or 0.0)
+        h = c_void_p()
+        st = _lib.lib().mok_layer_create(self.client._native.ptr, byref(d), byref(h))
+        if st:
+            _raise(st)
+        return h.value
+
+    def _destroy_locked(self):
+        if self._holder[0]:
+            _lib.lib().mok_layer_destroy(self._holder[0])
+            self._holder[0] = None
+
+    def close(self):
+        """Destroy the layer in mokd (also done by the client's close)."""
+        with self.client._lock:
+            self._destroy_locked()
+
+    def __repr__(self):
+        return ("<mok.Layer H=%d I=%d E=%d K=%d I_s=%d %s%s max_tokens=%d>" % (
+            self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate,
+            self.dtype, "" if self.swiglu_limit is None else " limit=%g" % self.swiglu_limit,
+            self.max_tokens))
+
+    @property
+    def shared(self):
+        return self.shared_intermediate > 0
+
+    # ---- sizes (docs/math.md) ----
+    def _h(self):
+        h = self._holder[0]
+        if not h:
+            raise Error("ECLOSED", "this layer is destroyed" if not self.client.closed else
+                        "this layer's client is closed")
+        return h
+
+    def ctx_bytes(self, tokens):
+        return int(_lib.lib().mok_layer_ctx_bytes(self._h(), tokens))
+
+    def acts_bytes(self, tokens):
+        return int(_lib.lib().mok_layer_acts_bytes(self._h(), tokens))
+
+    def schedule_ints(self, tokens):
+        return int(_lib.lib().mok_layer_schedule_ints(self._h(), tokens))
+
+    def rows_capacity(self, tokens):
+        return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
+
+    def _expect(self, T, slot):
+        key = (T, slot)
+        e = self._shapes.get(key)
+        if e is None:
+            t = _lib.lib().mok_tensor_for(self._h(), T, SLOT[slot], None)
+            e = (t.dtype, tuple(int(t.shape[i]) for i in range(t.ndim)))
+            if len(self._shapes) > 4096:
+                self._shapes.clear()
+            self._shapes[key] = e
+        return e
+
+    def _ensure_tokens(self, T):
+        if T <= self.max_tokens:
+            return
+        if not self._auto_grow or T > _MAX_TOKENS_LIMIT:
+            raise Error("ELIMIT", "%d tokens exceed this layer's max_tokens %d (create the "
+                        "layer with a larger max_tokens, or max_tokens=None to let it grow)" %
+                        (T, self.max_tokens if not self._auto_grow else _MAX_TOKENS_LIMIT))
+        new = min(_MAX_TOKENS_LIMIT, 1 << (T - 1).bit_length())
+        h = self._create(new)
+        self._destroy_locked()
+        self._holder[0] = h
+        self.max_tokens = new
+
+    # ---- argument checks ----
+    def _array(self, op, slot, a, T, check):
+        """a as a numpy array of the slot's dtype and shape (a view, no copy)."""
+        _check_torch(slot, a)
+        if not isinstance(a, np.ndarray):
+            a = np.asarray(a)
+        if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:
+            a = a.view(np.uint16)
+        if not check:
+            return a
+        code, shape = self._expect(T, slot)
+        want = _NP_OF_CODE[code]
+        if a.dtype != want:
+            hint = ""
+            if code == _lib.DTYPE_BF16 and a.dtype.kind == "f":
+                hint = "; convert with mok.to_bf16(%s)" % slot
+            elif code == _lib.DTYPE_F32 and a.dtype == np.uint16:
+                hint = "; this is a float32 layer (mok.from_bf16 widens bfloat16 bits)"
+            elif code in (_lib.DTYPE_F32, _lib.DTYPE_I32) and a.dtype.kind in "fiu":
+                hint = "; pass %s.astype(np.%s)" % (slot, want.name)
+            raise Error("ESHAPE", "%s: %s has dtype %s, the %s layer expects %s%s" % (
+                op, slot, a.dtype, self.dtype, _CODE_NAME[code], hint))
+        if a.shape != shape:
+            raise Error("ESHAPE", "%s: %s has shape %s, expected %s = %s (%s)" % (
+                op, slot, tuple(a.shape), shape, _SLOT_DIMS.get(slot, "?"), self._dims_text(T)))
+        return a
+
+    def _dims_text(self, T):
+        s = "T=%d H=%d I=%d E_loc=%d K=%d" % (T, self.hidden, self.intermediate,
+                                              self.local_experts, self.topk)
+        if self.shared:
+            s += " I_s=%d" % self.shared_intermediate
+        return s
+
+    def _tokens_of(self, op, slot, a):
+        _check_torch(slot, a)
+        shape = np.shape(a)
+        if len(shape) != 2 or shape[0] < 1:
+            raise Error("ESHAPE", "%s: %s must be 2-d %s with T >= 1 tokens, got shape %s" % (
+                op, slot, _SLOT_DIMS[slot], tuple(shape)))
+        return int(shape[0])
+
+    def _tokens_of_schedule(self, op, schedule):
+        _check_torch("schedule", schedule)
+        shape = np.shape(schedule)
+        if len(shape) != 1:
+            raise Error("ESHAPE", "%s: schedule must be the 1-d int32 array dispatch returned, "
+                        "got shape %s" % (op, tuple(shape)))
+        n = int(shape[0])
+        base = self.schedule_ints(0)
+        per = self.schedule_ints(1) - base
+        T = (n - base) // per if per > 0 else 0
+        if T < 1 or base + T * per != n:
+            raise Error("ESHAPE", "%s: a schedule of %d ints fits no token count of this layer "
+                        "(%d + %d per token); pass the schedule dispatch returned" %
+                        (op, n, base, per))
+        return T
+
+    def _shared_args(self, op, **kw):
+        given = {k: v for k, v in kw.items() if v is not None}
+        if self.shared:
+            missing = [k for k in kw if kw[k] is None]
+            if missing:
+                raise Error("EINVAL", "%s: this layer has a shared expert (shared_intermediate="
+                            "%d): pass %s" % (op, self.shared_intermediate, ", ".join(missing)))
+            return given
+        if given:
+            raise Error("EINVAL", "%s: this layer has no shared expert (shared_intermediate=0) "
+                        "but %s was given" % (op, ", ".join(given)))
+        return {}
+
+    # ---- the job runner ----
+    def _job(self, op, T, ins, outs, out=None, flags=0, ctx=None, check=True):
+        """Run one job. ins: {slot: array or None}; outs: output slot names;
+        out: {slot: user array}; ctx: None, "save" (a pool region, returned),
+        "scratch" (a pool region for the job only) or a _Region to read.
+        Returns ({slot: array}, saved ctx region or None)."""
+        c = self.client
+        L = _lib.lib()
+        out = out or {}
+        with c._lock:
+            c._check_open()
+            c._service()
+            self._h()
+            self._ensure_tokens(T)
+            tensors = TensorArray()
+            hold = []
+
+            def put(slot, ptr, code, shape):
+                t = tensors[SLOT[slot]]
+                t.data = ptr
+                t.dtype = code
+                t.ndim = len(shape)
+                for i, s in enumerate(shape):
+                    t.shape[i] = s
+
+            for slot, a in ins.items():
+                if a is None:
+                    continue
+                a = self._array(op, slot, a, T, check)
+                hold.append(a)
+                ptr = c._in_mok_memory(a)
+                if ptr is None:
+                    r = c._stage(slot, max(a.nbytes, 1))
+                    np.copyto(r.view(a.dtype, a.shape), a)
+                    ptr = r.ptr
+                code = (self._expect(T, slot)[0] if check else
+                        {np.dtype(v): k for k, v in _NP_OF_CODE.items()}.get(a.dtype, 0))
+                put(slot, ptr, code, a.shape)
+            results = {}
+            for slot in outs:
+                code, shape = self._expect(T, slot)
+                dt = _NP_OF_CODE[code]
+                user = out.get(slot)
+                ptr = None
+                if user is not None:
+                    if not isinstance(user, np.ndarray) or user.dtype != dt or \
+                            user.shape != shape or not user.flags.writeable:
+                        raise Error("ESHAPE", "%s: out %s must be a writable %s array of shape "
+                                    "%s, got %s" % (op, slot, dt, shape, _describe(user)))
+                    ptr = c._in_mok_memory(user, writable=True)
+                if ptr is not None:
+                    results[slot] = (user, None)
+                else:
+                    r = c._stage(slot, max(int(np.prod(shape, dtype=np.int64)) * dt.itemsize, 1))
+                    view = r.view(dt, shape)
+                    ptr = r.ptr
+                    results[slot] = (user, view)
+                put(slot, ptr, code, shape)
+            region = None
+            if ctx is not None:
+                if isinstance(ctx, _Region):
+                    region = ctx
+                else:
+                    region = c._ctx_acquire(self.ctx_bytes(T))
+                code, shape = self._expect(T, "ctx")
+                put("ctx", region.ptr, code, shape)
+            ticket = c_uint64()
+            st = L.mok_submit(self._h(), OP[op], flags, T, tensors, byref(ticket))
+            if st:
+                if ctx in ("save", "scratch"):
+                    c._ctx_release(region)
+                _raise(st)
+            try:
+                c._wait(ticket.value, region if ctx in ("save", "scratch") else None)
+            except Error:
+                if ctx in ("save", "scratch"):
+                    c._ctx_release(region)
+                raise
+            if ctx == "scratch":
+                c._ctx_release(region)
+            ret = {}
+            for slot, (user, view) in results.items():
+                if view is None:
+                    ret[slot] = user
+                elif user is not None:
+                    np.copyto(user, view)
+                    ret[slot] = user
+                else:
+                    ret[slot] = view.copy()
+            return ret, (region if ctx == "save" else None)
+
+    # ---- the whole layer ----
+    def forward(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,
+                s_up=None, s_down=None, recompute=False, out=None):
+        """out [T,H], ctx. recompute=True saves nothing in mok memory: ctx keeps
+        references to the inputs and backward rebuilds the activations."""
+        op = "forward"
+        T = self._tokens_of(op, "x", x)
+        shared = self._shared_args(op, s_gate=s_gate, s_up=s_up, s_down=s_down)
+        ins = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, w_gate=w_gate,
+                   w_up=w_up, w_down=w_down, **shared)
+        res, region = self._job(op, T, ins, ["out"], _out_map(out, ["out"], op),
+                                ctx=None if recompute else "save")
+        keep = dict(ins)
+        if not recompute:
+            del keep["topk_ids"]  # the schedule in ctx replaces it
+        return res["out"], Context(self, T, bool(recompute), keep, region)
+
+    def backward(self, ctx, d_out, out=None, retain_ctx=False):
+        """Grads(d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_s_gate, d_s_up,
+        d_s_down); d_s_* None without a shared expert. The ctx is released
+        afterwards unless retain_ctx=True."""
+        op = "backward"
+        if not isinstance(ctx, Context):
+            raise Error("EINVAL", "backward: ctx must be the Context forward returned, got %s" %
+                        type(ctx).__name__)
+        if ctx.layer is not self:
+            raise Error("EINVAL", "backward: this ctx belongs to another layer")
+        if ctx.released:
+            raise Error("EINVAL", "backward: this ctx was released by an earlier backward; pass "
+                        "retain_ctx=True to run backward more than once")
+        T = ctx.tokens
+        names = list(Grads._fields)
+        if not self.shared:
+            names = names[:5]
+        ins = dict(ctx._inputs)
+        ins["d_out"] = d_out
+        if ctx.recompute:
+            res, _ = self._job(op, T, ins, names, _out_map(out, names, op),
+                               flags=JOB_RECOMPUTE, ctx="scratch")
+        else:
+            res, _ = self._job(op, T, ins, names, _out_map(out, names, op), ctx=ctx._region)
+        if not retain_ctx:
+            ctx.release()
+        return Grads(*(res.get(n) for n in Grads._fields))
+
+    # ---- single steps (docs/math.md) ----
+    def dispatch(self, x, topk_ids, out=None):
+        """(schedule int32 [schedule_ints], routed_x [R_cap,H])."""
+        op = "dispatch"
+        T = self._tokens_of(op, "x", x)
+        names = ["schedule", "routed_x"]
+        res, _ = self._job(op, T, dict(x=x, topk_ids=topk_ids), names, _out_map(out, names, op))
+        return res["schedule"], res["routed_x"]
+
+    def compute(self, schedule, routed_x, w_gate, w_up, w_down, x=None, s_gate=None,
+                s_up=None, s_down=None, out=None):
+        """(routed_y [R_cap,H], shared_y [T,H] or None, acts uint8 [acts_bytes])."""
+        op = "compute"
+        T = self._tokens_of_schedule(op, schedule)
+        ins = dict(schedule=schedule, routed_x=routed_x, w_gate=w_gate, w_up=w_up,
+                   w_down=w_down)
+        names = ["routed_y", "acts"]
+        if self.shared:
+            ins.update(self._shared_args(op, x=x, s_gate=s_gate, s_up=s_up, s_down=s_down))
+            names.insert(1, "shared_y")
+        else:
+            self._shared_args(op, s_gate=s_gate, s_up=s_up, s_down=s_down)
+        res, _ = self._job(op, T, ins, names, _out_map(out, names, op))
+        return res["routed_y"], res.get("shared_y"), res["acts"]
+
+    def combine(self, schedule, routed_y, router_weights, shared_y=None, out=None):
+        """out [T,H]."""
+        op = "combine"
+        T = self._tokens_of_schedule(op, schedule)
+        ins = dict(schedule=schedule, routed_y=routed_y, router_weights=router_weights)
+        ins.update(self._shared_args(op, shared_y=shared_y))
+        res, _ = self._job(op, T, ins, ["out"], _out_map(out, ["out"], op))
+        return res["out"]
+
+    def combine_backward(self, schedule, d_out, out=None):
+        """routed_d_out [R_cap,H]."""
+        op = "combine_backward"
+        T = self._tokens_of_schedule(op, schedule)
+        res, _ = self._job(op, T, dict(schedule=schedule, d_out=d_out), ["routed_d_out"],
+                           _out_map(out, ["routed_d_out"], op))
+        return res["routed_d_out"]
+
+    def compute_backward(self, schedule, acts, routed_x, routed_d_out, router_weights, w_gate,
+                         w_up, w_down, x=None, d_out=None, s_gate=None, s_up=None, s_down=None,
+                         out=None):
+        """ComputeGrads(routed_d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_d_x,
+        d_s_gate, d_s_up, d_s_down); the shared ones None without a shared expert."""
+        op = "compute_backward"
+        T = self._tokens_of_schedule(op, schedule)
+        ins = dict(schedule=schedule, acts=acts, routed_x=routed_x, routed_d_out=routed_d_out,
+                   router_weights=router_weights, w_gate=w_gate, w_up=w_up, w_down=w_down)
+        names = ["routed_d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down"]
+        if self.shared:
+            ins.update(self._shared_args(op, x=x, d_out=d_out, s_gate=s_gate, s_up=s_up,
+                                         s_down=s_down))
+            names += ["shared_d_x", "d_s_gate", "d_s_up", "d_s_down"]
+        else:
+            self._shared_args(op, s_gate=s_gate, s_up=s_up, s_down=s_down)
+        res, _ = self._job(op, T, ins, names, _out_map(out, names, op))
+        return ComputeGrads(*(res.get(n) for n in ComputeGrads._fields))
+
+    def dispatch_backward(self, schedule, routed_d_x, shared_d_x=None, out=None):
+        """d_x [T,H]."""
+        op = "dispatch_backward"
+        T = self._tokens_of_schedule(op, schedule)
+        ins = dict(schedule=schedule, routed_d_x=routed_d_x)
+        ins.update(self._shared_args(op, shared_d_x=shared_d_x))
+        res, _ = self._job(op, T, ins, ["d_x"], _out_map(out, ["d_x"], op))
+        return res["d_x"]
+
+
+def _describe(a):
+    if isinstance(a, np.ndarray):
+        return "%s %s%s" % (a.dtype, tuple(a.shape), "" if a.flags.writeable else " read-only")
+    return type(a).__name__

@@ -1,0 +1,157 @@
+"""ctypes declarations of libmok (client/include/mok.h) and its constants.
+
+The constants mirror proto/mok_enums.h and proto/mok_status.h (values travel
+on the wire and are append-only; tests/python checks that they still match).
+"""
+import ctypes
+import ctypes.util
+import os
+import threading
+
+# ---- constants (proto/mok_status.h, proto/mok_enums.h) ------------------------
+
+STATUS_NAMES = (
+    "OK", "EINVAL", "EPROTO", "EVERSION", "ENOMEM", "ELIMIT", "ENOENT", "EBOUNDS", "ESHAPE",
+    "EROUTE", "EOVERFLOW", "ETIMEOUT", "EENGINE", "EUNSUPPORTED", "ESHUTDOWN", "EIO", "ECLOSED",
+    "EBUSY", "EACCES",
+)
+STATUS_CODES = {n: i for i, n in enumerate(STATUS_NAMES)}
+
+DTYPE_F32, DTYPE_BF16, DTYPE_I32, DTYPE_U8 = 1, 2, 3, 4
+
+OPS = ("nop", "forward", "backward", "dispatch", "compute", "combine", "combine_backward",
+       "compute_backward", "dispatch_backward")
+OP = {n: i for i, n in enumerate(OPS)}
+
+SLOTS = (
+    "x", "topk_ids", "router_weights", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
+    "out", "ctx", "d_out", "d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down",
+    "d_s_gate", "d_s_up", "d_s_down", "schedule", "acts", "routed_x", "routed_y", "shared_y",
+    "routed_d_out", "routed_d_x", "shared_d_x",
+)
+SLOT = {n: i for i, n in enumerate(SLOTS)}
+SLOT_COUNT = len(SLOTS)
+
+JOB_RECOMPUTE = 0x1
+MAX_DIMS = 4
+DEFAULT_SOCKET = "/run/mok/mokd-0.sock"
+
+
+# ---- structures -----------------------------------------------------------------
+
+class DaemonStats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "uptime_ms", "jobs_done", "jobs_failed", "sessions_now", "sessions_total",
+        "latency_p50_ns", "latency_p99_ns")]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_uint32), ("intermediate", ctypes.c_uint32),
+        ("experts", ctypes.c_uint32), ("topk", ctypes.c_uint32),
+        ("shared_intermediate", ctypes.c_uint32), ("max_tokens", ctypes.c_uint32),
+        ("dtype", ctypes.c_uint32), ("has_swiglu_limit", ctypes.c_int),
+        ("swiglu_limit", ctypes.c_float),
+    ]
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("dtype", ctypes.c_uint32), ("ndim", ctypes.c_uint32),
+        ("shape", ctypes.c_uint64 * MAX_DIMS),
+    ]
+
+
+TensorArray = Tensor * SLOT_COUNT
+
+# ---- loading ----------------------------------------------------------------------
+
+_lib = None
+_lib_path = None
+_load_lock = threading.Lock()
+
+
+def _candidates():
+    env = os.environ.get("MOK_LIBRARY")
+    if env:
+        yield env
+        return  # an explicit choice is not second-guessed
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    yield os.path.join(repo, "build", "lib", "libmok.so")
+    found = ctypes.util.find_library("mok")
+    if found:
+        yield found
+    yield "libmok.so.1"
+    yield "libmok.so"
+
+
+def _declare(lib):
+    c = ctypes
+    P = c.c_void_p
+    sig = {
+        "mok_last_error": (c.c_char_p, []),
+        "mok_status_name": (c.c_char_p, [c.c_int]),
+        "mok_connect": (c.c_int, [c.c_char_p, c.c_char_p, c.POINTER(P)]),
+        "mok_close": (None, [P]),
+        "mok_client_engine": (c.c_char_p, [P]),
+        "mok_client_device": (c.c_char_p, [P]),
+        "mok_client_session": (c.c_uint64, [P]),
+        "mok_stats": (c.c_int, [P, c.POINTER(DaemonStats)]),
+        "mok_host_alloc": (P, [P, c.c_size_t]),
+        "mok_host_free": (c.c_int, [P, P]),
+        "mok_layer_create": (c.c_int, [P, c.POINTER(LayerDesc), c.POINTER(P)]),
+        "mok_layer_destroy": (None, [P]),
+        "mok_layer_row_align": (c.c_uint32, [P]),
+        "mok_layer_local_experts": (c.c_uint32, [P]),
+        "mok_layer_ctx_bytes": (c.c_uint64, [P, c.c_uint32]),
+        "mok_layer_acts_bytes": (c.c_uint64, [P, c.c_uint32]),
+        "mok_layer_schedule_ints": (c.c_uint64, [P, c.c_uint32]),
+        "mok_layer_rows_capacity": (c.c_uint64, [P, c.c_uint32]),
+        "mok_tensor_for": (Tensor, [P, c.c_uint32, c.c_uint32, P]),
+        "mok_submit": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32, c.POINTER(Tensor),
+                                 c.POINTER(c.c_uint64)]),
+        "mok_submit_nop": (c.c_int, [P, c.POINTER(c.c_uint64)]),
+        "mok_wait": (c.c_int, [P, c.c_uint64, c.c_int]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+
+
+def lib():
+    """The loaded libmok (ctypes.CDLL: calls release the GIL)."""
+    global _lib, _lib_path
+    if _lib is not None:
+        return _lib
+    with _load_lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for cand in _candidates():
+            if os.sep in cand and not os.path.exists(cand):
+                tried.append("%s (missing)" % cand)
+                continue
+            try:
+                handle = ctypes.CDLL(cand)
+            except OSError as e:
+                tried.append("%s (%s)" % (cand, e))
+                continue
+            _declare(handle)
+            _lib_path = cand
+            _lib = handle
+            return _lib
+        from ._errors import Error
+        raise Error("ENOENT", "libmok.so not found; build it (make build/lib/libmok.so), install "
+                    "it, or set MOK_LIBRARY. Tried: " + "; ".join(tried))
+
+
+def library_path():
+    lib()
+    return _lib_path
+
+
+def last_error():
+    m = lib().mok_last_error()
+    return m.decode("utf-8", "replace") if m else ""
