@@ -1,0 +1,186 @@
+/* mok kernels: the sm_90a CUDA kernels of one MoE layer, behind a C API.
+ *
+ * Plain C (C11 or C++), no CUDA headers needed: the engine (daemon/
+ * engine_cuda.c) calls these launchers with device pointers and a stream.
+ * The math and its rounding points are docs/math.md; the schedule, acts
+ * and ctx layouts are proto/mok_wire.h. bf16 layers only.
+ *
+ * Conventions of every launcher:
+ *  - It only enqueues work on `stream`: no host reads of device values, no
+ *    synchronisation. Grids are sized from the host-known dims (the job's
+ *    T and the layer), so a job can be captured in a CUDA graph.
+ *  - `status` is one int32 on the device, 0 at the start of the job. A
+ *    kernel that finds bad input (a routing id outside [0,E) and not -1, a
+ *    corrupt client schedule) raises it to a mok_status code with an
+ *    atomic max (so the reported code does not depend on timing) and never
+ *    traps or reads or writes out of bounds. Every kernel that consumes a
+ *    schedule returns at once when *status is nonzero, so after a failed
+ *    build or validate the remaining kernels of the job do nothing. The
+ *    engine reads the word when the job completes.
+ *  - The return value is a mok_status for the launch itself: MOK_OK,
+ *    MOK_EINVAL (dims unsupported, a pointer not 16-byte aligned, a
+ *    required pointer NULL) or MOK_EENGINE (the CUDA launch failed; see
+ *    mok_k_last_cuda_error()).
+ *  - Every tensor pointer must be 16-byte aligned (the kernels move rows in
+ *    16-byte vectors). Tensors are row-major with the shapes of
+ *    docs/math.md; "R" below is the row capacity mok_k_rows_capacity().
+ *  - Deterministic: no float atomics; every output element has one owner
+ *    and a fixed summation order, so results are bitwise repeatable.
+ *  - `workspace` is device scratch of mok_k_workspace_bytes(dims) bytes
+ *    (16-byte aligned). Launchers that take it use it only while their own
+ *    kernels run (stream order), so one workspace serves a whole chain on
+ *    one stream; two streams running at once need one each.
+ */
+#ifndef MOK_KERNELS_H
+#define MOK_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st; /* cudaStream_t is `struct CUstream_st *` */
+typedef struct CUstream_st *mok_k_stream;
+
+/* bf16 values travel as their 16-bit patterns. */
+typedef uint16_t mok_k_bf16;
+
+/* The layer at one job's T. E_loc local experts are the global ids
+ * first_expert .. first_expert+E_loc-1 of E. I_s = 0: no shared expert. */
+typedef struct mok_k_dims {
+  int T, H, I, E, E_loc, first_expert, K, I_s;
+  int row_align; /* must be mok_k_row_align() */
+  int has_limit;
+  float limit;   /* SwiGLU clamp L (> 0) when has_limit */
+} mok_k_dims;
+
+/* The routed-row group alignment these kernels need (the GEMM M tile). */
+int mok_k_row_align(void);
+
+/* Checks that the kernels support these dims: H, I, I_s multiples of 8,
+ * sizes within int32 index ranges, row_align = mok_k_row_align(), ...
+ * Returns a mok_status and fills err (may be NULL). */
+int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen);
+
+/* Once per device (after cudaSetDevice) before any launch: raises the
+ * kernels' shared-memory limits. Returns a mok_status. */
+int mok_k_init(void);
+
+/* The cudaError_t of the last failed launch on this thread (0: none). */
+int mok_k_last_cuda_error(void);
+
+/* Layout sizes; equal to mok_rows_capacity() / mok_schedule_ints() of
+ * proto/mok_wire.h for the same dims (the engine can assert that). */
+int64_t mok_k_rows_capacity(const mok_k_dims *d);
+int64_t mok_k_schedule_ints(const mok_k_dims *d);
+
+/* Device scratch needed by any launcher below at these dims (size it with
+ * the layer's max tokens as T). */
+size_t mok_k_workspace_bytes(const mok_k_dims *d);
+
+/* ---- routing ---------------------------------------------------------------
+ *
+ * schedule_build: topk_ids [T,K] -> schedule (mok_k_schedule_ints int32):
+ * per-expert counts from per-chunk histograms, padded offsets from prefix
+ * sums, rows within an expert in ascending t*K+k (integer ranks, nothing
+ * decided by arrival order). Every entry is written. An id outside [0,E)
+ * and not -1 raises MOK_EROUTE (the slot is then treated as dropped, so the
+ * schedule stays consistent). */
+int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *schedule,
+                         void *workspace, int32_t *status, mok_k_stream stream);
+
+/* schedule_validate: checks a schedule the engine did not write, as
+ * docs/math.md "Untrusted inputs" (header, offsets = prefix sums of the
+ * padded counts, used rows <-> slots a bijection in ascending slot order,
+ * padding rows -1). Raises MOK_EINVAL on any failure. Reads only inside
+ * the mok_k_schedule_ints entries. */
+int mok_k_schedule_validate(const mok_k_dims *d, const int32_t *schedule, int32_t *status,
+                            mok_k_stream stream);
+
+/* gather_rows: dst[r] = src[t] for the slot (t,k) of row r, zeros for
+ * padding rows (all R rows written). dispatch: src = x, dst = routed_x;
+ * combine_backward: src = d_out, dst = routed_d_out. src [T,H], dst [R,H]. */
+int mok_k_gather_rows(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *src,
+                      mok_k_bf16 *dst, int32_t *status, mok_k_stream stream);
+
+/* ---- expert FFN, forward ----------------------------------------------------
+ *
+ * gate_up_swiglu: for every routed row r of expert e (grouped GEMM, gate
+ * and up fused): g = rnd(x_r W_g[e]^T), u = rnd(x_r W_u[e]^T) saved to
+ * acts_g/acts_u [R,I] (pre-clamp), h = rnd(silu(g') u') to h [R,I].
+ * Padding rows (and rows past the last group) get zeros in all three. */
+int mok_k_gate_up_swiglu(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *routed_x,
+                         const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up, mok_k_bf16 *acts_g,
+                         mok_k_bf16 *acts_u, mok_k_bf16 *h, int32_t *status, mok_k_stream stream);
+
+/* down: routed_y [R,H] = rnd(h W_d[e]^T) per routed row, zeros on padding. */
+int mok_k_down(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *h,
+               const mok_k_bf16 *w_down, mok_k_bf16 *routed_y, int32_t *status,
+               mok_k_stream stream);
+
+/* expert_forward = gate_up_swiglu then down, h in the workspace (the
+ * "compute" step's routed part). */
+int mok_k_expert_forward(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *routed_x,
+                         const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+                         const mok_k_bf16 *w_down, mok_k_bf16 *acts_g, mok_k_bf16 *acts_u,
+                         mok_k_bf16 *routed_y, void *workspace, int32_t *status,
+                         mok_k_stream stream);
+
+/* shared_forward: the shared expert on x [T,H] with s_gate, s_up [I_s,H],
+ * s_down [H,I_s]: acts_gs/acts_us [T,I_s] (pre-clamp g, u), shared_y [T,H].
+ * Nothing to do (MOK_OK) when I_s = 0. */
+int mok_k_shared_forward(const mok_k_dims *d, const mok_k_bf16 *x, const mok_k_bf16 *s_gate,
+                         const mok_k_bf16 *s_up, const mok_k_bf16 *s_down, mok_k_bf16 *acts_gs,
+                         mok_k_bf16 *acts_us, mok_k_bf16 *shared_y, void *workspace,
+                         int32_t *status, mok_k_stream stream);
+
+/* combine: out[t] = rnd(shared_y[t] + sum_k rw[t,k] routed_y[slot_row[t,k]])
+ * in f32, k ascending, each term multiplied and rounded before the add.
+ * shared_y may be NULL (no shared expert). rw [T,K] f32, out [T,H]. */
+int mok_k_combine(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *routed_y,
+                  const float *router_weights, const mok_k_bf16 *shared_y, mok_k_bf16 *out,
+                  int32_t *status, mok_k_stream stream);
+
+/* ---- backward ---------------------------------------------------------------
+ *
+ * expert_backward (compute_backward's routed part), per used row r = slot
+ * (t,k) of expert e, with g, u from acts:
+ *   a = routed_d_out[r] W_d[e] (f32); d_rw[t,k] = <a, h> (0 for slots not
+ *   local); dh = rw a; dg, du by the SwiGLU(+clamp) backward, rounded;
+ *   routed_d_x[r] = rnd(dg W_g[e] + du W_u[e]) (zeros on padding rows);
+ *   d_w_down[e] = rnd(sum_r rnd(rw routed_d_out[r])^T h_r),
+ *   d_w_gate[e] = rnd(sum_r dg_r^T routed_x[r]), d_w_up likewise with du.
+ * Each weight-gradient tile is owned by one block that runs the whole
+ * reduction over the expert's rows; experts without rows get zeros.
+ * routed_d_x [R,H], d_rw [T,K] f32, d_w_* shaped as the weights. */
+int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *acts_g,
+                          const mok_k_bf16 *acts_u, const mok_k_bf16 *routed_x,
+                          const mok_k_bf16 *routed_d_out, const float *router_weights,
+                          const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+                          const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x, float *d_rw,
+                          mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down,
+                          void *workspace, int32_t *status, mok_k_stream stream);
+
+/* shared_backward: the same with rw = 1, rows = tokens, from x, d_out and
+ * acts_gs/acts_us: shared_d_x [T,H], d_s_gate, d_s_up [I_s,H],
+ * d_s_down [H,I_s]. Nothing to do when I_s = 0. */
+int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x, const mok_k_bf16 *d_out,
+                          const mok_k_bf16 *acts_gs, const mok_k_bf16 *acts_us,
+                          const mok_k_bf16 *s_gate, const mok_k_bf16 *s_up,
+                          const mok_k_bf16 *s_down, mok_k_bf16 *shared_d_x,
+                          mok_k_bf16 *d_s_gate, mok_k_bf16 *d_s_up, mok_k_bf16 *d_s_down,
+                          void *workspace, int32_t *status, mok_k_stream stream);
+
+/* dispatch_backward: d_x[t] = rnd(shared_d_x[t] + sum_k routed_d_x[slot_row[t,k]])
+ * in f32, k ascending; shared_d_x may be NULL. */
+int mok_k_dispatch_backward(const mok_k_dims *d, const int32_t *schedule,
+                            const mok_k_bf16 *routed_d_x, const mok_k_bf16 *shared_d_x,
+                            mok_k_bf16 *d_x, int32_t *status, mok_k_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOK_KERNELS_H */
