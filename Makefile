@@ -68,10 +68,10 @@ CLIENT_OBJ := $(call o,$(CLIENT_SRC))
 REF_OBJ := $(call o,$(REF_SRC))
 
 ifneq ($(HAVE_CUDA),)
+  KERNEL_OBJ := $(patsubst %.cu,$(OBJ)/%.o,$(KERNEL_SRC))
   ifneq ($(wildcard $(CUDA_DAEMON_SRC)),)
     DAEMON_OBJ += $(call o,$(CUDA_DAEMON_SRC))
     CFLAGS += -DMOK_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-    KERNEL_OBJ := $(patsubst %.cu,$(OBJ)/%.o,$(KERNEL_SRC))
     DAEMON_LIBS_CUDA := $(BUILD)/lib/libmokkernels.a $(CUDA_LIBS)
   endif
 endif

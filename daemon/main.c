@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "engine.h"
 #include "log.h"
 #include "server.h"
 
@@ -15,6 +16,7 @@ static void usage(FILE *to) {
   fprintf(to,
           "usage: mokd [--socket PATH] [--engine cpu|cuda] [--device N] [--config FILE]\n"
           "            [--threads N] [--log-level error|warn|info|debug] [--version]\n"
+          "            [--list-engines]\n"
           "  --socket PATH   control socket (default /run/mok/mokd-0.sock)\n"
           "  --engine NAME   cpu (reference, runs everywhere) or cuda (sm_90a)\n"
           "  --device N      GPU ordinal for the cuda engine\n"
@@ -30,6 +32,7 @@ int main(int argc, char **argv) {
       {"device", required_argument, 0, 'd'}, {"config", required_argument, 0, 'c'},
       {"threads", required_argument, 0, 't'}, {"log-level", required_argument, 0, 'l'},
       {"help", no_argument, 0, 'h'},         {"version", no_argument, 0, 'V'},
+      {"list-engines", no_argument, 0, 'L'},
       {0, 0, 0, 0}};
   const char *config_path = NULL;
   char err[256];
@@ -54,6 +57,7 @@ int main(int argc, char **argv) {
     case 'c': continue;
     case 'h': usage(stdout); return 0;
     case 'V': printf("mokd %s\n", MOK_VERSION); return 0;
+    case 'L': printf("cpu\n%s", mok_engine_find("cuda") ? "cuda\n" : ""); return 0;
     default: usage(stderr); return 2;
     }
     if (mok_config_set(&cfg, key, optarg, err, sizeof err) < 0) {
