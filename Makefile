@@ -81,7 +81,7 @@ LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
 UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all debug test unit setup clean gpu bench
+.PHONY: all debug test unit setup clean gpu bench install uninstall units
 all: $(BINS) $(LIBS) $(UNIT_BINS) $(BENCH_BINS)
 
 debug:
@@ -155,6 +155,66 @@ gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a)
 # ---- tests -----------------------------------------------------------------
 test: all
 	BUILD=$(BUILD) PYTHON=$(PYTHON) tests/run_tests.sh
+
+# ---- install -----------------------------------------------------------------
+# make install [DESTDIR=/staging] [PREFIX=/usr/local]
+VERSION := $(shell sed -n 's/^\#define MOK_VERSION "\(.*\)"/\1/p' daemon/server.h)
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+LIBDIR ?= $(PREFIX)/lib
+INCDIR ?= $(PREFIX)/include/mok
+DOCDIR ?= $(PREFIX)/share/doc/mok
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
+SYSCONFDIR ?= /etc
+MPS_CONTROL ?= /usr/bin/nvidia-cuda-mps-control
+PYTHON_SITEDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/python3/dist-packages,$(PREFIX)/lib/$(shell $(PYTHON) -c 'import sys; print("python%d.%d" % sys.version_info[:2])' 2>/dev/null || echo python3)/dist-packages)
+SUBST = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DOCDIR@|$(DOCDIR)|g' -e 's|@PREFIX@|$(PREFIX)|g' \
+	-e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCDIR@|$(INCDIR)|g' -e 's|@VERSION@|$(VERSION)|g' \
+	-e 's|@MPS_CONTROL@|$(MPS_CONTROL)|g'
+D := $(DESTDIR)
+
+install: $(BINS) $(LIBS)
+	install -d $(D)$(BINDIR) $(D)$(LIBDIR)/pkgconfig $(D)$(INCDIR) $(D)$(DOCDIR) \
+		$(D)$(UNITDIR)/mokd@.service.d $(D)$(SYSUSERSDIR) $(D)$(TMPFILESDIR) \
+		$(D)$(SYSCONFDIR)/mok $(D)$(PYTHON_SITEDIR)/mok
+	install -m 0755 $(BUILD)/bin/mokd $(BUILD)/bin/mokctl $(D)$(BINDIR)/
+	install -m 0755 $(BUILD)/lib/libmok.so $(D)$(LIBDIR)/libmok.so.1
+	ln -sf libmok.so.1 $(D)$(LIBDIR)/libmok.so
+	install -m 0644 $(BUILD)/lib/libmok.a $(D)$(LIBDIR)/
+	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h $(D)$(INCDIR)/
+	$(SUBST) deploy/mok.pc.in > $(D)$(LIBDIR)/pkgconfig/mok.pc
+	install -m 0644 client/python/mok/*.py $(D)$(PYTHON_SITEDIR)/mok/
+	$(MAKE) --no-print-directory units UNITS_OUT=$(D)$(UNITDIR)
+	install -m 0644 deploy/systemd/mok-sysusers.conf $(D)$(SYSUSERSDIR)/mok.conf
+	install -m 0644 deploy/systemd/mok-tmpfiles.conf $(D)$(TMPFILESDIR)/mok.conf
+	install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
+	test -e $(D)$(SYSCONFDIR)/mok/mokd.conf || install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf
+	install -m 0644 README.md docs/math.md docs/decisions.md $(D)$(DOCDIR)/
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ]; then ldconfig; \
+	  command -v systemd-sysusers >/dev/null && systemd-sysusers $(SYSUSERSDIR)/mok.conf || true; \
+	  command -v systemctl >/dev/null && systemctl daemon-reload 2>/dev/null || true; fi
+
+# the systemd units with this build's paths filled in
+UNITS_OUT ?= $(BUILD)/units
+units:
+	install -d $(UNITS_OUT)/mokd@.service.d
+	$(SUBST) deploy/systemd/mokd@.service.in > $(UNITS_OUT)/mokd@.service
+	$(SUBST) deploy/systemd/mokd@.socket.in > $(UNITS_OUT)/mokd@.socket
+	$(SUBST) deploy/systemd/nvidia-mps.service.in > $(UNITS_OUT)/nvidia-mps.service
+	install -m 0644 deploy/systemd/mok.target $(UNITS_OUT)/
+	install -m 0644 deploy/systemd/mokd@.service.d/10-mps.conf $(UNITS_OUT)/mokd@.service.d/
+
+uninstall:
+	rm -f $(D)$(BINDIR)/mokd $(D)$(BINDIR)/mokctl $(D)$(LIBDIR)/libmok.so.1 $(D)$(LIBDIR)/libmok.so \
+		$(D)$(LIBDIR)/libmok.a $(D)$(LIBDIR)/pkgconfig/mok.pc \
+		$(D)$(UNITDIR)/mokd@.service $(D)$(UNITDIR)/mokd@.socket $(D)$(UNITDIR)/nvidia-mps.service \
+		$(D)$(UNITDIR)/mok.target $(D)$(UNITDIR)/mokd@.service.d/10-mps.conf \
+		$(D)$(SYSUSERSDIR)/mok.conf $(D)$(TMPFILESDIR)/mok.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
+	rm -rf $(D)$(INCDIR) $(D)$(DOCDIR) $(D)$(PYTHON_SITEDIR)/mok
+	-rmdir $(D)$(UNITDIR)/mokd@.service.d 2>/dev/null
+	@echo "uninstall: kept $(SYSCONFDIR)/mok/mokd.conf (your configuration)"
 
 setup:
 	deploy/setup.sh

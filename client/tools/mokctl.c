@@ -1,52 +1,179 @@
 /* mokctl: ask a running mokd how it is doing.
  *
- *   mokctl [--socket PATH] status
+ *   mokctl [--socket PATH] status [--json]
+ *   mokctl [--socket PATH] metrics          (Prometheus text format)
  */
 #include <stdio.h>
 #include <string.h>
 
+#include "internal.h"
 #include "mok.h"
 
-static int status(const char *socket_path) {
+static Mok__StatsReply *fetch_stats(mok_client *c, Mok__Reply **ret_reply) {
+  Mok__Stats st = MOK__STATS__INIT;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_STATS;
+  req.stats = &st;
+  pthread_mutex_lock(&c->lock);
+  int r = mok_rpc(c, &req, NULL, 0, ret_reply, NULL, NULL);
+  pthread_mutex_unlock(&c->lock);
+  if (r != MOK_OK) return NULL;
+  if ((*ret_reply)->body_case != MOK__REPLY__BODY_STATS) {
+    mok_set_error(MOK_EPROTO, "stats reply without stats");
+    return NULL;
+  }
+  return (*ret_reply)->stats;
+}
+
+/* JSON string: escape quotes, backslashes and control characters. */
+static void json_str(const char *s) {
+  putchar('"');
+  for (; *s; s++) {
+    unsigned char ch = (unsigned char)*s;
+    if (ch == '"' || ch == '\\') printf("\\%c", ch);
+    else if (ch < 0x20) printf("\\u%04x", ch);
+    else putchar(ch);
+  }
+  putchar('"');
+}
+
+static void print_text(const Mok__StatsReply *s) {
+  printf("mokd %s, %s engine on %s\n", s->daemon_version, s->engine, s->device);
+  printf("uptime:       %.1f s\n", (double)s->uptime_ms / 1000.0);
+  printf("jobs:         %llu done, %llu failed\n", (unsigned long long)s->jobs_done,
+         (unsigned long long)s->jobs_failed);
+  printf("job latency:  p50 %.1f us, p99 %.1f us (engine time, recent jobs)\n",
+         (double)s->job_latency_p50_ns / 1e3, (double)s->job_latency_p99_ns / 1e3);
+  printf("sessions:     %zu now (this one included), %llu since start\n", s->n_sessions,
+         (unsigned long long)s->sessions_total);
+  printf("  %-8s %-20s %6s %8s %8s %12s %7s %10s %8s\n", "session", "client", "uid", "pid",
+         "regions", "bytes", "layers", "jobs", "failed");
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Mok__SessionInfo *x = s->sessions[i];
+    printf("  %-8llu %-20.20s %6u %8u %8u %12llu %7u %10llu %8llu\n",
+           (unsigned long long)x->session_id, x->client_name, x->uid, x->pid, x->regions,
+           (unsigned long long)x->region_bytes, x->layers, (unsigned long long)x->jobs_done,
+           (unsigned long long)x->jobs_failed);
+  }
+}
+
+static void print_json(const Mok__StatsReply *s) {
+  printf("{\"version\": ");
+  json_str(s->daemon_version);
+  printf(", \"engine\": ");
+  json_str(s->engine);
+  printf(", \"device\": ");
+  json_str(s->device);
+  printf(", \"uptime_ms\": %llu, \"jobs_done\": %llu, \"jobs_failed\": %llu, "
+         "\"latency_p50_ns\": %llu, \"latency_p99_ns\": %llu, \"sessions_total\": %llu, "
+         "\"sessions\": [",
+         (unsigned long long)s->uptime_ms, (unsigned long long)s->jobs_done,
+         (unsigned long long)s->jobs_failed, (unsigned long long)s->job_latency_p50_ns,
+         (unsigned long long)s->job_latency_p99_ns, (unsigned long long)s->sessions_total);
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Mok__SessionInfo *x = s->sessions[i];
+    printf("%s{\"id\": %llu, \"client\": ", i ? ", " : "", (unsigned long long)x->session_id);
+    json_str(x->client_name);
+    printf(", \"uid\": %u, \"pid\": %u, \"regions\": %u, \"region_bytes\": %llu, "
+           "\"layers\": %u, \"jobs_done\": %llu, \"jobs_failed\": %llu}",
+           x->uid, x->pid, x->regions, (unsigned long long)x->region_bytes, x->layers,
+           (unsigned long long)x->jobs_done, (unsigned long long)x->jobs_failed);
+  }
+  printf("]}\n");
+}
+
+static void metric(const char *name, const char *type, const char *help) {
+  printf("# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* Prometheus label values: escape backslash, quote and newline. */
+static void label_value(const char *s) {
+  for (; *s; s++) {
+    if (*s == '\\' || *s == '"') printf("\\%c", *s);
+    else if (*s == '\n') printf("\\n");
+    else putchar(*s);
+  }
+}
+
+static void print_metrics(const Mok__StatsReply *s) {
+  metric("mok_up", "gauge", "1 when mokd answered");
+  printf("mok_up{engine=\"");
+  label_value(s->engine);
+  printf("\",version=\"");
+  label_value(s->daemon_version);
+  printf("\"} 1\n");
+  metric("mok_uptime_seconds", "gauge", "Seconds since mokd started");
+  printf("mok_uptime_seconds %.3f\n", (double)s->uptime_ms / 1000.0);
+  metric("mok_jobs_total", "counter", "Jobs completed, by result");
+  printf("mok_jobs_total{result=\"ok\"} %llu\n", (unsigned long long)s->jobs_done);
+  printf("mok_jobs_total{result=\"failed\"} %llu\n", (unsigned long long)s->jobs_failed);
+  metric("mok_job_latency_seconds", "gauge", "Engine time of recent jobs, by quantile");
+  printf("mok_job_latency_seconds{quantile=\"0.5\"} %.9f\n", (double)s->job_latency_p50_ns / 1e9);
+  printf("mok_job_latency_seconds{quantile=\"0.99\"} %.9f\n", (double)s->job_latency_p99_ns / 1e9);
+  metric("mok_sessions", "gauge", "Sessions connected now (mokctl's own included)");
+  printf("mok_sessions %zu\n", s->n_sessions);
+  metric("mok_sessions_total", "counter", "Sessions accepted since start");
+  printf("mok_sessions_total %llu\n", (unsigned long long)s->sessions_total);
+  metric("mok_session_region_bytes", "gauge", "Bytes registered, by session");
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Mok__SessionInfo *x = s->sessions[i];
+    printf("mok_session_region_bytes{session=\"%llu\",client=\"", (unsigned long long)x->session_id);
+    label_value(x->client_name);
+    printf("\",uid=\"%u\"} %llu\n", x->uid, (unsigned long long)x->region_bytes);
+  }
+  metric("mok_session_jobs_total", "counter", "Jobs completed, by session and result");
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Mok__SessionInfo *x = s->sessions[i];
+    printf("mok_session_jobs_total{session=\"%llu\",result=\"ok\"} %llu\n",
+           (unsigned long long)x->session_id, (unsigned long long)x->jobs_done);
+    printf("mok_session_jobs_total{session=\"%llu\",result=\"failed\"} %llu\n",
+           (unsigned long long)x->session_id, (unsigned long long)x->jobs_failed);
+  }
+}
+
+static int usage(FILE *to, int code) {
+  fprintf(to, "usage: mokctl [--socket PATH] status [--json]\n"
+              "       mokctl [--socket PATH] metrics\n"
+              "The socket defaults to $MOK_SOCKET, else %s.\n",
+          MOK_DEFAULT_SOCKET);
+  return code;
+}
+
+int main(int argc, char **argv) {
+  const char *socket_path = NULL, *cmd = NULL;
+  int json = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) socket_path = argv[++i];
+    else if (strncmp(argv[i], "--socket=", 9) == 0) socket_path = argv[i] + 9;
+    else if (strcmp(argv[i], "--json") == 0) json = 1;
+    else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "help") == 0) return usage(stdout, 0);
+    else if (!cmd) cmd = argv[i];
+    else return usage(stderr, 2);
+  }
+  if (!cmd) cmd = "status";
+  if (strcmp(cmd, "status") != 0 && strcmp(cmd, "metrics") != 0) {
+    fprintf(stderr, "mokctl: unknown command \"%s\"\n", cmd);
+    return usage(stderr, 2);
+  }
   mok_client *c;
   if (mok_connect(socket_path, "mokctl", &c) != MOK_OK) {
     fprintf(stderr, "mokctl: %s\n", mok_last_error());
     return 1;
   }
-  mok_daemon_stats st;
-  int r = mok_stats(c, &st);
-  if (r != MOK_OK) {
+  Mok__Reply *reply = NULL;
+  Mok__StatsReply *s = fetch_stats(c, &reply);
+  int code = 0;
+  if (!s) {
     fprintf(stderr, "mokctl: %s\n", mok_last_error());
-    mok_close(c);
-    return 1;
+    code = 1;
+  } else if (strcmp(cmd, "metrics") == 0) {
+    print_metrics(s);
+  } else if (json) {
+    print_json(s);
+  } else {
+    print_text(s);
   }
-  printf("engine:        %s\n", mok_client_engine(c));
-  printf("device:        %s\n", mok_client_device(c));
-  printf("uptime:        %.1f s\n", (double)st.uptime_ms / 1000.0);
-  printf("sessions:      %llu now (this one included), %llu since start\n",
-         (unsigned long long)st.sessions_now, (unsigned long long)st.sessions_total);
-  printf("jobs:          %llu done, %llu failed\n", (unsigned long long)st.jobs_done,
-         (unsigned long long)st.jobs_failed);
-  printf("job latency:   p50 %.1f us, p99 %.1f us (engine time, recent jobs)\n",
-         (double)st.latency_p50_ns / 1000.0, (double)st.latency_p99_ns / 1000.0);
+  if (reply) mok__reply__free_unpacked(reply, NULL);
   mok_close(c);
-  return 0;
-}
-
-int main(int argc, char **argv) {
-  const char *socket_path = NULL;
-  int i = 1;
-  for (; i < argc; i++) {
-    if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) socket_path = argv[++i];
-    else if (strncmp(argv[i], "--socket=", 9) == 0) socket_path = argv[i] + 9;
-    else break;
-  }
-  const char *cmd = i < argc ? argv[i] : "status";
-  if (strcmp(cmd, "status") == 0) return status(socket_path);
-  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
-    printf("usage: mokctl [--socket PATH] status\n");
-    return 0;
-  }
-  fprintf(stderr, "mokctl: unknown command \"%s\" (try: status)\n", cmd);
-  return 2;
+  return code;
 }
