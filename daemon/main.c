@@ -34,7 +34,7 @@ static void usage(FILE *to) {
 static int take_activated_socket(mok_server_config *cfg) {
   int n = sd_listen_fds(1);
   if (n < 0) {
-    fprintf(stderr, "mokd: sd_listen_fds: %s\n", strerror(-n));
+    fprintf(stderr, "mokd: socket activation (LISTEN_FDS): %s\n", strerror(-n));
     return -1;
   }
   if (n == 0) return 0;
