@@ -48,6 +48,8 @@ typedef struct server {
   bool own_socket_path; /* we created it, so we unlink it */
   uv_poll_t listen_poll;
   uv_signal_t sigterm, sigint;
+  uv_timer_t watchdog;
+  bool watchdog_on;
   uv_async_t engine_done;
   mok_engine_thread *engine;
   session *sessions;
@@ -646,6 +648,24 @@ static void begin_shutdown(server *srv, const char *why) {
   uv_close((uv_handle_t *)&srv->sigterm, NULL);
   uv_close((uv_handle_t *)&srv->sigint, NULL);
   uv_close((uv_handle_t *)&srv->engine_done, NULL);
+  if (srv->watchdog_on) uv_close((uv_handle_t *)&srv->watchdog, NULL);
+}
+
+/* systemd's watchdog: ping from the loop at half the interval, so a stuck
+ * loop gets the service restarted. */
+static void on_watchdog(uv_timer_t *t) {
+  (void)t;
+  sd_notify(0, "WATCHDOG=1");
+}
+
+static void start_watchdog(server *srv) {
+  uint64_t usec = 0;
+  if (sd_watchdog_enabled(0, &usec) <= 0 || usec == 0) return;
+  uint64_t every_ms = usec / 2000u ? usec / 2000u : 1;
+  uv_timer_init(srv->loop, &srv->watchdog);
+  uv_timer_start(&srv->watchdog, on_watchdog, 0, every_ms);
+  srv->watchdog_on = true;
+  log_info("systemd watchdog: pinging every %llu ms", (unsigned long long)every_ms);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -692,6 +712,7 @@ int mok_server_run(const mok_server_config *cfg) {
   log_info("mokd %s serving %s with the %s engine (%s)", MOK_VERSION, cfg->socket_path,
            ops->name, mok_engine_thread_describe(srv.engine));
   sd_notifyf(0, "READY=1\nSTATUS=serving %s (%s engine)", cfg->socket_path, ops->name);
+  start_watchdog(&srv);
   uv_run(srv.loop, UV_RUN_DEFAULT);
   exit_code = 0;
 out:
