@@ -9,10 +9,51 @@
 
 #include "log.h"
 
-/* Strings outlive the parse: the config is read once at start-up. */
-static const char *keep_string(const char *v) {
-  char *copy = strdup(v);
-  return copy ? copy : v;
+/* Strings outlive the parse (the config is read once at start-up). Each key
+ * owns one copy: setting it again frees the old one, and the copies stay
+ * reachable from here, so nothing leaks however often a key is set. */
+static struct {
+  const char *key;
+  char *value;
+} owned[] = {{"socket", NULL}, {"engine", NULL}, {"socket-group", NULL}};
+
+static const char *keep_string(const char *key, const char *v) {
+  for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++) {
+    if (strcmp(owned[i].key, key)) continue;
+    char *copy = strdup(v);
+    if (!copy) return NULL;
+    free(owned[i].value);
+    owned[i].value = copy;
+    return copy;
+  }
+  return NULL;
+}
+
+/* "0,1000, 1001": at most MOK_ALLOW_MAX ids, each below 2^32-1 ((uid_t)-1
+ * means "no id"); an empty value empties the list. */
+static int parse_id_list(const char *v, uint32_t *ids, uint32_t *ret_n) {
+  uint32_t n = 0;
+  const char *p = v;
+  while (*p == ' ' || *p == '\t') p++;
+  if (!*p) {
+    *ret_n = 0;
+    return 0;
+  }
+  for (;;) {
+    while (*p == ' ' || *p == '\t') p++;
+    if (*p < '0' || *p > '9' || n == MOK_ALLOW_MAX) return -1;
+    errno = 0;
+    char *end;
+    unsigned long long x = strtoull(p, &end, 10);
+    if (errno || x >= UINT32_MAX) return -1;
+    ids[n++] = (uint32_t)x;
+    p = end;
+    while (*p == ' ' || *p == '\t') p++;
+    if (!*p) break;
+    if (*p++ != ',') return -1;
+  }
+  *ret_n = n;
+  return 0;
 }
 
 static int parse_u64(const char *v, uint64_t max, uint64_t *ret, int base) {
@@ -29,9 +70,24 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
                    size_t errlen) {
   uint64_t n;
   if (strcmp(key, "socket") == 0) {
-    cfg->socket_path = keep_string(value);
+    if (!*value || !(cfg->socket_path = keep_string("socket", value))) goto bad;
   } else if (strcmp(key, "engine") == 0) {
-    cfg->engine = keep_string(value);
+    if (!*value || !(cfg->engine = keep_string("engine", value))) goto bad;
+  } else if (strcmp(key, "socket-group") == 0 || strcmp(key, "socket_group") == 0) {
+    /* resolved when the socket is made, so a missing group fails start-up */
+    if (!*value) cfg->socket_group = NULL;
+    else if (strlen(value) > 64 || !(cfg->socket_group = keep_string("socket-group", value)))
+      goto bad;
+  } else if (strcmp(key, "allow-uids") == 0 || strcmp(key, "allow_uids") == 0) {
+    uint32_t ids[MOK_ALLOW_MAX], count;
+    if (parse_id_list(value, ids, &count)) goto bad;
+    memcpy(cfg->allow_uids, ids, count * sizeof ids[0]);
+    cfg->n_allow_uids = count;
+  } else if (strcmp(key, "allow-gids") == 0 || strcmp(key, "allow_gids") == 0) {
+    uint32_t ids[MOK_ALLOW_MAX], count;
+    if (parse_id_list(value, ids, &count)) goto bad;
+    memcpy(cfg->allow_gids, ids, count * sizeof ids[0]);
+    cfg->n_allow_gids = count;
   } else if (strcmp(key, "log-level") == 0 || strcmp(key, "log_level") == 0) {
     int l = mok_log_parse_level(value);
     if (l < 0) goto bad;
@@ -50,6 +106,10 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
       {"max-regions", 1u << 20, &cfg->limits.max_regions, 4},
       {"max-region-bytes", UINT64_MAX, &cfg->limits.max_region_bytes, 8},
       {"max-layers", 65536, &cfg->limits.max_layers, 4},
+      {"max-sessions-per-uid", 65536, &cfg->max_sessions_per_uid, 4},
+      {"max-regions-per-uid", 1u << 24, &cfg->max_regions_per_uid, 4},
+      {"max-region-bytes-per-uid", UINT64_MAX, &cfg->max_region_bytes_per_uid, 8},
+      {"max-layers-per-uid", 1u << 24, &cfg->max_layers_per_uid, 4},
     };
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
       char alt[64];

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -22,6 +23,26 @@
 #include "mok.pb-c.h"
 #include "mok_status.h"
 #include "region.h"
+#include "request.h"
+
+/* What one uid holds across all its sessions (the per-uid quotas). Regions
+ * and layers are counted when their request is sent to the engine thread
+ * (reserved), un-counted when it fails or when they are released; a dead
+ * session's share is released once the engine thread has detached it, i.e.
+ * once its memory is really unmapped. */
+typedef struct uid_usage {
+  uid_t uid;
+  uint32_t sessions;
+  uint32_t regions;
+  uint64_t region_bytes;
+  uint32_t layers;
+  struct uid_usage *next;
+} uid_usage;
+
+typedef struct region_rec {
+  uint32_t id;
+  uint64_t bytes;
+} region_rec;
 
 /* Loop-side half of a session: the socket, identity, protocol state. The
  * engine-side half (rings, regions, layers) lives on the engine thread. */
@@ -38,6 +59,11 @@ typedef struct session {
   bool closing;
   int open_handles;  /* poll and timer; freed when both closed and no cmd pending */
   uint32_t pending;  /* engine commands not yet back */
+  uid_usage *user;   /* this session's uid: what it holds counts there */
+  uint32_t regions, layers; /* this session's share of user's counts */
+  uint64_t region_bytes;
+  region_rec *recs;  /* registered regions, for unregister */
+  size_t n_recs, cap_recs;
   struct session *next;
 } session;
 
@@ -53,7 +79,10 @@ typedef struct server {
   uv_async_t engine_done;
   mok_engine_thread *engine;
   session *sessions;
+  uid_usage *users;
   uint32_t n_sessions;
+  uint64_t refused_window_ms; /* rate limit for logging refused connections */
+  uint32_t refused_in_window;
   uint64_t next_session_id;
   uint64_t sessions_total;
   uint64_t epoch;
@@ -77,6 +106,7 @@ void mok_server_config_defaults(mok_server_config *cfg) {
   cfg->limits.max_regions = 4096;
   cfg->limits.max_region_bytes = 64ull << 30;
   cfg->limits.max_layers = 256;
+  cfg->max_sessions_per_uid = 64;
 }
 
 static uint64_t now_ms(void) {
@@ -140,6 +170,20 @@ static void session_maybe_free(session *s) {
     break;
   }
   srv->n_sessions--;
+  uid_usage *u = s->user;
+  u->sessions--;
+  u->regions -= s->regions;
+  u->region_bytes -= s->region_bytes;
+  u->layers -= s->layers;
+  if (u->sessions == 0) {
+    for (uid_usage **p = &srv->users; *p; p = &(*p)->next) {
+      if (*p != u) continue;
+      *p = u->next;
+      break;
+    }
+    free(u);
+  }
+  free(s->recs);
   free(s);
 }
 
@@ -188,19 +232,11 @@ static session *find_session(server *srv, uint64_t id) {
 
 /* ---- requests -------------------------------------------------------------- */
 
-static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m, mok_frame *f) {
-  if (s->hello_done) {
-    protocol_error(s, rid, MOK_EPROTO, "Hello sent twice");
-    return;
-  }
-  if (m->protocol_version != MOK_PROTOCOL_VERSION) {
-    char why[128];
-    snprintf(why, sizeof why, "client speaks protocol %u, this mokd speaks %u",
-             m->protocol_version, MOK_PROTOCOL_VERSION);
-    protocol_error(s, rid, MOK_EVERSION, why);
-    return;
-  }
+static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m) {
+  /* the client's name goes into logs and stats: printable ASCII only */
   snprintf(s->name, sizeof s->name, "%s", m->client_name ? m->client_name : "");
+  for (char *p = s->name; *p; p++)
+    if (*p < 0x20 || *p > 0x7e) *p = '?';
   mok_cmd *c = new_cmd(s, MOK_CMD_ATTACH, rid);
   if (!c) {
     protocol_error(s, rid, MOK_ENOMEM, "out of memory");
@@ -242,32 +278,54 @@ static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m, mok_fram
   s->attached = true;
   uv_timer_stop(&s->hello_timer);
   submit_cmd(s, c); /* the HelloReply went already: a failed attach closes the session */
-  (void)f;
   log_info("session %llu: hello from \"%s\" (uid %d, pid %d)", (unsigned long long)s->id, s->name,
            (int)s->cred.uid, (int)s->cred.pid);
 }
 
-static void handle_register(session *s, uint32_t rid, const Mok__RegisterBuffer *m, mok_frame *f) {
-  size_t want_fds = 0;
-  int kind = 0;
-  switch (m->kind) {
-  case MOK__BUFFER_KIND__BUFFER_HOST_MEMFD: want_fds = 1, kind = MOK_REGION_HOST_MEMFD; break;
-  case MOK__BUFFER_KIND__BUFFER_CUDA_VMM_FD: want_fds = 1, kind = MOK_REGION_CUDA_VMM; break;
-  case MOK__BUFFER_KIND__BUFFER_CUDA_IPC: want_fds = 0, kind = MOK_REGION_CUDA_IPC; break;
-  default:
-    mok_frame_close_fds(f);
-    reply_status(s, rid, MOK_EINVAL, "unknown buffer kind %d", (int)m->kind);
-    return;
+/* Per-uid quotas: refuse (ELIMIT, the session stays) what would exceed one. */
+static bool uid_quota_refuses(session *s, uint32_t rid, uint32_t regions, uint64_t bytes,
+                              uint32_t layers) {
+  const mok_server_config *cfg = &s->srv->cfg;
+  const uid_usage *u = s->user;
+  if (regions && cfg->max_regions_per_uid && u->regions + regions > cfg->max_regions_per_uid) {
+    reply_status(s, rid, MOK_ELIMIT,
+                 "uid %u already has %u regions across its sessions (max-regions-per-uid %u)",
+                 (unsigned)u->uid, u->regions, cfg->max_regions_per_uid);
+    return true;
   }
-  if (f->nfds != want_fds) {
-    mok_frame_close_fds(f);
-    reply_status(s, rid, MOK_EINVAL, "this buffer kind takes %zu fd(s), %zu came", want_fds,
-                 f->nfds);
-    return;
+  if (bytes && cfg->max_region_bytes_per_uid &&
+      bytes > cfg->max_region_bytes_per_uid - u->region_bytes) {
+    reply_status(s, rid, MOK_ELIMIT,
+                 "registering %llu bytes would exceed the quota of uid %u: %llu bytes in use "
+                 "across its sessions (max-region-bytes-per-uid %llu)",
+                 (unsigned long long)bytes, (unsigned)u->uid,
+                 (unsigned long long)u->region_bytes,
+                 (unsigned long long)cfg->max_region_bytes_per_uid);
+    return true;
   }
-  if (kind == MOK_REGION_CUDA_IPC && m->cuda_ipc_handle.len != 64) {
-    reply_status(s, rid, MOK_EINVAL, "a CUDA IPC handle is 64 bytes, got %zu",
-                 m->cuda_ipc_handle.len);
+  if (layers && cfg->max_layers_per_uid && u->layers + layers > cfg->max_layers_per_uid) {
+    reply_status(s, rid, MOK_ELIMIT,
+                 "uid %u already has %u layers across its sessions (max-layers-per-uid %u)",
+                 (unsigned)u->uid, u->layers, cfg->max_layers_per_uid);
+    return true;
+  }
+  return false;
+}
+
+static void count_regions(session *s, int sign, uint64_t bytes) {
+  s->regions += (uint32_t)sign, s->user->regions += (uint32_t)sign;
+  if (sign > 0) s->region_bytes += bytes, s->user->region_bytes += bytes;
+  else s->region_bytes -= bytes, s->user->region_bytes -= bytes;
+}
+
+static void count_layers(session *s, int sign) {
+  s->layers += (uint32_t)sign, s->user->layers += (uint32_t)sign;
+}
+
+static void handle_register(session *s, uint32_t rid, const mok_request *q, mok_frame *f) {
+  const Mok__RegisterBuffer *m = q->pb->register_buffer;
+  if (uid_quota_refuses(s, rid, 1, m->bytes, 0)) {
+    mok_frame_close_fds(f);
     return;
   }
   mok_cmd *c = new_cmd(s, MOK_CMD_REGISTER, rid);
@@ -276,50 +334,25 @@ static void handle_register(session *s, uint32_t rid, const Mok__RegisterBuffer 
     reply_status(s, rid, MOK_ENOMEM, "out of memory");
     return;
   }
-  c->in.reg.kind = kind;
-  c->in.reg.fd = want_fds ? f->fds[0] : -1;
+  c->in.reg.kind = q->region_kind;
+  c->in.reg.fd = q->want_fds ? f->fds[0] : -1;
   f->nfds = 0; /* the engine owns the fd now */
   c->in.reg.offset = m->offset;
   c->in.reg.bytes = m->bytes;
-  if (kind == MOK_REGION_CUDA_IPC) memcpy(c->in.reg.ipc_handle, m->cuda_ipc_handle.data, 64);
+  if (q->region_kind == MOK_REGION_CUDA_IPC) memcpy(c->in.reg.ipc_handle, m->cuda_ipc_handle.data, 64);
+  count_regions(s, +1, m->bytes); /* reserved; given back if the engine refuses */
   submit_cmd(s, c);
 }
 
-static void handle_create_layer(session *s, uint32_t rid, const Mok__CreateLayer *m) {
-  if (!m->config) {
-    reply_status(s, rid, MOK_EINVAL, "CreateLayer without a config");
-    return;
-  }
-  const Mok__LayerConfig *lc = m->config;
-  if (lc->group_id != 0) {
-    reply_status(s, rid, MOK_EUNSUPPORTED, "expert-parallel groups are not implemented yet");
-    return;
-  }
-  mok_layer_config cfg = {
-      .hidden = lc->hidden,
-      .intermediate = lc->intermediate,
-      .experts = lc->experts,
-      .topk = lc->topk,
-      .shared_intermediate = lc->shared_intermediate,
-      .max_tokens = lc->max_tokens,
-      .dtype = lc->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
-               : lc->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
-                                                     : MOK_DTYPE_INVALID,
-      .has_limit = lc->has_swiglu_limit,
-      .swiglu_limit = lc->swiglu_limit,
-  };
-  char err[256];
-  int r = mok_layer_validate(&cfg, err, sizeof err);
-  if (r != MOK_OK) {
-    reply_status(s, rid, r, "%s", err);
-    return;
-  }
+static void handle_create_layer(session *s, uint32_t rid, const mok_request *q) {
+  if (uid_quota_refuses(s, rid, 0, 0, 1)) return;
   mok_cmd *c = new_cmd(s, MOK_CMD_CREATE_LAYER, rid);
   if (!c) {
     reply_status(s, rid, MOK_ENOMEM, "out of memory");
     return;
   }
-  c->in.layer = cfg;
+  c->in.layer = q->layer;
+  count_layers(s, +1);
   submit_cmd(s, c);
 }
 
@@ -333,54 +366,48 @@ static void handle_simple_cmd(session *s, uint32_t rid, mok_cmd_kind kind, uint3
   submit_cmd(s, c);
 }
 
+/* Decoding and per-message validation live in request.c (pure, fuzzed);
+ * here: the session's state, then the dispatch to the engine thread. */
 static void handle_request(session *s, mok_frame *f) {
   uint32_t rid = f->hdr.request_id;
-  Mok__Request *req = mok__request__unpack(NULL, f->len, f->payload);
-  if (!req) {
+  mok_request q;
+  mok_request_verdict v = mok_request_decode(f->payload, f->len, f->nfds, s->hello_done, &q);
+  if (v == MOK_REQ_OK && s->pending >= s->srv->cfg.max_pending_requests &&
+      q.pb->body_case != MOK__REQUEST__BODY_GOODBYE) {
+    q.status = MOK_ELIMIT;
+    snprintf(q.message, sizeof q.message, "more than %u requests awaiting replies",
+             s->srv->cfg.max_pending_requests);
+    v = MOK_REQ_REPLY;
+  }
+  if (v == MOK_REQ_OK) v = mok_request_validate(&q, f->nfds, s->hello_done);
+  if (v != MOK_REQ_OK) {
     mok_frame_close_fds(f);
-    protocol_error(s, rid, MOK_EPROTO, "malformed request: protobuf decoding failed");
+    if (v == MOK_REQ_CLOSE) protocol_error(s, rid, q.status, q.message);
+    else reply_status(s, rid, q.status, "%s", q.message);
+    mok_request_free(&q);
     return;
   }
-  bool takes_fds = req->body_case == MOK__REQUEST__BODY_REGISTER_BUFFER;
-  if (req->body_case == MOK__REQUEST__BODY__NOT_SET) {
-    mok_frame_close_fds(f);
-    protocol_error(s, rid, MOK_EPROTO, "unknown message (a newer client, or not a mok request)");
-  } else if (f->nfds && !takes_fds) {
-    mok_frame_close_fds(f);
-    protocol_error(s, rid, MOK_EPROTO, "file descriptors sent with a message that takes none");
-  } else if (!s->hello_done && req->body_case != MOK__REQUEST__BODY_HELLO) {
-    mok_frame_close_fds(f);
-    protocol_error(s, rid, MOK_EPROTO, "the first message must be Hello");
-  } else if (s->pending >= s->srv->cfg.max_pending_requests &&
-             req->body_case != MOK__REQUEST__BODY_GOODBYE) {
-    mok_frame_close_fds(f);
-    reply_status(s, rid, MOK_ELIMIT, "more than %u requests awaiting replies",
-                 s->srv->cfg.max_pending_requests);
-  } else {
-    switch (req->body_case) {
-    case MOK__REQUEST__BODY_HELLO: handle_hello(s, rid, req->hello, f); break;
-    case MOK__REQUEST__BODY_REGISTER_BUFFER: handle_register(s, rid, req->register_buffer, f); break;
-    case MOK__REQUEST__BODY_UNREGISTER_BUFFER:
-      handle_simple_cmd(s, rid, MOK_CMD_UNREGISTER, req->unregister_buffer->region_id);
-      break;
-    case MOK__REQUEST__BODY_CREATE_LAYER: handle_create_layer(s, rid, req->create_layer); break;
-    case MOK__REQUEST__BODY_DESTROY_LAYER:
-      handle_simple_cmd(s, rid, MOK_CMD_DESTROY_LAYER, req->destroy_layer->layer_id);
-      break;
-    case MOK__REQUEST__BODY_JOIN_GROUP:
-      reply_status(s, rid, MOK_EUNSUPPORTED,
-                   "expert-parallel groups are not implemented in this mokd yet");
-      break;
-    case MOK__REQUEST__BODY_STATS: handle_simple_cmd(s, rid, MOK_CMD_STATS, 0); break;
-    case MOK__REQUEST__BODY_GOODBYE:
-      reply_status(s, rid, MOK_OK, "goodbye");
-      session_close(s, "said goodbye");
-      break;
-    default:
-      protocol_error(s, rid, MOK_EPROTO, "unknown message");
-    }
+  const Mok__Request *req = q.pb;
+  switch (req->body_case) {
+  case MOK__REQUEST__BODY_HELLO: handle_hello(s, rid, req->hello); break;
+  case MOK__REQUEST__BODY_REGISTER_BUFFER: handle_register(s, rid, &q, f); break;
+  case MOK__REQUEST__BODY_UNREGISTER_BUFFER:
+    handle_simple_cmd(s, rid, MOK_CMD_UNREGISTER, req->unregister_buffer->region_id);
+    break;
+  case MOK__REQUEST__BODY_CREATE_LAYER: handle_create_layer(s, rid, &q); break;
+  case MOK__REQUEST__BODY_DESTROY_LAYER:
+    handle_simple_cmd(s, rid, MOK_CMD_DESTROY_LAYER, req->destroy_layer->layer_id);
+    break;
+  case MOK__REQUEST__BODY_STATS: handle_simple_cmd(s, rid, MOK_CMD_STATS, 0); break;
+  case MOK__REQUEST__BODY_GOODBYE:
+    reply_status(s, rid, MOK_OK, "goodbye");
+    session_close(s, "said goodbye");
+    break;
+  default: /* mok_request_validate refused every other body */
+    protocol_error(s, rid, MOK_EPROTO, "unknown message");
   }
-  mok__request__free_unpacked(req, NULL);
+  mok_frame_close_fds(f); /* none left unless a handler failed to take them */
+  mok_request_free(&q);
 }
 
 static void on_session_readable(uv_poll_t *h, int status, int events) {
@@ -426,6 +453,73 @@ static void on_hello_timeout(uv_timer_t *t) {
   protocol_error(s, 0, MOK_ETIMEOUT, "no Hello within the handshake timeout");
 }
 
+static bool id_listed(const uint32_t *ids, uint32_t n, uint32_t id) {
+  for (uint32_t i = 0; i < n; i++)
+    if (ids[i] == id) return true;
+  return false;
+}
+
+/* allow-uids / allow-gids against the peer's credentials (its supplementary
+ * groups too, through SO_PEERGROUPS). No list: everyone who can open the
+ * socket (its mode and group are the outer gate). */
+static bool peer_allowed(const server *srv, int fd, const struct ucred *cr) {
+  const mok_server_config *cfg = &srv->cfg;
+  if (cfg->n_allow_uids == 0 && cfg->n_allow_gids == 0) return true;
+  if (id_listed(cfg->allow_uids, cfg->n_allow_uids, cr->uid)) return true;
+  if (cfg->n_allow_gids == 0) return false;
+  if (id_listed(cfg->allow_gids, cfg->n_allow_gids, cr->gid)) return true;
+  gid_t small[64], *groups = small;
+  socklen_t len = sizeof small;
+  bool ok = false;
+  int r = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+  if (r < 0 && errno == ERANGE && len > 0 && (groups = malloc(len)) != NULL)
+    r = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+  if (r == 0)
+    for (size_t i = 0; i < len / sizeof(gid_t) && !ok; i++)
+      ok = id_listed(cfg->allow_gids, cfg->n_allow_gids, groups[i]);
+  if (groups != small) free(groups);
+  return ok;
+}
+
+/* One error reply on a connection that never becomes a session, then close
+ * it. The peer reads it as the answer to its Hello (request id 0). Logged
+ * with the peer's identity, at most 10 times a minute. */
+static void refuse_connection(server *srv, int fd, const struct ucred *cr, int status,
+                              const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static void refuse_connection(server *srv, int fd, const struct ucred *cr, int status,
+                              const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  Mok__Reply reply = MOK__REPLY__INIT;
+  reply.status = status;
+  reply.message = msg;
+  uint8_t buf[512];
+  if (mok__reply__get_packed_size(&reply) <= sizeof buf) {
+    size_t n = mok__reply__pack(&reply, buf);
+    (void)mok_frame_send(fd, 0, buf, n, NULL, 0); /* non-blocking: best effort */
+  }
+  close(fd);
+  uint64_t now = now_ms();
+  if (now - srv->refused_window_ms >= 60000) {
+    if (srv->refused_in_window > 10)
+      log_warn("%u more connections refused in the last minute", srv->refused_in_window - 10);
+    srv->refused_window_ms = now;
+    srv->refused_in_window = 0;
+  }
+  if (++srv->refused_in_window <= 10)
+    log_warn("refused a connection from uid %d gid %d pid %d: %s", (int)cr->uid, (int)cr->gid,
+             (int)cr->pid, msg);
+}
+
+static uid_usage *find_user(server *srv, uid_t uid) {
+  for (uid_usage *u = srv->users; u; u = u->next)
+    if (u->uid == uid) return u;
+  return NULL;
+}
+
 static void on_listen_readable(uv_poll_t *h, int status, int events) {
   server *srv = h->data;
   if (status < 0 || srv->stopping) return;
@@ -436,21 +530,48 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
         log_warn("accept: %s", strerror(errno));
       return;
     }
-    if (srv->n_sessions >= srv->cfg.max_sessions) {
-      log_warn("refusing a connection: %u sessions already (max_sessions)", srv->n_sessions);
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+      log_warn("SO_PEERCRED: %s; closing the connection", strerror(errno));
       close(fd);
+      continue;
+    }
+    if (!peer_allowed(srv, fd, &cred)) {
+      refuse_connection(srv, fd, &cred, MOK_EACCES,
+                        "uid %d (gid %d) may not use this mokd: not in allow-uids/allow-gids",
+                        (int)cred.uid, (int)cred.gid);
+      continue;
+    }
+    if (srv->n_sessions >= srv->cfg.max_sessions) {
+      refuse_connection(srv, fd, &cred, MOK_ELIMIT, "mokd has %u sessions already (max-sessions)",
+                        srv->n_sessions);
+      continue;
+    }
+    uid_usage *u = find_user(srv, cred.uid);
+    if (u && srv->cfg.max_sessions_per_uid && u->sessions >= srv->cfg.max_sessions_per_uid) {
+      refuse_connection(srv, fd, &cred, MOK_ELIMIT,
+                        "uid %d has %u sessions already (max-sessions-per-uid)", (int)cred.uid,
+                        u->sessions);
       continue;
     }
     session *s = calloc(1, sizeof *s);
-    if (!s) {
+    if (!u && s && (u = calloc(1, sizeof *u)) != NULL) {
+      u->uid = cred.uid;
+      u->next = srv->users;
+      srv->users = u;
+    }
+    if (!s || !u) {
+      free(s);
       close(fd);
       continue;
     }
+    u->sessions++;
+    s->user = u;
     s->srv = srv;
     s->fd = fd;
     s->id = ++srv->next_session_id;
-    socklen_t len = sizeof s->cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &s->cred, &len) < 0) memset(&s->cred, 0, sizeof s->cred);
+    s->cred = cred;
     uv_poll_init(srv->loop, &s->poll, fd);
     uv_timer_init(srv->loop, &s->hello_timer);
     s->poll.data = s;
@@ -546,6 +667,42 @@ static void reply_from_engine(session *s, mok_cmd *c) {
   send_reply(s, c->request_id, &reply, NULL, 0);
 }
 
+/* Settle the per-uid counts once the engine thread has answered. */
+static void settle_counts(session *s, const mok_cmd *c) {
+  switch (c->kind) {
+  case MOK_CMD_REGISTER:
+    if (c->status != MOK_OK) {
+      count_regions(s, -1, c->in.reg.bytes);
+    } else {
+      if (s->n_recs == s->cap_recs) {
+        size_t cap = s->cap_recs ? 2 * s->cap_recs : 16;
+        region_rec *n = realloc(s->recs, cap * sizeof *n);
+        if (!n) break; /* then it stays counted until the session ends */
+        s->recs = n, s->cap_recs = cap;
+      }
+      s->recs[s->n_recs++] = (region_rec){c->out.region_id, c->in.reg.bytes};
+    }
+    break;
+  case MOK_CMD_UNREGISTER:
+    if (c->status != MOK_OK) break;
+    for (size_t i = 0; i < s->n_recs; i++) {
+      if (s->recs[i].id != c->in.id) continue;
+      count_regions(s, -1, s->recs[i].bytes);
+      s->recs[i] = s->recs[--s->n_recs];
+      break;
+    }
+    break;
+  case MOK_CMD_CREATE_LAYER:
+    if (c->status != MOK_OK) count_layers(s, -1);
+    break;
+  case MOK_CMD_DESTROY_LAYER:
+    if (c->status == MOK_OK) count_layers(s, -1);
+    break;
+  default:
+    break;
+  }
+}
+
 static void on_engine_done(uv_async_t *h) {
   server *srv = h->data;
   mok_cmd *c = mok_engine_thread_take_done(srv->engine);
@@ -556,6 +713,7 @@ static void on_engine_done(uv_async_t *h) {
       if (s) protocol_error(s, 0, MOK_EPROTO, c->message);
     } else if (s) {
       s->pending--;
+      settle_counts(s, c);
       if (c->kind == MOK_CMD_ATTACH) {
         if (c->status != MOK_OK) {
           s->attached = false;
@@ -611,15 +769,40 @@ static int make_listen_socket(server *srv) {
     if (probe >= 0) close(probe);
     unlink(path);
   }
+  gid_t gid = (gid_t)-1;
+  if (srv->cfg.socket_group) {
+    struct group gr, *found = NULL;
+    char buf[4096];
+    int e = getgrnam_r(srv->cfg.socket_group, &gr, buf, sizeof buf, &found);
+    if (!found) {
+      log_error("socket-group %s: %s", srv->cfg.socket_group,
+                e ? strerror(e) : "no such group");
+      close(fd);
+      return -1;
+    }
+    gid = gr.gr_gid;
+  }
+  /* bind with a umask that leaves no more than socket-mode, so the socket
+   * is never reachable with wider permissions, not even for a moment */
   mode_t old = umask(0777 & ~srv->cfg.socket_mode);
   int r = bind(fd, (struct sockaddr *)&addr, sizeof addr);
   umask(old);
-  if (r < 0 || listen(fd, 128) < 0) {
+  if (r < 0) {
     log_error("cannot listen on %s: %s", path, strerror(errno));
     close(fd);
     return -1;
   }
   srv->own_socket_path = true;
+  if ((gid != (gid_t)-1 && lchown(path, (uid_t)-1, gid) < 0) ||
+      chmod(path, srv->cfg.socket_mode) < 0 || listen(fd, 128) < 0) {
+    log_error("cannot set up %s (group %s, mode %04o): %s", path,
+              srv->cfg.socket_group ? srv->cfg.socket_group : "unchanged",
+              (unsigned)srv->cfg.socket_mode, strerror(errno));
+    unlink(path);
+    srv->own_socket_path = false;
+    close(fd);
+    return -1;
+  }
   return fd;
 }
 

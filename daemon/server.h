@@ -8,6 +8,7 @@
 #include "engine_thread.h"
 
 #define MOK_VERSION "0.1.0"
+#define MOK_ALLOW_MAX 64 /* entries in allow-uids, allow-gids */
 
 typedef struct mok_server_config {
   const char *socket_path;
@@ -19,7 +20,20 @@ typedef struct mok_server_config {
   uint32_t hello_timeout_ms;
   uint32_t max_pending_requests; /* per session, control requests awaiting the engine */
   uint32_t drain_ms;             /* at shutdown, how long queued jobs may still run */
-  mok_session_limits limits;
+  mok_session_limits limits;       /* per session, enforced by the engine thread */
+  /* Access (checked against SO_PEERCRED at accept; empty lists allow everyone
+   * who can open the socket). A peer is let in when its uid is in allow_uids
+   * or its primary or a supplementary gid is in allow_gids. */
+  const char *socket_group;        /* NULL: the daemon's own group */
+  uint32_t n_allow_uids, n_allow_gids;
+  uint32_t allow_uids[MOK_ALLOW_MAX];
+  uint32_t allow_gids[MOK_ALLOW_MAX];
+  /* Per uid, across all of that uid's sessions (0: no limit beyond the
+   * per-session ones). Counted by the loop, which sees every registration. */
+  uint32_t max_sessions_per_uid;
+  uint32_t max_regions_per_uid;
+  uint64_t max_region_bytes_per_uid;
+  uint32_t max_layers_per_uid;
 } mok_server_config;
 
 void mok_server_config_defaults(mok_server_config *cfg);

@@ -41,7 +41,44 @@ static void test_rejects_bad_lines_with_their_number(void) {
   expect_error(longline, "longer than");
 }
 
+static void test_access_settings(void) {
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  CHECK(cfg.socket_group == NULL);
+  CHECK_EQ_INT(cfg.n_allow_uids, 0);
+  CHECK(cfg.max_sessions_per_uid > 0); /* a cap by default */
+  char err[256] = "";
+  const char *text = "socket-group = mok\nallow-uids = 0, 1000,1001\nallow_gids=27\n"
+                     "max-sessions-per-uid = 4\nmax-regions-per-uid = 10\n"
+                     "max-region-bytes-per-uid = 4096\nmax-layers-per-uid = 3\n"
+                     "socket-group = mok-clients\n"; /* set twice: the last wins */
+  CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "%s", err);
+  CHECK(strcmp(cfg.socket_group, "mok-clients") == 0);
+  CHECK_EQ_INT(cfg.n_allow_uids, 3);
+  CHECK_EQ_INT(cfg.allow_uids[0], 0);
+  CHECK_EQ_INT(cfg.allow_uids[2], 1001);
+  CHECK_EQ_INT(cfg.n_allow_gids, 1);
+  CHECK_EQ_INT(cfg.allow_gids[0], 27);
+  CHECK_EQ_INT(cfg.max_sessions_per_uid, 4);
+  CHECK_EQ_INT(cfg.max_regions_per_uid, 10);
+  CHECK_EQ_INT(cfg.max_region_bytes_per_uid, 4096);
+  CHECK_EQ_INT(cfg.max_layers_per_uid, 3);
+  CHECK(mok_config_parse(&cfg, "allow-uids =\nsocket-group =\n", err, sizeof err) == 0);
+  CHECK_EQ_INT(cfg.n_allow_uids, 0); /* an empty list lets everyone in again */
+  CHECK(cfg.socket_group == NULL);
+  expect_error("allow-uids = 1,,2\n", "bad value");
+  expect_error("allow-uids = 1,\n", "bad value");
+  expect_error("allow-uids = -1\n", "bad value");
+  expect_error("allow-uids = 4294967295\n", "bad value"); /* (uid_t)-1 is no uid */
+  expect_error("allow-gids = 12 34\n", "bad value");
+  expect_error("socket =\n", "bad value");
+  char many[1024] = "allow-uids = 0";
+  for (int i = 1; i <= MOK_ALLOW_MAX; i++) snprintf(many + strlen(many), 16, ",%d", i);
+  expect_error(many, "bad value"); /* more than MOK_ALLOW_MAX */
+}
+
 static const check_case cases[] = {CHECK_CASE(test_parses_settings_comments_and_blank_lines),
-                                   CHECK_CASE(test_rejects_bad_lines_with_their_number), {0}};
+                                   CHECK_CASE(test_rejects_bad_lines_with_their_number),
+                                   CHECK_CASE(test_access_settings), {0}};
 
 int main(int argc, char **argv) { return check_main(argc, argv, cases); }
