@@ -81,7 +81,8 @@ LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
 UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all debug test unit setup clean gpu bench install uninstall units
+.PHONY: all debug test unit setup clean gpu bench install uninstall units \
+	fuzz fuzz-smoke fuzz-build fuzz-check sanitize
 all: $(BINS) $(LIBS) $(UNIT_BINS) $(BENCH_BINS)
 
 debug:
@@ -155,6 +156,56 @@ gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a)
 # ---- tests -----------------------------------------------------------------
 test: all
 	BUILD=$(BUILD) PYTHON=$(PYTHON) tests/run_tests.sh
+
+# ---- fuzzing (clang + libFuzzer) ---------------------------------------------
+# make fuzz [FUZZ_SECONDS=60]   each target for FUZZ_SECONDS (FUZZ_TARGETS=... to pick)
+# make fuzz-smoke               each target for a few seconds (CI)
+# One libFuzzer binary per parser, built from the production .c files
+# (tests/fuzz/README.md). Needs clang and Debian's libclang-rt-14-dev.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_SMOKE_SECONDS ?= 5
+FUZZ_TARGETS ?= request job_check config schedule
+FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=all -fno-omit-frame-pointer $(INCLUDES) -Itests/fuzz
+FUZZ_SRC_request := tests/fuzz/fuzz_request.c proto/frame.c daemon/request.c daemon/layer.c \
+	$(GEN)/mok.pb-c.c
+FUZZ_SRC_job_check := tests/fuzz/fuzz_job_check.c daemon/job_check.c daemon/region.c \
+	daemon/layer.c proto/mok_slots.c
+FUZZ_SRC_config := tests/fuzz/fuzz_config.c daemon/config.c daemon/log.c
+FUZZ_SRC_schedule := tests/fuzz/fuzz_schedule.c daemon/schedule.c
+FUZZ_LIBS := $(PB_LIBS) $(SD_LIBS) -lm
+FUZZ_BINS := $(addprefix $(BUILD)/fuzz/fuzz_,$(FUZZ_TARGETS))
+
+define fuzz_rule
+$(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuzz/*.h proto/*.h daemon/*.h)
+	@mkdir -p $$(dir $$@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $$@ $(FUZZ_SRC_$(1)) $(FUZZ_LIBS)
+endef
+$(foreach t,request job_check config schedule,$(eval $(call fuzz_rule,$(t))))
+
+$(BUILD)/fuzz/gen_corpus: $(OBJ)/tests/fuzz/gen_corpus.o $(DAEMON_DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_SAN) -o $@ $< $(DAEMON_LINK)
+
+fuzz-check:
+	@echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }' | \
+	  $(FUZZ_CC) -x c -fsanitize=fuzzer,address,undefined -o /dev/null - 2>/dev/null || \
+	  { echo "fuzz: $(FUZZ_CC) cannot build libFuzzer targets (apt-get install clang libclang-rt-14-dev)"; exit 1; }
+
+fuzz-build: fuzz-check $(FUZZ_BINS) $(BUILD)/fuzz/gen_corpus
+	@$(BUILD)/fuzz/gen_corpus $(BUILD)/fuzz/seeds
+
+fuzz: fuzz-build
+	tests/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+fuzz-smoke: fuzz-build
+	tests/fuzz/run.sh $(BUILD) $(FUZZ_SMOKE_SECONDS) $(FUZZ_TARGETS)
+
+# ---- sanitizers: the whole test suite under ASan+UBSan, then under TSan ------
+sanitize:
+	$(MAKE) SAN=address,undefined BUILD=build/asan test
+	$(MAKE) SAN=thread BUILD=build/tsan test
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]

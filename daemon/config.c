@@ -9,6 +9,24 @@
 
 #include "log.h"
 
+/* The defaults, before any file or option (kept here, beside the parser,
+ * so that the parser and its fuzzer need none of the server). */
+void mok_server_config_defaults(mok_server_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->socket_path = "/run/mok/mokd-0.sock";
+  cfg->listen_fd = -1;
+  cfg->socket_mode = 0660;
+  cfg->engine = "cpu";
+  cfg->max_sessions = 256;
+  cfg->hello_timeout_ms = 5000;
+  cfg->max_pending_requests = 64;
+  cfg->drain_ms = 10000;
+  cfg->limits.max_regions = 4096;
+  cfg->limits.max_region_bytes = 64ull << 30;
+  cfg->limits.max_layers = 256;
+  cfg->max_sessions_per_uid = 64;
+}
+
 /* Strings outlive the parse (the config is read once at start-up). Each key
  * owns one copy: setting it again frees the old one, and the copies stay
  * reachable from here, so nothing leaks however often a key is set. */

@@ -93,22 +93,6 @@ typedef struct server {
 
 #define RXBUF_BYTES (MOK_FRAME_MAX + 1) /* one more, so an oversized frame shows */
 
-void mok_server_config_defaults(mok_server_config *cfg) {
-  memset(cfg, 0, sizeof *cfg);
-  cfg->socket_path = "/run/mok/mokd-0.sock";
-  cfg->listen_fd = -1;
-  cfg->socket_mode = 0660;
-  cfg->engine = "cpu";
-  cfg->max_sessions = 256;
-  cfg->hello_timeout_ms = 5000;
-  cfg->max_pending_requests = 64;
-  cfg->drain_ms = 10000;
-  cfg->limits.max_regions = 4096;
-  cfg->limits.max_region_bytes = 64ull << 30;
-  cfg->limits.max_layers = 256;
-  cfg->max_sessions_per_uid = 64;
-}
-
 static uint64_t now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -1,0 +1,31 @@
+/* libFuzzer: mokd's configuration parser (daemon/config.c) on arbitrary
+ * text, from the defaults, as mokd reads /etc/mok/mokd.conf. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "log.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  if (size > 1 << 16) return 0; /* mok_config_load refuses larger files */
+  char *text = malloc(size + 1);
+  if (!text) return 0;
+  memcpy(text, data, size);
+  text[size] = '\0';
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  char err[256];
+  err[0] = '\0';
+  int r = mok_config_parse(&cfg, text, err, sizeof err);
+  if (r < 0 && !err[0]) abort(); /* a refusal names the line */
+  if (r == 0) {
+    if (cfg.n_allow_uids > MOK_ALLOW_MAX || cfg.n_allow_gids > MOK_ALLOW_MAX) abort();
+    if (!cfg.socket_path || !cfg.engine || (cfg.socket_mode & ~0777u)) abort();
+    (void)strlen(cfg.socket_path), (void)strlen(cfg.engine); /* readable strings */
+    if (cfg.socket_group) (void)strlen(cfg.socket_group);
+  }
+  mok_log_set_level(MOK_LOG_ERROR); /* log-level lines must not make the fuzzer chatty */
+  free(text);
+  return 0;
+}
