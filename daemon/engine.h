@@ -27,13 +27,20 @@ typedef struct mok_tensor_view {
   uint32_t shape[MOK_MAX_DIMS];
 } mok_tensor_view;
 
+/* Engine-private objects the engine thread carries for an engine (opaque). */
+typedef struct mok_engine_session mok_engine_session; /* per client session */
+typedef struct mok_engine_layer mok_engine_layer;     /* per layer */
+typedef struct mok_engine_job mok_engine_job;         /* a job still running */
+
 typedef struct mok_job_args {
   uint32_t op;     /* mok_op */
   uint32_t flags;  /* MOK_JOB_* */
   uint32_t tokens; /* T */
   const mok_layer_config *layer; /* NULL for NOP */
   mok_tensor_view t[MOK_SLOT_COUNT_];
-  uint64_t fence_wait, fence_signal; /* GPU ordering (cuda engine) */
+  uint64_t fence_wait, fence_signal; /* GPU ordering (cuda engine; docs/cuda.md) */
+  mok_engine_session *session;       /* from session_open (NULL without it) */
+  mok_engine_layer *layer_state;     /* from layer_open (NULL without it) */
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
@@ -43,11 +50,22 @@ typedef struct mok_engine_config {
   int threads;     /* worker threads (cpu); 0: one per online core */
 } mok_engine_config;
 
-/* Results of run(): status plus a message a person can act on. */
+/* Results of run()/poll(): status plus a message a person can act on. */
 typedef struct mok_engine_result {
   int status; /* mok_status */
   char message[MOK_COMPLETION_MSG];
+  int fatal;  /* the engine is broken for good (a sticky device error): mokd exits */
 } mok_engine_result;
+
+/* Where a client buffer comes from (RegisterBuffer). */
+typedef struct mok_region_source {
+  int kind;                 /* mok_region_kind */
+  int fd;                   /* HOST_MEMFD, CUDA_VMM: the fd (the caller keeps it) */
+  uint64_t offset, bytes;   /* usable bytes [offset, offset+bytes) of the allocation */
+  uint8_t ipc_handle[64];   /* CUDA_IPC: cudaIpcMemHandle_t */
+} mok_region_source;
+
+struct mok_region;
 
 typedef struct mok_engine_ops {
   const char *name;
@@ -60,8 +78,43 @@ typedef struct mok_engine_ops {
   /* Check that the engine can run this layer (dtype, sizes); fills
    * cfg->row_align. Returns a mok_status. */
   int (*prepare_layer)(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen);
-  /* Run one validated job to completion (the cpu engine is synchronous). */
+  /* Run one validated job to completion (synchronous engines: cpu). */
   void (*run)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
+
+  /* ---- optional (NULL: not used); the cuda engine has them all ----------
+   *
+   * Sessions: session_open when a client attaches; sync_page is the
+   * session's shared header page (MOK_SHM_SYNC_* words, mapped by both
+   * sides). session_close only once no job of the session is running. */
+  int (*session_open)(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
+                      size_t errlen);
+  void (*session_close)(mok_engine *e, mok_engine_session *s);
+  /* Per-layer state (device workspace sized for cfg->max_tokens), after
+   * prepare_layer succeeded. layer_close only once no job of it runs. */
+  int (*layer_open)(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer **ret,
+                    char *err, size_t errlen);
+  void (*layer_close)(mok_engine *e, mok_engine_layer *l);
+  /* Make client memory addressable. For HOST_MEMFD the engine thread has
+   * mapped the memfd into r already (r->base is a host address): the engine
+   * may pin it and set r->base to the address its kernels use. For the CUDA
+   * kinds the engine imports src and fills r (base, bytes, map_*,
+   * engine_handle). Without region_import only HOST_MEMFD is accepted.
+   * region_release undoes it (the thread then unmaps host memory); it is
+   * called only when no job that could use the region is running. */
+  int (*region_import)(mok_engine *e, const mok_region_source *src, struct mok_region *r,
+                       char *err, size_t errlen);
+  void (*region_release)(mok_engine *e, struct mok_region *r);
+  /* Asynchronous jobs: start() enqueues a validated job and returns a
+   * handle, or NULL when it finished already (res filled). The engine
+   * thread then calls poll() (oldest job of each session first; jobs of
+   * one session finish in order) until it returns 1 with res filled.
+   * now_ns is CLOCK_MONOTONIC; UINT64_MAX means "shutting down: give up
+   * on anything the job still waits for". While a job runs, its session,
+   * layer and regions stay alive. A job that failed validation is still
+   * started as a NOP carrying its fences, so that GPU fence values are
+   * written in order. */
+  mok_engine_job *(*start)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
+  int (*poll)(mok_engine *e, mok_engine_job *job, uint64_t now_ns, mok_engine_result *res);
 } mok_engine_ops;
 
 extern const mok_engine_ops mok_engine_cpu;

@@ -23,7 +23,18 @@
 typedef struct layer_entry {
   uint32_t id;
   mok_layer_config cfg;
+  mok_engine_layer *state; /* the engine's (layer_open), or NULL */
 } layer_entry;
+
+/* A job the engine is still running (asynchronous engines). */
+typedef struct pend {
+  mok_engine_job *job;
+  uint64_t user_data, seq, t0;
+  uint16_t op;
+  int fail_status; /* != MOK_OK: the job failed validation and runs as a fence-only NOP */
+  char fail_message[MOK_COMPLETION_MSG];
+  struct pend *next;
+} pend;
 
 /* The engine-side half of a session. */
 typedef struct esession {
@@ -38,6 +49,15 @@ typedef struct esession {
   uint64_t seq;
   uint64_t jobs_done, jobs_failed;
   bool faulted;
+  mok_engine_session *es; /* the engine's (session_open), or NULL */
+  pend *pend_head, *pend_tail;
+  uint32_t n_pend;
+  bool detaching; /* the client is gone: freed once its jobs finished */
+  /* released once no job of the session runs any more */
+  mok_region *dead_regions;
+  size_t n_dead_regions, cap_dead_regions;
+  mok_engine_layer **dead_layers;
+  size_t n_dead_layers, cap_dead_layers;
   struct esession *next;
 } esession;
 
@@ -117,21 +137,68 @@ static esession *find_session(mok_engine_thread *t, uint64_t id) {
   return NULL;
 }
 
-static const mok_layer_config *find_layer(esession *s, uint32_t id) {
-  for (size_t i = 0; i < s->n_layers; i++)
-    if (s->layers[i].id == id) return &s->layers[i].cfg;
-  return NULL;
+static void poll_session_blocking(mok_engine_thread *t, esession *s);
+
+/* A sticky device error: nothing on this engine can be trusted any more.
+ * DESIGN §7: report and exit non-zero so that the service manager restarts
+ * mokd; clients see their connection close. */
+static void engine_fatal(mok_engine_thread *t, const char *why) {
+  log_error("the %s engine failed for good: %s; mokd exits", t->ops->name, why);
+  _exit(3);
 }
 
 static void release_region(mok_engine_thread *t, mok_region *r) {
-  (void)t;
+  if (t->ops->region_release) t->ops->region_release(t->engine, r);
   if (r->kind == MOK_REGION_HOST_MEMFD) mok_region_unmap_host(r);
 }
 
+static void release_layer_state(mok_engine_thread *t, mok_engine_layer *l) {
+  if (l && t->ops->layer_close) t->ops->layer_close(t->engine, l);
+}
+
+/* Regions and layers dropped while jobs ran: release them once none does. */
+static void release_dead(mok_engine_thread *t, esession *s) {
+  if (s->n_pend) return;
+  for (size_t i = 0; i < s->n_dead_regions; i++) release_region(t, &s->dead_regions[i]);
+  s->n_dead_regions = 0;
+  for (size_t i = 0; i < s->n_dead_layers; i++) release_layer_state(t, s->dead_layers[i]);
+  s->n_dead_layers = 0;
+}
+
+static bool keep_dead_region(esession *s, const mok_region *r) {
+  if (s->n_dead_regions == s->cap_dead_regions) {
+    size_t cap = s->cap_dead_regions ? 2 * s->cap_dead_regions : 8;
+    mok_region *n = realloc(s->dead_regions, cap * sizeof *n);
+    if (!n) return false;
+    s->dead_regions = n;
+    s->cap_dead_regions = cap;
+  }
+  s->dead_regions[s->n_dead_regions++] = *r;
+  return true;
+}
+
+static bool keep_dead_layer(esession *s, mok_engine_layer *l) {
+  if (s->n_dead_layers == s->cap_dead_layers) {
+    size_t cap = s->cap_dead_layers ? 2 * s->cap_dead_layers : 8;
+    mok_engine_layer **n = realloc(s->dead_layers, cap * sizeof *n);
+    if (!n) return false;
+    s->dead_layers = n;
+    s->cap_dead_layers = cap;
+  }
+  s->dead_layers[s->n_dead_layers++] = l;
+  return true;
+}
+
+/* Only once the session has no job running (see cmd_detach). */
 static void session_free(mok_engine_thread *t, esession *s) {
+  release_dead(t, s);
   for (size_t i = 0; i < s->regions.count; i++) release_region(t, &s->regions.items[i]);
   mok_region_table_free(&s->regions);
+  for (size_t i = 0; i < s->n_layers; i++) release_layer_state(t, s->layers[i].state);
   free(s->layers);
+  free(s->dead_regions);
+  free(s->dead_layers);
+  if (s->es && t->ops->session_close) t->ops->session_close(t->engine, s->es);
   if (s->shm.doorbell_in >= 0) epoll_ctl(t->epfd, EPOLL_CTL_DEL, s->shm.doorbell_in, NULL);
   mok_session_shm_destroy(&s->shm);
   free(s);
@@ -155,6 +222,14 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
     session_free(t, s);
     return;
   }
+  if (t->ops->session_open) {
+    c->status = t->ops->session_open(t->engine, s->shm.hdr, &s->es, c->message, sizeof c->message);
+    if (c->status != MOK_OK) {
+      s->es = NULL;
+      session_free(t, s);
+      return;
+    }
+  }
   s->next = t->sessions;
   t->sessions = s;
   c->status = MOK_OK;
@@ -177,15 +252,32 @@ static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
              (unsigned long long)s->regions.total_bytes);
     return;
   }
-  if (c->in.reg.kind != MOK_REGION_HOST_MEMFD) {
-    c->status = MOK_EUNSUPPORTED;
-    snprintf(c->message, sizeof c->message, "the %s engine cannot map GPU buffers",
-             t->ops->name);
-    return;
+  mok_region_source src = {.kind = c->in.reg.kind, .fd = c->in.reg.fd,
+                           .offset = c->in.reg.offset, .bytes = c->in.reg.bytes};
+  memcpy(src.ipc_handle, c->in.reg.ipc_handle, sizeof src.ipc_handle);
+  if (c->in.reg.kind == MOK_REGION_HOST_MEMFD) {
+    c->status = mok_region_map_memfd(c->in.reg.fd, c->in.reg.offset, c->in.reg.bytes, &r,
+                                     c->message, sizeof c->message);
+    if (c->status != MOK_OK) return;
+    if (t->ops->region_import) {
+      c->status = t->ops->region_import(t->engine, &src, &r, c->message, sizeof c->message);
+      if (c->status != MOK_OK) {
+        mok_region_unmap_host(&r);
+        return;
+      }
+    }
+  } else {
+    if (!t->ops->region_import) {
+      c->status = MOK_EUNSUPPORTED;
+      snprintf(c->message, sizeof c->message, "the %s engine cannot map GPU buffers",
+               t->ops->name);
+      return;
+    }
+    memset(&r, 0, sizeof r);
+    r.kind = (mok_region_kind)c->in.reg.kind;
+    c->status = t->ops->region_import(t->engine, &src, &r, c->message, sizeof c->message);
+    if (c->status != MOK_OK) return;
   }
-  c->status = mok_region_map_memfd(c->in.reg.fd, c->in.reg.offset, c->in.reg.bytes, &r,
-                                   c->message, sizeof c->message);
-  if (c->status != MOK_OK) return;
   c->status = mok_region_table_add(&s->regions, &r);
   if (c->status != MOK_OK) {
     release_region(t, &r);
@@ -216,16 +308,29 @@ static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
     s->layers = n;
     s->cap_layers = cap;
   }
+  mok_engine_layer *state = NULL;
+  if (t->ops->layer_open) {
+    c->status = t->ops->layer_open(t->engine, &cfg, &state, c->message, sizeof c->message);
+    if (c->status != MOK_OK) return;
+  }
   s->layers[s->n_layers].id = ++s->next_layer_id;
   s->layers[s->n_layers].cfg = cfg;
+  s->layers[s->n_layers].state = state;
   s->n_layers++;
   c->layer_id = s->next_layer_id;
   c->out.layer = cfg;
 }
 
-static void cmd_destroy_layer(esession *s, mok_cmd *c) {
+static void cmd_destroy_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
   for (size_t i = 0; i < s->n_layers; i++) {
     if (s->layers[i].id != c->in.id) continue;
+    mok_engine_layer *state = s->layers[i].state;
+    if (state && (!s->n_pend || !keep_dead_layer(s, state))) {
+      /* no job runs, or (out of memory) wait for them here: the layer's
+       * device memory must outlive the jobs that use it */
+      while (s->n_pend) poll_session_blocking(t, s);
+      release_layer_state(t, state);
+    }
     s->layers[i] = s->layers[--s->n_layers];
     c->status = MOK_OK;
     return;
@@ -273,6 +378,11 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
 }
 
 static void cmd_detach(mok_engine_thread *t, esession *s) {
+  if (s->n_pend) {
+    /* its GPU work finishes first (DESIGN §7); poll_all frees it then */
+    s->detaching = true;
+    return;
+  }
   for (esession **p = &t->sessions; *p; p = &(*p)->next) {
     if (*p != s) continue;
     *p = s->next;
@@ -310,12 +420,15 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
   case MOK_CMD_UNREGISTER: {
     mok_region r;
     c->status = mok_region_table_remove(&s->regions, c->in.id, &r);
-    if (c->status == MOK_OK) release_region(t, &r);
+    if (c->status == MOK_OK && (!s->n_pend || !keep_dead_region(s, &r))) {
+      while (s->n_pend) poll_session_blocking(t, s);
+      release_region(t, &r);
+    }
     else snprintf(c->message, sizeof c->message, "region %u is not registered", c->in.id);
     break;
   }
   case MOK_CMD_CREATE_LAYER: cmd_create_layer(t, s, c); break;
-  case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(s, c); break;
+  case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(t, s, c); break;
   case MOK_CMD_DETACH: cmd_detach(t, s); break;
   default:
     c->status = MOK_EINVAL;
@@ -350,11 +463,11 @@ static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
   post_done(t, c);
 }
 
-static void post_completion(esession *s, uint64_t user_data, int status, const char *msg,
-                            uint64_t engine_ns) {
+static void post_completion(esession *s, uint64_t user_data, uint64_t seq, int status,
+                            const char *msg, uint64_t engine_ns) {
   mok_shm_header *h = s->shm.hdr;
   mok_completion *slot = &mok_shm_cq_entries(h)[s->cq_tail & (MOK_RING_ENTRIES - 1)];
-  mok_completion c = {.user_data = user_data, .seq = s->seq, .status = status,
+  mok_completion c = {.user_data = user_data, .seq = seq, .status = status,
                       .engine_ns = engine_ns};
   snprintf(c.message, sizeof c.message, "%s", msg ? msg : "");
   memcpy(slot, &c, sizeof c);
@@ -366,10 +479,79 @@ static void post_completion(esession *s, uint64_t user_data, int status, const c
     ring_doorbell(s->shm.doorbell_out);
 }
 
-/* Take and run one job of s if it has one and room for its completion.
- * Returns true when a job ran. */
+/* Account for a finished job and post its completion. */
+static void finish_job(mok_engine_thread *t, esession *s, uint64_t user_data, uint64_t seq,
+                       uint16_t op, mok_engine_result *res, uint64_t dt) {
+  if (res->status == MOK_OK) {
+    res->message[0] = '\0';
+    s->jobs_done++;
+    t->jobs_done++;
+  } else {
+    s->jobs_failed++;
+    t->jobs_failed++;
+    log_debug("session %llu job %llu (%s) failed: %s", (unsigned long long)s->id,
+              (unsigned long long)seq, mok_op_name(op), res->message);
+  }
+  t->latency[t->latency_count++ % LATENCY_WINDOW] = dt;
+  post_completion(s, user_data, seq, res->status, res->message, dt);
+}
+
+/* Poll the session's running jobs, oldest first; post what finished.
+ * Returns true while some job of the session still runs. */
+static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
+  while (s->pend_head) {
+    pend *p = s->pend_head;
+    mok_engine_result res = {.status = MOK_OK};
+    if (!t->ops->poll(t->engine, p->job, now, &res)) return true;
+    if (res.fatal) engine_fatal(t, res.message);
+    s->pend_head = p->next;
+    if (!s->pend_head) s->pend_tail = NULL;
+    s->n_pend--;
+    if (p->fail_status != MOK_OK) { /* the fence-only NOP of a job that failed validation */
+      res.status = p->fail_status;
+      memcpy(res.message, p->fail_message, sizeof res.message);
+    }
+    uint64_t end = now == UINT64_MAX ? now_ns() : now;
+    if (!s->detaching) finish_job(t, s, p->user_data, p->seq, p->op, &res, end - p->t0);
+    free(p);
+  }
+  release_dead(t, s);
+  return false;
+}
+
+static void pause_briefly(void) {
+  struct timespec ts = {0, 20000};
+  nanosleep(&ts, NULL);
+}
+
+/* Wait for every running job of s (a command needs its memory released). */
+static void poll_session_blocking(mok_engine_thread *t, esession *s) {
+  while (poll_session(t, s, now_ns())) pause_briefly();
+}
+
+/* Poll every session; free detached sessions whose work finished.
+ * Returns true while any job still runs. */
+static bool poll_all(mok_engine_thread *t, uint64_t now) {
+  if (!t->ops->poll) return false;
+  bool running = false;
+  for (esession **pp = &t->sessions; *pp;) {
+    esession *s = *pp;
+    if (poll_session(t, s, now)) running = true;
+    if (s->detaching && !s->n_pend) {
+      *pp = s->next;
+      if (t->rr_next == s) t->rr_next = NULL;
+      session_free(t, s);
+      continue;
+    }
+    pp = &s->next;
+  }
+  return running;
+}
+
+/* Take and run (or start) one job of s if it has one and room for its
+ * completion. Returns true when a job was taken. */
 static bool run_one_job(mok_engine_thread *t, esession *s) {
-  if (s->faulted) return false;
+  if (s->faulted || s->detaching) return false;
   mok_shm_header *h = s->shm.hdr;
   uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
   uint32_t pending = tail - s->sq_head;
@@ -384,7 +566,8 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
     session_fault(t, s, "completion ring head moved past its tail");
     return false;
   }
-  if (used == MOK_RING_ENTRIES) return false; /* the client must drain completions first */
+  /* every running job will post a completion: keep room for all of them */
+  if (used + s->n_pend >= MOK_RING_ENTRIES) return false;
 
   /* copy once, then validate the copy: the client cannot change it under us */
   mok_job_desc desc;
@@ -396,22 +579,56 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
   uint64_t t0 = now_ns();
-  const mok_layer_config *layer = desc.op == MOK_OP_NOP ? NULL : find_layer(s, desc.layer);
-  res.status = mok_job_check(&desc, &s->regions, layer, &args, res.message, sizeof res.message);
-  if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
-  uint64_t dt = now_ns() - t0;
-  if (res.status == MOK_OK) {
-    res.message[0] = '\0';
-    s->jobs_done++;
-    t->jobs_done++;
-  } else {
-    s->jobs_failed++;
-    t->jobs_failed++;
-    log_debug("session %llu job %llu (%s) failed: %s", (unsigned long long)s->id,
-              (unsigned long long)s->seq, mok_op_name(desc.op), res.message);
+  const layer_entry *le = NULL;
+  if (desc.op != MOK_OP_NOP)
+    for (size_t i = 0; i < s->n_layers; i++)
+      if (s->layers[i].id == desc.layer) le = &s->layers[i];
+  res.status = mok_job_check(&desc, &s->regions, le ? &le->cfg : NULL, &args, res.message,
+                             sizeof res.message);
+  if (!t->ops->start) {
+    if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    return true;
   }
-  t->latency[t->latency_count++ % LATENCY_WINDOW] = dt;
-  post_completion(s, desc.user_data, res.status, res.message, dt);
+  pend *p = calloc(1, sizeof *p);
+  if (!p) {
+    res.status = MOK_ENOMEM;
+    snprintf(res.message, sizeof res.message, "out of memory taking the job");
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    return true;
+  }
+  p->user_data = desc.user_data;
+  p->seq = s->seq;
+  p->t0 = t0;
+  p->op = desc.op;
+  if (res.status != MOK_OK) {
+    /* the job fails, but its GPU fences are still honoured, in order */
+    p->fail_status = res.status;
+    memcpy(p->fail_message, res.message, sizeof p->fail_message);
+    memset(&args, 0, sizeof args);
+    args.op = MOK_OP_NOP;
+    args.fence_wait = desc.fence_wait;
+    args.fence_signal = desc.fence_signal;
+    res.status = MOK_OK;
+    res.message[0] = '\0';
+  }
+  args.session = s->es;
+  args.layer_state = le ? le->state : NULL;
+  p->job = t->ops->start(t->engine, &args, &res);
+  if (res.fatal) engine_fatal(t, res.message);
+  if (!p->job) {
+    if (p->fail_status != MOK_OK) {
+      res.status = p->fail_status;
+      memcpy(res.message, p->fail_message, sizeof res.message);
+    }
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    free(p);
+    return true;
+  }
+  if (s->pend_tail) s->pend_tail->next = p;
+  else s->pend_head = p;
+  s->pend_tail = p;
+  s->n_pend++;
   return true;
 }
 
@@ -431,7 +648,7 @@ static bool run_jobs_round(mok_engine_thread *t) {
 
 static bool any_job_pending(mok_engine_thread *t) {
   for (esession *s = t->sessions; s; s = s->next) {
-    if (s->faulted) continue;
+    if (s->faulted || s->detaching) continue;
     uint32_t tail = atomic_load_explicit(&s->shm.hdr->sq_tail.value, memory_order_acquire);
     if (tail != s->sq_head) return true;
   }
@@ -464,19 +681,34 @@ static void *engine_main(void *arg) {
   for (;;) {
     run_commands(t);
     if (atomic_load(&t->stopping)) break;
-    if (run_jobs_round(t)) {
+    bool took = run_jobs_round(t);
+    uint64_t now = now_ns();
+    bool running = poll_all(t, now);
+    if (took) {
       idle_since = 0;
       continue;
     }
-    uint64_t now = now_ns();
     if (!idle_since) idle_since = now;
     if (now - idle_since < SPIN_BEFORE_SLEEP_NS) continue;
+    if (running) { /* GPU work in flight: keep polling it, gently */
+      pause_briefly();
+      continue;
+    }
     sleep_until_work(t);
     idle_since = 0;
   }
   /* drain: what clients submitted before the stop still runs, within a bound */
   uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
-  while (now_ns() < deadline && run_jobs_round(t)) {}
+  for (;;) {
+    uint64_t now = now_ns();
+    if (now >= deadline) break;
+    bool took = run_jobs_round(t);
+    bool running = poll_all(t, now);
+    if (!took && !running) break;
+    if (!took) pause_briefly();
+  }
+  /* out of time: whatever still runs stops waiting for its fences */
+  while (poll_all(t, UINT64_MAX)) pause_briefly();
   for (esession *s = t->sessions; s; s = s->next) {
     mok_shm_header *h = s->shm.hdr;
     uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);

@@ -121,6 +121,28 @@ typedef struct mok_shm_header {
 #define MOK_SHM_BYTES (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
+/* GPU sync words (DESIGN §4; docs/cuda.md), in the header page of the
+ * session region, which both processes map and register with CUDA
+ * (cuMemHostRegister, device-mapped):
+ *   client fence [MOK_RING_ENTRIES]: a job with fence_wait = v != 0 waits
+ *     (on the daemon's stream, GEQ) until word [v % MOK_RING_ENTRIES] >= v;
+ *     the client's stream writes v there after producing the job's inputs;
+ *   done: the daemon's stream writes a job's fence_signal (!= 0) here after
+ *     the job's work, in job order; the client's stream waits on it (GEQ).
+ * The client picks v = the job's ticket (so slots never collide among the
+ * jobs in flight) and increasing fence_signal values. */
+#define MOK_SHM_SYNC_OFFSET 2048u
+#define MOK_SHM_SYNC_DONE_OFFSET (MOK_SHM_SYNC_OFFSET + MOK_RING_ENTRIES * 8u)
+_Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SYNC_OFFSET, "sync words after the header");
+_Static_assert(MOK_SHM_SYNC_DONE_OFFSET + 64u <= MOK_SHM_SQ_OFFSET, "sync words in the header page");
+
+static inline volatile uint64_t *mok_shm_sync_fence(void *page, uint64_t v) {
+  return (volatile uint64_t *)((char *)page + MOK_SHM_SYNC_OFFSET) + (v % MOK_RING_ENTRIES);
+}
+static inline volatile uint64_t *mok_shm_sync_done(void *page) {
+  return (volatile uint64_t *)((char *)page + MOK_SHM_SYNC_DONE_OFFSET);
+}
+
 /* The rings sit at fixed offsets: neither side trusts the offsets written in
  * the (shared, writable) header. */
 static inline mok_job_desc *mok_shm_sq_entries(mok_shm_header *h) {
