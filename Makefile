@@ -55,7 +55,9 @@ ifneq ($(NVCC),)
   CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
   NVCCFLAGS ?= -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Ikernels -Iproto
   CUDA_DAEMON_SRC := daemon/engine_cuda.c
-  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib64/stubs -lcudart_static -lcuda -ldl -lrt
+  # never -lcuda: machines without a GPU have no libcuda.so.1 at run time;
+  # the static runtime loads the driver lazily (daemon/engine_cuda.c)
+  CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 else
   HAVE_CUDA :=
 endif
@@ -150,7 +152,16 @@ $(BUILD)/bench/%: $(OBJ)/tests/bench/%.o $(REF_OBJ) $(DAEMON_DEPS) $(BUILD)/lib/
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_SAN) -o $@ $< $(REF_OBJ) $(BUILD)/lib/libmok.a $(DAEMON_LINK)
 
-gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a)
+# the cuda engine's device test (tests/gpu/run_device_tests.sh runs it; make test does not)
+ifneq ($(DAEMON_LIBS_CUDA),)
+GPU_TEST_BINS := $(BUILD)/tests/gpu/test_cuda_engine
+all: $(GPU_TEST_BINS)
+endif
+$(BUILD)/tests/gpu/test_cuda_engine: $(OBJ)/tests/gpu/test_cuda_engine.o $(REF_OBJ) $(DAEMON_DEPS) $(BUILD)/lib/libmok.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_SAN) -o $@ $< $(REF_OBJ) $(BUILD)/lib/libmok.a $(DAEMON_LINK)
+
+gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
 
 # ---- tests -----------------------------------------------------------------

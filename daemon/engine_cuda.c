@@ -1,0 +1,1065 @@
+/* The cuda engine: docs/math.md on an sm_90a GPU through the kernel library
+ * (kernels/mok_kernels.h), bf16 layers only. Design notes: docs/cuda.md.
+ *
+ * Jobs are asynchronous. start() enqueues a job on its session's stream:
+ *   [wait for the client's fence] -> event0 -> reset the status word ->
+ *   the steps of the op (the same chain as engine_cpu.c) -> copy the status
+ *   word to pinned host memory -> [write the job's done value] -> event1
+ * and returns at once; poll() asks event1 (cudaEventQuery) and only then
+ * reads the job's status word. No host read of a device value happens
+ * before the job completed, and nothing is allocated on the hot path: each
+ * layer owns its scratch and workspace, sized for max_tokens when the layer
+ * is created; each session owns its stream, status word and job records.
+ *
+ * Linking: only libcudart_static (which loads the driver lazily), never
+ * -lcuda; the driver functions the runtime lacks (stream memory operations,
+ * VMM import, address ranges) come from cudaGetDriverEntryPointByVersion.
+ * On a machine without a GPU, open() fails with a message and mokd exits.
+ *
+ * Errors: a bad routing id or schedule raises the job's status word and
+ * fails that job only. Any CUDA error that the context keeps (sticky: an
+ * illegal address, a trap) marks the result fatal: the engine thread logs
+ * it and mokd exits non-zero (DESIGN §7).
+ */
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "log.h"
+#include "mok_kernels.h"
+#include "mok_slots.h"
+#include "region.h"
+#include "schedule.h"
+
+#define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
+#define DEFAULT_FENCE_TIMEOUT_MS 30000u
+
+/* ---- driver entry points ---------------------------------------------------- */
+
+typedef struct drv_api {
+  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  CUresult (*get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+  CUresult (*import_handle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+  CUresult (*props_from_handle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+  CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+  CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*address_free)(CUdeviceptr, size_t);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*device_attribute)(int *, CUdevice_attribute, CUdevice);
+  CUresult (*error_string)(CUresult, const char **);
+} drv_api;
+
+static int drv_load(drv_api *d, char *err, size_t errlen) {
+  struct {
+    const char *name;
+    void **fn;
+  } syms[] = {
+      {"cuStreamWaitValue64", (void **)&d->wait64},
+      {"cuStreamWriteValue64", (void **)&d->write64},
+      {"cuMemGetAddressRange", (void **)&d->get_address_range},
+      {"cuMemImportFromShareableHandle", (void **)&d->import_handle},
+      {"cuMemGetAllocationPropertiesFromHandle", (void **)&d->props_from_handle},
+      {"cuMemGetAllocationGranularity", (void **)&d->granularity},
+      {"cuMemAddressReserve", (void **)&d->address_reserve},
+      {"cuMemAddressFree", (void **)&d->address_free},
+      {"cuMemMap", (void **)&d->map},
+      {"cuMemUnmap", (void **)&d->unmap},
+      {"cuMemSetAccess", (void **)&d->set_access},
+      {"cuMemRelease", (void **)&d->release},
+      {"cuDeviceGetAttribute", (void **)&d->device_attribute},
+      {"cuGetErrorString", (void **)&d->error_string},
+  };
+  for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSuccess;
+    cudaError_t r =
+        cudaGetDriverEntryPointByVersion(syms[i].name, syms[i].fn, 12000, cudaEnableDefault, &q);
+    if (r != cudaSuccess || q != cudaDriverEntryPointSuccess || !*syms[i].fn) {
+      snprintf(err, errlen, "cuda engine: the driver lacks %s (%s)", syms[i].name,
+               r != cudaSuccess ? cudaGetErrorString(r) : "symbol not found");
+      return MOK_EENGINE;
+    }
+  }
+  return MOK_OK;
+}
+
+/* ---- engine state ------------------------------------------------------------- */
+
+typedef struct ipc_entry {
+  uint8_t handle[64];
+  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
+  size_t size;    /* the allocation's size (cuMemGetAddressRange) */
+  int refs;
+  struct ipc_entry *next;
+} ipc_entry;
+
+typedef struct vmm_import {
+  CUdeviceptr va;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+} vmm_import;
+
+struct mok_engine {
+  int device;
+  char description[192];
+  drv_api drv;
+  uint64_t fence_timeout_ns;
+  ipc_entry *ipc; /* opened IPC handles, shared by every session of this daemon */
+};
+
+struct mok_engine_job {
+  mok_engine_session *s;
+  bool used;
+  int slot;
+  cudaEvent_t ev_start, ev_done;
+  uint32_t op;
+  uint64_t fence_wait, fence_signal;
+  bool host_signal;   /* no device-mapped sync page: write the done value from the host */
+  bool fence_forced;  /* the fence timed out and the engine released the wait itself */
+  uint64_t head_since;
+  bool reads_status;  /* the status word was copied back */
+  int status;         /* a host-side failure found while enqueueing */
+  char message[MOK_COMPLETION_MSG];
+};
+
+struct mok_engine_session {
+  cudaStream_t stream;
+  void *sync_host;       /* the session's header page */
+  CUdeviceptr sync_dev;  /* its device address; 0 when it could not be registered */
+  char sync_error[80];
+  int32_t *d_status;     /* the running job's status word */
+  volatile int32_t *h_status; /* pinned, one per job slot */
+  mok_engine_job jobs[MAX_JOBS];
+};
+
+struct mok_engine_layer {
+  mok_layer_config cfg;
+  void *ws;          /* mok_k_workspace_bytes at max_tokens */
+  void *ctx;         /* schedule + acts when the job brings no ctx / acts */
+  uint16_t *routed_a; /* routed_x */
+  uint16_t *routed_b; /* routed_y / routed_d_out */
+  uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] */
+  uint16_t *shared;  /* shared_y / shared_d_x [T, H] */
+};
+
+static _Thread_local int current_device = -1;
+
+static const char *drv_error(const mok_engine *e, CUresult r) {
+  const char *s = NULL;
+  if (e->drv.error_string && e->drv.error_string(r, &s) == CUDA_SUCCESS && s) return s;
+  return "unknown driver error";
+}
+
+static int use_device(mok_engine *e) {
+  if (current_device == e->device) return MOK_OK;
+  if (cudaSetDevice(e->device) != cudaSuccess) return MOK_EENGINE;
+  current_device = e->device;
+  return MOK_OK;
+}
+
+/* After a failed CUDA call: does the context still work? A sticky error
+ * (illegal address, trap, ...) poisons it for good. */
+static bool context_broken(cudaStream_t stream) {
+  cudaError_t r = stream ? cudaStreamQuery(stream) : cudaDeviceSynchronize();
+  if (r == cudaSuccess || r == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+/* ---- open / close ---------------------------------------------------------------- */
+
+static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
+  *ret = NULL;
+  int n = 0;
+  cudaError_t r = cudaGetDeviceCount(&n);
+  if (r != cudaSuccess || n == 0) {
+    snprintf(err, errlen,
+             "cuda engine: no usable GPU (%s); run mokd with --engine cpu on machines "
+             "without one",
+             r != cudaSuccess ? cudaGetErrorString(r) : "no CUDA device");
+    return MOK_EUNSUPPORTED;
+  }
+  int dev = cfg ? cfg->device : 0;
+  if (dev < 0 || dev >= n) {
+    snprintf(err, errlen, "cuda engine: --device %d, this machine has GPUs 0..%d", dev, n - 1);
+    return MOK_EINVAL;
+  }
+  struct cudaDeviceProp p;
+  if ((r = cudaGetDeviceProperties(&p, dev)) != cudaSuccess ||
+      (r = cudaSetDevice(dev)) != cudaSuccess || (r = cudaFree(NULL)) != cudaSuccess) {
+    snprintf(err, errlen, "cuda engine: cannot use GPU %d: %s", dev, cudaGetErrorString(r));
+    return MOK_EENGINE;
+  }
+  if (p.major != 9 || p.minor != 0) {
+    snprintf(err, errlen,
+             "cuda engine: GPU %d (%s) is sm_%d%d; the kernels are built for sm_90a (Hopper)",
+             dev, p.name, p.major, p.minor);
+    return MOK_EUNSUPPORTED;
+  }
+  mok_engine *e = calloc(1, sizeof *e);
+  if (!e) {
+    snprintf(err, errlen, "cuda engine: out of memory");
+    return MOK_ENOMEM;
+  }
+  e->device = dev;
+  current_device = dev;
+  int st = drv_load(&e->drv, err, errlen);
+  if (st != MOK_OK) {
+    free(e);
+    return st;
+  }
+  int mem64 = 0;
+  CUresult cr = e->drv.device_attribute(&mem64, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                                        (CUdevice)dev);
+  if (cr != CUDA_SUCCESS || !mem64)
+    log_warn("cuda engine: GPU %d reports no 64-bit stream memory operations (%s): jobs "
+             "with GPU fences will fail",
+             dev, cr != CUDA_SUCCESS ? drv_error(e, cr) : "attribute 0");
+  st = mok_k_init();
+  if (st != MOK_OK) {
+    snprintf(err, errlen, "cuda engine: kernel set-up failed (CUDA error %d: %s)",
+             mok_k_last_cuda_error(), cudaGetErrorString((cudaError_t)mok_k_last_cuda_error()));
+    free(e);
+    return st;
+  }
+  const char *to = getenv("MOK_FENCE_TIMEOUT_MS");
+  unsigned long ms = to && *to ? strtoul(to, NULL, 10) : 0;
+  e->fence_timeout_ns = (uint64_t)(ms ? ms : DEFAULT_FENCE_TIMEOUT_MS) * 1000000ull;
+  char bus[32] = "";
+  cudaDeviceGetPCIBusId(bus, sizeof bus, dev);
+  snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",
+           p.name, p.major, p.minor, p.multiProcessorCount,
+           (double)p.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), dev, bus);
+  *ret = e;
+  return MOK_OK;
+}
+
+static void cuda_close(mok_engine *e) {
+  if (!e) return;
+  if (use_device(e) == MOK_OK) cudaDeviceSynchronize();
+  while (e->ipc) { /* every region was released; nothing should be left */
+    ipc_entry *n = e->ipc->next;
+    cudaIpcCloseMemHandle(e->ipc->ptr);
+    free(e->ipc);
+    e->ipc = n;
+  }
+  free(e);
+}
+
+static const char *cuda_describe(const mok_engine *e) { return e ? e->description : "cuda"; }
+
+/* ---- layers ------------------------------------------------------------------------- */
+
+static mok_k_dims dims_of(const mok_layer_config *c, uint32_t tokens) {
+  mok_k_dims d;
+  d.T = (int)tokens;
+  d.H = (int)c->hidden;
+  d.I = (int)c->intermediate;
+  d.E = (int)c->experts;
+  d.E_loc = (int)c->local_experts;
+  d.first_expert = (int)c->first_expert;
+  d.K = (int)c->topk;
+  d.I_s = (int)c->shared_intermediate;
+  d.row_align = (int)c->row_align;
+  d.has_limit = c->has_limit ? 1 : 0;
+  d.limit = c->has_limit ? c->swiglu_limit : 0.0f;
+  return d;
+}
+
+static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
+  (void)e;
+  if (cfg->dtype != MOK_DTYPE_BF16) {
+    snprintf(err, errlen,
+             "the cuda engine runs bfloat16 layers only (this one is %s); use dtype bfloat16, "
+             "or the cpu engine for float32",
+             cfg->dtype == MOK_DTYPE_F32 ? "float32" : "of an unknown dtype");
+    return MOK_EUNSUPPORTED;
+  }
+  cfg->row_align = (uint32_t)mok_k_row_align();
+  mok_k_dims d = dims_of(cfg, cfg->max_tokens);
+  char kerr[160];
+  if (mok_k_check_dims(&d, kerr, sizeof kerr) != MOK_OK) {
+    snprintf(err, errlen, "the cuda engine cannot run this layer: %s", kerr);
+    return MOK_EUNSUPPORTED;
+  }
+  mok_sched_shape shape = {mok_layer_dims(cfg, cfg->max_tokens), cfg->experts, cfg->first_expert};
+  int st = mok_schedule_shape_check(&shape, err, errlen);
+  if (st != MOK_OK) return st;
+  mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
+  if ((uint64_t)mok_k_rows_capacity(&d) != mok_rows_capacity(&ld) ||
+      (uint64_t)mok_k_schedule_ints(&d) != mok_schedule_ints(&ld)) {
+    snprintf(err, errlen, "cuda engine: kernel and wire layouts disagree (build mismatch)");
+    return MOK_EENGINE;
+  }
+  return MOK_OK;
+}
+
+static void layer_free(mok_engine_layer *l) {
+  cudaFree(l->ws);
+  cudaFree(l->ctx);
+  cudaFree(l->routed_a);
+  cudaFree(l->routed_b);
+  cudaFree(l->routed_c);
+  cudaFree(l->shared);
+  free(l);
+}
+
+static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer **ret,
+                           char *err, size_t errlen) {
+  *ret = NULL;
+  if (use_device(e) != MOK_OK) {
+    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
+    return MOK_EENGINE;
+  }
+  mok_engine_layer *l = calloc(1, sizeof *l);
+  if (!l) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
+  l->cfg = *cfg;
+  mok_k_dims d = dims_of(cfg, cfg->max_tokens);
+  mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
+  size_t R = (size_t)mok_rows_capacity(&ld), H = cfg->hidden, I = cfg->intermediate;
+  size_t T = cfg->max_tokens;
+  struct {
+    void **p;
+    size_t bytes;
+    const char *what;
+  } bufs[] = {
+      {&l->ws, mok_k_workspace_bytes(&d), "workspace"},
+      {&l->ctx, (size_t)mok_ctx_bytes(&ld), "context scratch"},
+      {(void **)&l->routed_a, R * H * 2, "routed rows"},
+      {(void **)&l->routed_b, R * H * 2, "routed rows"},
+      {(void **)&l->routed_c, R * (H > I ? H : I) * 2, "routed rows"},
+      {(void **)&l->shared, cfg->shared_intermediate ? T * H * 2 : 0, "shared rows"},
+  };
+  size_t total = 0;
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+    if (!bufs[i].bytes) continue;
+    cudaError_t r = cudaMalloc(bufs[i].p, bufs[i].bytes);
+    if (r != cudaSuccess) {
+      (void)cudaGetLastError();
+      snprintf(err, errlen,
+               "cuda engine: cannot allocate the layer's %s (%zu MiB; %zu MiB so far) for "
+               "max_tokens %u: %s",
+               bufs[i].what, bufs[i].bytes >> 20, total >> 20, cfg->max_tokens,
+               cudaGetErrorString(r));
+      layer_free(l);
+      return MOK_ENOMEM;
+    }
+    total += bufs[i].bytes;
+  }
+  log_debug("cuda engine: layer H=%u I=%u E_loc=%u K=%u I_s=%u max_tokens=%u: %zu MiB of scratch",
+            cfg->hidden, cfg->intermediate, cfg->local_experts, cfg->topk,
+            cfg->shared_intermediate, cfg->max_tokens, total >> 20);
+  *ret = l;
+  return MOK_OK;
+}
+
+static void cuda_layer_close(mok_engine *e, mok_engine_layer *l) {
+  if (!l) return;
+  use_device(e);
+  layer_free(l);
+}
+
+/* ---- sessions ------------------------------------------------------------------------ */
+
+static void session_free(mok_engine_session *s) {
+  for (int i = 0; i < MAX_JOBS; i++) {
+    if (s->jobs[i].ev_start) cudaEventDestroy(s->jobs[i].ev_start);
+    if (s->jobs[i].ev_done) cudaEventDestroy(s->jobs[i].ev_done);
+  }
+  if (s->stream) cudaStreamDestroy(s->stream);
+  if (s->sync_dev) cudaHostUnregister(s->sync_host);
+  cudaFree(s->d_status);
+  if (s->h_status) cudaFreeHost((void *)s->h_status);
+  free(s);
+}
+
+static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
+                             size_t errlen) {
+  *ret = NULL;
+  if (use_device(e) != MOK_OK) {
+    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
+    return MOK_EENGINE;
+  }
+  mok_engine_session *s = calloc(1, sizeof *s);
+  if (!s) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
+  s->sync_host = sync_page;
+  cudaError_t r = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  if (r == cudaSuccess) r = cudaMalloc((void **)&s->d_status, sizeof(int32_t));
+  if (r == cudaSuccess) r = cudaHostAlloc((void **)&s->h_status, MAX_JOBS * sizeof(int32_t), 0);
+  for (int i = 0; r == cudaSuccess && i < MAX_JOBS; i++) {
+    s->jobs[i].slot = i;
+    s->jobs[i].s = s;
+    r = cudaEventCreate(&s->jobs[i].ev_start);
+    if (r == cudaSuccess) r = cudaEventCreate(&s->jobs[i].ev_done);
+  }
+  if (r != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cuda engine: cannot set up the session's stream: %s",
+             cudaGetErrorString(r));
+    session_free(s);
+    return MOK_EENGINE;
+  }
+  /* the GPU sync words: device-mapped host memory both processes see */
+  void *dp = NULL;
+  r = cudaHostRegister(sync_page, MOK_SHM_SQ_OFFSET, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (r == cudaSuccess) {
+    r = cudaHostGetDevicePointer(&dp, sync_page, 0);
+    if (r != cudaSuccess) cudaHostUnregister(sync_page);
+  }
+  if (r == cudaSuccess) {
+    s->sync_dev = (CUdeviceptr)(uintptr_t)dp;
+  } else {
+    (void)cudaGetLastError();
+    snprintf(s->sync_error, sizeof s->sync_error, "cudaHostRegister of the sync page: %s",
+             cudaGetErrorString(r));
+    log_warn("cuda engine: a session runs without GPU fences (%s)", s->sync_error);
+  }
+  *ret = s;
+  return MOK_OK;
+}
+
+static void cuda_session_close(mok_engine *e, mok_engine_session *s) {
+  if (!s) return;
+  use_device(e);
+  cudaStreamSynchronize(s->stream); /* nothing should be left; never free under running work */
+  session_free(s);
+}
+
+/* ---- regions --------------------------------------------------------------------------- */
+
+static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r, char *err,
+                      size_t errlen) {
+  ipc_entry *en = e->ipc;
+  while (en && memcmp(en->handle, src->ipc_handle, 64) != 0) en = en->next;
+  if (!en) {
+    en = calloc(1, sizeof *en);
+    if (!en) {
+      snprintf(err, errlen, "out of memory");
+      return MOK_ENOMEM;
+    }
+    cudaIpcMemHandle_t h;
+    memcpy(&h, src->ipc_handle, sizeof h);
+    cudaError_t cr = cudaIpcOpenMemHandle(&en->ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (cr != cudaSuccess) {
+      (void)cudaGetLastError();
+      free(en);
+      snprintf(err, errlen,
+               "cannot open the CUDA IPC handle: %s (is the client on this machine, and its "
+               "memory from cudaMalloc?)",
+               cudaGetErrorString(cr));
+      return MOK_EINVAL;
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    CUresult dr = e->drv.get_address_range(&base, &size, (CUdeviceptr)(uintptr_t)en->ptr);
+    if (dr != CUDA_SUCCESS) {
+      cudaIpcCloseMemHandle(en->ptr);
+      free(en);
+      snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s", drv_error(e, dr));
+      return MOK_EENGINE;
+    }
+    en->size = size - (size_t)(base - (CUdeviceptr)(uintptr_t)en->ptr);
+    memcpy(en->handle, src->ipc_handle, 64);
+    en->next = e->ipc;
+    e->ipc = en;
+  }
+  if (src->offset > en->size || src->bytes > en->size - src->offset || src->bytes == 0) {
+    snprintf(err, errlen,
+             "buffer offset %llu + %llu bytes is outside the CUDA allocation of %zu bytes",
+             (unsigned long long)src->offset, (unsigned long long)src->bytes, en->size);
+    if (en->refs == 0) { /* just opened for this: close again */
+      for (ipc_entry **p = &e->ipc; *p; p = &(*p)->next)
+        if (*p == en) {
+          *p = en->next;
+          break;
+        }
+      cudaIpcCloseMemHandle(en->ptr);
+      free(en);
+    }
+    return MOK_EBOUNDS;
+  }
+  en->refs++;
+  r->kind = MOK_REGION_CUDA_IPC;
+  r->base = (char *)en->ptr + src->offset;
+  r->bytes = src->bytes;
+  r->engine_handle = en;
+  return MOK_OK;
+}
+
+static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r, char *err,
+                      size_t errlen) {
+  const drv_api *d = &e->drv;
+  vmm_import *v = calloc(1, sizeof *v);
+  if (!v) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
+  CUresult cr = d->import_handle(&v->handle, (void *)(intptr_t)src->fd,
+                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (cr != CUDA_SUCCESS) {
+    free(v);
+    snprintf(err, errlen, "cannot import the VMM fd: %s", drv_error(e, cr));
+    return MOK_EINVAL;
+  }
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  size_t gran = 0;
+  const char *step = "cuMemGetAllocationPropertiesFromHandle";
+  cr = d->props_from_handle(&prop, v->handle);
+  if (cr == CUDA_SUCCESS) {
+    step = "cuMemGetAllocationGranularity";
+    cr = d->granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  }
+  if (cr == CUDA_SUCCESS && (src->bytes == 0 || src->offset + src->bytes < src->offset)) {
+    d->release(v->handle);
+    free(v);
+    snprintf(err, errlen, "bad VMM buffer range");
+    return MOK_EINVAL;
+  }
+  if (cr == CUDA_SUCCESS) {
+    v->size = (size_t)((src->offset + src->bytes + gran - 1) / gran * gran);
+    step = "cuMemAddressReserve";
+    cr = d->address_reserve(&v->va, v->size, 0, 0, 0);
+  }
+  if (cr == CUDA_SUCCESS) {
+    step = "cuMemMap (is the buffer larger than the allocation?)";
+    cr = d->map(v->va, v->size, 0, v->handle, 0);
+    if (cr != CUDA_SUCCESS) {
+      d->address_free(v->va, v->size);
+      v->va = 0;
+    }
+  }
+  if (cr == CUDA_SUCCESS) {
+    CUmemAccessDesc a;
+    memset(&a, 0, sizeof a);
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = e->device;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    step = "cuMemSetAccess";
+    cr = d->set_access(v->va, v->size, &a, 1);
+    if (cr != CUDA_SUCCESS) {
+      d->unmap(v->va, v->size);
+      d->address_free(v->va, v->size);
+      v->va = 0;
+    }
+  }
+  if (cr != CUDA_SUCCESS) {
+    d->release(v->handle);
+    free(v);
+    snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, drv_error(e, cr));
+    return cr == CUDA_ERROR_INVALID_VALUE ? MOK_EBOUNDS : MOK_EINVAL;
+  }
+  r->kind = MOK_REGION_CUDA_VMM;
+  r->base = (void *)(uintptr_t)(v->va + src->offset);
+  r->bytes = src->bytes;
+  r->engine_handle = v;
+  return MOK_OK;
+}
+
+static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_region *r,
+                              char *err, size_t errlen) {
+  if (use_device(e) != MOK_OK) {
+    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
+    return MOK_EENGINE;
+  }
+  switch (src->kind) {
+  case MOK_REGION_HOST_MEMFD: {
+    cudaError_t cr = cudaHostRegister(r->map_base, r->map_bytes,
+                                      cudaHostRegisterMapped | cudaHostRegisterPortable);
+    void *dp = NULL;
+    if (cr == cudaSuccess) {
+      cr = cudaHostGetDevicePointer(&dp, r->map_base, 0);
+      if (cr != cudaSuccess) cudaHostUnregister(r->map_base);
+    }
+    if (cr != cudaSuccess) {
+      (void)cudaGetLastError();
+      snprintf(err, errlen, "cannot map %llu bytes of host memory for the GPU: %s",
+               (unsigned long long)r->map_bytes, cudaGetErrorString(cr));
+      return MOK_ENOMEM;
+    }
+    r->base = (char *)dp + ((char *)r->base - (char *)r->map_base);
+    r->engine_handle = r->map_base; /* registered */
+    return MOK_OK;
+  }
+  case MOK_REGION_CUDA_IPC: return import_ipc(e, src, r, err, errlen);
+  case MOK_REGION_CUDA_VMM: return import_vmm(e, src, r, err, errlen);
+  default:
+    snprintf(err, errlen, "unknown buffer kind %d", src->kind);
+    return MOK_EINVAL;
+  }
+}
+
+static void cuda_region_release(mok_engine *e, mok_region *r) {
+  if (!r->engine_handle) return;
+  use_device(e);
+  switch (r->kind) {
+  case MOK_REGION_HOST_MEMFD: cudaHostUnregister(r->map_base); break;
+  case MOK_REGION_CUDA_IPC: {
+    ipc_entry *en = r->engine_handle;
+    if (--en->refs > 0) break;
+    for (ipc_entry **p = &e->ipc; *p; p = &(*p)->next)
+      if (*p == en) {
+        *p = en->next;
+        break;
+      }
+    cudaIpcCloseMemHandle(en->ptr);
+    free(en);
+    break;
+  }
+  case MOK_REGION_CUDA_VMM: {
+    vmm_import *v = r->engine_handle;
+    e->drv.unmap(v->va, v->size);
+    e->drv.address_free(v->va, v->size);
+    e->drv.release(v->handle);
+    free(v);
+    break;
+  }
+  }
+  (void)cudaGetLastError();
+  r->engine_handle = NULL;
+}
+
+/* ---- one job ----------------------------------------------------------------------------- */
+
+typedef struct job_ctx {
+  mok_engine *e;
+  mok_engine_job *j;
+  const mok_job_args *a;
+  mok_engine_layer *l;
+  mok_k_dims d;
+  mok_layout_dims ld;
+  cudaStream_t st;
+  int32_t *status;
+  bool failed; /* stop enqueueing kernels */
+} job_ctx;
+
+__attribute__((format(printf, 3, 4))) static void job_fail(job_ctx *c, int status,
+                                                          const char *fmt, ...) {
+  if (c->failed) return;
+  c->failed = true;
+  c->j->status = status;
+  int n = snprintf(c->j->message, sizeof c->j->message, "%s: ", mok_op_name(c->a->op));
+  if (n < 0 || n >= (int)sizeof c->j->message) n = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->j->message + n, sizeof c->j->message - (size_t)n, fmt, ap);
+  va_end(ap);
+}
+
+/* A launcher's result: MOK_EINVAL means the kernels refused the arguments. */
+static void launched(job_ctx *c, int st, const char *what) {
+  if (st == MOK_OK || c->failed) return;
+  if (st == MOK_EENGINE) {
+    int ce = mok_k_last_cuda_error();
+    job_fail(c, MOK_EENGINE, "%s: CUDA launch failed: %s", what,
+             cudaGetErrorString((cudaError_t)ce));
+  } else {
+    job_fail(c, st, "%s: the kernels refused the arguments (alignment or dims)", what);
+  }
+}
+
+#define LAUNCH(c, call)                                                                       \
+  do {                                                                                        \
+    if (!(c)->failed) launched((c), (call), #call);                                           \
+  } while (0)
+
+static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
+#define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
+
+static void memset_async(job_ctx *c, void *p, size_t bytes) {
+  if (c->failed || !bytes) return;
+  cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
+  if (r != cudaSuccess) job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+}
+
+typedef struct acts_ptrs {
+  uint16_t *g, *u, *gs, *us;
+} acts_ptrs;
+
+/* acts at T (mok_wire.h); the bytes between each array's end and its
+ * 256-byte boundary are zeroed as the cpu engine does */
+static acts_ptrs acts_split(job_ctx *c, void *acts, bool zero_gaps) {
+  acts_ptrs p = {0};
+  uint64_t routed = mok_acts_routed_bytes(&c->ld), shared = mok_acts_shared_bytes(&c->ld);
+  char *b = acts;
+  p.g = (uint16_t *)b;
+  p.u = (uint16_t *)(b + routed);
+  p.gs = (uint16_t *)(b + 2 * routed);
+  p.us = (uint16_t *)(b + 2 * routed + shared);
+  if (zero_gaps) {
+    size_t ru = (size_t)mok_rows_capacity(&c->ld) * c->ld.intermediate * 2;
+    size_t su = (size_t)c->ld.tokens * c->ld.shared_intermediate * 2;
+    memset_async(c, (char *)p.g + ru, routed - ru);
+    memset_async(c, (char *)p.u + ru, routed - ru);
+    memset_async(c, (char *)p.gs + su, shared - su);
+    memset_async(c, (char *)p.us + su, shared - su);
+  }
+  return p;
+}
+
+/* ctx = schedule, zeros to 256, acts */
+static void ctx_split(job_ctx *c, void *ctx, bool writing, int32_t **sched, acts_ptrs *acts) {
+  uint64_t sb = mok_schedule_bytes(&c->ld);
+  *sched = ctx;
+  if (writing) memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
+  *acts = acts_split(c, (char *)ctx + mok_align256(sb), writing);
+}
+
+static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *routed_x,
+                         const acts_ptrs *a, uint16_t *routed_y, uint16_t *shared_y) {
+  LAUNCH(c, mok_k_expert_forward(&c->d, sched, routed_x, BF(c, W_GATE), BF(c, W_UP),
+                                 BF(c, W_DOWN), a->g, a->u, routed_y, c->l->ws, c->status, c->st));
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                   a->gs, a->us, shared_y, c->l->ws, c->status, c->st));
+}
+
+static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
+                             const uint16_t *routed_x, const uint16_t *routed_dout,
+                             uint16_t *routed_dx, uint16_t *shared_dx) {
+  LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
+                                  (const float *)T_(c, MOK_SLOT_ROUTER_W), BF(c, W_GATE),
+                                  BF(c, W_UP), BF(c, W_DOWN), routed_dx,
+                                  (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
+                                  BF(c, D_W_DOWN), c->l->ws, c->status, c->st));
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), a->gs, a->us, BF(c, S_GATE),
+                                    BF(c, S_UP), BF(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
+                                    BF(c, D_S_UP), BF(c, D_S_DOWN), c->l->ws, c->status, c->st));
+}
+
+static void op_forward(job_ctx *c) {
+  void *ctx = T_(c, MOK_SLOT_CTX);
+  int32_t *sched;
+  acts_ptrs a;
+  ctx_split(c, ctx ? ctx : c->l->ctx, ctx != NULL, &sched, &a);
+  LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), sched,
+                                 c->l->ws, c->status, c->st));
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
+  step_compute(c, sched, c->l->routed_a, &a, c->l->routed_b, c->l->shared);
+  LAUNCH(c, mok_k_combine(&c->d, sched, c->l->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
+                          c->d.I_s ? c->l->shared : NULL, BF(c, OUT), c->status, c->st));
+}
+
+static void op_backward(job_ctx *c) {
+  void *ctx = T_(c, MOK_SLOT_CTX);
+  int32_t *sched;
+  acts_ptrs a;
+  if (c->a->flags & MOK_JOB_RECOMPUTE) {
+    /* dispatch + compute again, bitwise as forward: acts from the same kernel */
+    ctx_split(c, ctx ? ctx : c->l->ctx, ctx != NULL, &sched, &a);
+    LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), sched,
+                                   c->l->ws, c->status, c->st));
+    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
+    LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, c->l->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
+                                   a.u, c->l->routed_c, c->status, c->st));
+    if (c->d.I_s)
+      LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                     a.gs, a.us, c->l->shared, c->l->ws, c->status, c->st));
+  } else {
+    ctx_split(c, ctx, false, &sched, &a);
+    LAUNCH(c, mok_k_schedule_validate(&c->d, sched, c->status, c->st));
+    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
+  }
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), c->l->routed_b, c->status, c->st));
+  step_compute_bwd(c, sched, &a, c->l->routed_a, c->l->routed_b, c->l->routed_c, c->l->shared);
+  LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, c->l->routed_c,
+                                    c->d.I_s ? c->l->shared : NULL, BF(c, D_X), c->status, c->st));
+}
+
+static const int32_t *sched_in(job_ctx *c) {
+  const int32_t *s = T_(c, MOK_SLOT_SCHEDULE);
+  LAUNCH(c, mok_k_schedule_validate(&c->d, s, c->status, c->st));
+  return s;
+}
+
+static void op_step(job_ctx *c) {
+  switch (c->a->op) {
+  case MOK_OP_DISPATCH: {
+    int32_t *s = T_(c, MOK_SLOT_SCHEDULE);
+    LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), s, c->l->ws,
+                                   c->status, c->st));
+    LAUNCH(c, mok_k_gather_rows(&c->d, s, BF(c, X), BF(c, ROUTED_X), c->status, c->st));
+    break;
+  }
+  case MOK_OP_COMPUTE: {
+    const int32_t *s = sched_in(c);
+    void *acts = T_(c, MOK_SLOT_ACTS);
+    acts_ptrs a;
+    if (acts) {
+      a = acts_split(c, acts, true);
+    } else {
+      int32_t *unused;
+      ctx_split(c, c->l->ctx, false, &unused, &a);
+    }
+    step_compute(c, s, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
+    break;
+  }
+  case MOK_OP_COMBINE: {
+    const int32_t *s = sched_in(c);
+    LAUNCH(c, mok_k_combine(&c->d, s, BF(c, ROUTED_Y), (const float *)T_(c, MOK_SLOT_ROUTER_W),
+                            BF(c, SHARED_Y), BF(c, OUT), c->status, c->st));
+    break;
+  }
+  case MOK_OP_COMBINE_BWD: {
+    const int32_t *s = sched_in(c);
+    LAUNCH(c, mok_k_gather_rows(&c->d, s, BF(c, D_OUT), BF(c, ROUTED_DOUT), c->status, c->st));
+    break;
+  }
+  case MOK_OP_COMPUTE_BWD: {
+    const int32_t *s = sched_in(c);
+    acts_ptrs a = acts_split(c, T_(c, MOK_SLOT_ACTS), false);
+    step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
+                     BF(c, SHARED_DX));
+    break;
+  }
+  case MOK_OP_DISPATCH_BWD: {
+    const int32_t *s = sched_in(c);
+    LAUNCH(c, mok_k_dispatch_backward(&c->d, s, BF(c, ROUTED_DX), BF(c, SHARED_DX), BF(c, D_X),
+                                      c->status, c->st));
+    break;
+  }
+  default: job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
+  }
+}
+
+/* Host-side checks the daemon's generic validation does not make. */
+static bool check_job(job_ctx *c) {
+  const mok_job_args *a = c->a;
+  if (!c->l) {
+    job_fail(c, MOK_EINVAL, "the layer has no device state");
+    return false;
+  }
+  if (a->layer->dtype != MOK_DTYPE_BF16 || a->layer->row_align != (uint32_t)mok_k_row_align()) {
+    job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
+    return false;
+  }
+  if (a->tokens == 0 || a->tokens > a->layer->max_tokens) {
+    job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens, a->layer->max_tokens);
+    return false;
+  }
+  if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD) {
+    job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
+    return false;
+  }
+  for (int s = 0; s < MOK_SLOT_COUNT_; s++) {
+    const mok_tensor_view *t = &a->t[s];
+    if (t->ptr && ((uintptr_t)t->ptr & 15u)) {
+      job_fail(c, MOK_EINVAL,
+               "tensor '%s' is not 16-byte aligned (address ...%02x): the cuda engine needs "
+               "every tensor at a multiple of 16 bytes in its buffer",
+               mok_slot_name((uint32_t)s), (unsigned)((uintptr_t)t->ptr & 0xffu));
+      return false;
+    }
+  }
+  return true;
+}
+
+static mok_engine_job *take_job(mok_engine_session *s) {
+  for (int i = 0; i < MAX_JOBS; i++)
+    if (!s->jobs[i].used) return &s->jobs[i];
+  return NULL;
+}
+
+static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  mok_engine_session *s = a->session;
+  if (!s || use_device(e) != MOK_OK) {
+    res->status = MOK_EENGINE;
+    snprintf(res->message, sizeof res->message, "cuda engine: job without a session or device");
+    return NULL;
+  }
+  mok_engine_job *j = take_job(s);
+  if (!j) {
+    res->status = MOK_EBUSY;
+    snprintf(res->message, sizeof res->message, "too many jobs running in this session");
+    return NULL;
+  }
+  j->used = true;
+  j->op = a->op;
+  j->fence_wait = a->fence_wait;
+  j->fence_signal = a->fence_signal;
+  j->host_signal = false;
+  j->fence_forced = false;
+  j->head_since = 0;
+  j->reads_status = false;
+  j->status = MOK_OK;
+  j->message[0] = '\0';
+  job_ctx c = {.e = e, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
+               .status = s->d_status};
+
+  if ((a->fence_wait || a->fence_signal) && !s->sync_dev) {
+    job_fail(&c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
+             s->sync_error);
+    j->host_signal = a->fence_signal != 0; /* still release the client's stream, in order */
+  }
+  CUresult cr = CUDA_SUCCESS;
+  if (a->fence_wait && s->sync_dev)
+    cr = e->drv.wait64(s->stream,
+                       s->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (a->fence_wait % MOK_RING_ENTRIES),
+                       a->fence_wait, CU_STREAM_WAIT_VALUE_GEQ);
+  if (cr != CUDA_SUCCESS) job_fail(&c, MOK_EENGINE, "cuStreamWaitValue64: %s", drv_error(e, cr));
+  cudaEventRecord(j->ev_start, s->stream);
+
+  if (a->op != MOK_OP_NOP && !c.failed && check_job(&c)) {
+    c.d = dims_of(a->layer, a->tokens);
+    c.ld = mok_layer_dims(a->layer, a->tokens);
+    cudaError_t r = cudaMemsetAsync(s->d_status, 0, sizeof(int32_t), s->stream);
+    if (r != cudaSuccess) job_fail(&c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+    if (a->op == MOK_OP_FORWARD) op_forward(&c);
+    else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
+    else op_step(&c);
+    /* read back at completion only: the word lands in pinned memory before ev_done */
+    r = cudaMemcpyAsync((void *)&s->h_status[j->slot], s->d_status, sizeof(int32_t),
+                        cudaMemcpyDeviceToHost, s->stream);
+    if (r == cudaSuccess) j->reads_status = true;
+    else job_fail(&c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+  }
+  if (a->fence_signal && s->sync_dev) {
+    cr = e->drv.write64(s->stream, s->sync_dev + MOK_SHM_SYNC_DONE_OFFSET, a->fence_signal,
+                        CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (cr != CUDA_SUCCESS) {
+      job_fail(&c, MOK_EENGINE, "cuStreamWriteValue64: %s", drv_error(e, cr));
+      j->host_signal = true;
+    }
+  }
+  cudaError_t r = cudaEventRecord(j->ev_done, s->stream);
+  if (r != cudaSuccess) {
+    /* without the event the job cannot be followed: give up on the device */
+    res->status = MOK_EENGINE;
+    res->fatal = context_broken(s->stream);
+    snprintf(res->message, sizeof res->message, "cudaEventRecord: %s", cudaGetErrorString(r));
+    if (!res->fatal) {
+      cudaStreamSynchronize(s->stream);
+      j->used = false;
+      if (j->host_signal) *mok_shm_sync_done(s->sync_host) = j->fence_signal;
+      return NULL;
+    }
+    j->used = false;
+    return NULL;
+  }
+  if (c.failed && j->status == MOK_EENGINE && context_broken(s->stream)) {
+    res->status = MOK_EENGINE;
+    res->fatal = 1;
+    snprintf(res->message, sizeof res->message, "%s", j->message);
+  }
+  return j;
+}
+
+static const char *status_text(int st) {
+  switch (st) {
+  case MOK_EROUTE: return "a routing id is outside [0, experts) and not -1";
+  case MOK_EINVAL: return "the schedule (or ctx) given failed validation";
+  case MOK_EOVERFLOW: return "a capacity overflowed";
+  default: return "the kernels reported an error";
+  }
+}
+
+static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_result *res) {
+  mok_engine_session *s = j->s;
+  use_device(e);
+  cudaError_t q = cudaEventQuery(j->ev_done);
+  if (q == cudaErrorNotReady) {
+    if (j->fence_wait && !j->fence_forced && s->sync_dev) {
+      if (!j->head_since) j->head_since = now == UINT64_MAX ? 1 : now;
+      if (now == UINT64_MAX || now - j->head_since > e->fence_timeout_ns) {
+        volatile uint64_t *w = mok_shm_sync_fence(s->sync_host, j->fence_wait);
+        if (*w < j->fence_wait) {
+          /* the client never wrote its fence (it died, or its stream stalled):
+           * release the wait ourselves so the stream moves on; the job fails */
+          atomic_thread_fence(memory_order_seq_cst);
+          *w = j->fence_wait;
+          atomic_thread_fence(memory_order_seq_cst);
+          j->fence_forced = true;
+          log_warn("cuda engine: a job waited %.1f s for its client's fence %llu; released",
+                   now == UINT64_MAX ? 0.0 : (double)(now - j->head_since) / 1e9,
+                   (unsigned long long)j->fence_wait);
+        }
+      }
+    }
+    return 0;
+  }
+  res->fatal = 0;
+  if (q != cudaSuccess) {
+    res->status = MOK_EENGINE;
+    res->fatal = 1;
+    snprintf(res->message, sizeof res->message, "CUDA error while a %s job ran: %s",
+             mok_op_name(j->op), cudaGetErrorString(q));
+    j->used = false;
+    return 1;
+  }
+  if (j->host_signal && j->fence_signal) {
+    volatile uint64_t *w = mok_shm_sync_done(s->sync_host);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (*w < j->fence_signal) *w = j->fence_signal;
+  }
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  if (j->status != MOK_OK) {
+    res->status = j->status;
+    snprintf(res->message, sizeof res->message, "%s", j->message);
+  } else if (j->reads_status && s->h_status[j->slot] != 0) {
+    int st = s->h_status[j->slot];
+    res->status = st;
+    snprintf(res->message, sizeof res->message, "%s: %s", mok_op_name(j->op), status_text(st));
+  }
+  if (j->fence_forced) {
+    res->status = MOK_ETIMEOUT;
+    snprintf(res->message, sizeof res->message,
+             "%s: client fence %llu not written in %llu ms; wait released, outputs undefined",
+             mok_op_name(j->op), (unsigned long long)j->fence_wait,
+             (unsigned long long)(e->fence_timeout_ns / 1000000ull));
+  }
+  j->used = false;
+  return 1;
+}
+
+/* The synchronous form (tools and tests that call run() directly): start,
+ * then poll to completion. */
+static void cuda_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  mok_engine_job *j = cuda_start(e, a, res);
+  if (!j) return;
+  struct timespec ts = {0, 20000}, now;
+  for (;;) {
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (cuda_poll(e, j, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec, res)) break;
+    nanosleep(&ts, NULL);
+  }
+}
+
+const mok_engine_ops mok_engine_cuda = {
+    .name = "cuda",
+    .open = cuda_open,
+    .close = cuda_close,
+    .describe = cuda_describe,
+    .prepare_layer = cuda_prepare_layer,
+    .run = cuda_run,
+    .session_open = cuda_session_open,
+    .session_close = cuda_session_close,
+    .layer_open = cuda_layer_open,
+    .layer_close = cuda_layer_close,
+    .region_import = cuda_region_import,
+    .region_release = cuda_region_release,
+    .start = cuda_start,
+    .poll = cuda_poll,
+};
