@@ -143,6 +143,40 @@ int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64
 int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
                  uint64_t *ret_ticket);
 
+/* ---- CUDA memory and streams (the cuda engine; docs/cuda.md) ----
+ *
+ * Any tensor may also be CUDA device memory: mok_submit and the calls
+ * below find a device pointer's allocation and register it with mokd once
+ * (legacy CUDA IPC for cudaMalloc memory, a POSIX fd for cuMemCreate
+ * memory made exportable), then name it in place. libcuda.so.1 is loaded
+ * (dlopen) at the first such use; libmok needs no GPU otherwise. */
+
+/* Like mok_submit, ordered on a CUDA stream (a CUstream / cudaStream_t;
+ * NULL: the legacy default stream) without any host wait: the job starts
+ * after the work enqueued on `stream` so far, and work enqueued on `stream`
+ * after this call starts after the job. Returns at once. With ret_ticket
+ * the job is waited for with mok_wait as usual; with ret_ticket NULL it is
+ * reaped by itself, and a failure is reported by mok_async_error(). A job
+ * that fails still releases the stream (its outputs are then undefined).
+ * When MOK_RING_ENTRIES jobs are in flight, the call waits for one. */
+int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                         const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
+                         uint64_t *ret_ticket);
+int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a, void *stream,
+                          uint64_t *ret_ticket);
+int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,
+                           const mok_backward_args *a, void *stream, uint64_t *ret_ticket);
+/* The first failure among the jobs submitted without a ticket since the
+ * last call (MOK_OK if none; message in mok_last_error()); clears it. */
+int mok_async_error(mok_client *c);
+/* Wait on the host until every job submitted so far has completed (those
+ * with tickets stay waitable). Returns mok_async_error() after that. */
+int mok_sync(mok_client *c, int timeout_ms);
+/* Drop the registration of the CUDA allocation holding dev_ptr (before
+ * freeing it, to release the daemon's mapping early; libmok also notices
+ * reallocations by itself). */
+int mok_cuda_forget(mok_client *c, const void *dev_ptr);
+
 #ifdef __cplusplus
 }
 #endif

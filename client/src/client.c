@@ -210,10 +210,7 @@ int mok_stats(mok_client *c, mok_daemon_stats *ret) {
 void mok_close(mok_client *c) {
   if (!c) return;
   /* let in-flight jobs finish: they write into memory we are about to unmap */
-  for (uint32_t i = 0; i < MOK_RING_ENTRIES && !c->broken; i++) {
-    job_result *jr = &c->results[i];
-    if (jr->ticket && !jr->done) (void)mok_wait(c, jr->ticket, 5000);
-  }
+  if (!c->broken) (void)mok_sync(c, 5000);
   while (c->n_layers) mok_layer_destroy(c->layers[c->n_layers - 1]);
   if (!c->broken && c->sock >= 0) {
     Mok__Goodbye bye = MOK__GOODBYE__INIT;
@@ -227,6 +224,7 @@ void mok_close(mok_client *c) {
   for (size_t i = 0; i < c->n_regions; i++) munmap(c->regions[i].ptr, c->regions[i].bytes);
   free(c->regions);
   free(c->layers);
+  mok_cuda_client_free(c); /* unregisters the sync page before the unmap */
   if (c->shm) munmap(c->shm, c->shm_bytes);
   if (c->sock >= 0) close(c->sock);
   if (c->doorbell_in >= 0) close(c->doorbell_in);

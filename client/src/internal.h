@@ -18,6 +18,7 @@ typedef struct host_region {
 typedef struct job_result {
   uint64_t ticket; /* 0: empty */
   bool done;
+  bool detached; /* submitted without a ticket: reaped when it completes */
   int status;
   char message[MOK_COMPLETION_MSG];
 } job_result;
@@ -41,7 +42,19 @@ struct mok_client {
   mok_layer **layers;
   size_t n_layers, cap_layers;
   bool broken; /* the daemon went away */
+  struct mok_cuda_state *cuda; /* device memory and streams (cuda.c); NULL until used */
+  int async_status;            /* first failure of a detached job, not yet reported */
+  char async_message[MOK_COMPLETION_MSG];
 };
+
+/* A registered CUDA allocation (cuda.c). */
+typedef struct dev_region {
+  unsigned long long base; /* CUdeviceptr */
+  size_t size;
+  unsigned long long buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID when registered */
+  uint32_t id;
+} dev_region;
+typedef struct mok_cuda_state mok_cuda_state;
 
 struct mok_layer {
   mok_client *client;
@@ -65,5 +78,18 @@ int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
 
 /* Find the registered region holding [p, p+bytes); NULL if none. */
 const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes);
+
+/* cuda.c (the client lock held). Find p in registered CUDA memory, or
+ * register its allocation; MOK_ENOENT (no message) when p is not device
+ * memory or no driver is there. */
+int mok_cuda_resolve_locked(mok_client *c, const void *p, uint64_t bytes, uint32_t *ret_region,
+                            uint64_t *ret_offset);
+const char *mok_cuda_load_error(void);
+/* Enqueue the fence write of job `ticket` on stream; *ret_signal: its done value. */
+int mok_cuda_fence_before_locked(mok_client *c, void *stream, uint64_t ticket,
+                                 uint64_t *ret_signal);
+/* Enqueue the stream's wait for the done value (after the job is in the ring). */
+int mok_cuda_fence_after_locked(mok_client *c, void *stream, uint64_t signal);
+void mok_cuda_client_free(mok_client *c);
 
 #endif

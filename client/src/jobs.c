@@ -49,53 +49,143 @@ int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket) {
   return r;
 }
 
-int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-               const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket) {
+/* Fill desc from the tensors (the client lock held): host regions first,
+ * then CUDA device memory (registered on first use). */
+static int build_desc_locked(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                             const mok_tensor tensors[MOK_SLOT_COUNT_], mok_job_desc *desc) {
   mok_client *c = l->client;
-  mok_job_desc desc;
-  memset(&desc, 0, sizeof desc);
-  desc.version = MOK_JOB_VERSION;
-  desc.op = (uint16_t)op;
-  desc.flags = (uint16_t)flags;
-  desc.layer = l->id;
-  desc.tokens = tokens;
-  pthread_mutex_lock(&c->lock);
+  memset(desc, 0, sizeof *desc);
+  desc->version = MOK_JOB_VERSION;
+  desc->op = (uint16_t)op;
+  desc->flags = (uint16_t)flags;
+  desc->layer = l->id;
+  desc->tokens = tokens;
   for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {
     const mok_tensor *t = &tensors[s];
     if (!t->data) continue;
     uint64_t esz = mok_dtype_size(t->dtype), elems = 1;
-    if (t->ndim < 1 || t->ndim > MOK_MAX_DIMS || esz == 0) {
-      pthread_mutex_unlock(&c->lock);
+    if (t->ndim < 1 || t->ndim > MOK_MAX_DIMS || esz == 0)
       return mok_set_error(MOK_ESHAPE, "tensor %u: bad dtype or rank", s);
-    }
     for (uint32_t i = 0; i < t->ndim; i++) {
-      if (t->shape[i] > UINT32_MAX || (t->shape[i] && elems > UINT64_MAX / t->shape[i])) {
-        pthread_mutex_unlock(&c->lock);
+      if (t->shape[i] > UINT32_MAX || (t->shape[i] && elems > UINT64_MAX / t->shape[i]))
         return mok_set_error(MOK_ESHAPE, "tensor %u: dimension %u too large", s, i);
-      }
       elems *= t->shape[i];
     }
     uint64_t bytes = elems * esz;
+    uint32_t region;
+    uint64_t offset;
     const host_region *hr = mok_find_region(c, t->data, bytes);
-    if (!hr) {
-      pthread_mutex_unlock(&c->lock);
-      return mok_set_error(MOK_ENOENT,
-                           "tensor %u (%llu bytes at %p) is not inside memory registered with "
-                           "mokd (use mok_host_alloc)",
-                           s, (unsigned long long)bytes, t->data);
+    if (hr) {
+      region = hr->id;
+      offset = (uint64_t)((const char *)t->data - (const char *)hr->ptr);
+    } else {
+      int st = mok_cuda_resolve_locked(c, t->data, bytes, &region, &offset);
+      if (st == MOK_ENOENT) {
+        const char *why = mok_cuda_load_error();
+        return mok_set_error(MOK_ENOENT,
+                             "tensor %u (%llu bytes at %p) is not inside memory registered with "
+                             "mokd (use mok_host_alloc, or CUDA device memory)%s%s",
+                             s, (unsigned long long)bytes, t->data, *why ? "; " : "", why);
+      }
+      if (st != MOK_OK) return st;
     }
-    mok_tensor_ref *ref = &desc.tensors[desc.n_tensors++];
-    ref->region = hr->id;
+    mok_tensor_ref *ref = &desc->tensors[desc->n_tensors++];
+    ref->region = region;
     ref->slot = (uint16_t)s;
     ref->dtype = (uint8_t)t->dtype;
     ref->ndim = (uint8_t)t->ndim;
-    ref->offset = (uint64_t)((const char *)t->data - (const char *)hr->ptr);
+    ref->offset = offset;
     ref->bytes = bytes;
     for (uint32_t i = 0; i < t->ndim; i++) ref->shape[i] = (uint32_t)t->shape[i];
   }
-  int r = mok_submit_desc_locked(c, &desc, ret_ticket);
+  return MOK_OK;
+}
+
+int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+               const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket) {
+  mok_client *c = l->client;
+  mok_job_desc desc;
+  pthread_mutex_lock(&c->lock);
+  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+  if (r == MOK_OK) r = mok_submit_desc_locked(c, &desc, ret_ticket);
   pthread_mutex_unlock(&c->lock);
   return r;
+}
+
+static bool drain_completions(mok_client *c);
+static int park(mok_client *c, int timeout_ms);
+
+int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                         const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
+                         uint64_t *ret_ticket) {
+  mok_client *c = l->client;
+  mok_job_desc desc;
+  pthread_mutex_lock(&c->lock);
+  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+  /* room in the ring: wait for running jobs (bounded: a minute) */
+  uint64_t give_up = now_ns() + 60000000000ull;
+  while (r == MOK_OK && c->outstanding >= MOK_RING_ENTRIES) {
+    if (!drain_completions(c) || c->broken) {
+      r = mok_set_error(MOK_ECLOSED, "the connection to mokd is closed");
+      break;
+    }
+    if (c->outstanding < MOK_RING_ENTRIES) break;
+    if (now_ns() > give_up) {
+      r = mok_set_error(MOK_EBUSY, "%u jobs in flight for a minute: wait for some first",
+                        c->outstanding);
+      break;
+    }
+    park(c, 10);
+  }
+  uint64_t ticket = c->next_ticket, signal = 0;
+  if (r == MOK_OK) r = mok_cuda_fence_before_locked(c, stream, ticket, &signal);
+  if (r == MOK_OK) {
+    desc.fence_wait = ticket;
+    desc.fence_signal = signal;
+    uint64_t got = 0;
+    r = mok_submit_desc_locked(c, &desc, &got);
+    if (r == MOK_OK) {
+      r = mok_cuda_fence_after_locked(c, stream, signal);
+      if (ret_ticket) *ret_ticket = got;
+      else c->results[got % MOK_RING_ENTRIES].detached = true;
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+  return r;
+}
+
+int mok_async_error(mok_client *c) {
+  pthread_mutex_lock(&c->lock);
+  if (!c->broken) (void)drain_completions(c);
+  int st = c->async_status;
+  if (st != MOK_OK) mok_set_error(st, "%s", c->async_message);
+  c->async_status = MOK_OK;
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+int mok_sync(mok_client *c, int timeout_ms) {
+  uint64_t deadline = timeout_ms < 0 ? UINT64_MAX : now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  pthread_mutex_lock(&c->lock);
+  for (;;) {
+    if (!drain_completions(c)) c->broken = true;
+    bool busy = false;
+    for (uint32_t i = 0; i < MOK_RING_ENTRIES; i++)
+      if (c->results[i].ticket && !c->results[i].done) busy = true;
+    if (!busy) break;
+    if (c->broken) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ECLOSED, "mokd went away with jobs in flight");
+    }
+    uint64_t now = now_ns();
+    if (now >= deadline) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ETIMEOUT, "jobs still running after %d ms", timeout_ms);
+    }
+    park(c, 10);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return mok_async_error(c);
 }
 
 int mok_submit_nop(mok_client *c, uint64_t *ret_ticket) {
@@ -122,6 +212,14 @@ static bool drain_completions(mok_client *c) {
       jr->status = comp.status;
       comp.message[MOK_COMPLETION_MSG - 1] = '\0';
       memcpy(jr->message, comp.message, sizeof jr->message);
+      if (jr->detached) { /* nobody waits for it: reap it now */
+        if (comp.status != MOK_OK && c->async_status == MOK_OK) {
+          c->async_status = comp.status;
+          memcpy(c->async_message, comp.message, sizeof c->async_message);
+        }
+        *jr = (job_result){0};
+        c->outstanding--;
+      }
     }
   }
   atomic_store_explicit(&h->cq_head.value, c->cq_head, memory_order_release);
@@ -156,7 +254,7 @@ static int park(mok_client *c, int timeout_ms) {
 int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
   pthread_mutex_lock(&c->lock);
   job_result *jr = &c->results[ticket % MOK_RING_ENTRIES];
-  if (ticket == 0 || jr->ticket != ticket) {
+  if (ticket == 0 || jr->ticket != ticket || jr->detached) {
     pthread_mutex_unlock(&c->lock);
     return mok_set_error(MOK_ENOENT, "ticket %llu is not pending", (unsigned long long)ticket);
   }
@@ -196,6 +294,12 @@ int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
 
 /* ---- typed whole-layer jobs ---- */
 
+static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                            mok_tensor *t);
+static void backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
+                             mok_tensor *t);
+
+
 static void put(mok_tensor *t, const mok_layer *l, uint32_t tokens, uint32_t slot,
                 const void *data) {
   if (data) t[slot] = mok_tensor_for(l, tokens, slot, data);
@@ -203,7 +307,13 @@ static void put(mok_tensor *t, const mok_layer *l, uint32_t tokens, uint32_t slo
 
 int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  memset(t, 0, sizeof t);
+  forward_tensors(l, tokens, a, t);
+  return mok_submit(l, MOK_OP_FORWARD, 0, tokens, t, ret_ticket);
+}
+
+static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                            mok_tensor *t) {
+  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
   put(t, l, tokens, MOK_SLOT_X, a->x);
   put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
   put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
@@ -215,13 +325,33 @@ int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64
   put(t, l, tokens, MOK_SLOT_S_DOWN, a->s_down);
   put(t, l, tokens, MOK_SLOT_OUT, a->out);
   put(t, l, tokens, MOK_SLOT_CTX, a->ctx);
-  return mok_submit(l, MOK_OP_FORWARD, 0, tokens, t, ret_ticket);
+}
+
+
+int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a, void *stream,
+                          uint64_t *ret_ticket) {
+  mok_tensor t[MOK_SLOT_COUNT_];
+  forward_tensors(l, tokens, a, t);
+  return mok_submit_on_stream(l, MOK_OP_FORWARD, 0, tokens, t, stream, ret_ticket);
+}
+
+int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,
+                           const mok_backward_args *a, void *stream, uint64_t *ret_ticket) {
+  mok_tensor t[MOK_SLOT_COUNT_];
+  backward_tensors(l, tokens, a, t);
+  return mok_submit_on_stream(l, MOK_OP_BACKWARD, flags, tokens, t, stream, ret_ticket);
 }
 
 int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
                  uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  memset(t, 0, sizeof t);
+  backward_tensors(l, tokens, a, t);
+  return mok_submit(l, MOK_OP_BACKWARD, flags, tokens, t, ret_ticket);
+}
+
+static void backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
+                             mok_tensor *t) {
+  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
   put(t, l, tokens, MOK_SLOT_X, a->x);
   put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
   put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
@@ -241,5 +371,4 @@ int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backwa
   put(t, l, tokens, MOK_SLOT_D_S_GATE, a->d_s_gate);
   put(t, l, tokens, MOK_SLOT_D_S_UP, a->d_s_up);
   put(t, l, tokens, MOK_SLOT_D_S_DOWN, a->d_s_down);
-  return mok_submit(l, MOK_OP_BACKWARD, flags, tokens, t, ret_ticket);
 }
