@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds mokd, libmok and the device test for the GPU test machine, which
+# lacks libuv, protobuf-c and libsystemd: libuv and protobuf-c are linked
+# statically into the programs, libsystemd is replaced by no-op stubs
+# (tests/gpu/sd_stub.c), libmok.so keeps protobuf-c as a shared library that
+# travels in the build's lib/. Run it here (x86-64, nvcc present), then carry
+# the folder (default .devbuild, ignored) to the GPU machine and run
+# tests/gpu/run_device_tests.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+B=${MOK_DEVBUILD:-.devbuild}
+LIBDIR=${LIBDIR:-/usr/lib/x86_64-linux-gnu}
+mkdir -p "$B/lib"
+gcc -O2 -fPIC -c tests/gpu/sd_stub.c -o "$B/sd_stub.o"
+make -j"$(nproc)" BUILD="$B" PB_LIBS=-lprotobuf-c "$B/lib/libmok.so"
+make -j"$(nproc)" BUILD="$B" UV_LIBS="$LIBDIR/libuv_a.a" PB_LIBS="$LIBDIR/libprotobuf-c.a" \
+  SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine"
+cp -L "$LIBDIR/libprotobuf-c.so.1" "$B/lib/"
+echo "built into $B"

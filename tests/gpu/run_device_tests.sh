@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# The cuda engine on a GPU machine, end to end, in one call:
+#   1. the kernel library's own tests (tests/gpu/run_kernel_tests.sh)
+#   2. mokd --engine cuda + tests/gpu/test_cuda_engine through libmok:
+#      correctness vs ref64 and the cpu engine, single-step chain, determinism,
+#      errors, stream fences, host-memfd and device (IPC) memory
+#   3. 4 concurrent client processes, without and with MPS: same bits
+#   4. a client fence that never comes (MOK_FENCE_TIMEOUT_MS) -> ETIMEOUT
+#   5. compute-sanitizer memcheck on mokd (small shapes)
+#   6. timings at T=2048 (issue 4's shapes, balanced routing)
+# and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
+# development machine with tests/gpu/build_device.sh and carried), else `make`.
+#
+#   tests/gpu/run_device_tests.sh [STEP...]   STEP: kernels correct concurrent fence
+#                                             sanitize time (default: all of them)
+# Environment: OUT (logs; default $MOK_DEVBUILD/logs), KERNEL_STEPS (default
+# "build correct"). Exit status 0 when every step passed.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+B=${MOK_DEVBUILD:-.devbuild}
+LOGS=${OUT:-$B/logs}
+mkdir -p "$LOGS"
+export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0
+SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+SOCK=/tmp/mok-devtest.sock
+TEST=$B/tests/gpu/test_cuda_engine
+declare -A result
+summary=()
+status=0
+note() { printf '== %s\n' "$*"; }
+record() { result[$1]=$2; summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+
+if [ ! -x "$B/bin/mokd" ] || [ ! -x "$TEST" ]; then
+  note "building into $B"
+  make -j"$(nproc)" BUILD="$B" all >"$LOGS/build.log" 2>&1 || { tail -30 "$LOGS/build.log"; exit 1; }
+fi
+
+MOKD_PID=
+start_mokd() { # [prefix...]
+  rm -f "$SOCK"
+  "$@" "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$LOGS/mokd.log" 2>&1 &
+  MOKD_PID=$!
+  for _ in $(seq 1 300); do
+    [ -S "$SOCK" ] && return 0
+    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$LOGS/mokd.log"; return 1; }
+    sleep 0.1
+  done
+  echo "mokd did not come up"; return 1
+}
+stop_mokd() {
+  [ -n "$MOKD_PID" ] || return 0
+  kill -TERM "$MOKD_PID" 2>/dev/null
+  local rc=0
+  wait "$MOKD_PID" || rc=$?
+  MOKD_PID=
+  return $rc
+}
+trap 'stop_mokd; echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+export MOK_SOCKET=$SOCK
+
+step_kernels() {
+  note "kernel library tests (${KERNEL_STEPS:-build correct})"
+  BUILD_DIR=$B/kernel-tests OUT=$LOGS/kernels tests/gpu/run_kernel_tests.sh ${KERNEL_STEPS:-build correct} \
+    >"$LOGS/kernel_tests.log" 2>&1
+  local rc=$?
+  tail -4 "$LOGS/kernel_tests.log"
+  record kernels "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_correct() {
+  note "mokd --engine cuda: correctness through libmok"
+  start_mokd || { record correct "FAIL (mokd)"; return; }
+  timeout 300 "$TEST" correct 2>&1 | tee "$LOGS/correct.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
+  record correct "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+concurrent_hashes() { # label -> prints "label: N distinct hashes" ; returns 0 when one
+  local label=$1 pids=() i
+  for i in 1 2 3 4; do
+    timeout 120 "$TEST" hash 2 >"$LOGS/concurrent_${label}_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  local bad=0
+  for p in "${pids[@]}"; do wait "$p" || bad=1; done
+  grep -h '^hash' "$LOGS"/concurrent_"${label}"_*.log | sort | uniq -c | tee "$LOGS/hashes_$label.txt"
+  [ $bad = 0 ] && [ "$(sort -u "$LOGS/hashes_$label.txt" | awk '{print $3}' | sort -u | wc -l)" = 1 ]
+}
+
+step_concurrent() {
+  note "4 concurrent clients, no MPS"
+  start_mokd || { record concurrent "FAIL (mokd)"; return; }
+  "$TEST" hash 2 >"$LOGS/single.log" 2>&1
+  local single ok=1
+  single=$(grep '^hash' "$LOGS/single.log" | awk '{print $2}')
+  echo "single process: $single"
+  concurrent_hashes nomps || ok=0
+  grep -q "$single" "$LOGS/hashes_nomps.txt" || ok=0
+  stop_mokd || ok=0
+  note "4 concurrent clients under MPS"
+  local mps_ok=1
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
+    sleep 1
+    if start_mokd; then
+      concurrent_hashes mps || mps_ok=0
+      grep -q "$single" "$LOGS/hashes_mps.txt" || mps_ok=0
+      stop_mokd || mps_ok=0
+    else
+      mps_ok=0
+    fi
+    echo quit | nvidia-cuda-mps-control >>"$LOGS/mps.log" 2>&1
+    sleep 1
+  else
+    echo "MPS would not start:"; cat "$LOGS/mps.log"; mps_ok=0
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  record concurrent "$([ $ok = 1 ] && echo PASS || echo FAIL)"
+  record concurrent_mps "$([ $mps_ok = 1 ] && echo PASS || echo FAIL)"
+}
+
+step_fence() {
+  note "a client fence that never comes"
+  start_mokd env MOK_FENCE_TIMEOUT_MS=1500 || { record fence "FAIL (mokd)"; return; }
+  timeout 120 "$TEST" fence 2>&1 | tee "$LOGS/fence.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || rc=1
+  record fence "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_sanitize() {
+  note "compute-sanitizer memcheck on mokd (quick shapes)"
+  start_mokd "$SAN" --tool memcheck --error-exitcode 3 --log-file "$LOGS/memcheck_mokd.log" ||
+    { record sanitize "FAIL (mokd under the sanitizer)"; return; }
+  timeout 400 "$TEST" quick >"$LOGS/sanitize_client.log" 2>&1
+  local rc=$?
+  tail -2 "$LOGS/sanitize_client.log"
+  stop_mokd || rc=$?
+  tail -3 "$LOGS/memcheck_mokd.log"
+  grep -q "ERROR SUMMARY: 0 errors" "$LOGS/memcheck_mokd.log" || rc=1
+  record sanitize "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_time() {
+  note "timings at T=2048 through the daemon (balanced routing)"
+  start_mokd || { record time "FAIL (mokd)"; return; }
+  timeout 300 "$TEST" time 2>&1 | tee "$LOGS/time.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || rc=1
+  record time "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+steps=("$@")
+[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence sanitize time)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
+for s in "${steps[@]}"; do
+  case $s in
+    kernels|correct|concurrent|fence|sanitize|time) "step_$s" ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+done
+echo
+note "summary"
+for l in "${summary[@]}"; do echo "  $l"; done
+[ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
+exit $status
