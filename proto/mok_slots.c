@@ -131,7 +131,8 @@ void mok_job_slot_shape(const mok_layer_config *l, uint32_t tokens, uint32_t slo
     dt = MOK_DTYPE_U8, nd = 1, s[0] = mok_acts_bytes(&d);
     break;
   case MOK_SLOT_CTX:
-    dt = MOK_DTYPE_U8, nd = 1, s[0] = mok_ctx_bytes(&d);
+    dt = MOK_DTYPE_U8, nd = 1;
+    s[0] = l->group_id ? mok_group_ctx_bytes(l, tokens) : mok_ctx_bytes(&d);
     break;
   default:
     dt = MOK_DTYPE_INVALID, nd = 0;

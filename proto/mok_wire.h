@@ -221,6 +221,12 @@ typedef struct mok_layer_config {
   uint32_t row_align;           /* routed-row group alignment (engine's) */
   bool has_limit;               /* SwiGLU clamp on */
   float swiglu_limit;           /* L, > 0 when has_limit */
+  /* expert parallelism (docs/ep.md); all 0 for a layer without a group */
+  uint32_t group_id;            /* the daemon's group id */
+  uint32_t group_world;         /* W */
+  uint32_t group_rank;          /* this member's rank */
+  uint32_t group_tokens;        /* T_max per rank of the group */
+  uint32_t group_tag;           /* names the layer in the group's job signature */
 } mok_layer_config;
 
 /* Layout dimensions of a layer at T tokens (the shared formulas in mok_wire.h). */
@@ -234,6 +240,34 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
   d.shared_intermediate = l->shared_intermediate;
   d.elem_size = mok_dtype_size(l->dtype);
   return d;
+}
+
+/* ---- the context of a layer on an expert-parallel group (docs/ep.md) ----
+ *
+ * A group layer's schedule covers its local experts' rows of the group's
+ * virtual batch: all ranks' token slots back to back, W * T_max tokens
+ * (rank p's token t is virtual token p*T_max + t). Its ctx:
+ *   schedule of the virtual batch (mok_group_routed_dims), padded to 256
+ *   own topk_ids [T,K] int32, padded to 256
+ *   g_routed, u_routed [rows_capacity of the virtual batch, I] (acts layout)
+ *   g_shared, u_shared [T, I_s]
+ */
+static inline mok_layout_dims mok_group_routed_dims(const mok_layer_config *l) {
+  mok_layout_dims d = mok_layer_dims(l, l->group_world * l->group_tokens);
+  d.shared_intermediate = 0;
+  return d;
+}
+static inline uint64_t mok_group_ctx_ids_offset(const mok_layer_config *l) {
+  mok_layout_dims v = mok_group_routed_dims(l);
+  return mok_align256(mok_schedule_bytes(&v));
+}
+static inline uint64_t mok_group_ctx_acts_offset(const mok_layer_config *l, uint32_t tokens) {
+  return mok_group_ctx_ids_offset(l) + mok_align256(4ull * tokens * l->topk);
+}
+static inline uint64_t mok_group_ctx_bytes(const mok_layer_config *l, uint32_t tokens) {
+  mok_layout_dims v = mok_group_routed_dims(l), t = mok_layer_dims(l, tokens);
+  return mok_group_ctx_acts_offset(l, tokens) + 2u * mok_acts_routed_bytes(&v) +
+         2u * mok_acts_shared_bytes(&t);
 }
 
 #endif /* MOK_WIRE_H */
