@@ -1,0 +1,673 @@
+/* Expert-parallel groups on one host: the shared segment, membership,
+ * generations, job ordering and the two host barriers (docs/ep.md). */
+#include "group.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "layer.h"
+#include "log.h"
+#include "mok_slots.h"
+#include "mok_status.h"
+
+#define SEG_MAGIC 0x5045474bu /* "KGEP" */
+#define SEG_VERSION 1u
+#define SEG_ALIGN 4096u
+#define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
+
+typedef struct seg_rank {
+  alignas(64) _Atomic uint64_t joined_gen; /* 0: not a member */
+  _Atomic int32_t pid;                     /* the member's mokd */
+  alignas(64) _Atomic uint64_t arrive;
+  alignas(64) mok_ep_group_post post;
+  uint64_t fin_seq;
+  int32_t fin_status;
+  char fin_msg[MOK_COMPLETION_MSG];
+} seg_rank;
+
+typedef struct seg_header {
+  uint32_t magic, version;
+  uint32_t uid, reserved0;
+  mok_ep_group_sizing sizing;
+  char key[MOK_GROUP_KEY_MAX + 1];
+  uint64_t total_bytes;
+  uint64_t off_x, off_dout, off_ids, off_rw, off_land, off_drw;
+  alignas(64) _Atomic uint64_t generation; /* from 1 */
+  _Atomic uint64_t broken_gen;             /* == generation: broken */
+  _Atomic uint64_t broken_claim;
+  int32_t broken_by;
+  char broken_msg[160];
+  _Atomic uint32_t attached; /* daemons mapping it (changed under flock) */
+  alignas(64) _Atomic uint32_t bell; /* futex word: bumped on every arrival */
+  seg_rank ranks[MOK_GROUP_MAX_WORLD];
+} seg_header;
+
+struct mok_ep_group {
+  uint32_t id;
+  uid_t uid;
+  char key[MOK_GROUP_KEY_MAX + 1];
+  uint32_t rank;
+  uint32_t timeout_ms;
+  mok_ep_group_sizing sz;
+  char path[256];
+  int fd;
+  seg_header *h;
+  size_t bytes;
+  mok_ep_group_buffers bufs;
+  uint64_t gen, seq;
+  uint32_t refs;
+  uint64_t idle_since_ns; /* when refs dropped to 0 */
+  mok_ep_group_table *table;
+  struct mok_ep_group *next;
+};
+
+struct mok_ep_group_table {
+  mok_ep_group *groups;
+  uint32_t next_id;
+  uint32_t linger_ms;
+  const _Atomic bool *abort;
+};
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+__attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, int status,
+                                                      const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, errlen, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+/* ---- futex bell ------------------------------------------------------------ */
+
+static void bell_ring(seg_header *h) {
+  atomic_fetch_add_explicit(&h->bell, 1u, memory_order_seq_cst);
+  syscall(SYS_futex, (uint32_t *)&h->bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void bell_wait(seg_header *h, uint32_t seen, uint64_t ns) {
+  struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+  syscall(SYS_futex, (uint32_t *)&h->bell, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+/* ---- layout and checks ------------------------------------------------------- */
+
+static uint64_t align_up(uint64_t v) { return (v + SEG_ALIGN - 1) & ~(uint64_t)(SEG_ALIGN - 1); }
+
+typedef struct seg_layout {
+  uint64_t off_x, off_dout, off_ids, off_rw, off_land, off_drw, total;
+} seg_layout;
+
+static seg_layout layout_of(const mok_ep_group_sizing *s) {
+  uint64_t es = mok_dtype_size(s->dtype), n = (uint64_t)s->world * s->max_tokens;
+  uint64_t rows = n * s->hidden * es, slots = n * s->topk;
+  seg_layout l;
+  l.off_x = align_up(sizeof(seg_header));
+  l.off_dout = l.off_x + align_up(rows);
+  l.off_ids = l.off_dout + align_up(rows);
+  l.off_rw = l.off_ids + align_up(slots * 4u);
+  l.off_land = l.off_rw + align_up(slots * 4u);
+  l.off_drw = l.off_land + align_up(slots * s->hidden * es);
+  l.total = l.off_drw + align_up(slots * 4u);
+  return l;
+}
+
+static int check_sizing(const mok_ep_group_sizing *s, uint32_t rank, char *err, size_t errlen) {
+  if (s->world < 1 || s->world > MOK_GROUP_MAX_WORLD)
+    return fail(err, errlen, MOK_EINVAL, "world = %u is out of range [1, %u]", s->world,
+                MOK_GROUP_MAX_WORLD);
+  if (rank >= s->world)
+    return fail(err, errlen, MOK_EINVAL, "rank = %u, a group of world %u has ranks 0..%u", rank,
+                s->world, s->world - 1);
+  if (s->max_tokens < 1 || s->max_tokens > MOK_LAYER_MAX_TOKENS)
+    return fail(err, errlen, MOK_EINVAL, "max_tokens = %u is out of range [1, %u]",
+                s->max_tokens, MOK_LAYER_MAX_TOKENS);
+  if (s->hidden < 1 || s->hidden > MOK_LAYER_MAX_DIM)
+    return fail(err, errlen, MOK_EINVAL, "hidden = %u is out of range [1, %u]", s->hidden,
+                MOK_LAYER_MAX_DIM);
+  if (s->experts < 1 || s->experts > MOK_LAYER_MAX_EXPERTS)
+    return fail(err, errlen, MOK_EINVAL, "experts = %u is out of range [1, %u]", s->experts,
+                MOK_LAYER_MAX_EXPERTS);
+  if (s->topk < 1 || s->topk > MOK_LAYER_MAX_TOPK || s->topk > s->experts)
+    return fail(err, errlen, MOK_EINVAL, "topk = %u is out of range [1, min(%u, experts)]",
+                s->topk, MOK_LAYER_MAX_TOPK);
+  if (s->experts % s->world)
+    return fail(err, errlen, MOK_EINVAL,
+                "experts = %u is not a multiple of world = %u (each rank holds experts / world)",
+                s->experts, s->world);
+  if (s->dtype != MOK_DTYPE_F32 && s->dtype != MOK_DTYPE_BF16)
+    return fail(err, errlen, MOK_EINVAL, "dtype must be float32 or bfloat16");
+  seg_layout l = layout_of(s);
+  if (l.total > MOK_GROUP_MAX_BYTES)
+    return fail(err, errlen, MOK_ELIMIT,
+                "the group's buffers would take %llu bytes (limit %llu): lower max_tokens",
+                (unsigned long long)l.total, (unsigned long long)MOK_GROUP_MAX_BYTES);
+  return MOK_OK;
+}
+
+int mok_ep_group_check_join(uid_t seg_uid, const mok_ep_group_sizing *seg, const char *seg_key,
+                         const mok_ep_group_join_args *a, char *err, size_t errlen) {
+  if (seg_uid != a->uid)
+    return fail(err, errlen, MOK_EACCES,
+                "group '%s' belongs to uid %u; a client of uid %u may not join it", a->key,
+                (unsigned)seg_uid, (unsigned)a->uid);
+  if (strcmp(seg_key, a->key) != 0)
+    return fail(err, errlen, MOK_EACCES, "group segment holds key '%s', not '%s'", seg_key,
+                a->key);
+  const mok_ep_group_sizing *s = &a->sizing;
+#define SAME(field)                                                                            \
+  if (seg->field != s->field)                                                                  \
+    return fail(err, errlen, MOK_EINVAL,                                                       \
+                "group '%s' was formed with " #field " = %u; this join says %u: every rank "    \
+                "must join with the same sizing",                                              \
+                a->key, seg->field, s->field);
+  SAME(world)
+  SAME(max_tokens)
+  SAME(hidden)
+  SAME(topk)
+  SAME(experts)
+  SAME(dtype)
+#undef SAME
+  return MOK_OK;
+}
+
+static int check_key(const char *key, char *err, size_t errlen) {
+  size_t n = strnlen(key, MOK_GROUP_KEY_MAX + 1);
+  if (n == 0 || n > MOK_GROUP_KEY_MAX)
+    return fail(err, errlen, MOK_EINVAL, "group key must be 1..%u bytes", MOK_GROUP_KEY_MAX);
+  for (size_t i = 0; i < n; i++)
+    if (key[i] < 0x20 || key[i] > 0x7e)
+      return fail(err, errlen, MOK_EINVAL, "group key must be printable ASCII");
+  return MOK_OK;
+}
+
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
+  return h;
+}
+
+static bool pid_dead(int32_t pid) {
+  return pid > 0 && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
+}
+
+/* ---- the table --------------------------------------------------------------- */
+
+mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort) {
+  mok_ep_group_table *t = calloc(1, sizeof *t);
+  if (!t) return NULL;
+  t->abort = abort;
+  t->linger_ms = MOK_GROUP_LINGER_MS;
+  const char *e = getenv("MOK_GROUP_LINGER_MS");
+  if (e && *e) t->linger_ms = (uint32_t)strtoul(e, NULL, 10);
+  return t;
+}
+
+void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms) { t->linger_ms = ms; }
+
+static const char *seg_dir(void) {
+  const char *d = getenv("MOK_GROUP_DIR");
+  return d && *d ? d : "/dev/shm";
+}
+
+/* Leave the segment: our rank is free, and the last daemon out removes it. */
+static void group_release(mok_ep_group *g) {
+  if (g->h) {
+    flock(g->fd, LOCK_EX);
+    seg_rank *me = &g->h->ranks[g->rank];
+    if (atomic_load(&me->pid) == (int32_t)getpid()) {
+      atomic_store(&me->joined_gen, 0);
+      atomic_store(&me->pid, 0);
+    }
+    bell_ring(g->h);
+    uint32_t left = atomic_fetch_sub(&g->h->attached, 1u) - 1u;
+    if (left == 0) unlink(g->path);
+    flock(g->fd, LOCK_UN);
+    munmap(g->h, g->bytes);
+  }
+  if (g->fd >= 0) close(g->fd);
+  log_info("group '%s' rank %u released", g->key, g->rank);
+  free(g);
+}
+
+static void table_remove(mok_ep_group_table *t, mok_ep_group *g) {
+  for (mok_ep_group **p = &t->groups; *p; p = &(*p)->next) {
+    if (*p != g) continue;
+    *p = g->next;
+    return;
+  }
+}
+
+void mok_ep_group_table_destroy(mok_ep_group_table *t) {
+  if (!t) return;
+  while (t->groups) {
+    mok_ep_group *g = t->groups;
+    t->groups = g->next;
+    group_release(g);
+  }
+  free(t);
+}
+
+mok_ep_group *mok_ep_group_find(mok_ep_group_table *t, uint32_t id) {
+  for (mok_ep_group *g = t->groups; g; g = g->next)
+    if (g->id == id) return g;
+  return NULL;
+}
+
+void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave) {
+  if (g->refs > 0) g->refs--;
+  if (g->refs > 0) return;
+  if (leave || t->linger_ms == 0) {
+    table_remove(t, g);
+    group_release(g);
+    return;
+  }
+  g->idle_since_ns = now_ns();
+}
+
+void mok_ep_group_tick(mok_ep_group_table *t) {
+  uint64_t now = now_ns();
+  for (mok_ep_group **p = &t->groups; *p;) {
+    mok_ep_group *g = *p;
+    if (g->refs == 0 && now - g->idle_since_ns >= (uint64_t)t->linger_ms * 1000000ull) {
+      *p = g->next;
+      group_release(g);
+      continue;
+    }
+    p = &g->next;
+  }
+}
+
+/* Has a job of this generation got past its first barrier? Then every rank
+ * had joined it, and a daemon joining afresh replaces a member that is gone:
+ * the group needs a new generation. (A member merely waiting at the first
+ * barrier of job 1 is the normal start-up race, not a reason.) */
+static bool generation_in_use(seg_header *h, uint64_t gen) {
+  for (uint32_t p = 0; p < h->sizing.world; p++) {
+    uint64_t a = atomic_load(&h->ranks[p].arrive);
+    if ((a >> GEN_SHIFT) == gen && (a & ((1ull << GEN_SHIFT) - 1)) > (1ull << 2 | 1ull))
+      return true;
+  }
+  return false;
+}
+
+/* Enter the segment's current generation as this rank (under flock).
+ * fresh: this daemon did not hold the group before. */
+static void enter_generation(mok_ep_group *g, bool fresh) {
+  seg_header *h = g->h;
+  uint64_t gen = atomic_load(&h->generation);
+  bool broken = atomic_load(&h->broken_gen) == gen;
+  if (broken || (fresh && generation_in_use(h, gen))) {
+    gen++;
+    atomic_store(&h->generation, gen);
+    log_info("group '%s': rank %u starts generation %llu (%s)", g->key, g->rank,
+             (unsigned long long)gen, broken ? "it was broken" : "a member came back");
+  }
+  seg_rank *me = &h->ranks[g->rank];
+  atomic_store(&me->arrive, 0);
+  atomic_store(&me->pid, (int32_t)getpid());
+  atomic_store(&me->joined_gen, gen);
+  g->gen = gen;
+  g->seq = 0;
+  bell_ring(h);
+}
+
+static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *err, size_t errlen) {
+  seg_layout l = layout_of(&a->sizing);
+  for (int attempt = 0; attempt < 8; attempt++) {
+    int fd = open(g->path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+      return fail(err, errlen, errno == EACCES ? MOK_EACCES : MOK_EIO, "cannot open %s: %s",
+                  g->path, strerror(errno));
+    if (flock(fd, LOCK_EX) < 0) {
+      close(fd);
+      return fail(err, errlen, MOK_EIO, "flock %s: %s", g->path, strerror(errno));
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+      close(fd);
+      return fail(err, errlen, MOK_EIO, "fstat %s: %s", g->path, strerror(errno));
+    }
+    if (st.st_nlink == 0) { /* the last member removed it meanwhile: start over */
+      close(fd);
+      continue;
+    }
+    if (st.st_uid != geteuid()) {
+      close(fd);
+      return fail(err, errlen, MOK_EACCES, "%s belongs to uid %u, not to this mokd (uid %u)",
+                  g->path, (unsigned)st.st_uid, (unsigned)geteuid());
+    }
+    bool create = st.st_size == 0;
+    if (!create && (uint64_t)st.st_size < sizeof(seg_header)) {
+      close(fd);
+      return fail(err, errlen, MOK_EIO, "%s is not a mok group segment", g->path);
+    }
+    int r = MOK_OK;
+    if (create && (r = posix_fallocate(fd, 0, (off_t)l.total)) != 0) {
+      if (ftruncate(fd, 0) < 0) {} /* leave it empty for the next joiner */
+      close(fd);
+      return fail(err, errlen, MOK_ENOMEM, "cannot size the group segment to %llu bytes: %s",
+                  (unsigned long long)l.total, strerror(r));
+    }
+    size_t bytes = create ? l.total : (size_t)st.st_size;
+    seg_header *h = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED) {
+      close(fd);
+      return fail(err, errlen, MOK_ENOMEM, "mmap of the group segment: %s", strerror(errno));
+    }
+    if (create) {
+      h->magic = SEG_MAGIC;
+      h->version = SEG_VERSION;
+      h->uid = (uint32_t)a->uid;
+      h->sizing = a->sizing;
+      snprintf(h->key, sizeof h->key, "%s", a->key);
+      h->total_bytes = l.total;
+      h->off_x = l.off_x, h->off_dout = l.off_dout, h->off_ids = l.off_ids;
+      h->off_rw = l.off_rw, h->off_land = l.off_land, h->off_drw = l.off_drw;
+      atomic_store(&h->generation, 1);
+    } else {
+      if (h->magic != SEG_MAGIC || h->version != SEG_VERSION)
+        r = fail(err, errlen, MOK_EIO, "%s is not a mok group segment of this version", g->path);
+      else if ((r = mok_ep_group_check_join(h->uid, &h->sizing, h->key, a, err, errlen)) != MOK_OK)
+        ;
+      else if (h->total_bytes != l.total || bytes != l.total)
+        r = fail(err, errlen, MOK_EIO, "group segment %s has the wrong size", g->path);
+      if (r == MOK_OK) {
+        seg_rank *me = &h->ranks[a->rank];
+        int32_t pid = atomic_load(&me->pid);
+        if (atomic_load(&me->joined_gen) != 0 && pid != 0 && pid != (int32_t)getpid() &&
+            !pid_dead(pid))
+          r = fail(err, errlen, MOK_EBUSY,
+                   "rank %u of group '%s' is held by another mokd (pid %d): each rank joins "
+                   "through its own GPU's mokd",
+                   a->rank, a->key, (int)pid);
+      }
+      if (r != MOK_OK) {
+        munmap(h, bytes);
+        close(fd);
+        return r;
+      }
+    }
+    g->fd = fd;
+    g->h = h;
+    g->bytes = bytes;
+    atomic_fetch_add(&h->attached, 1u);
+    enter_generation(g, true);
+    flock(fd, LOCK_UN);
+    char *base = (char *)h;
+    g->bufs = (mok_ep_group_buffers){base + h->off_x, base + h->off_dout,
+                                  (int32_t *)(base + h->off_ids), (float *)(base + h->off_rw),
+                                  base + h->off_land, (float *)(base + h->off_drw)};
+    return MOK_OK;
+  }
+  return fail(err, errlen, MOK_EBUSY, "group segment %s keeps disappearing", g->path);
+}
+
+int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mok_ep_group **ret,
+                   bool *rejoined, char *err, size_t errlen) {
+  int r = check_key(a->key, err, errlen);
+  if (r == MOK_OK) r = check_sizing(&a->sizing, a->rank, err, errlen);
+  if (r != MOK_OK) return r;
+  uint32_t timeout = a->timeout_ms ? a->timeout_ms : MOK_GROUP_DEFAULT_TIMEOUT_MS;
+  if (timeout > MOK_GROUP_MAX_TIMEOUT_MS)
+    return fail(err, errlen, MOK_EINVAL, "timeout_ms = %u exceeds %u", timeout,
+                MOK_GROUP_MAX_TIMEOUT_MS);
+  for (mok_ep_group *g = t->groups; g; g = g->next) {
+    if (g->uid != a->uid || strcmp(g->key, a->key) != 0) continue;
+    if (g->rank != a->rank)
+      return fail(err, errlen, MOK_EINVAL,
+                  "this mokd already serves rank %u of group '%s'; one mokd serves one rank of "
+                  "a group (two ranks would wait for each other on one engine thread)",
+                  g->rank, a->key);
+    if ((r = mok_ep_group_check_join(g->uid, &g->sz, g->key, a, err, errlen)) != MOK_OK) return r;
+    /* a cheap re-join: unless the group broke or was re-formed meanwhile */
+    seg_header *h = g->h;
+    uint64_t gen = atomic_load(&h->generation);
+    if (gen != g->gen || atomic_load(&h->broken_gen) == gen ||
+        atomic_load(&h->ranks[g->rank].joined_gen) != g->gen) {
+      flock(g->fd, LOCK_EX);
+      enter_generation(g, false);
+      flock(g->fd, LOCK_UN);
+    }
+    g->refs++;
+    g->timeout_ms = timeout;
+    *rejoined = true;
+    *ret = g;
+    return MOK_OK;
+  }
+  mok_ep_group *g = calloc(1, sizeof *g);
+  if (!g) return fail(err, errlen, MOK_ENOMEM, "out of memory");
+  g->fd = -1;
+  g->uid = a->uid;
+  snprintf(g->key, sizeof g->key, "%s", a->key);
+  g->rank = a->rank;
+  g->sz = a->sizing;
+  g->timeout_ms = timeout;
+  g->table = t;
+  snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(), (unsigned)a->uid,
+           (unsigned long long)fnv1a(a->key));
+  r = open_segment(g, a, err, errlen);
+  if (r != MOK_OK) {
+    free(g);
+    return r;
+  }
+  g->id = ++t->next_id;
+  g->refs = 1;
+  g->next = t->groups;
+  t->groups = g;
+  *rejoined = false;
+  *ret = g;
+  log_info("group '%s': joined as rank %u of %u (generation %llu)", g->key, g->rank,
+           g->sz.world, (unsigned long long)g->gen);
+  return MOK_OK;
+}
+
+uint32_t mok_ep_group_id(const mok_ep_group *g) { return g->id; }
+uid_t mok_ep_group_uid(const mok_ep_group *g) { return g->uid; }
+uint32_t mok_ep_group_rank(const mok_ep_group *g) { return g->rank; }
+const mok_ep_group_sizing *mok_ep_group_get_sizing(const mok_ep_group *g) { return &g->sz; }
+uint64_t mok_ep_group_generation(const mok_ep_group *g) { return g->gen; }
+uint64_t mok_ep_group_sequence(const mok_ep_group *g) { return g->seq; }
+const mok_ep_group_buffers *mok_ep_group_bufs(const mok_ep_group *g) { return &g->bufs; }
+
+uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p) {
+  uint32_t t = g->h->ranks[p].post.tokens;
+  return t <= g->sz.max_tokens ? t : g->sz.max_tokens;
+}
+
+/* ---- jobs ---------------------------------------------------------------------- */
+
+/* Mark the group broken (first one wins the message) and wake everyone. */
+static void group_break(mok_ep_group *g, const char *msg) {
+  seg_header *h = g->h;
+  uint64_t prev = atomic_load(&h->broken_claim);
+  if (prev < g->gen && atomic_compare_exchange_strong(&h->broken_claim, &prev, g->gen)) {
+    h->broken_by = (int32_t)g->rank;
+    snprintf(h->broken_msg, sizeof h->broken_msg, "%s", msg);
+    atomic_store(&h->broken_gen, g->gen);
+  }
+  bell_ring(h);
+}
+
+/* Why this member may not run group jobs now (MOK_OK: it may). */
+static int check_usable(mok_ep_group *g, char *err, size_t errlen) {
+  seg_header *h = g->h;
+  uint64_t gen = atomic_load(&h->generation);
+  if (gen != g->gen)
+    return fail(err, errlen, MOK_ECLOSED,
+                "group '%s' was re-formed (generation %llu, this member has %llu): re-join it",
+                g->key, (unsigned long long)gen, (unsigned long long)g->gen);
+  if (atomic_load(&h->broken_gen) == g->gen)
+    return fail(err, errlen, MOK_ECLOSED, "group '%s' is broken (rank %d: %s): re-join it",
+                g->key, (int)h->broken_by, h->broken_msg);
+  seg_rank *me = &h->ranks[g->rank];
+  if (atomic_load(&me->joined_gen) != g->gen || atomic_load(&me->pid) != (int32_t)getpid())
+    return fail(err, errlen, MOK_ECLOSED,
+                "rank %u of group '%s' was taken over by another mokd: re-join it", g->rank,
+                g->key);
+  return MOK_OK;
+}
+
+int mok_ep_group_job_start(mok_ep_group *g, char *err, size_t errlen) {
+  return check_usable(g, err, errlen);
+}
+
+/* Arrive at (seq, phase) and wait for every member, bounded by the timeout. */
+static int barrier(mok_ep_group *g, uint32_t phase, char *err, size_t errlen) {
+  seg_header *h = g->h;
+  const uint32_t W = g->sz.world;
+  const uint64_t epoch = g->gen << GEN_SHIFT | g->seq << 2 | phase;
+  atomic_store_explicit(&h->ranks[g->rank].arrive, epoch, memory_order_release);
+  bell_ring(h);
+  uint64_t start = now_ns(), deadline = start + (uint64_t)g->timeout_ms * 1000000ull;
+  for (uint64_t spins = 0;; spins++) {
+    uint32_t bell = atomic_load_explicit(&h->bell, memory_order_acquire);
+    int r = check_usable(g, err, errlen);
+    if (r != MOK_OK) return r;
+    uint32_t missing = 0;
+    for (uint32_t p = 0; p < W; p++) {
+      uint64_t a = atomic_load_explicit(&h->ranks[p].arrive, memory_order_acquire);
+      if ((a >> GEN_SHIFT) != g->gen || a < epoch) missing++;
+    }
+    if (missing == 0) return MOK_OK;
+    uint64_t now = now_ns();
+    if (g->table->abort && atomic_load(g->table->abort)) {
+      group_break(g, "a member's mokd is shutting down");
+      return fail(err, errlen, MOK_ESHUTDOWN, "mokd is shutting down");
+    }
+    if (now >= deadline) {
+      char who[160];
+      size_t n = 0;
+      who[0] = '\0';
+      for (uint32_t p = 0; p < W && n < sizeof who - 16; p++) {
+        uint64_t a = atomic_load(&h->ranks[p].arrive);
+        if ((a >> GEN_SHIFT) == g->gen && a >= epoch) continue;
+        bool joined = atomic_load(&h->ranks[p].joined_gen) == g->gen;
+        n += (size_t)snprintf(who + n, sizeof who - n, "%s%u%s", n ? ", " : "", p,
+                              joined ? "" : " (not joined)");
+      }
+      char msg[200];
+      snprintf(msg, sizeof msg, "job %llu: rank(s) %s did not arrive within %u ms",
+               (unsigned long long)g->seq, who, g->timeout_ms);
+      group_break(g, msg);
+      return fail(err, errlen, MOK_ETIMEOUT, "group '%s' %s; the group is broken until its "
+                  "members re-join", g->key, msg);
+    }
+    if (spins < 2000) {
+      cpu_relax();
+      continue;
+    }
+    uint64_t left = deadline - now, slice = 50000000ull; /* re-check abort every 50 ms */
+    bell_wait(h, bell, left < slice ? left : slice);
+  }
+}
+
+mok_ep_group_post mok_ep_group_post_for(const mok_layer_config *l, uint32_t op, uint32_t flags,
+                                  uint32_t tokens) {
+  mok_ep_group_post p;
+  memset(&p, 0, sizeof p);
+  p.op = op;
+  p.flags = flags;
+  p.tokens = tokens;
+  if (l) {
+    p.tag = l->group_tag;
+    p.intermediate = l->intermediate;
+    p.shared_intermediate = l->shared_intermediate;
+    p.has_limit = l->has_limit;
+    p.swiglu_limit = l->has_limit ? l->swiglu_limit : 0.0f;
+  }
+  return p;
+}
+
+/* "forward tag 3", plus the fields that differ from the other post (the
+ * completion message is short). */
+static void describe_post(const mok_ep_group_post *p, const mok_ep_group_post *o, char *buf,
+                          size_t len) {
+  int n = snprintf(buf, len, "%s%s tag %u", mok_op_name(p->op),
+                   p->flags & MOK_JOB_RECOMPUTE ? "+recompute" : "", p->tag);
+  if (n < 0 || (size_t)n >= len) return;
+  if (p->intermediate != o->intermediate || p->shared_intermediate != o->shared_intermediate)
+    n += snprintf(buf + n, len - (size_t)n, " I %u/%u", p->intermediate, p->shared_intermediate);
+  if (n < 0 || (size_t)n >= len) return;
+  if (p->has_limit != o->has_limit || memcmp(&p->swiglu_limit, &o->swiglu_limit, 4) != 0)
+    snprintf(buf + n, len - (size_t)n, " limit %g", p->has_limit ? (double)p->swiglu_limit : 0.0);
+}
+
+int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, size_t errlen) {
+  int r = check_usable(g, err, errlen);
+  if (r != MOK_OK) return r;
+  g->seq++;
+  mine->seq = g->seq;
+  seg_rank *me = &g->h->ranks[g->rank];
+  memcpy(&me->post, mine, sizeof *mine);
+  r = barrier(g, 1, err, errlen);
+  if (r != MOK_OK) return r;
+  /* every member sees every post: all reach the same verdict */
+  for (uint32_t p = 0; p < g->sz.world; p++) {
+    const mok_ep_group_post *o = &g->h->ranks[p].post;
+    if (o->status != MOK_OK)
+      return fail(err, errlen, o->status, "group job %llu failed on rank %u: %.*s",
+                  (unsigned long long)g->seq, p, (int)sizeof o->msg, o->msg);
+  }
+  for (uint32_t p = 0; p < g->sz.world; p++) {
+    const mok_ep_group_post *o = &g->h->ranks[p].post;
+    const mok_ep_group_post *first = &g->h->ranks[0].post;
+    if (o->seq != g->seq)
+      return fail(err, errlen, MOK_EINVAL, "group job %llu: rank %u is at job %llu",
+                  (unsigned long long)g->seq, p, (unsigned long long)o->seq);
+    if (o->op != first->op || o->flags != first->flags || o->tag != first->tag ||
+        o->intermediate != first->intermediate ||
+        o->shared_intermediate != first->shared_intermediate ||
+        o->has_limit != first->has_limit ||
+        memcmp(&o->swiglu_limit, &first->swiglu_limit, sizeof(float)) != 0) {
+      char a[64], b[64];
+      describe_post(first, o, a, sizeof a);
+      describe_post(o, first, b, sizeof b);
+      return fail(err, errlen, MOK_EINVAL,
+                  "group job %llu mismatch: rank 0 runs %s, rank %u %s (ranks must run the same "
+                  "layers in the same order)",
+                  (unsigned long long)g->seq, a, p, b);
+    }
+  }
+  return MOK_OK;
+}
+
+int mok_ep_group_job_finish(mok_ep_group *g, int status, const char *msg, char *err, size_t errlen) {
+  seg_rank *me = &g->h->ranks[g->rank];
+  me->fin_seq = g->seq;
+  me->fin_status = status;
+  snprintf(me->fin_msg, sizeof me->fin_msg, "%s", msg ? msg : "");
+  int r = barrier(g, 2, err, errlen);
+  if (r != MOK_OK) return r;
+  for (uint32_t p = 0; p < g->sz.world; p++) {
+    const seg_rank *o = &g->h->ranks[p];
+    if (o->fin_seq == g->seq && o->fin_status != MOK_OK)
+      return fail(err, errlen, o->fin_status, "group job %llu failed on rank %u: %.*s",
+                  (unsigned long long)g->seq, p, (int)sizeof o->fin_msg, o->fin_msg);
+  }
+  return MOK_OK;
+}

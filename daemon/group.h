@@ -1,0 +1,125 @@
+/* Expert-parallel groups: membership, the shared segment, job ordering and
+ * the host barriers (docs/ep.md).
+ *
+ * A group is W daemons, one rank each, that serve the layers of one
+ * training job across W GPUs. On one host its members share one segment
+ * (a file under /dev/shm named from the creator's uid and the group key):
+ * a header with the group's sizing, per-rank membership, barrier words and
+ * posted job signatures, then the symmetric buffers of every rank, laid out
+ * by kind so that all ranks' x rows form one [W*T_max, H] array.
+ *
+ * Everything here runs on the engine thread (the group table belongs to it).
+ * Engine-neutral: the cpu engine moves data through the segment's buffers
+ * (ep_cpu.c); a GPU engine would keep its symmetric buffers in device
+ * memory and use the same membership, ordering and failure rules.
+ */
+#ifndef MOK_GROUP_H
+#define MOK_GROUP_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "mok_wire.h"
+
+#define MOK_GROUP_MAX_WORLD 64u
+#define MOK_GROUP_KEY_MAX 128u
+#define MOK_GROUP_DEFAULT_TIMEOUT_MS 30000u
+#define MOK_GROUP_MAX_TIMEOUT_MS 3600000u
+#define MOK_GROUP_LINGER_MS 60000u /* a group no session holds is kept this long */
+#define MOK_GROUP_MAX_BYTES (64ull << 30)
+
+typedef struct mok_ep_group_sizing {
+  uint32_t world, max_tokens, hidden, topk, experts, dtype;
+} mok_ep_group_sizing;
+
+typedef struct mok_ep_group_join_args {
+  uid_t uid; /* the joining client's (SO_PEERCRED) */
+  char key[MOK_GROUP_KEY_MAX + 1];
+  uint32_t rank;
+  uint32_t timeout_ms;
+  mok_ep_group_sizing sizing;
+} mok_ep_group_join_args;
+
+/* What a member posts for each group job; every member compares every
+ * post with its own before any data moves. */
+typedef struct mok_ep_group_post {
+  uint64_t seq;
+  uint32_t op, flags, tokens;
+  uint32_t tag, intermediate, shared_intermediate, has_limit;
+  float swiglu_limit;
+  int32_t status; /* this member's own checks before barrier 1 */
+  char msg[MOK_COMPLETION_MSG];
+} mok_ep_group_post;
+
+/* The segment's buffers, as the cpu engine addresses them (host memory). */
+typedef struct mok_ep_group_buffers {
+  void *x;     /* [W*T_max, H] layer dtype */
+  void *d_out; /* [W*T_max, H] */
+  int32_t *ids;  /* [W*T_max, K] */
+  float *rw;     /* [W*T_max, K] */
+  void *land;    /* [W*T_max*K, H]: the (t,k) slots combine pushes into (y, then d_x) */
+  float *d_rw;   /* [W*T_max*K]: the (t,k) slots of d_router_weights */
+} mok_ep_group_buffers;
+
+typedef struct mok_ep_group mok_ep_group;
+typedef struct mok_ep_group_table mok_ep_group_table;
+
+/* abort: polled while waiting (the engine thread's stop flag). */
+mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort);
+/* Leaves and releases every group (daemon exit). */
+void mok_ep_group_table_destroy(mok_ep_group_table *t);
+
+/* Join (or re-join) a group; the session holds a reference until it
+ * leaves or goes. rejoined: this daemon held the group already. */
+int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mok_ep_group **ret,
+                   bool *rejoined, char *err, size_t errlen);
+mok_ep_group *mok_ep_group_find(mok_ep_group_table *t, uint32_t id);
+/* Drop a session's reference. leave: the client left on purpose, so a
+ * group nobody holds goes at once; otherwise it lingers for a re-join. */
+void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave);
+/* Release groups that nobody held for MOK_GROUP_LINGER_MS. */
+void mok_ep_group_tick(mok_ep_group_table *t);
+void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms);
+
+uint32_t mok_ep_group_id(const mok_ep_group *g);
+uid_t mok_ep_group_uid(const mok_ep_group *g);
+uint32_t mok_ep_group_rank(const mok_ep_group *g);
+const mok_ep_group_sizing *mok_ep_group_get_sizing(const mok_ep_group *g);
+uint64_t mok_ep_group_generation(const mok_ep_group *g);
+uint64_t mok_ep_group_sequence(const mok_ep_group *g);
+const mok_ep_group_buffers *mok_ep_group_bufs(const mok_ep_group *g);
+/* Tokens rank p posted for the current job (after barrier 1). */
+uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p);
+
+/* ---- one group job (the engine's run_group calls these in order) ----------
+ *
+ *   mok_ep_group_job_start   may this member write its slots? (group healthy)
+ *   ... the engine copies its inputs into its slots ...
+ *   mok_ep_group_job_post    post (seq, op, layer, own status), barrier 1, and
+ *                         compare every member's post: MOK_OK means every
+ *                         member will go on with the same job
+ *   ... pull, compute, push ...
+ *   mok_ep_group_job_finish  barrier 2 with this member's status: MOK_OK
+ *                         means every member's pushes are in place
+ *
+ * A failure fills err with a message for the client. ETIMEOUT (a missing or
+ * stalled peer) marks the group broken: every member's later jobs fail until
+ * its clients re-join. A mismatch fails the job on every member and leaves
+ * the group usable. */
+int mok_ep_group_job_start(mok_ep_group *g, char *err, size_t errlen);
+int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, size_t errlen);
+int mok_ep_group_job_finish(mok_ep_group *g, int status, const char *msg, char *err, size_t errlen);
+
+/* The signature of a job on a layer (status/msg left 0). */
+mok_ep_group_post mok_ep_group_post_for(const mok_layer_config *l, uint32_t op, uint32_t flags,
+                                  uint32_t tokens);
+
+/* Check a join against a segment's recorded owner and sizing (the tenant
+ * and sizing rules, exposed for unit tests). */
+int mok_ep_group_check_join(uid_t seg_uid, const mok_ep_group_sizing *seg, const char *seg_key,
+                         const mok_ep_group_join_args *a, char *err, size_t errlen);
+
+#endif /* MOK_GROUP_H */
