@@ -44,6 +44,7 @@ typedef struct mok_job_args {
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
+struct mok_ep_group; /* daemon/group.h */
 
 typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
@@ -80,6 +81,12 @@ typedef struct mok_engine_ops {
   int (*prepare_layer)(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen);
   /* Run one validated job to completion (synchronous engines: cpu). */
   void (*run)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
+  /* Run a validated job of a layer on an expert-parallel group (forward or
+   * backward; docs/ep.md), talking to the group's other members through g
+   * (daemon/group.h). NULL: the engine has no expert parallelism yet, and
+   * JoinGroup is refused. */
+  void (*run_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
+                    mok_engine_result *res);
 
   /* ---- optional (NULL: not used); the cuda engine has them all ----------
    *

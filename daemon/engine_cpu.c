@@ -34,41 +34,9 @@
 #include "engine.h"
 #include "mok_slots.h"
 #include "schedule.h"
+#include "cpu_steps.h"
 
 /* ---- engine state and scratch --------------------------------------------- */
-
-/* Scratch buffers, cached and grown; one purpose per id within a job. */
-enum scratch_id {
-  /* whole-layer buffers (layer dtype or raw bytes) */
-  SCR_LAYER_CTX,
-  SCR_LAYER_ROUTED_X,
-  SCR_LAYER_ROUTED_Y,
-  SCR_LAYER_SHARED_Y,
-  SCR_LAYER_ROUTED_DOUT,
-  SCR_LAYER_ROUTED_DX,
-  SCR_LAYER_SHARED_DX,
-  /* step temporaries (f32 unless noted) */
-  SCR_X,
-  SCR_DO,
-  SCR_W1,
-  SCR_W2,
-  SCR_W3,
-  SCR_GU,
-  SCR_A,
-  SCR_H,
-  SCR_DG,
-  SCR_DU,
-  SCR_DY,
-  SCR_OUT1,
-  SCR_OUT2,
-  SCR_OUT3,
-  SCR_RW_ROW,
-  SCR_DRW_ROW,
-  SCR_GROUPS,
-  SCR_GEMM_JOBS,
-  SCR_GEMM_TASKS,
-  SCR_COUNT_
-};
 
 typedef struct scratch_buf {
   void *ptr;
@@ -81,21 +49,6 @@ struct mok_engine {
   scratch_buf scratch[SCR_COUNT_];
 };
 
-/* Everything a job's functions need, resolved once. */
-typedef struct job_env {
-  mok_engine *eng;
-  const mok_job_args *args;
-  const mok_layer_config *cfg;
-  mok_engine_result *res;
-  const char *op_name;
-  uint32_t dtype; /* layer dtype */
-  size_t es;      /* its size in bytes */
-  size_t T, H, I, Is, K, E_loc;
-  size_t rows_cap; /* R_cap */
-  mok_layout_dims dims;
-  mok_sched_shape shape;
-  void *tensors[MOK_SLOT_COUNT_]; /* resolved by check_tensors() */
-} job_env;
 
 /* Stands in for a tensor of zero bytes handed over as NULL, so that NULL
  * always means "absent" inside the engine. Never read or written. */
@@ -404,10 +357,6 @@ static gemm_job *gemm_jobs(job_env *env, size_t n) {
 
 /* ---- transposes (weights into the layout the GEMMs stream) ----------------- */
 
-/* Rows [row0, row0+rows) of a row buffer that use one weight set. */
-typedef struct ffn_group {
-  size_t row0, rows;
-} ffn_group;
 
 typedef struct transpose_arg {
   uint32_t dt;
@@ -478,15 +427,6 @@ static inline float pass_up(swiglu_clamp c, float u) {
  * Rows [row0, row0+rows) of the row buffers use weight set w = the group's
  * index; every other row (padding) is unused. */
 
-typedef struct ffn_set {
-  size_t n_rows;           /* rows of the row buffers */
-  size_t n_w;              /* weight sets = groups */
-  const ffn_group *groups; /* [n_w] */
-  const int32_t *row_slot; /* row used iff row_slot[r] >= 0; NULL: all used */
-  size_t I;                /* intermediate of these weights */
-  const void *wg, *wu;     /* [n_w, I, H] layer dtype */
-  const void *wd;          /* [n_w, H, I] */
-} ffn_set;
 
 static inline bool row_used(const ffn_set *s, size_t r) {
   return !s->row_slot || s->row_slot[r] >= 0;
@@ -1232,7 +1172,11 @@ static const char *cpu_describe(const mok_engine *e) { return e ? e->description
 static int cpu_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
   (void)e;
   cfg->row_align = 1;
-  return check_layer(cfg, err, errlen);
+  int r = check_layer(cfg, err, errlen);
+  if (r != MOK_OK || !cfg->group_id) return r;
+  /* a group layer's schedule covers the group's whole virtual batch */
+  mok_sched_shape shape = {mok_group_routed_dims(cfg), cfg->experts, cfg->first_expert};
+  return mok_schedule_shape_check(&shape, err, errlen);
 }
 
 static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
@@ -1264,4 +1208,78 @@ const mok_engine_ops mok_engine_cpu = {
     .describe = cpu_describe,
     .prepare_layer = cpu_prepare_layer,
     .run = cpu_run,
+    .run_group = cpu_run_group,
 };
+
+/* ---- exported wrappers for the expert-parallel path (cpu_steps.h) ----------- */
+
+mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
+                        mok_engine_result *res) {
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  mok_status st = job_env_init(env, e, a, res);
+  return st == MOK_OK ? check_tensors(env) : st;
+}
+
+mok_status cpu_job_fail(job_env *env, mok_status st, const char *fmt, ...) {
+  char buf[MOK_COMPLETION_MSG];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return job_fail(env, st, "%s", buf);
+}
+
+void *cpu_scratch(job_env *env, int id, size_t bytes) { return scratch(env, id, bytes); }
+
+void cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg) {
+  par_for(env, n, fn, arg);
+}
+
+void cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed) {
+  gather_rows(env, v, src, routed);
+}
+
+mok_status cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
+                            const void *x, void *routed_y, void *shared_y, void *acts) {
+  return step_compute(env, v, routed_x, x, routed_y, shared_y, acts);
+}
+
+mok_status cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
+                            const float *rw, const void *shared_y, void *out) {
+  return step_combine(env, v, routed_y, rw, shared_y, out);
+}
+
+mok_status cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
+                                 const void *shared_dx, void *d_x) {
+  return step_dispatch_bwd(env, v, routed_dx, shared_dx, d_x);
+}
+
+mok_status cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
+                                const void *routed_x, const void *routed_dout, const float *rw,
+                                const void *x, const void *d_out, void *routed_dx, float *d_rw,
+                                void *shared_dx) {
+  return step_compute_bwd(env, v, acts, routed_x, routed_dout, rw, x, d_out, routed_dx, d_rw,
+                          shared_dx);
+}
+
+/* Exactly the shared-expert calls of step_compute and step_compute_bwd. */
+mok_status cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
+                              void *shared_y) {
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_forward(env, &ss, x, acts_g, acts_u, shared_y);
+}
+
+mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
+                               const void *acts_u, const void *d_out, void *shared_dx) {
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_backward(env, &ss, x, acts_g, acts_u, d_out, NULL, shared_dx, NULL,
+                      tensor(env, MOK_SLOT_D_S_GATE), tensor(env, MOK_SLOT_D_S_UP),
+                      tensor(env, MOK_SLOT_D_S_DOWN));
+}
+
+mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
+  return schedule_in(env, sched, ret);
+}

@@ -1,0 +1,121 @@
+/* The cpu engine's steps, for the expert-parallel path (ep_cpu.c).
+ *
+ * engine_cpu.c keeps its step functions static; the cpu_* functions below
+ * are thin exported wrappers around them, so the whole-layer ops and the
+ * group path run literally the same code (and give the same bits). All of
+ * them run on the engine thread, on the engine's scratch; a failure fills
+ * env->res and returns its status.
+ */
+#ifndef MOK_CPU_STEPS_H
+#define MOK_CPU_STEPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine.h"
+#include "schedule.h"
+
+/* Scratch buffers, cached and grown; one purpose per id within a job. */
+enum scratch_id {
+  /* whole-layer buffers (layer dtype or raw bytes) */
+  SCR_LAYER_CTX,
+  SCR_LAYER_ROUTED_X,
+  SCR_LAYER_ROUTED_Y,
+  SCR_LAYER_SHARED_Y,
+  SCR_LAYER_ROUTED_DOUT,
+  SCR_LAYER_ROUTED_DX,
+  SCR_LAYER_SHARED_DX,
+  /* step temporaries (f32 unless noted) */
+  SCR_X,
+  SCR_DO,
+  SCR_W1,
+  SCR_W2,
+  SCR_W3,
+  SCR_GU,
+  SCR_A,
+  SCR_H,
+  SCR_DG,
+  SCR_DU,
+  SCR_DY,
+  SCR_OUT1,
+  SCR_OUT2,
+  SCR_OUT3,
+  SCR_RW_ROW,
+  SCR_DRW_ROW,
+  SCR_GROUPS,
+  SCR_GEMM_JOBS,
+  SCR_GEMM_TASKS,
+  /* expert-parallel jobs (ep_cpu.c) */
+  SCR_EP_SLOT_ROW,
+  SCR_EP_DRW,
+  SCR_COUNT_
+};
+
+/* Everything a job's functions need, resolved once. */
+typedef struct job_env {
+  mok_engine *eng;
+  const mok_job_args *args;
+  const mok_layer_config *cfg;
+  mok_engine_result *res;
+  const char *op_name;
+  uint32_t dtype; /* layer dtype */
+  size_t es;      /* its size in bytes */
+  size_t T, H, I, Is, K, E_loc;
+  size_t rows_cap; /* R_cap */
+  mok_layout_dims dims;
+  mok_sched_shape shape;
+  void *tensors[MOK_SLOT_COUNT_]; /* resolved by check_tensors() */
+} job_env;
+
+/* Rows [row0, row0+rows) of a row buffer that use one weight set. */
+typedef struct ffn_group {
+  size_t row0, rows;
+} ffn_group;
+
+typedef struct ffn_set {
+  size_t n_rows;           /* rows of the row buffers */
+  size_t n_w;              /* weight sets = groups */
+  const ffn_group *groups; /* [n_w] */
+  const int32_t *row_slot; /* row used iff row_slot[r] >= 0; NULL: all used */
+  size_t I;                /* intermediate of these weights */
+  const void *wg, *wu;     /* [n_w, I, H] layer dtype */
+  const void *wd;          /* [n_w, H, I] */
+} ffn_set;
+
+/* job_env for a job (layer checks, tensors resolved for args->op). */
+mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
+                        mok_engine_result *res);
+__attribute__((format(printf, 3, 4))) mok_status cpu_job_fail(job_env *env, mok_status st,
+                                                              const char *fmt, ...);
+void *cpu_scratch(job_env *env, int id, size_t bytes);
+void cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg);
+
+/* routed[r] = src[token of row r], padding rows 0 (dispatch's data movement). */
+void cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed);
+/* compute on routed rows (and the shared expert when env->Is > 0). */
+mok_status cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
+                            const void *x, void *routed_y, void *shared_y, void *acts);
+/* out[t] = rnd(shared_y[t] + sum_k rw[t,k] * rows[slot_row[t,k]]), k ascending. */
+mok_status cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
+                            const float *rw, const void *shared_y, void *out);
+/* d_x[t] = rnd(shared_dx[t] + sum_k rows[slot_row[t,k]]), k ascending. */
+mok_status cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
+                                 const void *shared_dx, void *d_x);
+mok_status cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
+                                const void *routed_x, const void *routed_dout, const float *rw,
+                                const void *x, const void *d_out, void *routed_dx, float *d_rw,
+                                void *shared_dx);
+/* The shared expert alone, over env->T tokens (forward; backward). */
+mok_status cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
+                              void *shared_y);
+mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
+                               const void *acts_u, const void *d_out, void *shared_dx);
+/* A schedule the engine did not write, validated against env->shape. */
+mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret);
+
+/* The expert-parallel job (ep_cpu.c): forward or backward of a group layer. */
+struct mok_ep_group;
+void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                   mok_engine_result *res);
+
+#endif /* MOK_CPU_STEPS_H */

@@ -1,0 +1,325 @@
+/* The cpu engine's expert-parallel layer (docs/ep.md): forward and backward
+ * of a layer on a group, through the group's shared host segment.
+ *
+ * Rank r of W, E_loc = E / W local experts r*E_loc ..:
+ *   forward:  copy x, topk_ids, router_weights into r's slots; barrier 1
+ *             (with every member's job signature compared); build the
+ *             schedule of the virtual batch (all ranks' slots, W*T_max
+ *             tokens) for the local experts and PULL its rows from every
+ *             rank's x; compute; PUSH each output row into its owner's
+ *             unique (t,k) landing slot; barrier 2; the shared expert and
+ *             the ordered K-sum on the own tokens, locally.
+ *   backward: copy x, d_out, router_weights (and, with recompute, topk_ids);
+ *             barrier 1; pull x and d_out rows; compute_backward on the
+ *             local experts (weight gradients stay local); push d_x rows and
+ *             d_rw values into the owner's (t,k) slots; barrier 2; shared
+ *             expert and ordered K-sum of d_x locally.
+ * Every routed row goes through the same row-independent, fixed-order code
+ * as a single-daemon job, and each local expert's rows keep ascending
+ * (rank, token, k) order, so results equal the cpu engine's EP=1 bits.
+ */
+#include <string.h>
+
+#include "cpu_steps.h"
+#include "group.h"
+#include "mok_slots.h"
+
+static void *slot_tensor(const job_env *env, int slot) { return env->tensors[slot]; }
+
+/* env for the routed part: the virtual batch of all ranks' slots. */
+static mok_status virtual_env(const job_env *l, job_env *v) {
+  *v = *l;
+  const mok_layer_config *c = l->cfg;
+  v->T = (size_t)c->group_world * c->group_tokens;
+  v->Is = 0;
+  v->dims = mok_group_routed_dims(c);
+  v->rows_cap = (size_t)mok_rows_capacity(&v->dims);
+  v->shape = (mok_sched_shape){v->dims, c->experts, c->first_expert};
+  char msg[MOK_COMPLETION_MSG];
+  mok_status st = mok_schedule_shape_check(&v->shape, msg, sizeof msg);
+  if (st != MOK_OK) return cpu_job_fail(v, st, "group batch: %s", msg);
+  return MOK_OK;
+}
+
+/* Push: landing[row_slot[r]] = rows[r] for every used row. */
+typedef struct push_arg {
+  const mok_sched_view *v;
+  const char *rows;
+  char *land;
+  size_t row_bytes;
+  const float *drw_virtual; /* backward: d_rw per virtual slot, or NULL */
+  float *drw_land;
+} push_arg;
+
+static void push_rows(void *p, size_t r0, size_t r1) {
+  const push_arg *a = p;
+  for (size_t r = r0; r < r1; r++) {
+    int32_t slot = a->v->row_slot[r];
+    if (slot < 0) continue;
+    memcpy(a->land + (size_t)slot * a->row_bytes, a->rows + r * a->row_bytes, a->row_bytes);
+    if (a->drw_virtual) a->drw_land[slot] = a->drw_virtual[slot];
+  }
+}
+
+static void push(job_env *v, const mok_sched_view *sv, const void *rows, void *land,
+                 const float *drw_virtual, float *drw_land) {
+  push_arg a = {sv, rows, land, v->H * v->es, drw_virtual, drw_land};
+  cpu_par_for(v, sv->rows_used, push_rows, &a);
+}
+
+/* This rank's copy-in: x-like rows and the routing of its tokens (ids of
+ * tokens past T are -1: they route nowhere). */
+static void copy_in_rows(const job_env *l, const mok_ep_group *g, void *dst_all, const void *src) {
+  size_t row_bytes = l->H * l->es, T_max = mok_ep_group_get_sizing(g)->max_tokens;
+  memcpy((char *)dst_all + (size_t)mok_ep_group_rank(g) * T_max * row_bytes, src, l->T * row_bytes);
+}
+
+static void copy_in_routing(const job_env *l, const mok_ep_group *g, const int32_t *ids,
+                            const float *rw) {
+  const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
+  size_t K = l->K, T_max = mok_ep_group_get_sizing(g)->max_tokens;
+  size_t base = (size_t)mok_ep_group_rank(g) * T_max * K;
+  if (ids) {
+    memcpy(b->ids + base, ids, l->T * K * sizeof(int32_t));
+    for (size_t i = l->T * K; i < T_max * K; i++) b->ids[base + i] = -1;
+  }
+  memcpy(b->rw + base, rw, l->T * K * sizeof(float));
+}
+
+/* The own tokens' view of the landing slots: slot_row[t*K+k] = t*K+k for a
+ * routed slot, -1 for a dropped one (rows = this rank's landing block). */
+static mok_status own_view(job_env *l, const int32_t *ids, mok_sched_view *v) {
+  size_t n = l->T * l->K;
+  int32_t *slot_row = cpu_scratch(l, SCR_EP_SLOT_ROW, n * sizeof(int32_t));
+  if (!slot_row) return l->res->status;
+  for (size_t i = 0; i < n; i++) slot_row[i] = ids[i] >= 0 ? (int32_t)i : -1;
+  memset(v, 0, sizeof *v);
+  v->tokens = (uint32_t)l->T;
+  v->topk = (uint32_t)l->K;
+  v->slot_row = slot_row;
+  return MOK_OK;
+}
+
+static void *own_landing(const job_env *l, const mok_ep_group *g) {
+  size_t T_max = mok_ep_group_get_sizing(g)->max_tokens;
+  return (char *)mok_ep_group_bufs(g)->land +
+         (size_t)mok_ep_group_rank(g) * T_max * l->K * l->H * l->es;
+}
+
+/* ctx of a group layer (mok_wire.h): virtual schedule | own ids | acts. */
+typedef struct group_ctx {
+  int32_t *sched;
+  int32_t *ids;
+  void *acts_routed; /* g_routed, u_routed: the virtual env's acts layout */
+  void *g_shared, *u_shared;
+} group_ctx;
+
+static group_ctx ctx_split(const job_env *l, const job_env *v, void *ctx, bool zero_padding) {
+  const mok_layer_config *c = l->cfg;
+  group_ctx g;
+  char *base = ctx;
+  uint64_t sched_bytes = mok_schedule_bytes(&v->dims), ids_off = mok_group_ctx_ids_offset(c);
+  uint64_t ids_bytes = 4ull * l->T * l->K, acts_off = mok_group_ctx_acts_offset(c, (uint32_t)l->T);
+  uint64_t routed = mok_acts_routed_bytes(&v->dims), shared = mok_acts_shared_bytes(&l->dims);
+  g.sched = (int32_t *)base;
+  g.ids = (int32_t *)(base + ids_off);
+  g.acts_routed = base + acts_off;
+  g.g_shared = base + acts_off + 2 * routed;
+  g.u_shared = (char *)g.g_shared + shared;
+  if (zero_padding) {
+    size_t shared_used = l->T * l->Is * l->es;
+    memset(base + sched_bytes, 0, ids_off - sched_bytes);
+    memset(base + ids_off + ids_bytes, 0, acts_off - ids_off - ids_bytes);
+    memset((char *)g.g_shared + shared_used, 0, shared - shared_used);
+    memset((char *)g.u_shared + shared_used, 0, shared - shared_used);
+  }
+  return g;
+}
+
+/* The rank's own checks before barrier 1, posted so that every member
+ * fails the job with the same message. */
+static mok_status own_routing_check(job_env *l, const int32_t *ids, char *msg, size_t len) {
+  return mok_routing_check(&l->shape, ids, msg, len);
+}
+
+static void group_fail(job_env *l, int st, const char *err) {
+  cpu_job_fail(l, st, "%s", err);
+}
+
+static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
+  char err[MOK_COMPLETION_MSG];
+  const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
+  const int32_t *ids = slot_tensor(l, MOK_SLOT_TOPK_IDS);
+  const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
+  const void *x = slot_tensor(l, MOK_SLOT_X);
+  int st = mok_ep_group_job_start(g, err, sizeof err);
+  if (st != MOK_OK) {
+    group_fail(l, st, err);
+    return;
+  }
+  copy_in_rows(l, g, b->x, x);
+  copy_in_routing(l, g, ids, rw);
+  mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
+  post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
+  st = mok_ep_group_job_post(g, &post, err, sizeof err);
+  if (st != MOK_OK) {
+    group_fail(l, st, err);
+    return;
+  }
+
+  /* pull, compute, push: failures are posted at barrier 2 */
+  void *ctx = slot_tensor(l, MOK_SLOT_CTX);
+  group_ctx gc = {0};
+  if (ctx) gc = ctx_split(l, v, ctx, true);
+  int32_t *sched = ctx ? gc.sched : cpu_scratch(v, SCR_LAYER_CTX, mok_schedule_bytes(&v->dims));
+  size_t routed_bytes = v->rows_cap * v->H * v->es;
+  void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
+  void *routed_y = cpu_scratch(v, SCR_LAYER_ROUTED_Y, routed_bytes);
+  mok_status local = (sched && routed_x && routed_y) ? MOK_OK : v->res->status;
+  mok_sched_view sv;
+  if (local == MOK_OK) {
+    char msg[MOK_COMPLETION_MSG];
+    local = mok_schedule_build(&v->shape, b->ids, sched, mok_schedule_ints(&v->dims), msg,
+                               sizeof msg);
+    if (local != MOK_OK) cpu_job_fail(v, local, "%s", msg);
+  }
+  if (local == MOK_OK) {
+    sv = mok_schedule_view(&v->shape, sched);
+    cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
+    local = cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
+  }
+  if (local == MOK_OK) push(v, &sv, routed_y, b->land, NULL, NULL);
+  st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
+  if (st != MOK_OK) {
+    l->res->status = MOK_OK; /* the group's verdict replaces a local message */
+    {
+    group_fail(l, st, err);
+    return;
+  }
+  }
+
+  /* local: the shared expert and the ordered K-sum */
+  if (ctx) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
+  void *shared_y = NULL;
+  if (l->Is) {
+    shared_y = cpu_scratch(l, SCR_LAYER_SHARED_Y, l->T * l->H * l->es);
+    if (!shared_y) return;
+    if (cpu_shared_forward(l, x, ctx ? gc.g_shared : NULL, ctx ? gc.u_shared : NULL, shared_y) !=
+        MOK_OK)
+      return;
+  }
+  mok_sched_view own;
+  if (own_view(l, ids, &own) != MOK_OK) return;
+  cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
+}
+
+static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
+  char err[MOK_COMPLETION_MSG];
+  const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
+  const bool recompute = (l->args->flags & MOK_JOB_RECOMPUTE) != 0;
+  const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
+  const void *x = slot_tensor(l, MOK_SLOT_X), *d_out = slot_tensor(l, MOK_SLOT_D_OUT);
+  void *ctx = slot_tensor(l, MOK_SLOT_CTX);
+  int st = mok_ep_group_job_start(g, err, sizeof err);
+  if (st != MOK_OK) {
+    group_fail(l, st, err);
+    return;
+  }
+  group_ctx gc = {0};
+  if (!ctx) ctx = cpu_scratch(l, SCR_LAYER_CTX, mok_group_ctx_bytes(l->cfg, (uint32_t)l->T));
+  if (!ctx) return;
+  gc = ctx_split(l, v, ctx, recompute);
+  /* own routing: the job's topk_ids with recompute, else the forward's
+   * copy in ctx (client memory: checked like any routing) */
+  const int32_t *ids = recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids;
+  mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
+  post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
+  if (recompute && post.status == MOK_OK) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
+  copy_in_rows(l, g, b->x, x);
+  copy_in_rows(l, g, b->d_out, d_out);
+  copy_in_routing(l, g, ids, rw);
+  st = mok_ep_group_job_post(g, &post, err, sizeof err);
+  if (st != MOK_OK) {
+    group_fail(l, st, err);
+    return;
+  }
+
+  size_t routed_bytes = v->rows_cap * v->H * v->es;
+  void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
+  void *routed_dout = cpu_scratch(v, SCR_LAYER_ROUTED_DOUT, routed_bytes);
+  void *routed_dx = cpu_scratch(v, SCR_LAYER_ROUTED_DX, routed_bytes);
+  float *drw_v = cpu_scratch(v, SCR_EP_DRW, v->T * v->K * sizeof(float));
+  mok_status local = (routed_x && routed_dout && routed_dx && drw_v) ? MOK_OK : v->res->status;
+  mok_sched_view sv;
+  if (local == MOK_OK && recompute) {
+    char msg[MOK_COMPLETION_MSG];
+    local = mok_schedule_build(&v->shape, b->ids, gc.sched, mok_schedule_ints(&v->dims), msg,
+                               sizeof msg);
+    if (local != MOK_OK) cpu_job_fail(v, local, "%s", msg);
+    if (local == MOK_OK) {
+      sv = mok_schedule_view(&v->shape, gc.sched);
+      cpu_gather_rows(v, &sv, b->x, routed_x);
+      local = cpu_step_compute(v, &sv, routed_x, NULL, NULL, NULL, gc.acts_routed);
+    }
+  } else if (local == MOK_OK) {
+    local = cpu_schedule_in(v, gc.sched, &sv);
+    if (local == MOK_OK) cpu_gather_rows(v, &sv, b->x, routed_x);
+  }
+  if (local == MOK_OK) {
+    cpu_gather_rows(v, &sv, b->d_out, routed_dout); /* the reverse combine's pull */
+    local = cpu_step_compute_bwd(v, &sv, gc.acts_routed, routed_x, routed_dout, b->rw, NULL,
+                                 NULL, routed_dx, drw_v, NULL);
+  }
+  if (local == MOK_OK) push(v, &sv, routed_dx, b->land, drw_v, b->d_rw);
+  st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
+  if (st != MOK_OK) {
+    l->res->status = MOK_OK;
+    {
+    group_fail(l, st, err);
+    return;
+  }
+  }
+
+  /* local: shared expert (recomputed acts with recompute), ordered K-sums */
+  void *shared_dx = NULL;
+  if (l->Is) {
+    if (recompute &&
+        cpu_shared_forward(l, x, gc.g_shared, gc.u_shared, NULL) != MOK_OK)
+      return;
+    shared_dx = cpu_scratch(l, SCR_LAYER_SHARED_DX, l->T * l->H * l->es);
+    if (!shared_dx) return;
+    if (cpu_shared_backward(l, x, gc.g_shared, gc.u_shared, d_out, shared_dx) != MOK_OK) return;
+  }
+  mok_sched_view own;
+  if (own_view(l, ids, &own) != MOK_OK) return;
+  float *d_rw = slot_tensor(l, MOK_SLOT_D_RW);
+  size_t T_max = mok_ep_group_get_sizing(g)->max_tokens;
+  const float *drw_own = b->d_rw + (size_t)mok_ep_group_rank(g) * T_max * l->K;
+  for (size_t i = 0; i < l->T * l->K; i++) d_rw[i] = own.slot_row[i] >= 0 ? drw_own[i] : 0.0f;
+  cpu_step_dispatch_bwd(l, &own, own_landing(l, g), shared_dx, slot_tensor(l, MOK_SLOT_D_X));
+}
+
+void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                   mok_engine_result *res) {
+  job_env l, v;
+  if (cpu_env_init(&l, e, a, res) != MOK_OK) return;
+  if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
+    cpu_job_fail(&l, MOK_EUNSUPPORTED,
+                 "a layer on a group runs forward and backward; single steps need a layer "
+                 "without a group");
+    return;
+  }
+  const mok_layer_config *c = a->layer;
+  const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
+  if (c->group_world != sz->world || c->group_tokens != sz->max_tokens ||
+      c->group_rank != mok_ep_group_rank(g) || c->hidden != sz->hidden || c->topk != sz->topk ||
+      c->experts != sz->experts || c->dtype != sz->dtype) {
+    cpu_job_fail(&l, MOK_EINVAL, "the layer does not fit its group's sizing");
+    return;
+  }
+  if (virtual_env(&l, &v) != MOK_OK) return;
+  if (a->op == MOK_OP_FORWARD)
+    ep_forward(&l, &v, g);
+  else
+    ep_backward(&l, &v, g);
+}
