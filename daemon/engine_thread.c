@@ -58,6 +58,8 @@ typedef struct esession {
   size_t n_dead_regions, cap_dead_regions;
   mok_engine_layer **dead_layers;
   size_t n_dead_layers, cap_dead_layers;
+  uint32_t *groups; /* group ids this session joined (one entry per join) */
+  size_t n_groups, cap_groups;
   struct esession *next;
 } esession;
 
@@ -80,6 +82,8 @@ struct mok_engine_thread {
   uint64_t latency[LATENCY_WINDOW];
   uint64_t latency_count;
   char describe[256];
+  mok_ep_group_table *groups; /* expert-parallel groups this daemon serves a rank of */
+  uint64_t groups_ticked_ns;
 };
 
 static uint64_t now_ns(void) {
@@ -191,6 +195,12 @@ static bool keep_dead_layer(esession *s, mok_engine_layer *l) {
 
 /* Only once the session has no job running (see cmd_detach). */
 static void session_free(mok_engine_thread *t, esession *s) {
+  /* a group outlives the session that joined it (lingering for a re-join) */
+  for (size_t i = 0; i < s->n_groups; i++) {
+    mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
+    if (g) mok_ep_group_unref(t->groups, g, false);
+  }
+  free(s->groups);
   release_dead(t, s);
   for (size_t i = 0; i < s->regions.count; i++) release_region(t, &s->regions.items[i]);
   mok_region_table_free(&s->regions);
@@ -287,6 +297,115 @@ static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
   c->out.region_id = r.id;
 }
 
+/* ---- expert-parallel groups (group.h, docs/ep.md) ---------------------------- */
+
+/* The group a session joined (NULL: it did not, or the group is gone). */
+static mok_ep_group *session_group(mok_engine_thread *t, esession *s, uint32_t id) {
+  for (size_t i = 0; i < s->n_groups; i++)
+    if (s->groups[i] == id) return mok_ep_group_find(t->groups, id);
+  return NULL;
+}
+
+/* A layer on a group: its shapes must fit the group's sizing; it holds the
+ * rank's local experts. */
+static int group_layer_config(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
+                              size_t errlen) {
+  mok_ep_group *g = session_group(t, s, cfg->group_id);
+  if (!g) {
+    snprintf(err, errlen, "group %u was not joined by this session (JoinGroup first)",
+             cfg->group_id);
+    return MOK_ENOENT;
+  }
+  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
+  if (cfg->hidden != z->hidden || cfg->topk != z->topk || cfg->experts != z->experts ||
+      cfg->dtype != z->dtype || cfg->max_tokens > z->max_tokens) {
+    snprintf(err, errlen,
+             "the layer (hidden %u, topk %u, experts %u, dtype %u, max_tokens %u) does not fit "
+             "its group (hidden %u, topk %u, experts %u, dtype %u, max_tokens up to %u)",
+             cfg->hidden, cfg->topk, cfg->experts, cfg->dtype, cfg->max_tokens, z->hidden,
+             z->topk, z->experts, z->dtype, z->max_tokens);
+    return MOK_EINVAL;
+  }
+  cfg->group_world = z->world;
+  cfg->group_rank = mok_ep_group_rank(g);
+  cfg->group_tokens = z->max_tokens;
+  cfg->local_experts = z->experts / z->world;
+  cfg->first_expert = cfg->group_rank * cfg->local_experts;
+  return MOK_OK;
+}
+
+static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
+  if (!t->ops->run_group || !t->groups) {
+    c->status = MOK_EUNSUPPORTED;
+    snprintf(c->message, sizeof c->message,
+             "the %s engine does not run expert-parallel groups yet", t->ops->name);
+    return;
+  }
+  if (s->n_groups == s->cap_groups) {
+    size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
+    uint32_t *n = realloc(s->groups, cap * sizeof *n);
+    if (!n) {
+      c->status = MOK_ENOMEM;
+      snprintf(c->message, sizeof c->message, "out of memory");
+      return;
+    }
+    s->groups = n, s->cap_groups = cap;
+  }
+  mok_ep_group *g;
+  bool rejoined = false;
+  c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
+                             sizeof c->message);
+  if (c->status != MOK_OK) return;
+  s->groups[s->n_groups++] = mok_ep_group_id(g);
+  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
+  c->out.group.id = mok_ep_group_id(g);
+  c->out.group.local_experts = z->experts / z->world;
+  c->out.group.first_expert = mok_ep_group_rank(g) * (z->experts / z->world);
+  c->out.group.generation = mok_ep_group_generation(g);
+  c->out.group.sequence = mok_ep_group_sequence(g);
+  c->out.group.rejoined = rejoined;
+}
+
+static void cmd_leave_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
+  for (size_t i = 0; i < s->n_groups; i++) {
+    if (s->groups[i] != c->in.id) continue;
+    s->groups[i] = s->groups[--s->n_groups];
+    mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, c->in.id) : NULL;
+    if (g) mok_ep_group_unref(t->groups, g, true);
+    return;
+  }
+  c->status = MOK_ENOENT;
+  snprintf(c->message, sizeof c->message, "group %u was not joined by this session", c->in.id);
+}
+
+/* A job of a layer on a group (run synchronously on this thread). One that
+ * failed its checks still takes its turn in the group, posting the failure,
+ * so that every member fails it with the same message instead of waiting
+ * for this one until the timeout. */
+static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
+                          const mok_layer_config *layer, const mok_job_args *args,
+                          mok_engine_result *res) {
+  mok_ep_group *g = session_group(t, s, layer->group_id);
+  if (!g) {
+    res->status = MOK_ENOENT;
+    snprintf(res->message, sizeof res->message,
+             "%s: the layer's group %u was left; re-join and re-create the layer",
+             mok_op_name(desc->op), layer->group_id);
+    return;
+  }
+  if (res->status == MOK_OK) {
+    t->ops->run_group(t->engine, g, args, res);
+    return;
+  }
+  if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
+  char err[MOK_COMPLETION_MSG];
+  if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
+  mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
+  p.status = res->status;
+  snprintf(p.msg, sizeof p.msg, "%s", res->message);
+  (void)mok_ep_group_job_post(g, &p, err, sizeof err);
+}
+
 static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
   if (s->n_layers >= s->limits.max_layers) {
     c->status = MOK_ELIMIT;
@@ -295,6 +414,10 @@ static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
     return;
   }
   mok_layer_config cfg = c->in.layer;
+  if (cfg.group_id) {
+    c->status = group_layer_config(t, s, &cfg, c->message, sizeof c->message);
+    if (c->status != MOK_OK) return;
+  }
   c->status = t->ops->prepare_layer(t->engine, &cfg, c->message, sizeof c->message);
   if (c->status != MOK_OK) return;
   if (s->n_layers == s->cap_layers) {
@@ -430,6 +553,8 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
   case MOK_CMD_CREATE_LAYER: cmd_create_layer(t, s, c); break;
   case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(t, s, c); break;
   case MOK_CMD_DETACH: cmd_detach(t, s); break;
+  case MOK_CMD_JOIN_GROUP: cmd_join_group(t, s, c); break;
+  case MOK_CMD_LEAVE_GROUP: cmd_leave_group(t, s, c); break;
   default:
     c->status = MOK_EINVAL;
     snprintf(c->message, sizeof c->message, "unknown command %d", (int)c->kind);
@@ -585,6 +710,11 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
       if (s->layers[i].id == desc.layer) le = &s->layers[i];
   res.status = mok_job_check(&desc, &s->regions, le ? &le->cfg : NULL, &args, res.message,
                              sizeof res.message);
+  if (le && le->cfg.group_id) {
+    run_group_job(t, s, &desc, &le->cfg, &args, &res);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    return true;
+  }
   if (!t->ops->start) {
     if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
@@ -681,6 +811,10 @@ static void *engine_main(void *arg) {
   for (;;) {
     run_commands(t);
     if (atomic_load(&t->stopping)) break;
+    if (t->groups && now_ns() - t->groups_ticked_ns > 100000000ull) {
+      t->groups_ticked_ns = now_ns();
+      mok_ep_group_tick(t->groups); /* groups nobody re-joined within the linger time */
+    }
     bool took = run_jobs_round(t);
     uint64_t now = now_ns();
     bool running = poll_all(t, now);
@@ -735,6 +869,11 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   pthread_mutex_init(&t->lock, NULL);
   int r = ops->open(cfg, &t->engine, err, errlen);
   if (r != MOK_OK) goto fail;
+  if (ops->run_group && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
+    snprintf(err, errlen, "out of memory");
+    r = MOK_ENOMEM;
+    goto fail;
+  }
   t->epfd = epoll_create1(EPOLL_CLOEXEC);
   t->cmd_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
@@ -752,6 +891,7 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   *ret = t;
   return MOK_OK;
 fail:
+  mok_ep_group_table_destroy(t->groups);
   if (t->engine) ops->close(t->engine);
   if (t->epfd >= 0) close(t->epfd);
   if (t->cmd_efd >= 0) close(t->cmd_efd);
@@ -772,6 +912,7 @@ void mok_engine_thread_stop(mok_engine_thread *t, uint32_t drain_ms) {
   /* commands that arrived too late, and sessions never detached */
   run_commands(t);
   while (t->sessions) cmd_detach(t, t->sessions);
+  mok_ep_group_table_destroy(t->groups); /* this daemon's ranks leave their groups */
   t->ops->close(t->engine);
   close(t->epfd);
   close(t->cmd_efd);

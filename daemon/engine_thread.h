@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "engine.h"
+#include "group.h"
 #include "session_shm.h"
 
 typedef enum mok_cmd_kind {
@@ -25,7 +26,9 @@ typedef enum mok_cmd_kind {
   MOK_CMD_DESTROY_LAYER,
   MOK_CMD_STATS,
   MOK_CMD_DETACH,       /* release everything of the session */
-  MOK_CMD_SESSION_FAULT /* engine -> loop only: the session broke its ring */
+  MOK_CMD_SESSION_FAULT, /* engine -> loop only: the session broke its ring */
+  MOK_CMD_JOIN_GROUP,    /* join (or re-join) an expert-parallel group (group.h) */
+  MOK_CMD_LEAVE_GROUP
 } mok_cmd_kind;
 
 typedef struct mok_session_stats {
@@ -64,8 +67,9 @@ typedef struct mok_cmd {
       uint64_t offset, bytes;
       uint8_t ipc_handle[64];
     } reg;
-    uint32_t id; /* region or layer to drop */
+    uint32_t id; /* region, layer or group to drop */
     mok_layer_config layer;
+    mok_ep_group_join_args join;
   } in;
   /* filled by the engine thread */
   int status;
@@ -74,6 +78,11 @@ typedef struct mok_cmd {
     uint32_t region_id;
     mok_layer_config layer; /* with id in layer_id */
     mok_engine_stats stats;
+    struct {
+      uint32_t id, local_experts, first_expert;
+      uint64_t generation, sequence;
+      bool rejoined;
+    } group;
   } out;
   uint32_t layer_id;
   struct mok_cmd *next;

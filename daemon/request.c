@@ -71,9 +71,6 @@ static mok_request_verdict validate_register(mok_request *req, const Mok__Regist
 static mok_request_verdict validate_layer(mok_request *req, const Mok__CreateLayer *m) {
   if (!m->config) return refuse(req, MOK_REQ_REPLY, MOK_EINVAL, "CreateLayer without a config");
   const Mok__LayerConfig *lc = m->config;
-  if (lc->group_id != 0)
-    return refuse(req, MOK_REQ_REPLY, MOK_EUNSUPPORTED,
-                  "expert-parallel groups are not implemented yet");
   mok_layer_config cfg = {
       .hidden = lc->hidden,
       .intermediate = lc->intermediate,
@@ -92,6 +89,8 @@ static mok_request_verdict validate_layer(mok_request *req, const Mok__CreateLay
     req->status = r;
     return MOK_REQ_REPLY;
   }
+  cfg.group_id = lc->group_id; /* the engine thread checks it against the group */
+  cfg.group_tag = lc->group_tag;
   req->layer = cfg;
   return MOK_REQ_OK;
 }
@@ -108,9 +107,16 @@ mok_request_verdict mok_request_validate(mok_request *req, size_t nfds, bool hel
     return MOK_REQ_OK;
   case MOK__REQUEST__BODY_REGISTER_BUFFER: return validate_register(req, pb->register_buffer, nfds);
   case MOK__REQUEST__BODY_CREATE_LAYER: return validate_layer(req, pb->create_layer);
-  case MOK__REQUEST__BODY_JOIN_GROUP:
-    return refuse(req, MOK_REQ_REPLY, MOK_EUNSUPPORTED,
-                  "expert-parallel groups are not implemented in this mokd yet");
+  case MOK__REQUEST__BODY_JOIN_GROUP: {
+    /* the rest (sizing, rank, world) is checked where the group lives (group.c) */
+    const char *key = pb->join_group->group_key;
+    size_t n = key ? strlen(key) : 0;
+    if (n == 0 || n > 128)
+      return refuse(req, MOK_REQ_REPLY, MOK_EINVAL, "group key must be 1..128 bytes, got %zu",
+                    n);
+    return MOK_REQ_OK;
+  }
+  case MOK__REQUEST__BODY_LEAVE_GROUP:
   case MOK__REQUEST__BODY_UNREGISTER_BUFFER:
   case MOK__REQUEST__BODY_DESTROY_LAYER:
   case MOK__REQUEST__BODY_STATS:

@@ -340,6 +340,28 @@ static void handle_create_layer(session *s, uint32_t rid, const mok_request *q) 
   submit_cmd(s, c);
 }
 
+/* Expert parallelism: the group is keyed by (the client's uid, key), so two
+ * tenants never share one (docs/ep.md). */
+static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m) {
+  mok_cmd *c = new_cmd(s, MOK_CMD_JOIN_GROUP, rid);
+  if (!c) {
+    reply_status(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  mok_ep_group_join_args *j = &c->in.join;
+  j->uid = s->cred.uid;
+  snprintf(j->key, sizeof j->key, "%s", m->group_key); /* 1..128 bytes (request.c) */
+  j->rank = m->rank;
+  j->timeout_ms = m->timeout_ms;
+  j->sizing = (mok_ep_group_sizing){
+      .world = m->world, .max_tokens = m->max_tokens, .hidden = m->hidden, .topk = m->topk,
+      .experts = m->experts,
+      .dtype = m->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
+               : m->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
+                                                    : MOK_DTYPE_INVALID};
+  submit_cmd(s, c);
+}
+
 static void handle_simple_cmd(session *s, uint32_t rid, mok_cmd_kind kind, uint32_t id) {
   mok_cmd *c = new_cmd(s, kind, rid);
   if (!c) {
@@ -383,6 +405,10 @@ static void handle_request(session *s, mok_frame *f) {
     handle_simple_cmd(s, rid, MOK_CMD_DESTROY_LAYER, req->destroy_layer->layer_id);
     break;
   case MOK__REQUEST__BODY_STATS: handle_simple_cmd(s, rid, MOK_CMD_STATS, 0); break;
+  case MOK__REQUEST__BODY_JOIN_GROUP: handle_join_group(s, rid, req->join_group); break;
+  case MOK__REQUEST__BODY_LEAVE_GROUP:
+    handle_simple_cmd(s, rid, MOK_CMD_LEAVE_GROUP, req->leave_group->group_id);
+    break;
   case MOK__REQUEST__BODY_GOODBYE:
     reply_status(s, rid, MOK_OK, "goodbye");
     session_close(s, "said goodbye");
@@ -628,7 +654,18 @@ static void reply_from_engine(session *s, mok_cmd *c) {
   }
   Mok__RegisterBufferReply rb = MOK__REGISTER_BUFFER_REPLY__INIT;
   Mok__CreateLayerReply cl = MOK__CREATE_LAYER_REPLY__INIT;
+  Mok__JoinGroupReply jg = MOK__JOIN_GROUP_REPLY__INIT;
   switch (c->kind) {
+  case MOK_CMD_JOIN_GROUP:
+    jg.group_id = c->out.group.id;
+    jg.generation = c->out.group.generation;
+    jg.local_experts = c->out.group.local_experts;
+    jg.first_expert = c->out.group.first_expert;
+    jg.rejoined = c->out.group.rejoined;
+    jg.sequence = c->out.group.sequence;
+    reply.body_case = MOK__REPLY__BODY_JOIN_GROUP;
+    reply.join_group = &jg;
+    break;
   case MOK_CMD_REGISTER:
     rb.region_id = c->out.region_id;
     reply.body_case = MOK__REPLY__BODY_REGISTER_BUFFER;
