@@ -35,6 +35,7 @@ extern "C" {
 
 typedef struct mok_client mok_client;
 typedef struct mok_layer mok_layer;
+typedef struct mok_group mok_group;
 
 /* ---- errors ---- */
 
@@ -82,11 +83,49 @@ typedef struct mok_layer_desc {
   uint32_t dtype;               /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
   int has_swiglu_limit;
   float swiglu_limit;           /* L, when has_swiglu_limit */
+  /* Expert parallelism (docs/ep.md): a layer on a group holds the rank's
+   * local experts (w_* are [experts/world, ...]); forward and backward
+   * exchange tokens with the other ranks. NULL: all experts local. */
+  mok_group *group;
+  uint32_t group_tag; /* names the layer in the group's job signature */
 } mok_layer_desc;
 
 int mok_layer_create(mok_client *c, const mok_layer_desc *desc, mok_layer **ret);
 /* accepts NULL */
 void mok_layer_destroy(mok_layer *l);
+
+/* ---- expert-parallel groups (docs/ep.md) ---- */
+
+/* What every rank of a group must agree on (a join that differs fails). */
+typedef struct mok_group_sizing {
+  uint32_t max_tokens; /* the largest T per rank of any job on the group */
+  uint32_t hidden;     /* H */
+  uint32_t topk;       /* K */
+  uint32_t experts;    /* E, global, a multiple of world */
+  uint32_t dtype;      /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
+  uint32_t timeout_ms; /* how long a job waits for the other ranks; 0: 30000 */
+} mok_group_sizing;
+
+/* Join rank `rank` of the group `key` (scoped to this client's uid) through
+ * this client's mokd; each rank joins through its own GPU's mokd. Joining a
+ * group the daemon already holds (a restarted client) is cheap. Jobs of
+ * layers on the group must be submitted in the same order on every rank:
+ * a missing or stalled rank fails the job with MOK_ETIMEOUT and leaves the
+ * group broken until every rank joins again (call mok_group_join again);
+ * a rank running another op or layer fails the job with MOK_EINVAL. */
+int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world,
+                   const mok_group_sizing *sizing, mok_group **ret);
+/* Leave: the daemon releases the group at once when no session holds it.
+ * mok_close frees every group it did not leave, without leaving: the daemon
+ * keeps such a group warm for a restarted client (60 s), then releases it.
+ * Accepts NULL. Layers on the group must be destroyed first. */
+int mok_group_leave(mok_group *g);
+uint32_t mok_group_rank(const mok_group *g);
+uint32_t mok_group_world(const mok_group *g);
+uint32_t mok_group_local_experts(const mok_group *g);
+uint32_t mok_group_first_expert(const mok_group *g);
+uint64_t mok_group_generation(const mok_group *g);
+int mok_group_rejoined(const mok_group *g); /* the daemon already held it */
 
 uint32_t mok_layer_row_align(const mok_layer *l);
 uint32_t mok_layer_local_experts(const mok_layer *l);

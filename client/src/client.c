@@ -212,6 +212,9 @@ void mok_close(mok_client *c) {
   /* let in-flight jobs finish: they write into memory we are about to unmap */
   if (!c->broken) (void)mok_sync(c, 5000);
   while (c->n_layers) mok_layer_destroy(c->layers[c->n_layers - 1]);
+  /* groups stay with the daemon (lingering for a restarted client) */
+  for (size_t i = 0; i < c->n_groups; i++) free(c->groups[i]);
+  free(c->groups);
   if (!c->broken && c->sock >= 0) {
     Mok__Goodbye bye = MOK__GOODBYE__INIT;
     Mok__Request req = MOK__REQUEST__INIT;

@@ -41,6 +41,8 @@ struct mok_client {
   size_t n_regions, cap_regions;
   mok_layer **layers;
   size_t n_layers, cap_layers;
+  mok_group **groups; /* joined, not left: freed (not left) by mok_close */
+  size_t n_groups, cap_groups;
   bool broken; /* the daemon went away */
   struct mok_cuda_state *cuda; /* device memory and streams (cuda.c); NULL until used */
   int async_status;            /* first failure of a detached job, not yet reported */
@@ -60,6 +62,14 @@ struct mok_layer {
   mok_client *client;
   uint32_t id;
   mok_layer_config cfg;
+};
+
+struct mok_group {
+  mok_client *client;
+  uint32_t id, rank, world, local_experts, first_expert;
+  uint64_t generation;
+  bool rejoined;
+  mok_group_sizing sizing;
 };
 
 /* Set the thread's last error; returns status for tail calls. */

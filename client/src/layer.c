@@ -17,6 +17,8 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
                                           : MOK__DTYPE__DTYPE_UNSPECIFIED;
   lc.has_swiglu_limit = d->has_swiglu_limit != 0;
   lc.swiglu_limit = d->swiglu_limit;
+  lc.group_id = d->group ? d->group->id : 0;
+  lc.group_tag = d->group_tag;
   Mok__CreateLayer cl = MOK__CREATE_LAYER__INIT;
   cl.config = &lc;
   Mok__Request req = MOK__REQUEST__INIT;
@@ -48,6 +50,13 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
         .shared_intermediate = d->shared_intermediate, .max_tokens = d->max_tokens,
         .dtype = d->dtype, .row_align = cr->row_align, .has_limit = d->has_swiglu_limit != 0,
         .swiglu_limit = d->swiglu_limit};
+    if (d->group) {
+      l->cfg.group_id = d->group->id;
+      l->cfg.group_world = d->group->world;
+      l->cfg.group_rank = d->group->rank;
+      l->cfg.group_tokens = d->group->sizing.max_tokens;
+      l->cfg.group_tag = d->group_tag;
+    }
     c->layers[c->n_layers++] = l;
   }
   if (reply) mok__reply__free_unpacked(reply, NULL);
@@ -85,6 +94,7 @@ uint32_t mok_layer_row_align(const mok_layer *l) { return l->cfg.row_align; }
 uint32_t mok_layer_local_experts(const mok_layer *l) { return l->cfg.local_experts; }
 
 uint64_t mok_layer_ctx_bytes(const mok_layer *l, uint32_t tokens) {
+  if (l->cfg.group_id) return mok_group_ctx_bytes(&l->cfg, tokens);
   mok_layout_dims d = mok_layer_dims(&l->cfg, tokens);
   return mok_ctx_bytes(&d);
 }

@@ -52,7 +52,13 @@ class LayerDesc(ctypes.Structure):
         ("shared_intermediate", ctypes.c_uint32), ("max_tokens", ctypes.c_uint32),
         ("dtype", ctypes.c_uint32), ("has_swiglu_limit", ctypes.c_int),
         ("swiglu_limit", ctypes.c_float),
+        ("group", ctypes.c_void_p), ("group_tag", ctypes.c_uint32),  # mok.h: EP group
     ]
+
+
+class GroupSizing(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in (
+        "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")]
 
 
 class Tensor(ctypes.Structure):
@@ -113,6 +119,13 @@ def _declare(lib):
                                  c.POINTER(c.c_uint64)]),
         "mok_submit_nop": (c.c_int, [P, c.POINTER(c.c_uint64)]),
         "mok_wait": (c.c_int, [P, c.c_uint64, c.c_int]),
+        "mok_group_join": (c.c_int, [P, c.c_char_p, c.c_uint32, c.c_uint32,
+                                     c.POINTER(GroupSizing), c.POINTER(P)]),
+        "mok_group_leave": (c.c_int, [P]),
+        "mok_group_local_experts": (c.c_uint32, [P]),
+        "mok_group_first_expert": (c.c_uint32, [P]),
+        "mok_group_generation": (c.c_uint64, [P]),
+        "mok_group_rejoined": (c.c_int, [P]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)

@@ -1,0 +1,89 @@
+/* Expert-parallel groups: JoinGroup / LeaveGroup (docs/ep.md). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world,
+                   const mok_group_sizing *sz, mok_group **ret) {
+  if (!c || !key || !sz || !ret) return mok_set_error(MOK_EINVAL, "mok_group_join: NULL argument");
+  if (sz->dtype != MOK_DTYPE_F32 && sz->dtype != MOK_DTYPE_BF16)
+    return mok_set_error(MOK_EINVAL, "mok_group_join: dtype must be MOK_DTYPE_F32 or BF16");
+  Mok__JoinGroup jg = MOK__JOIN_GROUP__INIT;
+  jg.group_key = (char *)key;
+  jg.rank = rank;
+  jg.world = world;
+  jg.max_tokens = sz->max_tokens;
+  jg.hidden = sz->hidden;
+  jg.topk = sz->topk;
+  jg.experts = sz->experts;
+  jg.dtype = sz->dtype == MOK_DTYPE_F32 ? MOK__DTYPE__DTYPE_F32 : MOK__DTYPE__DTYPE_BF16;
+  jg.timeout_ms = sz->timeout_ms;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_JOIN_GROUP;
+  req.join_group = &jg;
+  mok_group *g = calloc(1, sizeof *g);
+  if (!g) return mok_set_error(MOK_ENOMEM, "out of memory");
+  Mok__Reply *reply = NULL;
+  pthread_mutex_lock(&c->lock);
+  int r = MOK_OK;
+  if (c->n_groups == c->cap_groups) {
+    size_t cap = c->cap_groups ? 2 * c->cap_groups : 4;
+    mok_group **n = realloc(c->groups, cap * sizeof *n);
+    if (n) c->groups = n, c->cap_groups = cap;
+    else r = mok_set_error(MOK_ENOMEM, "out of memory");
+  }
+  if (r == MOK_OK) r = mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL);
+  if (r == MOK_OK && reply->body_case == MOK__REPLY__BODY_JOIN_GROUP)
+    c->groups[c->n_groups++] = g;
+  pthread_mutex_unlock(&c->lock);
+  if (r == MOK_OK && reply->body_case != MOK__REPLY__BODY_JOIN_GROUP)
+    r = mok_set_error(MOK_EPROTO, "join-group reply without a group");
+  if (r != MOK_OK) {
+    if (reply) mok__reply__free_unpacked(reply, NULL);
+    free(g);
+    return r;
+  }
+  const Mok__JoinGroupReply *jr = reply->join_group;
+  g->client = c;
+  g->id = jr->group_id;
+  g->rank = rank;
+  g->world = world;
+  g->local_experts = jr->local_experts;
+  g->first_expert = jr->first_expert;
+  g->generation = jr->generation;
+  g->rejoined = jr->rejoined;
+  g->sizing = *sz;
+  mok__reply__free_unpacked(reply, NULL);
+  *ret = g;
+  return MOK_OK;
+}
+
+int mok_group_leave(mok_group *g) {
+  if (!g) return MOK_OK;
+  mok_client *c = g->client;
+  Mok__LeaveGroup lg = MOK__LEAVE_GROUP__INIT;
+  lg.group_id = g->id;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_LEAVE_GROUP;
+  req.leave_group = &lg;
+  Mok__Reply *reply = NULL;
+  pthread_mutex_lock(&c->lock);
+  for (size_t i = 0; i < c->n_groups; i++) {
+    if (c->groups[i] != g) continue;
+    c->groups[i] = c->groups[--c->n_groups];
+    break;
+  }
+  int r = c->broken ? MOK_OK : mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL);
+  pthread_mutex_unlock(&c->lock);
+  if (reply) mok__reply__free_unpacked(reply, NULL);
+  free(g);
+  return r;
+}
+
+uint32_t mok_group_rank(const mok_group *g) { return g->rank; }
+uint32_t mok_group_world(const mok_group *g) { return g->world; }
+uint32_t mok_group_local_experts(const mok_group *g) { return g->local_experts; }
+uint32_t mok_group_first_expert(const mok_group *g) { return g->first_expert; }
+uint64_t mok_group_generation(const mok_group *g) { return g->generation; }
+int mok_group_rejoined(const mok_group *g) { return g->rejoined; }
