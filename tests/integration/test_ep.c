@@ -1,0 +1,643 @@
+/* Integration: expert parallelism across real mokd processes (docs/ep.md).
+ *
+ * Each test starts W daemons (cpu engine, one worker thread each) and, per
+ * rank, a client process of its own that joins the group through its own
+ * daemon. Results come back to the test through shared memory and are held
+ * against the cpu engine's EP=1 results (bitwise) and ref64 (tolerance).
+ */
+#include <math.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "bf16.h"
+#include "check.h"
+#include "group.h"
+#include "harness.h"
+#include "mok.h"
+#include "ref64.h"
+
+#define H_ 32u
+#define I_ 16u
+#define IS_ 8u
+#define E_ 8u
+#define K_ 2u
+#define TMAX 24u
+#define MAXW 4u
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- the global problem (every process builds the same) ---------------- */
+
+typedef struct problem {
+  uint32_t dtype, W, T[MAXW], limit_on;
+  float x[MAXW][TMAX * H_], d_out[MAXW][TMAX * H_], rw[MAXW][TMAX * K_];
+  int32_t ids[MAXW][TMAX * K_];
+  float wg[E_ * I_ * H_], wu[E_ * I_ * H_], wd[E_ * H_ * I_];
+  float sg[IS_ * H_], su[IS_ * H_], sd[H_ * IS_];
+} problem;
+
+static float frand(unsigned *s) {
+  *s = *s * 1103515245u + 12345u;
+  return (float)((*s >> 8) & 0xffff) / 65536.0f - 0.5f;
+}
+
+static float as_dtype(uint32_t dt, float v) { return dt == MOK_DTYPE_BF16 ? mok_round_bf16(v) : v; }
+
+static void problem_init(problem *p, uint32_t dtype, uint32_t W, const uint32_t *T, unsigned seed) {
+  memset(p, 0, sizeof *p);
+  p->dtype = dtype;
+  p->W = W;
+  unsigned s = seed;
+  for (uint32_t r = 0; r < W; r++) {
+    p->T[r] = T[r];
+    for (uint32_t i = 0; i < TMAX * H_; i++) {
+      p->x[r][i] = as_dtype(dtype, frand(&s));
+      p->d_out[r][i] = as_dtype(dtype, frand(&s));
+    }
+    for (uint32_t t = 0; t < TMAX; t++) {
+      /* expert 5 stays idle; every 4th token drops its second slot */
+      int32_t a = (int32_t)((t * 3 + r + seed) % E_), b = (int32_t)((t * 5 + 2 * r + 1) % E_);
+      if (a == 5) a = 6;
+      if (b == 5) b = 7;
+      if (b == a) b = (a + 1) % (int32_t)E_ == 5 ? (a + 2) % (int32_t)E_ : (a + 1) % (int32_t)E_;
+      p->ids[r][t * K_] = a;
+      p->ids[r][t * K_ + 1] = t % 4 == 3 ? -1 : b;
+      p->rw[r][t * K_] = 0.5f + frand(&s) * 0.3f;
+      p->rw[r][t * K_ + 1] = t % 7 == 0 ? 0.0f : 0.3f + frand(&s) * 0.2f;
+    }
+  }
+  for (uint32_t i = 0; i < E_ * I_ * H_; i++) {
+    p->wg[i] = as_dtype(dtype, frand(&s) * 0.5f);
+    p->wu[i] = as_dtype(dtype, frand(&s) * 0.5f);
+    p->wd[i] = as_dtype(dtype, frand(&s) * 0.5f);
+  }
+  for (uint32_t i = 0; i < IS_ * H_; i++) {
+    p->sg[i] = as_dtype(dtype, frand(&s) * 0.5f);
+    p->su[i] = as_dtype(dtype, frand(&s) * 0.5f);
+    p->sd[i] = as_dtype(dtype, frand(&s) * 0.5f);
+  }
+}
+
+/* ---- client-side helpers ---------------------------------------------------- */
+
+static size_t esize(uint32_t dt) { return dt == MOK_DTYPE_BF16 ? 2 : 4; }
+
+/* A tensor in registered memory, in the layer dtype, from f32 values. */
+static void *put(mok_client *c, uint32_t dt, const float *v, size_t n) {
+  void *p = mok_host_alloc(c, n * esize(dt) + 64);
+  CHECK_MSG(p != NULL, "mok_host_alloc: %s", mok_last_error());
+  for (size_t i = 0; v && i < n; i++) {
+    if (dt == MOK_DTYPE_BF16) ((uint16_t *)p)[i] = mok_f32_to_bf16(v[i]);
+    else ((float *)p)[i] = v[i];
+  }
+  return p;
+}
+
+static void get(uint32_t dt, const void *src, float *dst, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    dst[i] = dt == MOK_DTYPE_BF16 ? mok_bf16_to_f32(((const uint16_t *)src)[i])
+                                  : ((const float *)src)[i];
+}
+
+/* What one rank (or one EP=1 run) produced. */
+typedef struct result {
+  int status_fwd, status_bwd, status_fwd2;
+  char msg[256];
+  int rejoined;
+  double join_s, first_job_s;
+  float out[MAXW * TMAX * H_], out2[MAXW * TMAX * H_], d_x[MAXW * TMAX * H_];
+  float d_rw[MAXW * TMAX * K_];
+  float d_wg[E_ * I_ * H_], d_wu[E_ * I_ * H_], d_wd[E_ * H_ * I_];
+  float d_sg[IS_ * H_], d_su[IS_ * H_], d_sd[H_ * IS_];
+} result;
+
+/* forward (twice: repeatable), backward (recompute or from ctx), through
+ * layer l on tokens [x, ids, rw, d_out] of T rows; weights of experts
+ * [e0, e0+ne). */
+static void run_layer(mok_client *c, mok_layer *l, const problem *p, uint32_t T,
+                      const float *x, const int32_t *ids, const float *rw, const float *d_out,
+                      uint32_t e0, uint32_t ne, uint32_t flags, result *res) {
+  uint32_t dt = p->dtype;
+  size_t es = esize(dt);
+  void *X = put(c, dt, x, T * H_), *DO = put(c, dt, d_out, T * H_);
+  int32_t *ID = mok_host_alloc(c, 4ull * T * K_ + 64);
+  float *RW = mok_host_alloc(c, 4ull * T * K_ + 64);
+  memcpy(ID, ids, 4ull * T * K_);
+  memcpy(RW, rw, 4ull * T * K_);
+  void *WG = put(c, dt, p->wg + (size_t)e0 * I_ * H_, ne * I_ * H_);
+  void *WU = put(c, dt, p->wu + (size_t)e0 * I_ * H_, ne * I_ * H_);
+  void *WD = put(c, dt, p->wd + (size_t)e0 * H_ * I_, ne * H_ * I_);
+  void *SG = put(c, dt, p->sg, IS_ * H_), *SU = put(c, dt, p->su, IS_ * H_);
+  void *SD = put(c, dt, p->sd, H_ * IS_);
+  void *OUT = put(c, dt, NULL, T * H_), *DX = put(c, dt, NULL, T * H_);
+  float *DRW = mok_host_alloc(c, 4ull * T * K_ + 64);
+  void *DWG = put(c, dt, NULL, ne * I_ * H_), *DWU = put(c, dt, NULL, ne * I_ * H_);
+  void *DWD = put(c, dt, NULL, ne * H_ * I_);
+  void *DSG = put(c, dt, NULL, IS_ * H_), *DSU = put(c, dt, NULL, IS_ * H_);
+  void *DSD = put(c, dt, NULL, H_ * IS_);
+  void *CTX = mok_host_alloc(c, mok_layer_ctx_bytes(l, T));
+  CHECK(ID && RW && DRW && CTX);
+  mok_forward_args fa = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
+                         .s_up = SU, .s_down = SD, .topk_ids = ID, .router_weights = RW,
+                         .out = OUT, .ctx = CTX};
+  uint64_t t;
+  double t0 = now_s();
+  CHECK_MSG(mok_forward(l, T, &fa, &t) == MOK_OK, "%s", mok_last_error());
+  res->status_fwd = mok_wait(c, t, 20000);
+  res->first_job_s = now_s() - t0;
+  if (res->status_fwd != MOK_OK) {
+    snprintf(res->msg, sizeof res->msg, "%s", mok_last_error());
+    return;
+  }
+  get(dt, OUT, res->out, T * H_);
+  CHECK(mok_forward(l, T, &fa, &t) == MOK_OK);
+  res->status_fwd2 = mok_wait(c, t, 20000);
+  get(dt, OUT, res->out2, T * H_);
+  mok_backward_args ba = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
+                          .s_up = SU, .s_down = SD, .d_out = DO, .topk_ids = ID,
+                          .router_weights = RW, .ctx = CTX, .d_x = DX, .d_w_gate = DWG,
+                          .d_w_up = DWU, .d_w_down = DWD, .d_s_gate = DSG, .d_s_up = DSU,
+                          .d_s_down = DSD, .d_router_weights = DRW};
+  if (flags & MOK_JOB_RECOMPUTE) memset(CTX, 0xab, mok_layer_ctx_bytes(l, T));
+  CHECK(mok_backward(l, T, flags, &ba, &t) == MOK_OK);
+  res->status_bwd = mok_wait(c, t, 20000);
+  if (res->status_bwd != MOK_OK) snprintf(res->msg, sizeof res->msg, "%s", mok_last_error());
+  get(dt, DX, res->d_x, T * H_);
+  memcpy(res->d_rw, DRW, 4ull * T * K_);
+  get(dt, DWG, res->d_wg, ne * I_ * H_);
+  get(dt, DWU, res->d_wu, ne * I_ * H_);
+  get(dt, DWD, res->d_wd, ne * H_ * I_);
+  get(dt, DSG, res->d_sg, IS_ * H_);
+  get(dt, DSU, res->d_su, IS_ * H_);
+  get(dt, DSD, res->d_sd, H_ * IS_);
+  (void)es;
+}
+
+static mok_group_sizing sizing_of(const problem *p, uint32_t timeout_ms) {
+  return (mok_group_sizing){.max_tokens = TMAX, .hidden = H_, .topk = K_, .experts = E_,
+                            .dtype = p->dtype, .timeout_ms = timeout_ms};
+}
+
+static mok_layer_desc desc_of(const problem *p, uint32_t max_tokens, mok_group *g) {
+  return (mok_layer_desc){.hidden = H_, .intermediate = I_, .experts = E_, .topk = K_,
+                          .shared_intermediate = IS_, .max_tokens = max_tokens,
+                          .dtype = p->dtype, .has_swiglu_limit = p->limit_on,
+                          .swiglu_limit = 0.7f, .group = g};
+}
+
+/* One rank's client process: join, create the layer, run. */
+typedef struct rank_job {
+  const char *sock, *key;
+  const problem *p;
+  uint32_t rank, timeout_ms, flags, tag;
+  int skip_jobs; /* join only */
+} rank_job;
+
+static void rank_main(const rank_job *j, result *res) {
+  const problem *p = j->p;
+  mok_client *c;
+  CHECK_MSG(mok_connect(j->sock, "ep-rank", &c) == MOK_OK, "%s", mok_last_error());
+  mok_group *g;
+  mok_group_sizing sz = sizing_of(p, j->timeout_ms);
+  double t0 = now_s();
+  int r = mok_group_join(c, j->key, j->rank, p->W, &sz, &g);
+  res->join_s = now_s() - t0;
+  if (r != MOK_OK) {
+    res->status_fwd = r;
+    snprintf(res->msg, sizeof res->msg, "%s", mok_last_error());
+    mok_close(c);
+    return;
+  }
+  res->rejoined = mok_group_rejoined(g);
+  if (j->skip_jobs) {
+    mok_close(c);
+    return;
+  }
+  mok_layer_desc d = desc_of(p, TMAX, g);
+  d.group_tag = j->tag;
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &d, &l) == MOK_OK, "%s", mok_last_error());
+  CHECK_EQ_INT(mok_layer_local_experts(l), E_ / p->W);
+  uint32_t r0 = j->rank;
+  run_layer(c, l, p, p->T[r0], p->x[r0], p->ids[r0], p->rw[r0], p->d_out[r0], r0 * (E_ / p->W),
+            E_ / p->W, j->flags, res);
+  mok_close(c);
+}
+
+static result *shared_results(size_t n) {
+  result *r = mmap(NULL, n * sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  CHECK(r != MAP_FAILED);
+  memset(r, 0, n * sizeof *r);
+  return r;
+}
+
+static pid_t spawn_rank(const rank_job *j, result *res) {
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    rank_main(j, res);
+    _exit(0);
+  }
+  return pid;
+}
+
+static void reap(pid_t pid) {
+  int st;
+  CHECK(waitpid(pid, &st, 0) == pid);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "a rank's client process failed");
+}
+
+static void start_daemons(daemon_proc *d, uint32_t W) {
+  for (uint32_t r = 0; r < W; r++) d[r] = harness_start("threads = 1\n");
+}
+
+static void stop_daemons(daemon_proc *d, uint32_t W) {
+  for (uint32_t r = 0; r < W; r++) {
+    CHECK_MSG(harness_alive(&d[r]), "mokd %u died", r);
+    CHECK_EQ_INT(harness_stop(&d[r]), 0);
+  }
+}
+
+static void unique_key(char *buf, size_t n, const char *what) {
+  snprintf(buf, n, "test-ep-%s-%d-%ld", what, (int)getpid(), (long)time(NULL));
+}
+
+/* Every rank runs; returns when all are done. */
+static void run_group(daemon_proc *d, const problem *p, const char *key, uint32_t flags,
+                      result *res) {
+  pid_t pids[MAXW];
+  for (uint32_t r = 0; r < p->W; r++) {
+    rank_job j = {.sock = d[r].sock, .key = key, .p = p, .rank = r, .timeout_ms = 10000,
+                  .flags = flags};
+    pids[r] = spawn_rank(&j, &res[r]);
+  }
+  for (uint32_t r = 0; r < p->W; r++) reap(pids[r]);
+}
+
+/* EP=1 on the cpu engine: all experts local, tokens [rank ranks) concatenated. */
+static void run_ep1(const char *sock, const problem *p, uint32_t first_rank, uint32_t n_ranks,
+                    uint32_t flags, result *res) {
+  static float x[MAXW * TMAX * H_], dout[MAXW * TMAX * H_], rw[MAXW * TMAX * K_];
+  static int32_t ids[MAXW * TMAX * K_];
+  uint32_t T = 0;
+  for (uint32_t r = first_rank; r < first_rank + n_ranks; r++) {
+    memcpy(x + T * H_, p->x[r], 4ull * p->T[r] * H_);
+    memcpy(dout + T * H_, p->d_out[r], 4ull * p->T[r] * H_);
+    memcpy(rw + T * K_, p->rw[r], 4ull * p->T[r] * K_);
+    memcpy(ids + T * K_, p->ids[r], 4ull * p->T[r] * K_);
+    T += p->T[r];
+  }
+  mok_client *c;
+  CHECK_MSG(mok_connect(sock, "ep1", &c) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc d = desc_of(p, MAXW * TMAX, NULL);
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &d, &l) == MOK_OK, "%s", mok_last_error());
+  run_layer(c, l, p, T, x, ids, rw, dout, 0, E_, flags, res);
+  CHECK_MSG(res->status_fwd == MOK_OK && res->status_bwd == MOK_OK, "EP=1: %s", res->msg);
+  mok_close(c);
+}
+
+static void check_bits(const char *what, uint32_t rank, const float *a, const float *b, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    CHECK_MSG(memcmp(&a[i], &b[i], 4) == 0, "rank %u %s[%zu]: EP %.9g != EP=1 %.9g", rank, what, i,
+              (double)a[i], (double)b[i]);
+}
+
+static double *f64(const float *v, size_t n) {
+  double *d = malloc(n * sizeof *d);
+  for (size_t i = 0; i < n; i++) d[i] = v[i];
+  return d;
+}
+
+/* EP results against EP=1 (bitwise) and ref64 (tolerance). */
+static void check_ep(daemon_proc *d, const problem *p, const result *res, uint32_t flags) {
+  result *ep1 = shared_results(1 + p->W);
+  run_ep1(d[0].sock, p, 0, p->W, flags, &ep1[0]);
+  for (uint32_t r = 0; r < p->W; r++) run_ep1(d[0].sock, p, r, 1, flags, &ep1[1 + r]);
+  const uint32_t El = E_ / p->W;
+  uint32_t off = 0, Ttot = 0;
+  for (uint32_t r = 0; r < p->W; r++) Ttot += p->T[r];
+  for (uint32_t r = 0; r < p->W; r++) {
+    const result *e = &res[r], *own = &ep1[1 + r], *all = &ep1[0];
+    CHECK_MSG(e->status_fwd == MOK_OK && e->status_fwd2 == MOK_OK && e->status_bwd == MOK_OK,
+              "rank %u: fwd %d bwd %d: %s", r, e->status_fwd, e->status_bwd, e->msg);
+    uint32_t T = p->T[r];
+    check_bits("out", r, e->out, all->out + off * H_, T * H_);
+    check_bits("out (again)", r, e->out2, e->out, T * H_);
+    check_bits("out (own tokens)", r, e->out, own->out, T * H_);
+    check_bits("d_x", r, e->d_x, all->d_x + off * H_, T * H_);
+    check_bits("d_rw", r, e->d_rw, all->d_rw + off * K_, T * K_);
+    check_bits("d_w_gate", r, e->d_wg, all->d_wg + (size_t)r * El * I_ * H_, El * I_ * H_);
+    check_bits("d_w_up", r, e->d_wu, all->d_wu + (size_t)r * El * I_ * H_, El * I_ * H_);
+    check_bits("d_w_down", r, e->d_wd, all->d_wd + (size_t)r * El * H_ * I_, El * H_ * I_);
+    check_bits("d_s_gate", r, e->d_sg, own->d_sg, IS_ * H_);
+    check_bits("d_s_up", r, e->d_su, own->d_su, IS_ * H_);
+    check_bits("d_s_down", r, e->d_sd, own->d_sd, H_ * IS_);
+    off += T;
+  }
+  /* and the whole against the float64 reference */
+  double tol = p->dtype == MOK_DTYPE_BF16 ? 1e-2 : 1e-5;
+  ref64_layer L = {.T = (int)Ttot, .H = H_, .I = I_, .E = E_, .E_loc = E_, .K = K_, .I_s = IS_,
+                   .has_limit = (int)p->limit_on, .limit = 0.7};
+  float *xs = malloc(4ull * Ttot * H_), *rws = malloc(4ull * Ttot * K_), *dos = malloc(4ull * Ttot * H_);
+  int32_t *idss = malloc(4ull * Ttot * K_);
+  float *outs = malloc(4ull * Ttot * H_), *dxs = malloc(4ull * Ttot * H_), *drws = malloc(4ull * Ttot * K_);
+  float dwg[E_ * I_ * H_], dwd[E_ * H_ * I_];
+  off = 0;
+  for (uint32_t r = 0; r < p->W; r++) {
+    uint32_t T = p->T[r];
+    memcpy(xs + off * H_, p->x[r], 4ull * T * H_);
+    memcpy(dos + off * H_, p->d_out[r], 4ull * T * H_);
+    memcpy(rws + off * K_, p->rw[r], 4ull * T * K_);
+    memcpy(idss + off * K_, p->ids[r], 4ull * T * K_);
+    memcpy(outs + off * H_, res[r].out, 4ull * T * H_);
+    memcpy(dxs + off * H_, res[r].d_x, 4ull * T * H_);
+    memcpy(drws + off * K_, res[r].d_rw, 4ull * T * K_);
+    memcpy(dwg + (size_t)r * El * I_ * H_, res[r].d_wg, 4ull * El * I_ * H_);
+    memcpy(dwd + (size_t)r * El * H_ * I_, res[r].d_wd, 4ull * El * H_ * I_);
+    off += T;
+  }
+  double *x = f64(xs, Ttot * H_), *rw = f64(rws, Ttot * K_), *wg = f64(p->wg, E_ * I_ * H_),
+         *wu = f64(p->wu, E_ * I_ * H_), *wd = f64(p->wd, E_ * H_ * I_), *sg = f64(p->sg, IS_ * H_),
+         *su = f64(p->su, IS_ * H_), *sd = f64(p->sd, H_ * IS_), *dout = f64(dos, Ttot * H_);
+  ref64_inputs in = {.x = x, .rw = rw, .wg = wg, .wu = wu, .wd = wd, .sg = sg, .su = su,
+                     .sd = sd, .ids = idss};
+  double *out = malloc(8ull * Ttot * H_), *dx = malloc(8ull * Ttot * H_),
+         *drw = malloc(8ull * Ttot * K_), *rdwg = malloc(8ull * E_ * I_ * H_),
+         *rdwu = malloc(8ull * E_ * I_ * H_), *rdwd = malloc(8ull * E_ * H_ * I_),
+         *rdsg = malloc(8ull * IS_ * H_), *rdsu = malloc(8ull * IS_ * H_),
+         *rdsd = malloc(8ull * H_ * IS_);
+  ref64_forward(&L, &in, out);
+  ref64_backward(&L, &in, dout, dx, drw, rdwg, rdwu, rdwd, rdsg, rdsu, rdsd);
+  double *g;
+  double e_out = ref64_rel_err(out, g = f64(outs, Ttot * H_), Ttot * H_);
+  free(g);
+  double e_dx = ref64_rel_err(dx, g = f64(dxs, Ttot * H_), Ttot * H_);
+  free(g);
+  double e_drw = ref64_rel_err(drw, g = f64(drws, Ttot * K_), Ttot * K_);
+  free(g);
+  double e_dwg = ref64_rel_err(rdwg, g = f64(dwg, E_ * I_ * H_), E_ * I_ * H_);
+  free(g);
+  double e_dwd = ref64_rel_err(rdwd, g = f64(dwd, E_ * H_ * I_), E_ * H_ * I_);
+  free(g);
+  CHECK_MSG(e_out < tol && e_dx < tol && e_drw < tol && e_dwg < tol && e_dwd < tol,
+            "vs ref64: out %g d_x %g d_rw %g d_w_gate %g d_w_down %g (tolerance %g)", e_out, e_dx,
+            e_drw, e_dwg, e_dwd, tol);
+  /* idle expert 5 got zero gradients */
+  uint32_t idle_rank = 5 / El, idle_loc = 5 % El;
+  for (size_t i = 0; i < I_ * H_; i++)
+    CHECK(res[idle_rank].d_wg[(size_t)idle_loc * I_ * H_ + i] == 0.0f);
+  free(xs), free(rws), free(dos), free(idss), free(outs), free(dxs), free(drws);
+  free(x), free(rw), free(wg), free(wu), free(wd), free(sg), free(su), free(sd), free(dout);
+  free(out), free(dx), free(drw), free(rdwg), free(rdwu), free(rdwd), free(rdsg), free(rdsu),
+      free(rdsd);
+  munmap(ep1, (1 + p->W) * sizeof *ep1);
+}
+
+static void ep_case(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags, int limit) {
+  daemon_proc d[MAXW];
+  start_daemons(d, W);
+  problem *p = malloc(sizeof *p);
+  problem_init(p, dtype, W, T, 11 + W);
+  p->limit_on = (uint32_t)limit;
+  result *res = shared_results(W);
+  char key[96];
+  unique_key(key, sizeof key, "match");
+  run_group(d, p, key, flags, res);
+  check_ep(d, p, res, flags);
+  stop_daemons(d, W);
+  free(p);
+}
+
+/* ---- tests -------------------------------------------------------------------- */
+
+static void test_ep2_f32_matches_ep1_bitwise(void) {
+  uint32_t T[] = {TMAX, 17};
+  ep_case(2, MOK_DTYPE_F32, T, 0, 0);
+}
+
+static void test_ep4_f32_uneven_tokens_recompute(void) {
+  uint32_t T[] = {20, TMAX, 9, 1};
+  ep_case(4, MOK_DTYPE_F32, T, MOK_JOB_RECOMPUTE, 1);
+}
+
+static void test_ep4_bf16_matches_ep1_bitwise(void) {
+  uint32_t T[] = {TMAX, 13, 24, 7};
+  ep_case(4, MOK_DTYPE_BF16, T, 0, 0);
+}
+
+static void test_ep2_bf16_clamp_recompute(void) {
+  uint32_t T[] = {11, TMAX};
+  ep_case(2, MOK_DTYPE_BF16, T, MOK_JOB_RECOMPUTE, 1);
+}
+
+/* A rank that never comes: ETIMEOUT, the group broken, the daemons serve
+ * everyone else; then both ranks re-join and the group works again. */
+static void test_missing_peer_times_out_and_group_recovers(void) {
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 3);
+  result *res = shared_results(4);
+  char key[96];
+  unique_key(key, sizeof key, "missing");
+  rank_job j = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 400};
+  double t0 = now_s();
+  reap(spawn_rank(&j, &res[0]));
+  double waited = now_s() - t0;
+  CHECK_EQ_INT(res[0].status_fwd, MOK_ETIMEOUT);
+  CHECK_STR_CONTAINS(res[0].msg, "did not arrive");
+  CHECK_STR_CONTAINS(res[0].msg, "1 (not joined)");
+  CHECK_MSG(waited < 5.0, "the timeout took %.1f s", waited);
+  /* both daemons serve a plain session at once */
+  for (int r = 0; r < 2; r++) {
+    result one;
+    memset(&one, 0, sizeof one);
+    run_ep1(d[r].sock, p, 0, 1, 0, &one);
+  }
+  /* rank 1 arrives late: the group broke; its join starts a new generation
+   * that rank 0 has not joined, so its job fails too (within the timeout) */
+  j = (rank_job){.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 400};
+  t0 = now_s();
+  reap(spawn_rank(&j, &res[1]));
+  CHECK(now_s() - t0 < 5.0);
+  CHECK_MSG(res[1].status_fwd != MOK_OK, "a job on a broken group ran");
+  /* everyone re-joins: a new generation, jobs run again */
+  run_group(d, p, key, 0, &res[2]);
+  for (int r = 0; r < 2; r++)
+    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
+              "rank %d after re-join: %s", r, res[2 + r].msg);
+  stop_daemons(d, 2);
+  free(p);
+}
+
+/* Ranks that run different ops or layers fail the job clearly, on every rank;
+ * the group stays usable. */
+static void test_mismatched_peer_fails_clearly(void) {
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 5);
+  result *res = shared_results(4);
+  char key[96];
+  unique_key(key, sizeof key, "mismatch");
+  rank_job j0 = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 5000, .tag = 1};
+  rank_job j1 = {.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 5000, .tag = 2};
+  pid_t a = spawn_rank(&j0, &res[0]), b = spawn_rank(&j1, &res[1]);
+  reap(a);
+  reap(b);
+  for (int r = 0; r < 2; r++) {
+    CHECK_EQ_INT(res[r].status_fwd, MOK_EINVAL);
+    CHECK_STR_CONTAINS(res[r].msg, "mismatch");
+    CHECK_STR_CONTAINS(res[r].msg, "tag 2");
+  }
+  /* the same layers now: the group was not broken by it */
+  run_group(d, p, key, 0, &res[2]);
+  for (int r = 0; r < 2; r++)
+    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
+              "rank %d after the mismatch: %s", r, res[2 + r].msg);
+  stop_daemons(d, 2);
+  free(p);
+}
+
+/* A restarted client re-joins the group its daemon still holds: cheap, and
+ * its first job runs. */
+static void test_restarted_client_rejoins(void) {
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, 19};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 7);
+  result *res = shared_results(4);
+  char key[96];
+  unique_key(key, sizeof key, "restart");
+  run_group(d, p, key, 0, res);
+  CHECK(!res[0].rejoined && !res[1].rejoined);
+  /* both clients exited (mok_close without leaving); new processes re-join */
+  run_group(d, p, key, 0, &res[2]);
+  for (int r = 0; r < 2; r++) {
+    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK, "%s",
+              res[2 + r].msg);
+    CHECK_MSG(res[2 + r].rejoined, "rank %d: the daemon did not keep the group", r);
+    check_bits("out after re-join", (uint32_t)r, res[2 + r].out, res[r].out, p->T[r] * H_);
+  }
+  printf("# re-join: %.3f ms (first join %.3f ms), first job after re-join %.3f ms\n",
+         1e3 * (res[2].join_s + res[3].join_s) / 2, 1e3 * (res[0].join_s + res[1].join_s) / 2,
+         1e3 * (res[2].first_job_s + res[3].first_job_s) / 2);
+  stop_daemons(d, 2);
+  free(p);
+}
+
+/* Join-time rules: sizing must agree; one daemon serves one rank of a group;
+ * a group's segment of another uid is refused. */
+static void test_join_rules(void) {
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 9);
+  char key[96];
+  unique_key(key, sizeof key, "rules");
+  mok_client *c0, *c1;
+  CHECK(mok_connect(d[0].sock, "a", &c0) == MOK_OK);
+  CHECK(mok_connect(d[1].sock, "b", &c1) == MOK_OK);
+  mok_group_sizing sz = sizing_of(p, 1000);
+  mok_group *g0, *g;
+  CHECK_MSG(mok_group_join(c0, key, 0, 2, &sz, &g0) == MOK_OK, "%s", mok_last_error());
+  /* rank 1 through the daemon that serves rank 0 */
+  CHECK_EQ_INT(mok_group_join(c0, key, 1, 2, &sz, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "one mokd serves one rank");
+  /* another sizing */
+  mok_group_sizing bad = sz;
+  bad.max_tokens = 2 * TMAX;
+  CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "max_tokens");
+  bad = sz;
+  bad.experts = 7;
+  CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "multiple of world");
+  CHECK_EQ_INT(mok_group_join(c1, key, 2, 2, &sz, &g), MOK_EINVAL);
+  /* a layer that does not fit the group */
+  mok_layer_desc ld = desc_of(p, 2 * TMAX, g0);
+  mok_layer *l;
+  CHECK_EQ_INT(mok_layer_create(c0, &ld, &l), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "does not fit");
+  ld = desc_of(p, TMAX, g0);
+  CHECK_EQ_INT(mok_layer_create(c0, &ld, &l), MOK_OK);
+  CHECK(mok_group_leave(g0) == MOK_OK);
+  mok_close(c0);
+  mok_close(c1);
+  /* the tenant rule itself (a segment records its creator's uid) */
+  mok_ep_group_join_args ja = {.uid = 1000, .rank = 0, .sizing = {2, TMAX, H_, K_, E_, MOK_DTYPE_F32}};
+  snprintf(ja.key, sizeof ja.key, "%s", key);
+  char err[256];
+  CHECK_EQ_INT(mok_ep_group_check_join(1000, &ja.sizing, key, &ja, err, sizeof err), MOK_OK);
+  CHECK_EQ_INT(mok_ep_group_check_join(0, &ja.sizing, key, &ja, err, sizeof err), MOK_EACCES);
+  CHECK_STR_CONTAINS(err, "belongs to uid 0");
+  stop_daemons(d, 2);
+  free(p);
+}
+
+/* Two tenants (uids) using the same key never share a group: each has its
+ * own segment, so neither completes the other's group. Needs root (a
+ * client process drops to nobody). */
+static void test_two_tenants_never_share_a_group(void) {
+  if (geteuid() != 0) {
+    printf("# skipped: needs root to run a client as another uid\n");
+    return;
+  }
+  daemon_proc d[2];
+  for (int r = 0; r < 2; r++) {
+    d[r] = harness_start("threads = 1\nsocket-mode = 0666\n");
+    CHECK(chmod(d[r].dir, 0755) == 0);
+  }
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 13);
+  result *res = shared_results(2);
+  char key[96];
+  unique_key(key, sizeof key, "tenants");
+  rank_job j0 = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 600};
+  rank_job j1 = {.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 600};
+  pid_t a = spawn_rank(&j0, &res[0]);
+  pid_t b = fork();
+  CHECK(b >= 0);
+  if (b == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+    rank_main(&j1, &res[1]);
+    _exit(0);
+  }
+  reap(a);
+  reap(b);
+  CHECK_MSG(res[0].status_fwd == MOK_ETIMEOUT, "root's rank 0: %d %s", res[0].status_fwd,
+            res[0].msg);
+  CHECK_MSG(res[1].status_fwd == MOK_ETIMEOUT, "nobody's rank 1: %d %s", res[1].status_fwd,
+            res[1].msg);
+  CHECK_STR_CONTAINS(res[0].msg, "1 (not joined)");
+  CHECK_STR_CONTAINS(res[1].msg, "0 (not joined)");
+  stop_daemons(d, 2);
+  free(p);
+}
+
+static const check_case cases[] = {
+    CHECK_CASE(test_ep2_f32_matches_ep1_bitwise),
+    CHECK_CASE(test_ep4_f32_uneven_tokens_recompute),
+    CHECK_CASE(test_ep4_bf16_matches_ep1_bitwise),
+    CHECK_CASE(test_ep2_bf16_clamp_recompute),
+    CHECK_CASE(test_missing_peer_times_out_and_group_recovers),
+    CHECK_CASE(test_mismatched_peer_fails_clearly),
+    CHECK_CASE(test_restarted_client_rejoins),
+    CHECK_CASE(test_join_rules),
+    CHECK_CASE(test_two_tenants_never_share_a_group),
+    {0},
+};
+
+int main(int argc, char **argv) { return check_main(argc, argv, cases); }
