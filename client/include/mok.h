@@ -159,6 +159,10 @@ int mok_submit_nop(mok_client *c, uint64_t *ret_ticket);
 /* Wait for a job; returns its status (message in mok_last_error()).
  * timeout_ms < 0 waits for ever; MOK_ETIMEOUT leaves the job pending. */
 int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms);
+/* 1 while mok_wait has not yet returned the job's own status. A job can
+ * itself fail with MOK_ETIMEOUT (a group peer that never came): after
+ * mok_wait returned MOK_ETIMEOUT, this tells the two cases apart. */
+int mok_job_pending(mok_client *c, uint64_t ticket);
 
 /* The whole layer, typed. Pointers into registered memory; s_* NULL
  * without a shared expert; ctx (mok_layer_ctx_bytes) NULL to not save it. */

@@ -251,6 +251,14 @@ static int park(mok_client *c, int timeout_ms) {
   return r;
 }
 
+int mok_job_pending(mok_client *c, uint64_t ticket) {
+  pthread_mutex_lock(&c->lock);
+  const job_result *jr = &c->results[ticket % MOK_RING_ENTRIES];
+  int pending = ticket != 0 && jr->ticket == ticket && !jr->detached;
+  pthread_mutex_unlock(&c->lock);
+  return pending;
+}
+
 int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
   pthread_mutex_lock(&c->lock);
   job_result *jr = &c->results[ticket % MOK_RING_ENTRIES];

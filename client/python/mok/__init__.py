@@ -24,6 +24,11 @@ max_tokens: None (the default) starts a layer at 1024 tokens and lets it
 re-create itself at the next power of two when a job brings more; an
 explicit max_tokens is a hard limit (ELIMIT beyond it).
 
+Expert parallelism (docs/ep.md): each rank joins a group through its own
+mokd, ``g = c.group(key, rank, world, max_tokens=..., hidden=H, topk=K,
+experts=E)``, then ``c.layer(..., group=g)`` holds its E/world local
+experts and forward/backward exchange tokens with the other ranks.
+
 libmok.so is found through $MOK_LIBRARY, else the build tree
 (<repo>/build/lib/libmok.so), else the system (find_library, libmok.so.1).
 Torch CUDA tensors (zero copy on the client's stream) need the cuda engine
@@ -31,11 +36,11 @@ and are not supported by this binding yet: they raise mok.Error.
 """
 from ._errors import Error
 from .bf16 import from_bf16, round_bf16, to_bf16
-from ._client import (DEFAULT_MAX_TOKENS, Client, ComputeGrads, Context, Grads, Layer, Stats,
-                      connect)
+from ._client import (DEFAULT_MAX_TOKENS, Client, ComputeGrads, Context, Grads, Group, Layer,
+                      Stats, connect)
 from ._lib import library_path
 
 __version__ = "0.1.0"
 
-__all__ = ["Error", "connect", "Client", "Layer", "Context", "Grads", "ComputeGrads", "Stats",
+__all__ = ["Error", "connect", "Client", "Group", "Layer", "Context", "Grads", "ComputeGrads", "Stats",
            "to_bf16", "from_bf16", "round_bf16", "library_path", "DEFAULT_MAX_TOKENS"]

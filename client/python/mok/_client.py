@@ -37,7 +37,7 @@ from . import _lib
 from ._errors import Error
 from ._lib import OP, SLOT, JOB_RECOMPUTE, TensorArray
 
-__all__ = ["connect", "Client", "Layer", "Context", "Stats", "Grads", "ComputeGrads"]
+__all__ = ["connect", "Client", "Group", "Layer", "Context", "Stats", "Grads", "ComputeGrads"]
 
 Stats = collections.namedtuple("Stats", [f for f, _ in _lib.DaemonStats._fields_])
 Grads = collections.namedtuple("Grads", ["d_x", "d_router_weights", "d_w_gate", "d_w_up",
@@ -165,6 +165,7 @@ class Client:
         self._dead_layers = collections.deque()   # native-handle holders of dropped Layers
         self._abandoned = []                    # (ticket, ctx region) left by an interrupted wait
         self._layers = weakref.WeakSet()
+        self._groups = weakref.WeakSet()
         self._user = {}                         # c.empty() regions: ptr -> bytes
         self._registrations = 0                 # mok_host_alloc calls made by the binding
         self.engine = L.mok_client_engine(h).decode()
@@ -200,6 +201,8 @@ class Client:
                 L.mok_wait(p, self._abandoned.pop(0)[0], 5000)
             for layer in list(self._layers):
                 layer._destroy_locked()
+            for g in list(self._groups):
+                g._ptr = None  # mok_close frees it; the daemon keeps the group warm
             while self._dead_layers:
                 holder = self._dead_layers.popleft()
                 if holder[0]:
@@ -329,6 +332,8 @@ class Client:
                 st = L.mok_wait(self._native.ptr, ticket, 200)  # releases the GIL
                 if st != _lib.STATUS_CODES["ETIMEOUT"]:
                     break
+                if not L.mok_job_pending(self._native.ptr, ticket):
+                    break  # the job itself timed out (e.g. a group peer never came)
         except BaseException:
             self._abandoned.append((ticket, region))
             raise
@@ -341,7 +346,8 @@ class Client:
         while self._abandoned:
             ticket, region = self._abandoned[0]
             while _lib.lib().mok_wait(self._native.ptr, ticket, 200) == \
-                    _lib.STATUS_CODES["ETIMEOUT"]:
+                    _lib.STATUS_CODES["ETIMEOUT"] and \
+                    _lib.lib().mok_job_pending(self._native.ptr, ticket):
                 pass  # interruptible: on Ctrl-C the job stays first in the list
             self._abandoned.pop(0)
             if region is not None:
@@ -356,16 +362,33 @@ class Client:
 
     # ---- layers ----
     def layer(self, hidden, intermediate, experts, topk, shared_intermediate=0,
-              dtype="float32", swiglu_limit=None, group=None, max_tokens=None):
+              dtype="float32", swiglu_limit=None, group=None, max_tokens=None, group_tag=0):
         """A layer (DESIGN §1). max_tokens=None: the layer starts at
         DEFAULT_MAX_TOKENS and re-creates itself larger (next power of two)
         when a job brings more tokens; an explicit max_tokens is a hard limit
-        (a larger job raises ELIMIT)."""
+        (a larger job raises ELIMIT).
+
+        group: a Group from c.group(...): the layer holds this rank's
+        experts/world local experts (weights [E_loc, ...]) and its forward and
+        backward exchange tokens with the other ranks (docs/ep.md);
+        max_tokens defaults to the group's. group_tag names the layer in the
+        group's job signature (give each layer of a model its own)."""
         if group is not None:
-            raise Error("EUNSUPPORTED", "expert-parallel groups are not implemented yet in "
-                        "mok's Python binding: use group=None (all experts local)")
+            if not isinstance(group, Group) or group.client is not self:
+                raise Error("EINVAL", "group must be a mok.Group joined through this client")
+            if max_tokens is None:
+                max_tokens = group.max_tokens
         return Layer(self, hidden, intermediate, experts, topk, shared_intermediate, dtype,
-                     swiglu_limit, max_tokens)
+                     swiglu_limit, max_tokens, group, group_tag)
+
+    # ---- expert-parallel groups ----
+    def group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype="float32",
+              timeout_ms=0):
+        """Join rank `rank` of the expert-parallel group `key` (docs/ep.md).
+        Every rank joins through its own mokd with the same sizing; joining a
+        group the daemon still holds (a restarted trainer) is cheap."""
+        return Group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype,
+                     timeout_ms)
 
 
 def _dtype_code(dtype):
@@ -467,12 +490,62 @@ class Context:
                                              " released" if self.released else "")
 
 
+class Group:
+    """An expert-parallel group this client joined (see Client.group)."""
+
+    def __init__(self, client, key, rank, world, max_tokens, hidden, topk, experts, dtype,
+                 timeout_ms):
+        self.client = client
+        self.key = str(key)
+        self.rank = _dim("rank", rank, 0)
+        self.world = _dim("world", world)
+        self.max_tokens = _dim("max_tokens", max_tokens)
+        self.dtype = dtype
+        sz = _lib.GroupSizing(max_tokens=self.max_tokens, hidden=_dim("hidden", hidden),
+                              topk=_dim("topk", topk), experts=_dim("experts", experts),
+                              dtype=_dtype_code(dtype), timeout_ms=_dim("timeout_ms",
+                                                                        timeout_ms, 0))
+        L = _lib.lib()
+        h = c_void_p()
+        with client._lock:
+            client._check_open()
+            st = L.mok_group_join(client._native.ptr, self.key.encode(), self.rank, self.world,
+                                  byref(sz), byref(h))
+            if st:
+                _raise(st)
+            self._ptr = h.value
+            client._groups.add(self)
+        self.local_experts = int(L.mok_group_local_experts(self._ptr))
+        self.first_expert = int(L.mok_group_first_expert(self._ptr))
+        self.generation = int(L.mok_group_generation(self._ptr))
+        self.rejoined = bool(L.mok_group_rejoined(self._ptr))
+
+    def leave(self):
+        """Leave the group: the daemon releases it at once when no session
+        holds it (closing the client instead keeps it warm for a restart)."""
+        with self.client._lock:
+            if self._ptr:
+                st = _lib.lib().mok_group_leave(self._ptr)
+                self._ptr = None
+                if st:
+                    _raise(st)
+
+    def __repr__(self):
+        return "<mok.Group %r rank %d/%d E_loc=%d generation %d%s>" % (
+            self.key, self.rank, self.world, self.local_experts, self.generation,
+            "" if self._ptr else " (left)")
+
+
 class Layer:
     """A MoE layer on mokd (see Client.layer). Arrays are numpy, host memory."""
 
     def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
-                 dtype, swiglu_limit, max_tokens):
+                 dtype, swiglu_limit, max_tokens, group=None, group_tag=0):
         self.client = client
+        self.group = group
+        self.group_tag = _dim("group_tag", group_tag, 0)
+        if group is not None and not group._ptr:
+            raise Error("ECLOSED", "the group was left")
         self.hidden = _dim("hidden", hidden)
         self.intermediate = _dim("intermediate", intermediate)
         self.experts = _dim("experts", experts)
@@ -488,7 +561,7 @@ class Layer:
                 raise Error("EINVAL", "swiglu_limit must be a number or None, got %r" %
                             (swiglu_limit,))
         self.swiglu_limit = swiglu_limit
-        self._auto_grow = max_tokens is None
+        self._auto_grow = max_tokens is None and group is None
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else _dim("max_tokens",
                                                                              max_tokens)
         self._holder = [None]
@@ -509,7 +582,9 @@ class Layer:
                            shared_intermediate=self.shared_intermediate, max_tokens=max_tokens,
                            dtype=self._dtype_code,
                            has_swiglu_limit=int(self.swiglu_limit is not None),
-                           swiglu_limit=self.swiglu_limit or 0.0)
+                           swiglu_limit=self.swiglu_limit or 0.0,
+                           group=self.group._ptr if self.group is not None else None,
+                           group_tag=self.group_tag)
         h = c_void_p()
         st = _lib.lib().mok_layer_create(self.client._native.ptr, byref(d), byref(h))
         if st:

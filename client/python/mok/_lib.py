@@ -119,6 +119,7 @@ def _declare(lib):
                                  c.POINTER(c.c_uint64)]),
         "mok_submit_nop": (c.c_int, [P, c.POINTER(c.c_uint64)]),
         "mok_wait": (c.c_int, [P, c.c_uint64, c.c_int]),
+        "mok_job_pending": (c.c_int, [P, c.c_uint64]),
         "mok_group_join": (c.c_int, [P, c.c_char_p, c.c_uint32, c.c_uint32,
                                      c.POINTER(GroupSizing), c.POINTER(P)]),
         "mok_group_leave": (c.c_int, [P]),
