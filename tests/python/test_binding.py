@@ -514,7 +514,7 @@ def test_errors(client):
     assert ref.rel_err(out, ref.forward(*pos)) < F32_TOL
 
     # layer configuration
-    with pytest.raises(mok.Error, match="groups are not implemented"):
+    with pytest.raises(mok.Error, match="group must be a mok.Group"):
         client.layer(hidden=H, intermediate=I, experts=E, topk=K, group="ep0")
     with pytest.raises(mok.Error) as ei:
         client.layer(hidden=H, intermediate=I, experts=2, topk=3)
