@@ -234,12 +234,14 @@ static void test_refused_peers_cost_nothing(void) {
   char conf[128];
   snprintf(conf, sizeof conf, "allow-uids = %u\n", (unsigned)getuid() + 1);
   daemon_proc d = harness_start(conf);
+  usleep(100000); /* the start-up probe's connection is gone by now */
   int base = harness_fd_count(d.pid);
   for (int i = 0; i < 200; i++) {
     int fd = harness_raw_connect(d.sock);
     close(fd);
   }
-  CHECK_EQ_INT(harness_wait_fds(d.pid, base, 2000), base);
+  int fds = harness_wait_fds(d.pid, base, 2000);
+  CHECK_MSG(fds <= base, "daemon fds %d, %d before", fds, base);
   CHECK(harness_alive(&d));
   CHECK_EQ_INT(harness_stop(&d), 0);
 }

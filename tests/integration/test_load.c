@@ -180,7 +180,7 @@ static void checked_client(const char *sock, int id, int jobs) {
       if (lcs[l].sets[k].out_bytes > max_out) max_out = lcs[l].sets[k].out_bytes;
   flight fl[INFLIGHT];
   for (int i = 0; i < INFLIGHT; i++) fl[i] = (flight){.out = alloc_in(c, max_out), .ticket = 0};
-  int submitted = 0, done = 0, bad_done = 0;
+  int submitted = 0, done = 0;
   while (done < jobs) {
     for (int i = 0; i < INFLIGHT; i++) {
       flight *f = &fl[i];
@@ -189,7 +189,6 @@ static void checked_client(const char *sock, int id, int jobs) {
         input_set *in = &lcs[f->layer].sets[f->set];
         if (f->bad) {
           CHECK_MSG(st == MOK_EBOUNDS, "client %d: bad job got %d (%s)", id, st, mok_last_error());
-          bad_done++;
         } else {
           CHECK_MSG(st == MOK_OK, "client %d job: %s", id, mok_last_error());
           CHECK_MSG(memcmp(f->out, in->want, in->out_bytes) == 0,
@@ -229,7 +228,6 @@ static void checked_client(const char *sock, int id, int jobs) {
       }
     }
   }
-  printf("# client %d: %d jobs right, %d bad descriptors refused alone\n", id, done, bad_done);
   mok_close(c);
 }
 
@@ -334,11 +332,12 @@ static void test_clients_under_load_with_faults_lose_nothing(void) {
          "without goodbye; daemon: %llu jobs done, %llu failed\n",
          clients, jobs, secs, clients * jobs / secs, victims_total, killed, left,
          (unsigned long long)stats.jobs_done, (unsigned long long)stats.jobs_failed);
-  printf("# daemon fds %d -> %d, mappings %d -> %d, RSS %ld -> %ld KiB\n", base_fds, fds,
+  printf("# daemon fds %d -> %d, memfd mappings %d -> %d, RSS %ld -> %ld KiB\n", base_fds, fds,
          base_maps, maps, base_rss, rss);
   CHECK_EQ_INT(fds, base_fds);
   CHECK_EQ_INT(maps, base_maps);
-  CHECK_MSG(rss <= base_rss + 8192, "RSS %ld KiB, baseline %ld KiB", rss, base_rss);
+  CHECK_MSG(rss <= base_rss + harness_rss_slack_kib(), "RSS %ld KiB, baseline %ld KiB", rss,
+            base_rss);
   CHECK_EQ_INT(harness_stop(&d), 0);
   free(kids);
 }
