@@ -113,6 +113,15 @@ mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
 /* A schedule the engine did not write, validated against env->shape. */
 mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret);
 
+/* Where the last expert-parallel forward of this process spent its time
+ * (benchmarks: tests/bench/bench_ep_cpu.c). rows: routed rows pulled and
+ * pushed, row_bytes each. */
+typedef struct mok_ep_cpu_timing {
+  uint64_t copy_in_ns, barrier1_ns, pull_ns, compute_ns, push_ns, barrier2_ns, local_ns;
+  uint64_t rows, row_bytes;
+} mok_ep_cpu_timing;
+extern mok_ep_cpu_timing mok_ep_cpu_last_timing;
+
 /* The expert-parallel job (ep_cpu.c): forward or backward of a group layer. */
 struct mok_ep_group;
 void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,

@@ -19,12 +19,21 @@
  * (rank, token, k) order, so results equal the cpu engine's EP=1 bits.
  */
 #include <string.h>
+#include <time.h>
 
 #include "cpu_steps.h"
 #include "group.h"
 #include "mok_slots.h"
 
 static void *slot_tensor(const job_env *env, int slot) { return env->tensors[slot]; }
+
+mok_ep_cpu_timing mok_ep_cpu_last_timing;
+
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 /* env for the routed part: the virtual batch of all ranks' slots. */
 static mok_status virtual_env(const job_env *l, job_env *v) {
@@ -152,6 +161,9 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   const int32_t *ids = slot_tensor(l, MOK_SLOT_TOPK_IDS);
   const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
   const void *x = slot_tensor(l, MOK_SLOT_X);
+  mok_ep_cpu_timing *tm = &mok_ep_cpu_last_timing;
+  memset(tm, 0, sizeof *tm);
+  uint64_t t0 = mono_ns();
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
     group_fail(l, st, err);
@@ -159,9 +171,13 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   }
   copy_in_rows(l, g, b->x, x);
   copy_in_routing(l, g, ids, rw);
+  uint64_t t1 = mono_ns();
+  tm->copy_in_ns = t1 - t0;
   mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
   post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
   st = mok_ep_group_job_post(g, &post, err, sizeof err);
+  uint64_t t2 = mono_ns();
+  tm->barrier1_ns = t2 - t1;
   if (st != MOK_OK) {
     group_fail(l, st, err);
     return;
@@ -185,11 +201,24 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   }
   if (local == MOK_OK) {
     sv = mok_schedule_view(&v->shape, sched);
+    uint64_t a = mono_ns();
     cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
+    uint64_t bb = mono_ns();
+    tm->pull_ns = bb - a;
+    tm->rows = sv.rows_used;
+    tm->row_bytes = v->H * v->es;
     local = cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
+    tm->compute_ns = mono_ns() - bb;
   }
-  if (local == MOK_OK) push(v, &sv, routed_y, b->land, NULL, NULL);
+  if (local == MOK_OK) {
+    uint64_t a = mono_ns();
+    push(v, &sv, routed_y, b->land, NULL, NULL);
+    tm->push_ns = mono_ns() - a;
+  }
+  uint64_t t3 = mono_ns();
   st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
+  uint64_t t4 = mono_ns();
+  tm->barrier2_ns = t4 - t3;
   if (st != MOK_OK) {
     l->res->status = MOK_OK; /* the group's verdict replaces a local message */
     {
@@ -211,6 +240,7 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   mok_sched_view own;
   if (own_view(l, ids, &own) != MOK_OK) return;
   cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
+  tm->local_ns = mono_ns() - t4;
 }
 
 static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
