@@ -1,0 +1,564 @@
+/* mok_bench: issue 4's shapes through the kernel library (kernels/mok_kernels.h),
+ * in-process, timed the way tests/bench/torch_baseline.py times PyTorch.
+ *
+ *   mok_bench [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N]
+ *             [--warmup N] [--deadline S] [--only NAME[,NAME]]
+ *
+ * For each configuration (shape, T, routing; the same priority order as the
+ * baseline) it runs the layer as the engine chains it:
+ *   forward:  schedule_build, gather_rows(x), expert_forward, shared_forward, combine
+ *   backward: gather_rows(d_out), expert_backward, shared_backward, dispatch_backward
+ * with CUDA events around the chain and between its steps (median of --reps
+ * after --warmup, rotating two input sets: x, routing, rw, d_out). Each
+ * backward run follows an untimed forward of the same set.
+ * TFLOP/s by issue 4's formula: forward 6*(T + T*K)*H*I, backward twice.
+ *
+ * Routing: with --routing-dir, the ids/rw files the baseline wrote
+ * (NAME_T<T>_<routing>_s<set>.ids|.rw); otherwise (or when a file is
+ * missing) the same recipe here: softmax top-k of random logits over the
+ * E_loc local experts, 'skewed' with +6 on expert 0 and +1 on experts 1..3.
+ *
+ * Checks per configuration: the job status word stays 0 (a nonzero status
+ * makes every kernel return early, so timings would be void); out and d_x
+ * finite; a forward+backward of set 0, then of set 1, then of set 0 again
+ * gives bitwise the same out, d_x, d_rw and weight gradients (hashes).
+ * The JSON is rewritten after every configuration.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+
+#include "../../kernels/mok_kernels.h"
+#include "../../proto/mok_status.h"
+
+#define CUDA_CHECK(call)                                                                    \
+  do {                                                                                      \
+    cudaError_t err_ = (call);                                                              \
+    if (err_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+#define MOK_CHECK(call)                                                                     \
+  do {                                                                                      \
+    int st_ = (call);                                                                       \
+    if (st_ != MOK_OK) {                                                                    \
+      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__, __LINE__,     \
+              #call, st_, mok_k_last_cuda_error());                                         \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+#include "bench_common.h"
+
+/* ---- device helpers --------------------------------------------------------------- */
+
+__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    h *= 3266489917u;
+    h ^= h >> 16;
+    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
+    if (v == 0.0f) v = scale * 0.5f;
+    uint32_t u = __float_as_uint(v);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (uint16_t)(u >> 16);
+  }
+}
+
+/* order-independent integer hash of a buffer (position-weighted word sum) */
+__global__ void hash_words(const uint32_t *p, size_t n, unsigned long long *out) {
+  unsigned long long acc = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    acc += (unsigned long long)p[i] * (2ull * i + 1ull);
+  atomicAdd(out, acc);
+}
+
+__global__ void count_nonfinite_bf16(const uint16_t *p, size_t n, unsigned long long *out) {
+  unsigned long long c = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    c += (p[i] & 0x7f80u) == 0x7f80u;
+  if (c) atomicAdd(out, c);
+}
+
+/* ---- the layer on the device ----------------------------------------------------- */
+
+#define N_SETS 2
+
+typedef struct layer {
+  mok_k_dims d;
+  long long R, sched_ints;
+  uint16_t *x[N_SETS], *d_out[N_SETS];
+  float *rw[N_SETS];
+  int32_t *ids[N_SETS];
+  uint16_t *wg, *wu, *wd, *sg, *su, *sd;
+  int32_t *sched;
+  uint16_t *routed_x, *acts_g, *acts_u, *acts_gs, *acts_us, *routed_y, *shared_y, *out;
+  uint16_t *routed_d_out, *routed_d_x, *shared_d_x, *d_x, *dwg, *dwu, *dwd, *dsg, *dsu, *dsd;
+  float *d_rw;
+  void *ws;
+  int32_t *status;
+  unsigned long long *scratch;
+  void *allocs[64];
+  int n_allocs;
+  size_t bytes;
+} layer;
+
+static void *dalloc(layer *L, size_t bytes) {
+  void *p = NULL;
+  if (bytes == 0) bytes = 16;
+  CUDA_CHECK(cudaMalloc(&p, bytes));
+  L->allocs[L->n_allocs++] = p;
+  L->bytes += bytes;
+  return p;
+}
+
+static void layer_free(layer *L) {
+  for (int i = 0; i < L->n_allocs; i++) CUDA_CHECK(cudaFree(L->allocs[i]));
+  L->n_allocs = 0;
+}
+
+static void fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
+  fill_bf16<<<2048, 256>>>(p, n, seed, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+static void layer_alloc(layer *L, const mok_k_dims *d) {
+  memset(L, 0, sizeof *L);
+  L->d = *d;
+  L->R = mok_k_rows_capacity(d);
+  L->sched_ints = mok_k_schedule_ints(d);
+  const size_t TH = (size_t)d->T * d->H, TK = (size_t)d->T * d->K;
+  const size_t W = (size_t)d->E_loc * d->I * d->H, S = (size_t)d->I_s * d->H;
+  const size_t RH = (size_t)L->R * d->H, RI = (size_t)L->R * d->I, TIs = (size_t)d->T * d->I_s;
+  for (int s = 0; s < N_SETS; s++) {
+    L->x[s] = (uint16_t *)dalloc(L, TH * 2);
+    L->d_out[s] = (uint16_t *)dalloc(L, TH * 2);
+    L->rw[s] = (float *)dalloc(L, TK * 4);
+    L->ids[s] = (int32_t *)dalloc(L, TK * 4);
+  }
+  L->wg = (uint16_t *)dalloc(L, W * 2);
+  L->wu = (uint16_t *)dalloc(L, W * 2);
+  L->wd = (uint16_t *)dalloc(L, W * 2);
+  L->sg = (uint16_t *)dalloc(L, S * 2);
+  L->su = (uint16_t *)dalloc(L, S * 2);
+  L->sd = (uint16_t *)dalloc(L, S * 2);
+  L->sched = (int32_t *)dalloc(L, (size_t)L->sched_ints * 4);
+  L->routed_x = (uint16_t *)dalloc(L, RH * 2);
+  L->acts_g = (uint16_t *)dalloc(L, RI * 2);
+  L->acts_u = (uint16_t *)dalloc(L, RI * 2);
+  L->acts_gs = (uint16_t *)dalloc(L, TIs * 2);
+  L->acts_us = (uint16_t *)dalloc(L, TIs * 2);
+  L->routed_y = (uint16_t *)dalloc(L, RH * 2);
+  L->shared_y = (uint16_t *)dalloc(L, TH * 2);
+  L->out = (uint16_t *)dalloc(L, TH * 2);
+  L->routed_d_out = (uint16_t *)dalloc(L, RH * 2);
+  L->routed_d_x = (uint16_t *)dalloc(L, RH * 2);
+  L->shared_d_x = (uint16_t *)dalloc(L, TH * 2);
+  L->d_x = (uint16_t *)dalloc(L, TH * 2);
+  L->d_rw = (float *)dalloc(L, TK * 4);
+  L->dwg = (uint16_t *)dalloc(L, W * 2);
+  L->dwu = (uint16_t *)dalloc(L, W * 2);
+  L->dwd = (uint16_t *)dalloc(L, W * 2);
+  L->dsg = (uint16_t *)dalloc(L, S * 2);
+  L->dsu = (uint16_t *)dalloc(L, S * 2);
+  L->dsd = (uint16_t *)dalloc(L, S * 2);
+  L->ws = dalloc(L, mok_k_workspace_bytes(d));
+  L->status = (int32_t *)dalloc(L, 4);
+  L->scratch = (unsigned long long *)dalloc(L, 8);
+  CUDA_CHECK(cudaMemset(L->status, 0, 4));
+  /* values of the size a trained layer sees: x, d_out ~ U(-sqrt3, sqrt3)
+   * (variance 1), weights variance 1/fan_in; never zero */
+  const float a_in = sqrtf(3.0f);
+  for (int s = 0; s < N_SETS; s++) {
+    fill(L->x[s], TH, 11u + 17u * s, a_in);
+    fill(L->d_out[s], TH, 12u + 17u * s, a_in);
+  }
+  fill(L->wg, W, 3, sqrtf(3.0f / d->H));
+  fill(L->wu, W, 4, sqrtf(3.0f / d->H));
+  fill(L->wd, W, 5, sqrtf(3.0f / d->I));
+  fill(L->sg, S, 6, sqrtf(3.0f / d->H));
+  fill(L->su, S, 7, sqrtf(3.0f / d->H));
+  fill(L->sd, S, 8, sqrtf(3.0f / (d->I_s ? d->I_s : 1)));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+#define FWD_STEPS 5
+#define BWD_STEPS 4
+static const char *FWD_NAMES[FWD_STEPS] = {"schedule_build", "gather", "expert_forward",
+                                           "shared_forward", "combine"};
+static const char *BWD_NAMES[BWD_STEPS] = {"gather_d_out", "expert_backward", "shared_backward",
+                                           "dispatch_backward"};
+
+/* ev: FWD_STEPS+1 events recorded between the steps (NULL: none) */
+static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
+  const mok_k_dims *d = &L->d;
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
+  MOK_CHECK(mok_k_schedule_build(d, L->ids[s], L->sched, L->ws, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
+  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x[s], L->routed_x, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+  MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
+                                 L->acts_u, L->routed_y, L->ws, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+  MOK_CHECK(mok_k_shared_forward(d, L->x[s], L->sg, L->su, L->sd, L->acts_gs, L->acts_us,
+                                 L->shared_y, L->ws, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
+  MOK_CHECK(mok_k_combine(d, L->sched, L->routed_y, L->rw[s], L->shared_y, L->out, L->status,
+                          st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[5], st));
+}
+
+static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
+  const mok_k_dims *d = &L->d;
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
+  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
+  MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
+                                  L->routed_d_out, L->rw[s], L->wg, L->wu, L->wd, L->routed_d_x,
+                                  L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+  MOK_CHECK(mok_k_shared_backward(d, L->x[s], L->d_out[s], L->acts_gs, L->acts_us, L->sg, L->su,
+                                  L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws, L->status,
+                                  st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+  MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x, L->status,
+                                    st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
+}
+
+static int32_t read_status(layer *L, cudaStream_t st) {
+  int32_t v = -1;
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpy(&v, L->status, 4, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+static unsigned long long dev_hash(layer *L, const void *p, size_t bytes, cudaStream_t st) {
+  unsigned long long h = 0;
+  CUDA_CHECK(cudaMemsetAsync(L->scratch, 0, 8, st));
+  hash_words<<<1024, 256, 0, st>>>((const uint32_t *)p, bytes / 4, L->scratch);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpyAsync(&h, L->scratch, 8, cudaMemcpyDeviceToHost, st));
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  return h;
+}
+
+static unsigned long long dev_nonfinite(layer *L, const uint16_t *p, size_t n, cudaStream_t st) {
+  unsigned long long c = 0;
+  CUDA_CHECK(cudaMemsetAsync(L->scratch, 0, 8, st));
+  count_nonfinite_bf16<<<1024, 256, 0, st>>>(p, n, L->scratch);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpyAsync(&c, L->scratch, 8, cudaMemcpyDeviceToHost, st));
+  CUDA_CHECK(cudaStreamSynchronize(st));
+  return c;
+}
+
+/* hash of every output of one forward+backward of set s */
+static unsigned long long chain_hash(layer *L, int s, cudaStream_t st) {
+  const mok_k_dims *d = &L->d;
+  const size_t TH = (size_t)d->T * d->H, W = (size_t)d->E_loc * d->I * d->H,
+               S = (size_t)d->I_s * d->H;
+  enqueue_forward(L, s, NULL, st);
+  enqueue_backward(L, s, NULL, st);
+  unsigned long long h = dev_hash(L, L->out, TH * 2, st);
+  h = h * 31 + dev_hash(L, L->d_x, TH * 2, st);
+  h = h * 31 + dev_hash(L, L->d_rw, (size_t)d->T * d->K * 4, st);
+  h = h * 31 + dev_hash(L, L->dwg, W * 2, st);
+  h = h * 31 + dev_hash(L, L->dwu, W * 2, st);
+  h = h * 31 + dev_hash(L, L->dwd, W * 2, st);
+  h = h * 31 + dev_hash(L, L->dsg, S * 2, st);
+  h = h * 31 + dev_hash(L, L->dsd, S * 2, st);
+  return h;
+}
+
+/* ---- one configuration ---------------------------------------------------------------- */
+
+typedef struct result {
+  int ok, status, deterministic;
+  unsigned long long nonfinite;
+  double max_over_mean[N_SETS];
+  int min_rows[N_SETS], max_rows[N_SETS];
+  int routing_from_file;
+  float fwd_ms, bwd_ms, fwd_part[FWD_STEPS], bwd_part[BWD_STEPS];
+  double flops_fwd, mem_gib;
+} result;
+
+static void run_config(const config *c, const char *routing_dir, int reps, int warmup,
+                       cudaStream_t st, result *res) {
+  const bench_shape *sh = &SHAPES[c->shape];
+  mok_k_dims d;
+  memset(&d, 0, sizeof d);
+  d.T = c->T;
+  d.H = sh->H;
+  d.I = sh->I;
+  d.E = sh->E;
+  d.E_loc = sh->E / EP;
+  d.first_expert = 0; /* ids are drawn over the local experts only */
+  d.K = sh->K;
+  d.I_s = sh->I;
+  d.row_align = mok_k_row_align();
+  char err[256];
+  memset(res, 0, sizeof *res);
+  if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
+    fprintf(stderr, "%s: %s\n", sh->name, err);
+    res->status = -1;
+    return;
+  }
+  layer L;
+  layer_alloc(&L, &d);
+  res->mem_gib = L.bytes / 1073741824.0;
+
+  const size_t TK = (size_t)d.T * d.K;
+  int32_t *ids = (int32_t *)malloc(TK * 4);
+  float *rw = (float *)malloc(TK * 4);
+  res->routing_from_file = 1;
+  rng_state = 0x1234567ull + (uint64_t)c->shape * 1000003ull + (uint64_t)c->T * 7ull +
+              (uint64_t)c->skewed;
+  for (int s = 0; s < N_SETS; s++) {
+    if (!load_routing(routing_dir, c, s, d.T, d.E_loc, d.K, ids, rw, &res->max_over_mean[s],
+                      &res->min_rows[s], &res->max_rows[s]))
+      res->routing_from_file = 0;
+    CUDA_CHECK(cudaMemcpy(L.ids[s], ids, TK * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.rw[s], rw, TK * 4, cudaMemcpyHostToDevice));
+  }
+  free(ids);
+  free(rw);
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  cudaEvent_t ev[FWD_STEPS + 1];
+  for (int i = 0; i <= FWD_STEPS; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+  float *tf = (float *)malloc(sizeof(float) * reps * (FWD_STEPS + 1));
+  float *tb = (float *)malloc(sizeof(float) * reps * (BWD_STEPS + 1));
+
+  for (int i = 0; i < warmup + reps; i++) {
+    enqueue_forward(&L, i % N_SETS, ev, st);
+    CUDA_CHECK(cudaEventSynchronize(ev[FWD_STEPS]));
+    if (i < warmup) continue;
+    float *row = tf + (size_t)(i - warmup) * (FWD_STEPS + 1);
+    CUDA_CHECK(cudaEventElapsedTime(&row[FWD_STEPS], ev[0], ev[FWD_STEPS]));
+    for (int k = 0; k < FWD_STEPS; k++) CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
+  }
+  for (int i = 0; i < warmup + reps; i++) {
+    enqueue_forward(&L, i % N_SETS, NULL, st);
+    enqueue_backward(&L, i % N_SETS, ev, st);
+    CUDA_CHECK(cudaEventSynchronize(ev[BWD_STEPS]));
+    if (i < warmup) continue;
+    float *row = tb + (size_t)(i - warmup) * (BWD_STEPS + 1);
+    CUDA_CHECK(cudaEventElapsedTime(&row[BWD_STEPS], ev[0], ev[BWD_STEPS]));
+    for (int k = 0; k < BWD_STEPS; k++) CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
+  }
+  float *col = (float *)malloc(sizeof(float) * reps);
+  for (int k = 0; k <= FWD_STEPS; k++) {
+    for (int i = 0; i < reps; i++) col[i] = tf[(size_t)i * (FWD_STEPS + 1) + k];
+    float m = median_of(col, reps);
+    if (k == FWD_STEPS) res->fwd_ms = m;
+    else res->fwd_part[k] = m;
+  }
+  for (int k = 0; k <= BWD_STEPS; k++) {
+    for (int i = 0; i < reps; i++) col[i] = tb[(size_t)i * (BWD_STEPS + 1) + k];
+    float m = median_of(col, reps);
+    if (k == BWD_STEPS) res->bwd_ms = m;
+    else res->bwd_part[k] = m;
+  }
+  free(col);
+  free(tf);
+  free(tb);
+  for (int i = 0; i <= FWD_STEPS; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+
+  res->status = read_status(&L, st);
+  res->nonfinite = dev_nonfinite(&L, L.out, (size_t)d.T * d.H, st) +
+                   dev_nonfinite(&L, L.d_x, (size_t)d.T * d.H, st);
+  unsigned long long h0 = chain_hash(&L, 0, st);
+  (void)chain_hash(&L, 1, st);
+  unsigned long long h2 = chain_hash(&L, 0, st);
+  res->deterministic = h0 == h2;
+  if (res->status == 0) res->status = read_status(&L, st);
+  res->flops_fwd = 6.0 * (double)d.T * d.K * d.H * d.I + 6.0 * (double)d.T * d.H * d.I_s;
+  res->ok = res->status == 0 && res->nonfinite == 0 && res->deterministic;
+  layer_free(&L);
+}
+
+/* ---- output ------------------------------------------------------------------------------- */
+
+typedef struct run_doc {
+  const char *path;
+  char device[256];
+  int sms, reps, warmup;
+  config cfg[64];
+  result res[64];
+  int done[64];
+  int n;
+  int skipped[64];
+} run_doc;
+
+static void write_json(const run_doc *D) {
+  if (!D->path) return;
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp", D->path);
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    perror(tmp);
+    return;
+  }
+  fprintf(f, "{\n \"tool\": \"mok_bench\",\n \"device\": \"%s\",\n \"sms\": %d,\n", D->device,
+          D->sms);
+  fprintf(f, " \"reps\": %d,\n \"warmup\": %d,\n \"row_align\": %d,\n", D->reps, D->warmup,
+          mok_k_row_align());
+  fprintf(f, " \"daemon_note\": \"in-process; the through-the-daemon column comes from "
+             "mok_bench_daemon (run_bench.sh)\",\n");
+  fprintf(f, " \"kernels\": \"version 0: mma.sync m16n8k16 (HMMA) 128x128x32 tiles, cp.async, "
+             "3 stages\",\n \"results\": [");
+  int first = 1;
+  for (int i = 0; i < D->n; i++) {
+    if (!D->done[i]) continue;
+    const config *c = &D->cfg[i];
+    const result *r = &D->res[i];
+    const bench_shape *sh = &SHAPES[c->shape];
+    fprintf(f, "%s\n  {\"shape\": \"%s\", \"T\": %d, \"routing\": \"%s\", \"E\": %d, \"E_loc\": %d, "
+               "\"H\": %d, \"I\": %d, \"K\": %d, \"I_s\": %d,\n",
+            first ? "" : ",", sh->name, c->T, c->skewed ? "skewed" : "balanced", sh->E, sh->E / EP,
+            sh->H, sh->I, sh->K, sh->I);
+    first = 0;
+    fprintf(f, "   \"ok\": %s, \"status\": %d, \"deterministic\": %s, \"nonfinite\": %llu, "
+               "\"routing_from_file\": %s, \"mem_gib\": %.2f,\n",
+            r->ok ? "true" : "false", r->status, r->deterministic ? "true" : "false", r->nonfinite,
+            r->routing_from_file ? "true" : "false", r->mem_gib);
+    fprintf(f, "   \"max_over_mean\": [%.3f, %.3f], \"min_max_rows\": [[%d, %d], [%d, %d]],\n",
+            r->max_over_mean[0], r->max_over_mean[1], r->min_rows[0], r->max_rows[0],
+            r->min_rows[1], r->max_rows[1]);
+    fprintf(f, "   \"flops_fwd\": %.6e, \"flops_bwd\": %.6e, \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, "
+               "\"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f,\n",
+            r->flops_fwd, 2 * r->flops_fwd, r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
+            2 * r->flops_fwd / r->bwd_ms * 1e-9);
+    fprintf(f, "   \"fwd_parts_ms\": {");
+    for (int k = 0; k < FWD_STEPS; k++)
+      fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", FWD_NAMES[k], r->fwd_part[k]);
+    fprintf(f, "},\n   \"bwd_parts_ms\": {");
+    for (int k = 0; k < BWD_STEPS; k++)
+      fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", BWD_NAMES[k], r->bwd_part[k]);
+    fprintf(f, "}}");
+  }
+  fprintf(f, "\n ],\n \"skipped\": [");
+  first = 1;
+  for (int i = 0; i < D->n; i++) {
+    if (!D->skipped[i]) continue;
+    fprintf(f, "%s[\"%s\", %d, \"%s\"]", first ? "" : ", ", SHAPES[D->cfg[i].shape].name,
+            D->cfg[i].T, D->cfg[i].skewed ? "skewed" : "balanced");
+    first = 0;
+  }
+  fprintf(f, "]\n}\n");
+  fclose(f);
+  if (rename(tmp, D->path) != 0) perror("rename");
+}
+
+static void usage(const char *a0) {
+  fprintf(stderr,
+          "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
+          "[--warmup N] [--deadline S] [--only NAME[,NAME]]\n",
+          a0);
+}
+
+int main(int argc, char **argv) {
+  static run_doc D;
+  const char *routing_dir = NULL, *only = NULL, *tlist = "2048,8192";
+  double deadline = 1e9;
+  D.reps = 10;
+  D.warmup = 3;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--version")) {
+      printf("mok_bench 1\n");
+      return 0;
+    } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(argv[0]);
+      return 0;
+    } else if (!v) {
+      usage(argv[0]);
+      return 2;
+    } else if (!strcmp(a, "--out")) D.path = v;
+    else if (!strcmp(a, "--routing-dir")) routing_dir = v;
+    else if (!strcmp(a, "--T")) tlist = v;
+    else if (!strcmp(a, "--reps")) D.reps = atoi(v);
+    else if (!strcmp(a, "--warmup")) D.warmup = atoi(v);
+    else if (!strcmp(a, "--deadline")) deadline = atof(v);
+    else if (!strcmp(a, "--only")) only = v;
+    else {
+      usage(argv[0]);
+      return 2;
+    }
+    i++;
+  }
+  if (D.reps < 1 || D.warmup < 0) {
+    usage(argv[0]);
+    return 2;
+  }
+  int ts[8], nts = 0;
+  for (const char *p = tlist; *p && nts < 8;) {
+    int t = atoi(p);
+    if (t > 0) ts[nts++] = t;
+    const char *comma = strchr(p, ',');
+    if (!comma) break;
+    p = comma + 1;
+  }
+  const double t0 = now_s();
+  CUDA_CHECK(cudaSetDevice(0));
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  snprintf(D.device, sizeof D.device, "%s", prop.name);
+  D.sms = prop.multiProcessorCount;
+  printf("mok_bench: %s, sm_%d%d, %d SMs; kernels: mma.sync version 0\n", prop.name, prop.major,
+         prop.minor, prop.multiProcessorCount);
+  MOK_CHECK(mok_k_init());
+  cudaStream_t st;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+
+  D.n = make_plan(ts, nts, D.cfg);
+  int failures = 0;
+  for (int i = 0; i < D.n; i++) {
+    const config *c = &D.cfg[i];
+    const bench_shape *sh = &SHAPES[c->shape];
+    if (only) {
+      const char *hit = strstr(only, sh->name);
+      if (!hit) continue;
+    }
+    if (now_s() - t0 > deadline) {
+      D.skipped[i] = 1;
+      printf("skip %s T=%d %s (deadline)\n", sh->name, c->T, c->skewed ? "skewed" : "balanced");
+      write_json(&D);
+      continue;
+    }
+    result *r = &D.res[i];
+    run_config(c, routing_dir, D.reps, D.warmup, st, r);
+    D.done[i] = 1;
+    failures += !r->ok;
+    printf("%-16s T=%-5d %-8s max/mean %.2f/%.2f  fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f "
+           "TF/s  status %d det %s nonfinite %llu%s\n",
+           sh->name, c->T, c->skewed ? "skewed" : "balanced", r->max_over_mean[0],
+           r->max_over_mean[1], r->fwd_ms, r->flops_fwd / r->fwd_ms * 1e-9, r->bwd_ms,
+           2 * r->flops_fwd / r->bwd_ms * 1e-9, r->status, r->deterministic ? "yes" : "NO",
+           r->nonfinite, r->routing_from_file ? "" : " (own routing)");
+    printf("    fwd parts:");
+    for (int k = 0; k < FWD_STEPS; k++) printf(" %s %.3f", FWD_NAMES[k], r->fwd_part[k]);
+    printf("\n    bwd parts:");
+    for (int k = 0; k < BWD_STEPS; k++) printf(" %s %.3f", BWD_NAMES[k], r->bwd_part[k]);
+    printf("\n");
+    fflush(stdout);
+    write_json(&D);
+  }
+  CUDA_CHECK(cudaStreamDestroy(st));
+  printf("mok_bench: %.1f s, %d configuration(s) failed a check\n", now_s() - t0, failures);
+  return failures ? 1 : 0;
+}
