@@ -1,0 +1,348 @@
+/* mok_bench_daemon: issue 4's shapes through mokd (--engine cuda) and libmok,
+ * the "through the daemon" column of tests/bench/run_bench.sh.
+ *
+ *   MOK_SOCKET=... mok_bench_daemon [--out FILE.json] [--routing-dir DIR] [--T 2048,8192]
+ *                                   [--reps N] [--warmup N] [--deadline S] [--only NAMES]
+ *
+ * The same configurations, routings and timing as mok_bench (CUDA events on
+ * the client's stream, warm-up, median, two input sets), but each forward and
+ * backward is one job: mok_forward_on_stream / mok_backward_on_stream on
+ * device pointers (one cudaMalloc pool per configuration, registered with
+ * mokd once through libmok), ordered on the client's stream by the session's
+ * fences, no host wait. The events therefore include everything a trainer
+ * would see: the fence write, the daemon noticing the job, its enqueue, the
+ * kernels and the completion write. A layer here holds its E_loc experts
+ * (experts = E_loc, no group), which is the same computation as the kernel
+ * bench's per-GPU slice. Any failed job marks the configuration failed; the
+ * first one stops the run (a daemon that fails once is not timed further).
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mok.h"
+#include "bench_common.h"
+
+#define CK(call)                                                                            \
+  do {                                                                                      \
+    cudaError_t err_ = (call);                                                              \
+    if (err_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    h *= 3266489917u;
+    h ^= h >> 16;
+    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
+    if (v == 0.0f) v = scale * 0.5f;
+    uint32_t u = __float_as_uint(v);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (uint16_t)(u >> 16);
+  }
+}
+
+#define N_SETS 2
+enum { P_X, P_IDS, P_RW, P_DOUT, P_PER_SET };
+/* per-set tensors first (N_SETS each), then the shared ones */
+static const int SET_SLOTS[P_PER_SET] = {MOK_SLOT_X, MOK_SLOT_TOPK_IDS, MOK_SLOT_ROUTER_W,
+                                         MOK_SLOT_D_OUT};
+static const int ONE_SLOTS[] = {MOK_SLOT_W_GATE,   MOK_SLOT_W_UP,     MOK_SLOT_W_DOWN,
+                                MOK_SLOT_S_GATE,   MOK_SLOT_S_UP,     MOK_SLOT_S_DOWN,
+                                MOK_SLOT_OUT,      MOK_SLOT_CTX,      MOK_SLOT_D_X,
+                                MOK_SLOT_D_RW,     MOK_SLOT_D_W_GATE, MOK_SLOT_D_W_UP,
+                                MOK_SLOT_D_W_DOWN, MOK_SLOT_D_S_GATE, MOK_SLOT_D_S_UP,
+                                MOK_SLOT_D_S_DOWN};
+#define N_ONE ((int)(sizeof ONE_SLOTS / sizeof ONE_SLOTS[0]))
+
+static size_t slot_bytes(const mok_layer *l, uint32_t T, int slot) {
+  mok_tensor t = mok_tensor_for(l, T, (uint32_t)slot, (void *)16);
+  size_t n = mok_dtype_size(t.dtype);
+  for (uint32_t i = 0; i < t.ndim; i++) n *= t.shape[i];
+  return t.ndim ? n : 0;
+}
+
+typedef struct dres {
+  int done, ok, from_file;
+  float fwd_ms, bwd_ms;
+  double flops_fwd, max_over_mean[N_SETS];
+  char error[256];
+} dres;
+
+static int fail(dres *r, const char *what, int st) {
+  snprintf(r->error, sizeof r->error, "%s: %s (%s)", what, mok_status_name(st), mok_last_error());
+  fprintf(stderr, "mok_bench_daemon: %s\n", r->error);
+  return 0;
+}
+
+/* returns 1 when every job of the configuration succeeded */
+static int run_config(mok_client *c, const config *cf, const char *routing_dir, int reps,
+                      int warmup, cudaStream_t st, dres *r) {
+  const bench_shape *sh = &SHAPES[cf->shape];
+  const uint32_t T = (uint32_t)cf->T;
+  const int E_loc = sh->E / EP, K = sh->K;
+  memset(r, 0, sizeof *r);
+  r->done = 1;
+  r->flops_fwd = 6.0 * (double)T * K * sh->H * sh->I + 6.0 * (double)T * sh->H * sh->I;
+  mok_layer_desc ld;
+  memset(&ld, 0, sizeof ld);
+  ld.hidden = (uint32_t)sh->H;
+  ld.intermediate = (uint32_t)sh->I;
+  ld.experts = (uint32_t)E_loc;
+  ld.topk = (uint32_t)K;
+  ld.shared_intermediate = (uint32_t)sh->I;
+  ld.max_tokens = T;
+  ld.dtype = MOK_DTYPE_BF16;
+  mok_layer *l = NULL;
+  int st_ = mok_layer_create(c, &ld, &l);
+  if (st_ != MOK_OK) return fail(r, "mok_layer_create", st_);
+
+  size_t set_bytes[P_PER_SET], one_bytes[N_ONE], total = 0;
+  for (int k = 0; k < P_PER_SET; k++)
+    total += N_SETS * (((set_bytes[k] = slot_bytes(l, T, SET_SLOTS[k])) + 255) & ~(size_t)255);
+  for (int k = 0; k < N_ONE; k++)
+    total += ((one_bytes[k] = slot_bytes(l, T, ONE_SLOTS[k])) + 255) & ~(size_t)255;
+  char *pool = NULL;
+  CK(cudaMalloc((void **)&pool, total + 256));
+  void *ps[N_SETS][P_PER_SET], *po[N_ONE];
+  size_t at = 0;
+  for (int k = 0; k < P_PER_SET; k++)
+    for (int s = 0; s < N_SETS; s++) {
+      ps[s][k] = pool + at;
+      at += (set_bytes[k] + 255) & ~(size_t)255;
+    }
+  for (int k = 0; k < N_ONE; k++) {
+    po[k] = one_bytes[k] ? pool + at : NULL;
+    at += (one_bytes[k] + 255) & ~(size_t)255;
+  }
+  /* values as mok_bench: x, d_out variance 1, weights variance 1/fan_in */
+  const float sq3 = 1.7320508f;
+  const float wsc[6] = {sq3 / sqrtf((float)sh->H), sq3 / sqrtf((float)sh->H),
+                        sq3 / sqrtf((float)sh->I), sq3 / sqrtf((float)sh->H),
+                        sq3 / sqrtf((float)sh->H), sq3 / sqrtf((float)sh->I)};
+  for (int k = 0; k < 6; k++)
+    fill_bf16<<<2048, 256>>>((uint16_t *)po[k], one_bytes[k] / 2, 3u + k, wsc[k]);
+  for (int s = 0; s < N_SETS; s++) {
+    fill_bf16<<<2048, 256>>>((uint16_t *)ps[s][P_X], set_bytes[P_X] / 2, 11u + 17u * s, sq3);
+    fill_bf16<<<2048, 256>>>((uint16_t *)ps[s][P_DOUT], set_bytes[P_DOUT] / 2, 12u + 17u * s, sq3);
+  }
+  CK(cudaGetLastError());
+  const size_t TK = (size_t)T * K;
+  int32_t *ids = (int32_t *)malloc(TK * 4);
+  float *rw = (float *)malloc(TK * 4);
+  r->from_file = 1;
+  rng_state = 0x1234567ull + (uint64_t)cf->shape * 1000003ull + (uint64_t)T * 7ull +
+              (uint64_t)cf->skewed;
+  for (int s = 0; s < N_SETS; s++) {
+    int mn, mx;
+    if (!load_routing(routing_dir, cf, s, (int)T, E_loc, K, ids, rw, &r->max_over_mean[s], &mn,
+                      &mx))
+      r->from_file = 0;
+    CK(cudaMemcpy(ps[s][P_IDS], ids, TK * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(ps[s][P_RW], rw, TK * 4, cudaMemcpyHostToDevice));
+  }
+  free(ids);
+  free(rw);
+  CK(cudaDeviceSynchronize());
+
+  mok_forward_args fa[N_SETS];
+  mok_backward_args ba[N_SETS];
+  for (int s = 0; s < N_SETS; s++) {
+    memset(&fa[s], 0, sizeof fa[s]);
+    memset(&ba[s], 0, sizeof ba[s]);
+    fa[s].x = ba[s].x = ps[s][P_X];
+    fa[s].topk_ids = ba[s].topk_ids = (const int32_t *)ps[s][P_IDS];
+    fa[s].router_weights = ba[s].router_weights = (const float *)ps[s][P_RW];
+    fa[s].w_gate = ba[s].w_gate = po[0];
+    fa[s].w_up = ba[s].w_up = po[1];
+    fa[s].w_down = ba[s].w_down = po[2];
+    fa[s].s_gate = ba[s].s_gate = po[3];
+    fa[s].s_up = ba[s].s_up = po[4];
+    fa[s].s_down = ba[s].s_down = po[5];
+    fa[s].out = po[6];
+    fa[s].ctx = ba[s].ctx = po[7];
+    ba[s].d_out = ps[s][P_DOUT];
+    ba[s].d_x = po[8];
+    ba[s].d_router_weights = (float *)po[9];
+    ba[s].d_w_gate = po[10];
+    ba[s].d_w_up = po[11];
+    ba[s].d_w_down = po[12];
+    ba[s].d_s_gate = po[13];
+    ba[s].d_s_up = po[14];
+    ba[s].d_s_down = po[15];
+  }
+
+  int ok = 1;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  float *tf = (float *)malloc(sizeof(float) * reps), *tb = (float *)malloc(sizeof(float) * reps);
+  for (int i = 0; ok && i < warmup + reps; i++) {
+    const int s = i % N_SETS;
+    CK(cudaEventRecord(e0, st));
+    if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_forward_on_stream", st_);
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    if (i >= warmup) CK(cudaEventElapsedTime(&tf[i - warmup], e0, e1));
+  }
+  for (int i = 0; ok && i < warmup + reps; i++) {
+    const int s = i % N_SETS;
+    if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_forward_on_stream", st_);
+    CK(cudaEventRecord(e0, st));
+    if (ok && (st_ = mok_backward_on_stream(l, T, 0, &ba[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_backward_on_stream", st_);
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    if (i >= warmup) CK(cudaEventElapsedTime(&tb[i - warmup], e0, e1));
+  }
+  if ((st_ = mok_sync(c, 30000)) != MOK_OK && ok) ok = fail(r, "a job (mok_sync)", st_);
+  if (ok) {
+    r->fwd_ms = median_of(tf, reps);
+    r->bwd_ms = median_of(tb, reps);
+  }
+  free(tf);
+  free(tb);
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  mok_layer_destroy(l);
+  mok_cuda_forget(c, pool);
+  CK(cudaFree(pool));
+  r->ok = ok;
+  return ok;
+}
+
+static void write_json(const char *path, const char *engine, const char *device, int mps,
+                       const config *cfg, const dres *res, int n, const char *note) {
+  if (!path) return;
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    perror(tmp);
+    return;
+  }
+  fprintf(f, "{\n \"tool\": \"mok_bench_daemon\",\n \"engine\": \"%s\",\n \"device\": \"%s\",\n"
+             " \"mps\": %s,\n \"note\": \"%s\",\n \"results\": [",
+          engine, device, mps ? "true" : "false", note);
+  int first = 1;
+  for (int i = 0; i < n; i++) {
+    if (!res[i].done) continue;
+    const dres *r = &res[i];
+    fprintf(f, "%s\n  {\"shape\": \"%s\", \"T\": %d, \"routing\": \"%s\", \"ok\": %s, "
+               "\"routing_from_file\": %s, \"flops_fwd\": %.6e",
+            first ? "" : ",", SHAPES[cfg[i].shape].name, cfg[i].T,
+            cfg[i].skewed ? "skewed" : "balanced", r->ok ? "true" : "false",
+            r->from_file ? "true" : "false", r->flops_fwd);
+    if (r->ok)
+      fprintf(f, ", \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f",
+              r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
+              2 * r->flops_fwd / r->bwd_ms * 1e-9);
+    else
+      fprintf(f, ", \"error\": \"%s\"", r->error);
+    fprintf(f, "}");
+    first = 0;
+  }
+  fprintf(f, "\n ]\n}\n");
+  fclose(f);
+  if (rename(tmp, path) != 0) perror("rename");
+}
+
+int main(int argc, char **argv) {
+  const char *out = NULL, *routing_dir = NULL, *only = NULL, *tlist = "2048,8192";
+  int reps = 10, warmup = 3;
+  double deadline = 1e9;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--version")) {
+      printf("mok_bench_daemon 1\n");
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
+                      "[--deadline S] [--only NAMES]\n", argv[0]);
+      return 2;
+    }
+    if (!strcmp(a, "--out")) out = v;
+    else if (!strcmp(a, "--routing-dir")) routing_dir = v;
+    else if (!strcmp(a, "--T")) tlist = v;
+    else if (!strcmp(a, "--reps")) reps = atoi(v);
+    else if (!strcmp(a, "--warmup")) warmup = atoi(v);
+    else if (!strcmp(a, "--deadline")) deadline = atof(v);
+    else if (!strcmp(a, "--only")) only = v;
+    else {
+      fprintf(stderr, "unknown option %s\n", a);
+      return 2;
+    }
+    i++;
+  }
+  if (reps < 1 || warmup < 0) return 2;
+  int ts[8], nts = 0;
+  for (const char *p = tlist; *p && nts < 8;) {
+    int t = atoi(p);
+    if (t > 0) ts[nts++] = t;
+    const char *comma = strchr(p, ',');
+    if (!comma) break;
+    p = comma + 1;
+  }
+  const double t0 = now_s();
+  CK(cudaSetDevice(0));
+  CK(cudaFree(NULL));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const int mps = getenv("CUDA_MPS_PIPE_DIRECTORY") != NULL;
+  mok_client *c = NULL;
+  int r0 = mok_connect(NULL, "mok_bench_daemon", &c);
+  static config cfg[64];
+  static dres res[64];
+  const int n = make_plan(ts, nts, cfg);
+  if (r0 != MOK_OK) {
+    fprintf(stderr, "mok_bench_daemon: mok_connect: %s (%s)\n", mok_status_name(r0),
+            mok_last_error());
+    write_json(out, "none", "", mps, cfg, res, 0, "could not connect to mokd");
+    return 3;
+  }
+  const char *engine = mok_client_engine(c), *device = mok_client_device(c);
+  printf("mok_bench_daemon: mokd engine %s on %s%s\n", engine, device, mps ? " (MPS)" : "");
+  if (strcmp(engine, "cuda") != 0) {
+    write_json(out, engine, device, mps, cfg, res, 0, "mokd does not run the cuda engine");
+    mok_close(c);
+    return 3;
+  }
+  int failures = 0;
+  for (int i = 0; i < n; i++) {
+    const bench_shape *sh = &SHAPES[cfg[i].shape];
+    if (only && !strstr(only, sh->name)) continue;
+    if (now_s() - t0 > deadline) {
+      printf("skip %s T=%d %s (deadline)\n", sh->name, cfg[i].T,
+             cfg[i].skewed ? "skewed" : "balanced");
+      continue;
+    }
+    int ok = run_config(c, &cfg[i], routing_dir, reps, warmup, st, &res[i]);
+    if (ok)
+      printf("%-16s T=%-5d %-8s through mokd: fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f TF/s\n",
+             sh->name, cfg[i].T, cfg[i].skewed ? "skewed" : "balanced", res[i].fwd_ms,
+             res[i].flops_fwd / res[i].fwd_ms * 1e-9, res[i].bwd_ms,
+             2 * res[i].flops_fwd / res[i].bwd_ms * 1e-9);
+    fflush(stdout);
+    write_json(out, engine, device, mps, cfg, res, n, "jobs on device pointers, on the client's stream");
+    if (!ok) {
+      failures++;
+      break;
+    }
+  }
+  mok_close(c);
+  CK(cudaStreamDestroy(st));
+  printf("mok_bench_daemon: %.1f s, %d failure(s)\n", now_s() - t0, failures);
+  return failures ? 1 : 0;
+}
