@@ -115,6 +115,10 @@ struct mok_engine {
   char description[192];
   drv_api drv;
   uint64_t fence_timeout_ns;
+  /* allocations and frees of device scratch go through this stream (stream-
+   * ordered: cudaFree would wait for the whole device, and a session parked
+   * on a client fence would then hold the engine thread) */
+  cudaStream_t mem_stream;
   ipc_entry *ipc; /* opened IPC handles, shared by every session of this daemon */
 };
 
@@ -139,7 +143,9 @@ struct mok_engine_session {
   CUdeviceptr sync_dev;  /* its device address; 0 when it could not be registered */
   char sync_error[80];
   int32_t *d_status;     /* the running job's status word */
-  volatile int32_t *h_status; /* pinned, one per job slot */
+  volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
+  bool h_status_own;     /* from cudaHostAlloc */
+  cudaStream_t mem_stream;
   mok_engine_job jobs[MAX_JOBS];
 };
 
@@ -183,6 +189,11 @@ static bool context_broken(cudaStream_t stream) {
 
 static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
   *ret = NULL;
+  /* Load every kernel now, before the first CUDA call initialises the driver:
+   * with lazy loading, a kernel's first launch loads its module, which waits
+   * for the device, and a session stream parked on a client fence would hold
+   * the engine thread (and every other tenant) until that fence came. */
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   int n = 0;
   cudaError_t r = cudaGetDeviceCount(&n);
   if (r != cudaSuccess || n == 0) {
@@ -228,6 +239,11 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     log_warn("cuda engine: GPU %d reports no 64-bit stream memory operations (%s): jobs "
              "with GPU fences will fail",
              dev, cr != CUDA_SUCCESS ? drv_error(e, cr) : "attribute 0");
+  if (cudaStreamCreateWithFlags(&e->mem_stream, cudaStreamNonBlocking) != cudaSuccess) {
+    snprintf(err, errlen, "cuda engine: cannot create a stream");
+    free(e);
+    return MOK_EENGINE;
+  }
   st = mok_k_init();
   if (st != MOK_OK) {
     snprintf(err, errlen, "cuda engine: kernel set-up failed (CUDA error %d: %s)",
@@ -255,6 +271,10 @@ static void cuda_close(mok_engine *e) {
     cudaIpcCloseMemHandle(e->ipc->ptr);
     free(e->ipc);
     e->ipc = n;
+  }
+  if (e->mem_stream) {
+    cudaStreamSynchronize(e->mem_stream);
+    cudaStreamDestroy(e->mem_stream);
   }
   free(e);
 }
@@ -307,13 +327,17 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
   return MOK_OK;
 }
 
-static void layer_free(mok_engine_layer *l) {
-  cudaFree(l->ws);
-  cudaFree(l->ctx);
-  cudaFree(l->routed_a);
-  cudaFree(l->routed_b);
-  cudaFree(l->routed_c);
-  cudaFree(l->shared);
+static void free_async(void *p, cudaStream_t st) {
+  if (p) cudaFreeAsync(p, st);
+}
+
+static void layer_free(mok_engine_layer *l, cudaStream_t st) {
+  free_async(l->ws, st);
+  free_async(l->ctx, st);
+  free_async(l->routed_a, st);
+  free_async(l->routed_b, st);
+  free_async(l->routed_c, st);
+  free_async(l->shared, st);
   free(l);
 }
 
@@ -349,7 +373,8 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
   size_t total = 0;
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
     if (!bufs[i].bytes) continue;
-    cudaError_t r = cudaMalloc(bufs[i].p, bufs[i].bytes);
+    cudaError_t r = cudaMallocAsync(bufs[i].p, bufs[i].bytes, e->mem_stream);
+    if (r == cudaSuccess) r = cudaStreamSynchronize(e->mem_stream);
     if (r != cudaSuccess) {
       (void)cudaGetLastError();
       snprintf(err, errlen,
@@ -357,7 +382,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
                "max_tokens %u: %s",
                bufs[i].what, bufs[i].bytes >> 20, total >> 20, cfg->max_tokens,
                cudaGetErrorString(r));
-      layer_free(l);
+      layer_free(l, e->mem_stream);
       return MOK_ENOMEM;
     }
     total += bufs[i].bytes;
@@ -372,7 +397,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
 static void cuda_layer_close(mok_engine *e, mok_engine_layer *l) {
   if (!l) return;
   use_device(e);
-  layer_free(l);
+  layer_free(l, e->mem_stream);
 }
 
 /* ---- sessions ------------------------------------------------------------------------ */
@@ -384,8 +409,8 @@ static void session_free(mok_engine_session *s) {
   }
   if (s->stream) cudaStreamDestroy(s->stream);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
-  cudaFree(s->d_status);
-  if (s->h_status) cudaFreeHost((void *)s->h_status);
+  free_async(s->d_status, s->mem_stream);
+  if (s->h_status_own) cudaFreeHost((void *)s->h_status);
   free(s);
 }
 
@@ -402,9 +427,10 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
     return MOK_ENOMEM;
   }
   s->sync_host = sync_page;
+  s->mem_stream = e->mem_stream;
   cudaError_t r = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
-  if (r == cudaSuccess) r = cudaMalloc((void **)&s->d_status, sizeof(int32_t));
-  if (r == cudaSuccess) r = cudaHostAlloc((void **)&s->h_status, MAX_JOBS * sizeof(int32_t), 0);
+  if (r == cudaSuccess) r = cudaMallocAsync((void **)&s->d_status, sizeof(int32_t), e->mem_stream);
+  if (r == cudaSuccess) r = cudaStreamSynchronize(e->mem_stream);
   for (int i = 0; r == cudaSuccess && i < MAX_JOBS; i++) {
     s->jobs[i].slot = i;
     s->jobs[i].s = s;
@@ -427,11 +453,23 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
   }
   if (r == cudaSuccess) {
     s->sync_dev = (CUdeviceptr)(uintptr_t)dp;
+    /* the status words live in the pinned sync page too: no cudaFreeHost
+     * (which waits for the device) when the session goes */
+    s->h_status = (volatile int32_t *)((char *)sync_page + MOK_SHM_STATUS_OFFSET);
   } else {
     (void)cudaGetLastError();
     snprintf(s->sync_error, sizeof s->sync_error, "cudaHostRegister of the sync page: %s",
              cudaGetErrorString(r));
     log_warn("cuda engine: a session runs without GPU fences (%s)", s->sync_error);
+    r = cudaHostAlloc((void **)&s->h_status, MAX_JOBS * sizeof(int32_t), 0);
+    if (r != cudaSuccess) {
+      (void)cudaGetLastError();
+      snprintf(err, errlen, "cuda engine: cannot allocate pinned memory: %s",
+               cudaGetErrorString(r));
+      session_free(s);
+      return MOK_ENOMEM;
+    }
+    s->h_status_own = true;
   }
   *ret = s;
   return MOK_OK;
@@ -913,6 +951,8 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
              s->sync_error);
     j->host_signal = a->fence_signal != 0; /* still release the client's stream, in order */
   }
+  log_debug("cuda engine: start %s, fence_wait %llu, fence_signal %llu", mok_op_name(a->op),
+            (unsigned long long)a->fence_wait, (unsigned long long)a->fence_signal);
   CUresult cr = CUDA_SUCCESS;
   if (a->fence_wait && s->sync_dev)
     cr = e->drv.wait64(s->stream,
@@ -981,7 +1021,12 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   cudaError_t q = cudaEventQuery(j->ev_done);
   if (q == cudaErrorNotReady) {
     if (j->fence_wait && !j->fence_forced && s->sync_dev) {
-      if (!j->head_since) j->head_since = now == UINT64_MAX ? 1 : now;
+      if (!j->head_since) {
+        j->head_since = now == UINT64_MAX ? 1 : now;
+        log_debug("cuda engine: a %s job waits for client fence %llu (word %llu now)",
+                  mok_op_name(j->op), (unsigned long long)j->fence_wait,
+                  (unsigned long long)*mok_shm_sync_fence(s->sync_host, j->fence_wait));
+      }
       if (now == UINT64_MAX || now - j->head_since > e->fence_timeout_ns) {
         volatile uint64_t *w = mok_shm_sync_fence(s->sync_host, j->fence_wait);
         if (*w < j->fence_wait) {

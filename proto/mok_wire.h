@@ -134,7 +134,12 @@ _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its pag
 #define MOK_SHM_SYNC_OFFSET 2048u
 #define MOK_SHM_SYNC_DONE_OFFSET (MOK_SHM_SYNC_OFFSET + MOK_RING_ENTRIES * 8u)
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SYNC_OFFSET, "sync words after the header");
-_Static_assert(MOK_SHM_SYNC_DONE_OFFSET + 64u <= MOK_SHM_SQ_OFFSET, "sync words in the header page");
+/* The daemon's per-job status words (int32 [MOK_RING_ENTRIES]), in the same
+ * registered page: the client may read them but has no reason to. */
+#define MOK_SHM_STATUS_OFFSET 3072u
+_Static_assert(MOK_SHM_SYNC_DONE_OFFSET + 64u <= MOK_SHM_STATUS_OFFSET, "sync words first");
+_Static_assert(MOK_SHM_STATUS_OFFSET + 4u * MOK_RING_ENTRIES <= MOK_SHM_SQ_OFFSET,
+               "status words in the header page");
 
 static inline volatile uint64_t *mok_shm_sync_fence(void *page, uint64_t v) {
   return (volatile uint64_t *)((char *)page + MOK_SHM_SYNC_OFFSET) + (v % MOK_RING_ENTRIES);
