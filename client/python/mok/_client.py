@@ -70,14 +70,28 @@ def _raise(status):
     raise Error(status, _lib.last_error())
 
 
-def _check_torch(name, a):
+def _is_torch(a):
     mod = type(a).__module__ or ""
-    if mod == "torch" or mod.startswith("torch.") or hasattr(a, "__cuda_array_interface__"):
-        cuda = bool(getattr(a, "is_cuda", False)) or hasattr(a, "__cuda_array_interface__")
+    return mod == "torch" or mod.startswith("torch.")
+
+
+def _is_torch_cuda(a):
+    return _is_torch(a) and bool(getattr(a, "is_cuda", False))
+
+
+def _check_torch(name, a):
+    if _is_torch(a) or hasattr(a, "__cuda_array_interface__"):
         raise Error("EUNSUPPORTED",
-                    "%s is a %s tensor: torch CUDA tensors need the cuda engine and the torch "
-                    "path of this binding, which is not implemented yet; pass numpy arrays "
-                    "(e.g. t.detach().cpu().numpy())" % (name, "torch CUDA" if cuda else "torch"))
+                    "%s is a %s: pass numpy arrays, or torch CUDA tensors for every tensor "
+                    "argument of the call (they are used in place, on the current stream)" %
+                    (name, "torch CPU tensor" if _is_torch(a) else "CUDA array of another "
+                     "framework"))
+
+
+def _torch_dtype(code):
+    import torch
+    return {_lib.DTYPE_F32: torch.float32, _lib.DTYPE_BF16: torch.bfloat16,
+            _lib.DTYPE_I32: torch.int32, _lib.DTYPE_U8: torch.uint8}[code]
 
 
 def _round_region(n):
@@ -246,6 +260,20 @@ class Client:
                 _raise(st)
             self._wait(ticket.value)
             return time.perf_counter() - t0
+
+    def synchronize(self, timeout_ms=-1):
+        """Wait on the host for every job submitted so far (torch jobs included)
+        and raise the first failure of a torch job since the last check."""
+        with self._lock:
+            self._check_open()
+        st = _lib.lib().mok_sync(self._native.ptr, timeout_ms)
+        if st:
+            _raise(st)
+
+    def _check_async(self):
+        st = _lib.lib().mok_async_error(self._native.ptr)
+        if st:
+            _raise(st)
 
     # ---- memory ----
     def _alloc_region(self, nbytes):
@@ -420,7 +448,7 @@ def _out_map(out, names, op):
     """out= as a dict {slot: array}: one array, a dict, or a (named)tuple."""
     if out is None:
         return {}
-    if isinstance(out, np.ndarray):
+    if isinstance(out, np.ndarray) or _is_torch_cuda(out):
         if len(names) != 1:
             raise Error("EINVAL", "%s: out= must name its arrays (%s)" % (op, ", ".join(names)))
         return {names[0]: out}
@@ -455,7 +483,7 @@ class Context:
         self._inputs = inputs
         self._region = region
         self._fin = (weakref.finalize(self, layer.client._ctx_returned.append, region)
-                     if region is not None else None)
+                     if isinstance(region, _Region) else None)
 
     @property
     def nbytes(self):
@@ -477,6 +505,8 @@ class Context:
         """A copy of the saved bytes (uint8 [ctx_bytes]); None in recompute mode."""
         if self.recompute:
             return None
+        if _is_torch_cuda(self._region):
+            return self._region.cpu().numpy()
         c = self.layer.client
         with c._lock:
             c._check_open()
@@ -690,16 +720,18 @@ class Layer:
         return s
 
     def _tokens_of(self, op, slot, a):
-        _check_torch(slot, a)
-        shape = np.shape(a)
+        if not _is_torch_cuda(a):
+            _check_torch(slot, a)
+        shape = tuple(a.shape) if _is_torch_cuda(a) else np.shape(a)
         if len(shape) != 2 or shape[0] < 1:
             raise Error("ESHAPE", "%s: %s must be 2-d %s with T >= 1 tokens, got shape %s" % (
                 op, slot, _SLOT_DIMS[slot], tuple(shape)))
         return int(shape[0])
 
     def _tokens_of_schedule(self, op, schedule):
-        _check_torch("schedule", schedule)
-        shape = np.shape(schedule)
+        if not _is_torch_cuda(schedule):
+            _check_torch("schedule", schedule)
+        shape = tuple(schedule.shape) if _is_torch_cuda(schedule) else np.shape(schedule)
         if len(shape) != 1:
             raise Error("ESHAPE", "%s: schedule must be the 1-d int32 array dispatch returned, "
                         "got shape %s" % (op, tuple(shape)))
@@ -735,6 +767,9 @@ class Layer:
         c = self.client
         L = _lib.lib()
         out = out or {}
+        if any(_is_torch_cuda(a) for a in ins.values()) or \
+                any(_is_torch_cuda(a) for a in out.values()) or _is_torch_cuda(ctx):
+            return self._job_torch(op, T, ins, outs, out, flags, ctx)
         with c._lock:
             c._check_open()
             c._service()
@@ -816,6 +851,79 @@ class Layer:
                 else:
                     ret[slot] = view.copy()
             return ret, (region if ctx == "save" else None)
+
+    def _job_torch(self, op, T, ins, outs, out, flags, ctx):
+        """The torch path: every tensor a torch CUDA tensor, named in place (its
+        allocation registered once by libmok), the job ordered on the current
+        torch stream with GPU fences: returns at once, like a torch op. Outputs
+        are new tensors (or out=). A failure shows at the next call (or at
+        client.synchronize())."""
+        c = self.client
+        if c.engine != "cuda":
+            raise Error("EUNSUPPORTED", "%s: torch CUDA tensors need the cuda engine (this mokd "
+                        "runs the %s engine); pass numpy arrays (t.detach().cpu().numpy())" %
+                        (op, c.engine))
+        try:
+            import torch
+        except ImportError as e:
+            raise Error("EUNSUPPORTED", "%s: torch CUDA tensors need torch: %s" % (op, e))
+        L = _lib.lib()
+        with c._lock:
+            c._check_open()
+            c._service()
+            self._h()
+            if T > self.max_tokens:
+                raise Error("ELIMIT", "%s: %d tokens exceed max_tokens %d; the torch path does "
+                            "not re-create layers: create the layer with max_tokens >= %d" %
+                            (op, T, self.max_tokens, T))
+            c._check_async()
+            tensors = TensorArray()
+            device = None
+
+            def put(slot, t):
+                code, shape = self._expect(T, slot)
+                want = _torch_dtype(code)
+                if not _is_torch_cuda(t):
+                    raise Error("EINVAL", "%s: %s must be a torch CUDA tensor like the other "
+                                "arguments, got %s" % (op, slot, type(t).__name__))
+                if t.dtype != want or tuple(t.shape) != shape or not t.is_contiguous():
+                    raise Error("ESHAPE", "%s: %s must be a contiguous %s tensor of shape %s = "
+                                "%s, got %s %s" % (op, slot, want, shape,
+                                                   _SLOT_DIMS.get(slot, "?"), t.dtype,
+                                                   tuple(t.shape)))
+                s = tensors[SLOT[slot]]
+                s.data = t.data_ptr()
+                s.dtype = code
+                s.ndim = len(shape)
+                for i, d in enumerate(shape):
+                    s.shape[i] = d
+                return t
+
+            hold = []
+            for slot, a in ins.items():
+                if a is None:
+                    continue
+                hold.append(put(slot, a))
+                device = device or a.device
+            results = {}
+            for slot in outs:
+                code, shape = self._expect(T, slot)
+                t = out.get(slot)
+                if t is None:
+                    t = torch.empty(shape, dtype=_torch_dtype(code), device=device)
+                results[slot] = put(slot, t)
+            saved = None
+            if isinstance(ctx, str):  # "save", or "scratch" (recompute rebuilds it there)
+                saved = torch.empty(self.ctx_bytes(T), dtype=torch.uint8, device=device)
+                put("ctx", saved)
+            elif _is_torch_cuda(ctx):
+                put("ctx", ctx)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            st = L.mok_submit_on_stream(self._h(), OP[op], flags, T, tensors,
+                                        c_void_p(stream), None)
+            if st:
+                _raise(st)
+            return results, (saved if isinstance(ctx, str) and ctx == "save" else None)
 
     # ---- the whole layer ----
     def forward(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,

@@ -127,6 +127,10 @@ def _declare(lib):
         "mok_group_first_expert": (c.c_uint32, [P]),
         "mok_group_generation": (c.c_uint64, [P]),
         "mok_group_rejoined": (c.c_int, [P]),
+        "mok_submit_on_stream": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32,
+                                           c.POINTER(Tensor), P, c.POINTER(c.c_uint64)]),
+        "mok_async_error": (c.c_int, [P]),
+        "mok_sync": (c.c_int, [P, c.c_int]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
