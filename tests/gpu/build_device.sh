@@ -16,4 +16,6 @@ make -j"$(nproc)" BUILD="$B" PB_LIBS=-lprotobuf-c "$B/lib/libmok.so"
 make -j"$(nproc)" BUILD="$B" UV_LIBS="$LIBDIR/libuv_a.a" PB_LIBS="$LIBDIR/libprotobuf-c.a" \
   SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine"
 cp -L "$LIBDIR/libprotobuf-c.so.1" "$B/lib/"
+rm -rf "$B/python" && mkdir -p "$B/python" && cp -r client/python/mok "$B/python/"
+find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
 echo "built into $B"

@@ -6,20 +6,24 @@
 #      errors, stream fences, host-memfd and device (IPC) memory
 #   3. 4 concurrent client processes, without and with MPS: same bits
 #   4. a client fence that never comes (MOK_FENCE_TIMEOUT_MS) -> ETIMEOUT
-#   5. compute-sanitizer memcheck on mokd (small shapes)
+#   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py)
+#      and compute-sanitizer memcheck on mokd (small shapes)
 #   6. timings at T=2048 (issue 4's shapes, balanced routing)
 # and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
 # development machine with tests/gpu/build_device.sh and carried), else `make`.
 #
 #   tests/gpu/run_device_tests.sh [STEP...]   STEP: kernels correct concurrent fence
-#                                             sanitize time (default: all of them)
-# Environment: OUT (logs; default $MOK_DEVBUILD/logs), KERNEL_STEPS (default
+#                                             python sanitize time (default: all of them)
+# Environment: OUT (logs.tgz goes there, if set), LOGS (default /tmp/mok-device-logs), KERNEL_STEPS (default
 # "build correct"). Exit status 0 when every step passed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 B=${MOK_DEVBUILD:-.devbuild}
-LOGS=${OUT:-$B/logs}
+# logs in one folder, packed into $OUT/logs.tgz at the end (the GPU tool
+# brings back only a few files)
+LOGS=${LOGS:-/tmp/mok-device-logs}
+rm -rf "$LOGS"
 mkdir -p "$LOGS"
 export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0
@@ -40,7 +44,7 @@ fi
 MOKD_PID=
 start_mokd() { # [prefix...]
   rm -f "$SOCK"
-  "$@" "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$LOGS/mokd.log" 2>&1 &
+  "$@" "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level "${MOKD_LOG_LEVEL:-info}" >>"$LOGS/mokd.log" 2>&1 &
   MOKD_PID=$!
   for _ in $(seq 1 300); do
     [ -S "$SOCK" ] && return 0
@@ -51,7 +55,12 @@ start_mokd() { # [prefix...]
 }
 stop_mokd() {
   [ -n "$MOKD_PID" ] || return 0
-  kill -TERM "$MOKD_PID" 2>/dev/null
+  # under compute-sanitizer, mokd is the sanitizer's child: stop mokd itself
+  local child="" p
+  for p in $(pgrep -x mokd 2>/dev/null); do # the mokd on our socket (ours), by id
+    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--socket $SOCK" && child=$p
+  done
+  kill -TERM "${child:-$MOKD_PID}" 2>/dev/null
   local rc=0
   wait "$MOKD_PID" || rc=$?
   MOKD_PID=
@@ -125,10 +134,11 @@ step_concurrent() {
 
 step_fence() {
   note "a client fence that never comes"
-  start_mokd env MOK_FENCE_TIMEOUT_MS=1500 || { record fence "FAIL (mokd)"; return; }
+  MOKD_LOG_LEVEL=debug start_mokd env MOK_FENCE_TIMEOUT_MS=1500 || { record fence "FAIL (mokd)"; return; }
   timeout 120 "$TEST" fence 2>&1 | tee "$LOGS/fence.log"
   local rc=${PIPESTATUS[0]}
   stop_mokd || rc=1
+  grep -i "fence\|warn\|error" "$LOGS/mokd.log" | tail -8
   record fence "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
@@ -140,9 +150,21 @@ step_sanitize() {
   local rc=$?
   tail -2 "$LOGS/sanitize_client.log"
   stop_mokd || rc=$?
-  tail -3 "$LOGS/memcheck_mokd.log"
+  tail -6 "$LOGS/memcheck_mokd.log"
   grep -q "ERROR SUMMARY: 0 errors" "$LOGS/memcheck_mokd.log" || rc=1
   record sanitize "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_python() {
+  note "Python binding: torch CUDA tensors (zero copy, current stream) vs numpy"
+  start_mokd || { record python "FAIL (mokd)"; return; }
+  local pp="$ROOT/client/python"
+  [ -d "$B/python/mok" ] && pp="$ROOT/$B/python" # the binding as built with the carried libmok
+  PYTHONPATH="$pp" MOK_LIBRARY="$ROOT/$B/lib/libmok.so" PYTHONUNBUFFERED=1 \
+    timeout 180 python3 tests/gpu/test_torch.py 2>&1 | tee "$LOGS/python.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || rc=1
+  record python "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
 step_time() {
@@ -155,11 +177,11 @@ step_time() {
 }
 
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence sanitize time)
+[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 for s in "${steps[@]}"; do
   case $s in
-    kernels|correct|concurrent|fence|sanitize|time) "step_$s" ;;
+    kernels|correct|concurrent|fence|sanitize|python|time) "step_$s" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done
@@ -167,4 +189,5 @@ echo
 note "summary"
 for l in "${summary[@]}"; do echo "  $l"; done
 [ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 exit $status
