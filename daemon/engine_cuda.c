@@ -146,6 +146,8 @@ struct mok_engine_session {
   volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
   bool h_status_own;     /* from cudaHostAlloc */
   cudaStream_t mem_stream;
+  uint16_t *wstage;      /* daemon-local copy of a backward's routed weights */
+  size_t wstage_bytes;
   mok_engine_job jobs[MAX_JOBS];
 };
 
@@ -410,6 +412,7 @@ static void session_free(mok_engine_session *s) {
   if (s->stream) cudaStreamDestroy(s->stream);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
   free_async(s->d_status, s->mem_stream);
+  free_async(s->wstage, s->mem_stream);
   if (s->h_status_own) cudaFreeHost((void *)s->h_status);
   free(s);
 }
@@ -680,6 +683,7 @@ static void cuda_region_release(mok_engine *e, mok_region *r) {
 
 typedef struct job_ctx {
   mok_engine *e;
+  mok_engine_session *s;
   mok_engine_job *j;
   const mok_job_args *a;
   mok_engine_layer *l;
@@ -771,12 +775,59 @@ static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *route
                                    a->gs, a->us, shared_y, c->l->ws, c->status, c->st));
 }
 
+/* The dgrad GEMMs read the routed weights in column stripes (N-major B).
+ * Through a client's CUDA IPC mapping that ran ~8x slower than on memory the
+ * daemon allocated (H200: kimi-k2.7 backward 148 ms against 18 ms staged),
+ * so each backward first copies the weights into a per-session buffer with a
+ * streaming device-to-device copy (a few ms at these shapes). The buffer is
+ * the size of the session's largest layer's routed weights; jobs of a
+ * session run in order on its stream, so one buffer serves all its layers.
+ * MOK_CUDA_STAGE_WEIGHTS=0 turns it off (less memory, slower backward). */
+static bool stage_weights_enabled(void) {
+  static int on = -1;
+  if (on < 0) {
+    const char *v = getenv("MOK_CUDA_STAGE_WEIGHTS");
+    on = !(v && strcmp(v, "0") == 0);
+  }
+  return on > 0;
+}
+
+static void stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
+                          const uint16_t **wd) {
+  size_t n = (size_t)c->d.E_loc * c->d.I * c->d.H * 2; /* bytes of one of the three */
+  if (c->failed || !stage_weights_enabled() || n == 0) return;
+  mok_engine_session *s = c->s;
+  if (s->wstage_bytes < 3 * n) {
+    /* stream-ordered: earlier jobs of this session still using the old one finish first */
+    free_async(s->wstage, c->st);
+    s->wstage = NULL;
+    s->wstage_bytes = 0;
+    if (cudaMallocAsync((void **)&s->wstage, 3 * n, c->st) != cudaSuccess) {
+      (void)cudaGetLastError();
+      s->wstage = NULL;
+      return; /* no room: run on the client's memory, slower but right */
+    }
+    s->wstage_bytes = 3 * n;
+  }
+  uint16_t *dst[3] = {s->wstage, s->wstage + n / 2, s->wstage + n};
+  const uint16_t **src[3] = {wg, wu, wd};
+  for (int i = 0; i < 3; i++) {
+    cudaError_t r = cudaMemcpyAsync(dst[i], *src[i], n, cudaMemcpyDeviceToDevice, c->st);
+    if (r != cudaSuccess) {
+      job_fail(c, MOK_EENGINE, "staging weights: %s", cudaGetErrorString(r));
+      return;
+    }
+    *src[i] = dst[i];
+  }
+}
+
 static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
                              const uint16_t *routed_x, const uint16_t *routed_dout,
                              uint16_t *routed_dx, uint16_t *shared_dx) {
+  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+  stage_weights(c, &wg, &wu, &wd);
   LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
-                                  (const float *)T_(c, MOK_SLOT_ROUTER_W), BF(c, W_GATE),
-                                  BF(c, W_UP), BF(c, W_DOWN), routed_dx,
+                                  (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
                                   (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
                                   BF(c, D_W_DOWN), c->l->ws, c->status, c->st));
   if (c->d.I_s)
@@ -943,7 +994,7 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
   j->reads_status = false;
   j->status = MOK_OK;
   j->message[0] = '\0';
-  job_ctx c = {.e = e, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
+  job_ctx c = {.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
                .status = s->d_status};
 
   if ((a->fence_wait || a->fence_signal) && !s->sync_dev) {
