@@ -776,11 +776,18 @@ static bool run_jobs_round(mok_engine_thread *t) {
   return any;
 }
 
+/* A job the engine could take now: submitted, and room for its completion.
+ * A session whose completion ring is full (a client that does not drain it)
+ * does not count, or the engine would spin on it for ever; it is served
+ * again once the client drains and submits (which rings the doorbell). */
 static bool any_job_pending(mok_engine_thread *t) {
   for (esession *s = t->sessions; s; s = s->next) {
     if (s->faulted || s->detaching) continue;
-    uint32_t tail = atomic_load_explicit(&s->shm.hdr->sq_tail.value, memory_order_acquire);
-    if (tail != s->sq_head) return true;
+    mok_shm_header *h = s->shm.hdr;
+    uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
+    uint32_t cq_head = atomic_load_explicit(&h->cq_head.value, memory_order_acquire);
+    uint32_t used = s->cq_tail - cq_head;
+    if (tail != s->sq_head && used + s->n_pend < MOK_RING_ENTRIES) return true;
   }
   return false;
 }

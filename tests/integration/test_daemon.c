@@ -600,6 +600,46 @@ static void test_shutdown_drains_and_refuses_a_second_daemon(void) {
   mok_close(c);
 }
 
+/* CPU seconds the process has used (utime + stime from /proc). */
+static double cpu_seconds(pid_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  CHECK(f != NULL);
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+  unsigned long long ut = 0, st = 0;
+  CHECK(p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2);
+  return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static void test_a_client_that_never_drains_costs_no_cpu(void) {
+  daemon_proc d = start_daemon(NULL);
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "hoarder", &c) == MOK_OK);
+  uint64_t t;
+  for (uint32_t i = 0; i < MOK_RING_ENTRIES; i++) CHECK(mok_submit_nop(c, &t) == MOK_OK);
+  usleep(200000); /* the completion ring is now full and never drained */
+  /* go past libmok's own limit, as a hostile client would: more submissions wait */
+  c->outstanding = 0;
+  for (int i = 0; i < 8; i++) CHECK(mok_submit_nop(c, &t) == MOK_OK);
+  usleep(300000);
+  double before = cpu_seconds(d.pid);
+  usleep(1000000);
+  double used = cpu_seconds(d.pid) - before;
+  CHECK_MSG(used < 0.3, "mokd burned %.2f s of CPU in 1 s on a full completion ring", used);
+  CHECK(daemon_alive(&d));
+  mok_client *other; /* and everyone else is still served */
+  CHECK(mok_connect(d.sock, "other", &other) == MOK_OK);
+  CHECK(mok_submit_nop(other, &t) == MOK_OK);
+  CHECK_EQ_INT(mok_wait(other, t, 5000), MOK_OK);
+  mok_close(other);
+  kill(d.pid, SIGKILL); /* c's books are cooked: no orderly close */
+  waitpid(d.pid, NULL, 0);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_forward_backward_match_the_reference),
     CHECK_CASE(test_many_nops_round_trip),
@@ -610,6 +650,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_a_killed_client_loses_only_its_session),
     CHECK_CASE(test_concurrent_clients_each_get_their_results),
     CHECK_CASE(test_shutdown_drains_and_refuses_a_second_daemon),
+    CHECK_CASE(test_a_client_that_never_drains_costs_no_cpu),
     {0}};
 
 int main(int argc, char **argv) {
