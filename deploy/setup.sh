@@ -2,8 +2,9 @@
 # Installs what mok needs to build and test, from Debian's packages.
 # As root it installs what is missing; otherwise it says exactly what is.
 set -eu
+# build and tests; clang + its runtime for the fuzzers; systemd for unit verification
 pkgs=(build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-      libsystemd-dev python3 python3-numpy python3-pytest)
+      libsystemd-dev python3 python3-numpy python3-pytest clang libclang-rt-14-dev systemd)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
