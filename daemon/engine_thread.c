@@ -496,6 +496,14 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     o->layers = (uint32_t)s->n_layers;
     o->jobs_done = s->jobs_done;
     o->jobs_failed = s->jobs_failed;
+    for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
+      mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
+      if (!g) continue;
+      o->groups[o->n_groups++] = (mok_group_stats){
+          .group_id = mok_ep_group_id(g), .rank = mok_ep_group_rank(g),
+          .world = mok_ep_group_get_sizing(g)->world,
+          .generation = mok_ep_group_generation(g), .sequence = mok_ep_group_sequence(g)};
+    }
   }
   c->status = MOK_OK;
 }

@@ -31,8 +31,17 @@ typedef enum mok_cmd_kind {
   MOK_CMD_LEAVE_GROUP
 } mok_cmd_kind;
 
+#define MOK_STATS_GROUPS_MAX 8
+
+typedef struct mok_group_stats {
+  uint32_t group_id, rank, world;
+  uint64_t generation, sequence;
+} mok_group_stats;
+
 typedef struct mok_session_stats {
   uint64_t session_id;
+  mok_group_stats groups[MOK_STATS_GROUPS_MAX];
+  uint32_t n_groups;
   uint32_t regions;
   uint64_t region_bytes;
   uint32_t layers;

@@ -613,9 +613,14 @@ static void reply_stats(session *s, mok_cmd *c) {
   sr.job_latency_p99_ns = st->latency_p99_ns;
   Mok__SessionInfo *infos = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *infos);
   Mok__SessionInfo **ptrs = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *ptrs);
-  if (!infos || !ptrs) {
+  size_t ng = (st->n_sessions ? st->n_sessions : 1) * MOK_STATS_GROUPS_MAX;
+  Mok__GroupInfo *ginfos = calloc(ng, sizeof *ginfos);
+  Mok__GroupInfo **gptrs = calloc(ng, sizeof *gptrs);
+  if (!infos || !ptrs || !ginfos || !gptrs) {
     free(infos);
     free(ptrs);
+    free(ginfos);
+    free(gptrs);
     reply_status(s, c->request_id, MOK_ENOMEM, "out of memory");
     return;
   }
@@ -632,6 +637,19 @@ static void reply_stats(session *s, mok_cmd *c) {
     infos[i].layers = ss->layers;
     infos[i].jobs_done = ss->jobs_done;
     infos[i].jobs_failed = ss->jobs_failed;
+    Mok__GroupInfo *gi = &ginfos[i * MOK_STATS_GROUPS_MAX];
+    Mok__GroupInfo **gp = &gptrs[i * MOK_STATS_GROUPS_MAX];
+    for (uint32_t k = 0; k < ss->n_groups; k++) {
+      mok__group_info__init(&gi[k]);
+      gi[k].group_id = ss->groups[k].group_id;
+      gi[k].rank = ss->groups[k].rank;
+      gi[k].world = ss->groups[k].world;
+      gi[k].generation = ss->groups[k].generation;
+      gi[k].sequence = ss->groups[k].sequence;
+      gp[k] = &gi[k];
+    }
+    infos[i].n_groups = ss->n_groups;
+    infos[i].groups = gp;
     ptrs[i] = &infos[i];
   }
   sr.n_sessions = st->n_sessions;
@@ -642,6 +660,8 @@ static void reply_stats(session *s, mok_cmd *c) {
   send_reply(s, c->request_id, &reply, NULL, 0);
   free(infos);
   free(ptrs);
+  free(ginfos);
+  free(gptrs);
 }
 
 static void reply_from_engine(session *s, mok_cmd *c) {

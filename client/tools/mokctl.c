@@ -54,6 +54,12 @@ static void print_text(const Mok__StatsReply *s) {
            (unsigned long long)x->session_id, x->client_name, x->uid, x->pid, x->regions,
            (unsigned long long)x->region_bytes, x->layers, (unsigned long long)x->jobs_done,
            (unsigned long long)x->jobs_failed);
+    for (size_t k = 0; k < x->n_groups; k++) {
+      const Mok__GroupInfo *g = x->groups[k];
+      printf("           group %u: rank %u of %u, generation %llu, %llu jobs\n", g->group_id,
+             g->rank, g->world, (unsigned long long)g->generation,
+             (unsigned long long)g->sequence);
+    }
   }
 }
 
@@ -75,9 +81,17 @@ static void print_json(const Mok__StatsReply *s) {
     printf("%s{\"id\": %llu, \"client\": ", i ? ", " : "", (unsigned long long)x->session_id);
     json_str(x->client_name);
     printf(", \"uid\": %u, \"pid\": %u, \"regions\": %u, \"region_bytes\": %llu, "
-           "\"layers\": %u, \"jobs_done\": %llu, \"jobs_failed\": %llu}",
+           "\"layers\": %u, \"jobs_done\": %llu, \"jobs_failed\": %llu, \"groups\": [",
            x->uid, x->pid, x->regions, (unsigned long long)x->region_bytes, x->layers,
            (unsigned long long)x->jobs_done, (unsigned long long)x->jobs_failed);
+    for (size_t k = 0; k < x->n_groups; k++) {
+      const Mok__GroupInfo *g = x->groups[k];
+      printf("%s{\"id\": %u, \"rank\": %u, \"world\": %u, \"generation\": %llu, "
+             "\"jobs\": %llu}",
+             k ? ", " : "", g->group_id, g->rank, g->world, (unsigned long long)g->generation,
+             (unsigned long long)g->sequence);
+    }
+    printf("]}");
   }
   printf("]}\n");
 }
@@ -121,6 +135,14 @@ static void print_metrics(const Mok__StatsReply *s) {
     label_value(x->client_name);
     printf("\",uid=\"%u\"} %llu\n", x->uid, (unsigned long long)x->region_bytes);
   }
+  metric("mok_group_jobs_total", "counter", "Group jobs run, by session, group and rank");
+  for (size_t i = 0; i < s->n_sessions; i++)
+    for (size_t k = 0; k < s->sessions[i]->n_groups; k++) {
+      const Mok__GroupInfo *g = s->sessions[i]->groups[k];
+      printf("mok_group_jobs_total{session=\"%llu\",group=\"%u\",rank=\"%u\",world=\"%u\"} %llu\n",
+             (unsigned long long)s->sessions[i]->session_id, g->group_id, g->rank, g->world,
+             (unsigned long long)g->sequence);
+    }
   metric("mok_session_jobs_total", "counter", "Jobs completed, by session and result");
   for (size_t i = 0; i < s->n_sessions; i++) {
     const Mok__SessionInfo *x = s->sessions[i];

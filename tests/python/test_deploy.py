@@ -186,3 +186,38 @@ def test_make_install_then_run_the_installed_daemon_and_python_package(tmp):
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(os.path.join(dest, "usr/bin/mokd"))
     assert os.path.exists(os.path.join(dest, "etc/mok/mokd.conf"))  # configuration is kept
+
+
+def test_mokctl_lists_sessions_and_groups(tmp):
+    sys.path.insert(0, os.path.join(REPO, "client", "python"))
+    import json
+    import mok
+    sock = os.path.join(tmp, "ctl.sock")
+    p = subprocess.Popen([MOKD, "--socket", sock, "--engine", "cpu", "--log-level", "warn"])
+    try:
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        c = mok.connect(sock)
+        c.group("ctl-demo", 1, 2, max_tokens=16, hidden=16, topk=2, experts=4)
+        ctl = os.path.join(os.path.dirname(MOKD), "mokctl")
+        st = json.loads(subprocess.run([ctl, "--socket", sock, "status", "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+        mine = [s for s in st["sessions"] if s["groups"]]
+        assert len(mine) == 1 and mine[0]["pid"] == os.getpid(), st
+        assert mine[0]["groups"][0]["rank"] == 1 and mine[0]["groups"][0]["world"] == 2
+        text = subprocess.run([ctl, "--socket", sock, "status"], capture_output=True, text=True,
+                              check=True).stdout
+        assert "rank 1 of 2" in text, text
+        metrics = subprocess.run([ctl, "--socket", sock, "metrics"], capture_output=True,
+                                 text=True, check=True).stdout
+        assert 'mok_group_jobs_total{session="%d",group="1",rank="1",world="2"} 0' % c.session \
+            in metrics, metrics
+        assert "# TYPE mok_jobs_total counter" in metrics
+        c.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
