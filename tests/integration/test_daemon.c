@@ -15,83 +15,15 @@
 
 #include "check.h"
 #include "frame.h"
+#include "harness.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok.pb-c.h"
 #include "ref64.h"
 
-/* ---- daemon under test ---- */
-
-typedef struct daemon_proc {
-  pid_t pid;
-  char dir[64];
-  char sock[128];
-} daemon_proc;
-
-static const char *build_dir(void) {
-  const char *b = getenv("MOK_BUILD");
-  return b && *b ? b : "build";
-}
-
-static int can_connect(const char *path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-  int ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
-  close(fd);
-  return ok;
-}
-
-/* Start mokd with extra config lines; waits until it accepts connections. */
-static daemon_proc start_daemon(const char *config_text) {
-  daemon_proc d;
-  snprintf(d.dir, sizeof d.dir, "/tmp/mok-test-XXXXXX");
-  CHECK(mkdtemp(d.dir) != NULL);
-  snprintf(d.sock, sizeof d.sock, "%s/mokd.sock", d.dir);
-  char cfg[128], bin[256];
-  snprintf(cfg, sizeof cfg, "%s/mokd.conf", d.dir);
-  FILE *f = fopen(cfg, "w");
-  fprintf(f, "threads = 2\nlog-level = warn\n%s", config_text ? config_text : "");
-  fclose(f);
-  snprintf(bin, sizeof bin, "%s/bin/mokd", build_dir());
-  d.pid = fork();
-  CHECK(d.pid >= 0);
-  if (d.pid == 0) {
-    /* a failed test exits at once: the daemon must not outlive it (and hold its pipes) */
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    execl(bin, "mokd", "--socket", d.sock, "--engine", "cpu", "--config", cfg, (char *)NULL);
-    perror("exec mokd");
-    _exit(127);
-  }
-  for (int i = 0; i < 500 && !can_connect(d.sock); i++) usleep(10000);
-  CHECK_MSG(can_connect(d.sock), "mokd did not start serving %s", d.sock);
-  return d;
-}
-
-/* SIGTERM; returns the exit status (or 128+signal). */
-static int stop_daemon(daemon_proc *d) {
-  kill(d->pid, SIGTERM);
-  int st = 0;
-  waitpid(d->pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
-static int daemon_alive(const daemon_proc *d) {
-  int st;
-  return waitpid(d->pid, &st, WNOHANG) == 0;
-}
+/* The daemon under test and raw sockets to it: tests/integration/harness.h. */
 
 /* ---- raw protocol helpers ---- */
-
-static int raw_connect(const char *path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-  CHECK(connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
-  struct timeval tv = {.tv_sec = 5};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  return fd;
-}
 
 static void send_request(int fd, const Mok__Request *req) {
   uint8_t buf[4096];
@@ -107,21 +39,6 @@ static void send_hello(int fd, uint32_t version) {
   req.body_case = MOK__REQUEST__BODY_HELLO;
   req.hello = &h;
   send_request(fd, &req);
-}
-
-/* Read one reply: its status and message; closes fds it carried. */
-static int read_reply(int fd, char *msg, size_t msglen) {
-  static uint8_t buf[MOK_FRAME_MAX + 1];
-  mok_frame f;
-  int r = mok_frame_recv(fd, buf, sizeof buf, MOK_FRAME_MAX, 0, &f);
-  CHECK_MSG(r == 0, "no reply frame (recv %d)", r);
-  mok_frame_close_fds(&f);
-  Mok__Reply *rep = mok__reply__unpack(NULL, f.len, f.payload);
-  CHECK(rep != NULL);
-  int st = rep->status;
-  snprintf(msg, msglen, "%s", rep->message);
-  mok__reply__free_unpacked(rep, NULL);
-  return st;
 }
 
 /* After a protocol error the daemon closes the connection. */
@@ -242,7 +159,7 @@ static void run_and_check(mok_client *c, problem *p) {
 /* ---- tests ---- */
 
 static void test_forward_backward_match_the_reference(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   mok_client *c;
   CHECK_MSG(mok_connect(d.sock, "test", &c) == MOK_OK, "%s", mok_last_error());
   CHECK(strcmp(mok_client_engine(c), "cpu") == 0);
@@ -254,13 +171,13 @@ static void test_forward_backward_match_the_reference(void) {
   CHECK_EQ_INT(st.jobs_done, 2);
   CHECK_EQ_INT(st.jobs_failed, 0);
   mok_close(c);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
   struct stat sb;
   CHECK_MSG(stat(d.sock, &sb) < 0, "the socket was left behind");
 }
 
 static void test_many_nops_round_trip(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   mok_client *c;
   CHECK(mok_connect(d.sock, "nops", &c) == MOK_OK);
   uint64_t tickets[MOK_RING_ENTRIES];
@@ -275,7 +192,7 @@ static void test_many_nops_round_trip(void) {
   CHECK(mok_stats(c, &st) == MOK_OK);
   CHECK_EQ_INT(st.jobs_done, 50 * MOK_RING_ENTRIES);
   mok_close(c);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 typedef struct raw_case {
@@ -325,7 +242,7 @@ static void send_hello_with_fd(int fd) {
 }
 
 static void test_malformed_frames_close_only_their_session(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   mok_client *bystander;
   CHECK(mok_connect(d.sock, "bystander", &bystander) == MOK_OK);
   problem p;
@@ -341,35 +258,35 @@ static void test_malformed_frames_close_only_their_session(void) {
       {"fd with hello", send_hello_with_fd, MOK_EPROTO, "takes none"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    int fd = raw_connect(d.sock);
+    int fd = harness_raw_connect(d.sock);
     cases[i].send(fd);
     char msg[512];
-    int st = read_reply(fd, msg, sizeof msg);
+    int st = harness_read_reply(fd, msg, sizeof msg);
     CHECK_MSG(st == cases[i].status, "%s: status %d (%s)", cases[i].name, st, msg);
     CHECK_MSG(strstr(msg, cases[i].needle), "%s: message \"%s\"", cases[i].name, msg);
     expect_closed(fd);
   }
-  CHECK(daemon_alive(&d));
+  CHECK(harness_alive(&d));
   run_and_check(bystander, &p); /* the earlier session lost nothing */
   mok_close(bystander);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 static void test_handshake_timeout_and_second_hello(void) {
-  daemon_proc d = start_daemon("hello-timeout-ms = 200\n");
-  int fd = raw_connect(d.sock);
+  daemon_proc d = harness_start("hello-timeout-ms = 200\n");
+  int fd = harness_raw_connect(d.sock);
   char msg[512];
-  CHECK_EQ_INT(read_reply(fd, msg, sizeof msg), MOK_ETIMEOUT);
+  CHECK_EQ_INT(harness_read_reply(fd, msg, sizeof msg), MOK_ETIMEOUT);
   CHECK_STR_CONTAINS(msg, "no Hello");
   expect_closed(fd);
-  fd = raw_connect(d.sock);
+  fd = harness_raw_connect(d.sock);
   send_hello(fd, MOK_PROTOCOL_VERSION);
-  CHECK_EQ_INT(read_reply(fd, msg, sizeof msg), MOK_OK);
+  CHECK_EQ_INT(harness_read_reply(fd, msg, sizeof msg), MOK_OK);
   send_hello(fd, MOK_PROTOCOL_VERSION);
-  CHECK_EQ_INT(read_reply(fd, msg, sizeof msg), MOK_EPROTO);
+  CHECK_EQ_INT(harness_read_reply(fd, msg, sizeof msg), MOK_EPROTO);
   CHECK_STR_CONTAINS(msg, "Hello sent twice");
   expect_closed(fd);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 /* A descriptor for forward naming p's tensors, for corrupting. */
@@ -414,7 +331,7 @@ static int submit_and_wait(mok_client *c, mok_job_desc *desc) {
 }
 
 static void test_bad_descriptors_fail_only_their_job(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   mok_client *c, *other;
   CHECK(mok_connect(d.sock, "victim", &other) == MOK_OK);
   CHECK(mok_connect(d.sock, "attacker", &c) == MOK_OK);
@@ -461,11 +378,11 @@ static void test_bad_descriptors_fail_only_their_job(void) {
   CHECK_EQ_INT(st.jobs_failed, 7);
   mok_close(c);
   mok_close(other);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 static void test_unsealed_memfd_and_quota_are_refused(void) {
-  daemon_proc d = start_daemon("max-region-bytes = 1048576\nmax-regions = 3\n");
+  daemon_proc d = harness_start("max-region-bytes = 1048576\nmax-regions = 3\n");
   mok_client *c;
   CHECK(mok_connect(d.sock, "quota", &c) == MOK_OK);
   /* an unsealed memfd could be truncated under the daemon */
@@ -493,11 +410,11 @@ static void test_unsealed_memfd_and_quota_are_refused(void) {
   CHECK(mok_host_free(c, b) == MOK_OK);
   CHECK(mok_host_alloc(c, 4096) != NULL); /* freed room is reusable */
   mok_close(c);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 static void test_a_killed_client_loses_only_its_session(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   for (int round = 0; round < 3; round++) {
     pid_t child = fork();
     CHECK(child >= 0);
@@ -518,7 +435,7 @@ static void test_a_killed_client_loses_only_its_session(void) {
     waitpid(child, &st, 0);
     CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
   }
-  CHECK(daemon_alive(&d));
+  CHECK(harness_alive(&d));
   mok_client *c;
   CHECK(mok_connect(d.sock, "survivor", &c) == MOK_OK);
   problem p;
@@ -532,11 +449,11 @@ static void test_a_killed_client_loses_only_its_session(void) {
   }
   CHECK_EQ_INT(st.sessions_now, 1);
   mok_close(c);
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 static void test_concurrent_clients_each_get_their_results(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   enum { CLIENTS = 4 };
   pid_t kids[CLIENTS];
   for (int k = 0; k < CLIENTS; k++) {
@@ -559,14 +476,14 @@ static void test_concurrent_clients_each_get_their_results(void) {
     waitpid(kids[k], &st, 0);
     CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "client %d failed", k);
   }
-  CHECK_EQ_INT(stop_daemon(&d), 0);
+  CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
 static void test_shutdown_drains_and_refuses_a_second_daemon(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   /* a second daemon on the same live socket must refuse, not steal it */
   char bin[256];
-  snprintf(bin, sizeof bin, "%s/bin/mokd", build_dir());
+  snprintf(bin, sizeof bin, "%s/bin/mokd", harness_build_dir());
   pid_t pid = fork();
   if (pid == 0) {
     int nul = open("/dev/null", O_WRONLY);
@@ -577,7 +494,7 @@ static void test_shutdown_drains_and_refuses_a_second_daemon(void) {
   int st;
   waitpid(pid, &st, 0);
   CHECK(WIFEXITED(st) && WEXITSTATUS(st) != 0);
-  CHECK(can_connect(d.sock));
+  CHECK(harness_can_connect(d.sock));
   mok_client *c;
   CHECK(mok_connect(d.sock, "drain", &c) == MOK_OK);
   problem p;
@@ -592,7 +509,7 @@ static void test_shutdown_drains_and_refuses_a_second_daemon(void) {
   for (int i = 0; i < 16; i++) CHECK_MSG(mok_wait(c, t[i], 10000) == MOK_OK, "job %d: %s", i, mok_last_error());
   waitpid(d.pid, &st, 0);
   CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  CHECK(!can_connect(d.sock));
+  CHECK(!harness_can_connect(d.sock));
   uint64_t t2;
   int r = mok_submit_nop(c, &t2);
   if (r == MOK_OK) r = mok_wait(c, t2, 2000);
@@ -616,7 +533,7 @@ static double cpu_seconds(pid_t pid) {
 }
 
 static void test_a_client_that_never_drains_costs_no_cpu(void) {
-  daemon_proc d = start_daemon(NULL);
+  daemon_proc d = harness_start(NULL);
   mok_client *c;
   CHECK(mok_connect(d.sock, "hoarder", &c) == MOK_OK);
   uint64_t t;
@@ -630,7 +547,7 @@ static void test_a_client_that_never_drains_costs_no_cpu(void) {
   usleep(1000000);
   double used = cpu_seconds(d.pid) - before;
   CHECK_MSG(used < 0.3, "mokd burned %.2f s of CPU in 1 s on a full completion ring", used);
-  CHECK(daemon_alive(&d));
+  CHECK(harness_alive(&d));
   mok_client *other; /* and everyone else is still served */
   CHECK(mok_connect(d.sock, "other", &other) == MOK_OK);
   CHECK(mok_submit_nop(other, &t) == MOK_OK);
