@@ -313,6 +313,23 @@ static void put(mok_tensor *t, const mok_layer *l, uint32_t tokens, uint32_t slo
   if (data) t[slot] = mok_tensor_for(l, tokens, slot, data);
 }
 
+/* The inputs forward and backward share: tokens, routing and weights. */
+static void put_layer_inputs(mok_tensor *t, const mok_layer *l, uint32_t tokens, const void *x,
+                             const int32_t *ids, const float *rw, const void *w_gate,
+                             const void *w_up, const void *w_down, const void *s_gate,
+                             const void *s_up, const void *s_down) {
+  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
+  put(t, l, tokens, MOK_SLOT_X, x);
+  put(t, l, tokens, MOK_SLOT_TOPK_IDS, ids);
+  put(t, l, tokens, MOK_SLOT_ROUTER_W, rw);
+  put(t, l, tokens, MOK_SLOT_W_GATE, w_gate);
+  put(t, l, tokens, MOK_SLOT_W_UP, w_up);
+  put(t, l, tokens, MOK_SLOT_W_DOWN, w_down);
+  put(t, l, tokens, MOK_SLOT_S_GATE, s_gate);
+  put(t, l, tokens, MOK_SLOT_S_UP, s_up);
+  put(t, l, tokens, MOK_SLOT_S_DOWN, s_down);
+}
+
 int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
   forward_tensors(l, tokens, a, t);
@@ -321,16 +338,8 @@ int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64
 
 static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
                             mok_tensor *t) {
-  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
-  put(t, l, tokens, MOK_SLOT_X, a->x);
-  put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
-  put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
-  put(t, l, tokens, MOK_SLOT_W_GATE, a->w_gate);
-  put(t, l, tokens, MOK_SLOT_W_UP, a->w_up);
-  put(t, l, tokens, MOK_SLOT_W_DOWN, a->w_down);
-  put(t, l, tokens, MOK_SLOT_S_GATE, a->s_gate);
-  put(t, l, tokens, MOK_SLOT_S_UP, a->s_up);
-  put(t, l, tokens, MOK_SLOT_S_DOWN, a->s_down);
+  put_layer_inputs(t, l, tokens, a->x, a->topk_ids, a->router_weights, a->w_gate, a->w_up,
+                   a->w_down, a->s_gate, a->s_up, a->s_down);
   put(t, l, tokens, MOK_SLOT_OUT, a->out);
   put(t, l, tokens, MOK_SLOT_CTX, a->ctx);
 }
@@ -359,16 +368,8 @@ int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backwa
 
 static void backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
                              mok_tensor *t) {
-  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
-  put(t, l, tokens, MOK_SLOT_X, a->x);
-  put(t, l, tokens, MOK_SLOT_TOPK_IDS, a->topk_ids);
-  put(t, l, tokens, MOK_SLOT_ROUTER_W, a->router_weights);
-  put(t, l, tokens, MOK_SLOT_W_GATE, a->w_gate);
-  put(t, l, tokens, MOK_SLOT_W_UP, a->w_up);
-  put(t, l, tokens, MOK_SLOT_W_DOWN, a->w_down);
-  put(t, l, tokens, MOK_SLOT_S_GATE, a->s_gate);
-  put(t, l, tokens, MOK_SLOT_S_UP, a->s_up);
-  put(t, l, tokens, MOK_SLOT_S_DOWN, a->s_down);
+  put_layer_inputs(t, l, tokens, a->x, a->topk_ids, a->router_weights, a->w_gate, a->w_up,
+                   a->w_down, a->s_gate, a->s_up, a->s_down);
   put(t, l, tokens, MOK_SLOT_D_OUT, a->d_out);
   put(t, l, tokens, MOK_SLOT_CTX, a->ctx);
   put(t, l, tokens, MOK_SLOT_D_X, a->d_x);
