@@ -1,0 +1,45 @@
+"""mok.torch: MoE layers on mokd as PyTorch modules (autograd, zero copy, current stream).
+
+    import torch, mok.torch
+    moe = mok.torch.MoE(hidden=H, intermediate=I, experts=E, topk=K,
+                        shared_intermediate=0).cuda()          # bf16 Parameters
+    out = moe(x, topk_ids, router_weights)  # x [T,H] bf16 CUDA, ids [T,K] int32, rw [T,K] f32
+    out.float().sum().backward()            # .grad of x, router_weights and every weight
+
+Importing this module never imports torch: without PyTorch, ``import mok.torch``
+works and the first use of MoE (or any name below) raises ImportError. The
+implementation is mok._torch_impl; docs/torch.md describes the design
+(saved context, streams, registration cache, gradients, torch.compile, CUDA
+graphs).
+
+Names: MoE, MoEFunction, moe, moe_reference, default_client, registrations,
+set_default_client.
+"""
+import importlib
+
+__all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
+           "set_default_client", "registrations"]
+
+_impl = None
+
+
+def _load():
+    global _impl
+    if _impl is None:
+        try:
+            import torch  # noqa: F401  (absolute: the real PyTorch, never this module)
+        except ImportError as e:
+            raise ImportError("mok.torch needs PyTorch (import torch failed: %s); the rest of "
+                              "the mok package works without it" % e) from e
+        _impl = importlib.import_module("mok._torch_impl")
+    return _impl
+
+
+def __getattr__(name):
+    if name in __all__:
+        return getattr(_load(), name)
+    raise AttributeError("module 'mok.torch' has no attribute %r" % name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
