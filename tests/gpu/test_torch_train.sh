@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# mok.torch on a GPU machine, in one call (issue 8):
+#   1. tests/gpu/test_torch_moe.py: MoE vs plain PyTorch, recompute, determinism,
+#      .grad accumulation, registration counter vs mokd's count, torch.compile
+#      (graph break, fullgraph refused, reduce-overhead), CUDA graph capture refused
+#   2. client/python/examples/train_tiny_moe.py: a tiny MoE transformer trained
+#      through mokd (loss falls, two runs bitwise equal, pure PyTorch curve), no MPS
+#   3. the same example under MPS (step times), unless MPS=0
+# Binaries: $MOK_DEVBUILD (default .devbuild, from tests/gpu/build_device.sh),
+# else `make`. Logs go to $LOGS (default /tmp/mok-torch-logs) and, when $OUT is
+# set, are copied there (a few plain files). Exit status 0 when every step passed.
+#   tests/gpu/test_torch_train.sh [STEP...]   STEP: moe train mps (default: all)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+B=${MOK_DEVBUILD:-.devbuild}
+LOGS=${LOGS:-/tmp/mok-torch-logs}
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT/client/python${PYTHONPATH:+:$PYTHONPATH}"
+export MOK_LIBRARY="$ROOT/$B/lib/libmok.so" MOKCTL="$ROOT/$B/bin/mokctl"
+SOCK=/tmp/mok-torchtest.sock
+export MOK_SOCKET=$SOCK
+TRAIN_ARGS=${TRAIN_ARGS:-}
+summary=()
+status=0
+note() { printf '== %s\n' "$*"; }
+record() { summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+
+if [ ! -x "$B/bin/mokd" ] || [ ! -x "$B/bin/mokctl" ] || [ ! -e "$B/lib/libmok.so" ]; then
+  note "building into $B"
+  make -j"$(nproc)" BUILD="$B" all >"$LOGS/build.log" 2>&1 || { tail -30 "$LOGS/build.log"; exit 1; }
+fi
+
+MOKD_PID=
+start_mokd() {
+  rm -f "$SOCK"
+  "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$LOGS/mokd.log" 2>&1 &
+  MOKD_PID=$!
+  for _ in $(seq 1 300); do
+    [ -S "$SOCK" ] && return 0
+    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$LOGS/mokd.log"; return 1; }
+    sleep 0.1
+  done
+  echo "mokd did not come up"; return 1
+}
+stop_mokd() {
+  [ -n "$MOKD_PID" ] || return 0
+  kill -TERM "$MOKD_PID" 2>/dev/null
+  local rc=0
+  wait "$MOKD_PID" || rc=$?
+  MOKD_PID=
+  return $rc
+}
+MPS_ON=0
+stop_mps() { [ $MPS_ON = 1 ] && echo quit | nvidia-cuda-mps-control >>"$LOGS/mps.log" 2>&1; MPS_ON=0; }
+finish() {
+  stop_mokd
+  stop_mps
+  [ -n "${OUT:-}" ] && cp "$LOGS"/*.log "$LOGS"/*.json "$OUT"/ 2>/dev/null
+}
+trap finish EXIT
+
+step_moe() {
+  note "mok.torch.MoE: correctness, gradients, registrations, torch.compile, CUDA graphs"
+  start_mokd || { record moe "FAIL (mokd)"; return; }
+  timeout 300 python3 tests/gpu/test_torch_moe.py 2>&1 | tee "$LOGS/torch_moe.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
+  record moe "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_train() { # [label]
+  local label=${1:-train}
+  note "train_tiny_moe.py ($label)"
+  start_mokd || { record "$label" "FAIL (mokd)"; return; }
+  # shellcheck disable=SC2086
+  timeout 300 python3 client/python/examples/train_tiny_moe.py --json "$LOGS/$label.json" \
+    $TRAIN_ARGS 2>&1 | tee "$LOGS/$label.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
+  record "$label" "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
+    MPS_ON=1
+    sleep 1
+    step_train train_mps
+    stop_mps
+    sleep 1
+  else
+    echo "MPS would not start:"; cat "$LOGS/mps.log"; record train_mps "FAIL (MPS)"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+steps=("$@")
+[ ${#steps[@]} = 0 ] && { steps=(moe train); [ "${MPS:-1}" = 1 ] && steps+=(mps); }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
+python3 -c 'import torch; print("torch", torch.__version__)'
+for s in "${steps[@]}"; do
+  case $s in
+    moe|train|mps) "step_$s" ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+done
+echo
+note "summary"
+for l in "${summary[@]}"; do echo "  $l"; done
+[ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
+exit $status
