@@ -41,6 +41,7 @@ typedef struct esession {
   uint64_t id;
   mok_session_shm shm;
   mok_session_limits limits;
+  uint32_t uid;
   mok_region_table regions;
   layer_entry *layers;
   size_t n_layers, cap_layers;
@@ -225,6 +226,7 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
   s->id = c->session_id;
   s->shm = c->in.attach.shm;
   s->limits = c->in.attach.limits;
+  s->uid = c->in.attach.uid;
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
   if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, s->shm.doorbell_in, &ev) < 0) {
     c->status = MOK_EIO;
@@ -683,6 +685,19 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
 
 /* Take and run (or start) one job of s if it has one and room for its
  * completion. Returns true when a job was taken. */
+/* Jobs a uid has submitted and not yet seen complete, over all its sessions:
+ * those still in the submission rings and those running. */
+static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
+  uint32_t n = 0;
+  for (esession *q = t->sessions; q; q = q->next) {
+    if (q->uid != uid || q->faulted) continue;
+    uint32_t tail = atomic_load_explicit(&q->shm.hdr->sq_tail.value, memory_order_acquire);
+    uint32_t queued = tail - q->sq_head;
+    n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + (uint32_t)q->n_pend;
+  }
+  return n;
+}
+
 static bool run_one_job(mok_engine_thread *t, esession *s) {
   if (s->faulted || s->detaching) return false;
   mok_shm_header *h = s->shm.hdr;
@@ -712,12 +727,22 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
   uint64_t t0 = now_ns();
+
   const layer_entry *le = NULL;
   if (desc.op != MOK_OP_NOP)
     for (size_t i = 0; i < s->n_layers; i++)
       if (s->layers[i].id == desc.layer) le = &s->layers[i];
   res.status = mok_job_check(&desc, &s->regions, le ? &le->cfg : NULL, &args, res.message,
                              sizeof res.message);
+  if (res.status == MOK_OK && s->limits.max_jobs_per_uid) {
+    /* a failed job still takes its turn (a group's peers see the failure) */
+    uint32_t in_flight = uid_jobs_in_flight(t, s->uid) + 1; /* this one included */
+    if (in_flight > s->limits.max_jobs_per_uid) {
+      res.status = MOK_ELIMIT;
+      snprintf(res.message, sizeof res.message, "uid %u has %u jobs in flight (max-jobs-per-uid %u)",
+               s->uid, in_flight, s->limits.max_jobs_per_uid);
+    }
+  }
   if (le && le->cfg.group_id) {
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);

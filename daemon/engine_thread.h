@@ -59,6 +59,7 @@ typedef struct mok_session_limits {
   uint32_t max_regions;
   uint64_t max_region_bytes;
   uint32_t max_layers;
+  uint32_t max_jobs_per_uid; /* jobs in flight across the uid's sessions; 0: no limit */
 } mok_session_limits;
 
 typedef struct mok_cmd {
@@ -69,6 +70,7 @@ typedef struct mok_cmd {
     struct {
       mok_session_shm shm;
       mok_session_limits limits;
+      uint32_t uid; /* the client's (SO_PEERCRED), for per-uid limits */
     } attach;
     struct {
       int kind; /* mok_region_kind */

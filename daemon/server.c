@@ -235,6 +235,7 @@ static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m) {
     return;
   }
   c->in.attach.limits = s->srv->cfg.limits;
+  c->in.attach.uid = (uint32_t)s->cred.uid;
   /* send the fds first: once attached they belong to the engine thread */
   Mok__HelloReply hr = MOK__HELLO_REPLY__INIT;
   char *caps[] = {"host-memfd", "single-steps", "recompute", "bf16", "f32"};

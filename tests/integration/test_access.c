@@ -246,6 +246,54 @@ static void test_refused_peers_cost_nothing(void) {
   CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
+/* Queue many slow jobs from two sessions of one uid: past max-jobs-per-uid
+ * the engine fails a job with ELIMIT instead of running it; the others run. */
+static void test_jobs_in_flight_are_capped_per_uid(void) {
+  daemon_proc d = harness_start("max-jobs-per-uid = 24\n");
+  enum { H = 512, I = 512, E = 4, K = 2, T = 256, JOBS = 30 };
+  mok_client *c[2];
+  mok_layer *l[2];
+  mok_forward_args fa[2];
+  for (int k = 0; k < 2; k++) {
+    CHECK(mok_connect(d.sock, "busy", &c[k]) == MOK_OK);
+    mok_layer_desc ld = {.hidden = H, .intermediate = I, .experts = E, .topk = K,
+                         .max_tokens = T, .dtype = MOK_DTYPE_F32};
+    CHECK(mok_layer_create(c[k], &ld, &l[k]) == MOK_OK);
+    char *m = mok_host_alloc(c[k], 4ull * (2 * T * H + 2 * T * K + 3ull * E * I * H));
+    CHECK(m != NULL);
+    memset(m, 0, 4ull * (2 * T * H + 2 * T * K + 3ull * E * I * H)); /* status only */
+    int32_t *ids = (int32_t *)(m + 8ull * T * H);
+    for (int i = 0; i < T * K; i++) ids[i] = i % E;
+    fa[k] = (mok_forward_args){.x = m, .out = m + 4ull * T * H, .topk_ids = ids,
+                               .router_weights = (float *)(ids + T * K),
+                               .w_gate = (float *)(ids + 2 * T * K),
+                               .w_up = (float *)(ids + 2 * T * K) + E * I * H,
+                               .w_down = (float *)(ids + 2 * T * K) + 2ull * E * I * H};
+  }
+  uint64_t t[2][JOBS];
+  for (int i = 0; i < JOBS; i++)
+    for (int k = 0; k < 2; k++) CHECK(mok_forward(l[k], T, &fa[k], &t[k][i]) == MOK_OK);
+  int ok = 0, limited = 0;
+  for (int k = 0; k < 2; k++)
+    for (int i = 0; i < JOBS; i++) {
+      int r = mok_wait(c[k], t[k][i], 60000);
+      if (r == MOK_OK) {
+        ok++;
+      } else {
+        CHECK_EQ_INT(r, MOK_ELIMIT);
+        CHECK_STR_CONTAINS(mok_last_error(), "max-jobs-per-uid 24");
+        limited++;
+      }
+    }
+  CHECK_MSG(limited > 0 && ok > 0, "%d ran, %d refused", ok, limited);
+  /* nothing queued any more: the uid is under its cap again */
+  uint64_t t1;
+  CHECK(mok_forward(l[0], T, &fa[0], &t1) == MOK_OK);
+  CHECK_EQ_INT(mok_wait(c[0], t1, 60000), MOK_OK);
+  for (int k = 0; k < 2; k++) mok_close(c[k]);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_socket_group_and_mode_come_from_the_config),
     CHECK_CASE(test_allow_lists_refuse_other_peers_with_one_reply),
@@ -255,6 +303,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_killed_sessions_release_their_uid_quota),
     CHECK_CASE(test_layer_quota_spans_a_uids_sessions),
     CHECK_CASE(test_refused_peers_cost_nothing),
+    CHECK_CASE(test_jobs_in_flight_are_capped_per_uid),
     {0}};
 
 int main(int argc, char **argv) {
