@@ -100,8 +100,16 @@ $(GEN)/mok.pb-c.c $(GEN)/mok.pb-c.h: proto/mok.proto
 	@mkdir -p $(GEN)
 	$(PROTOC_C) --proto_path=proto --c_out=$(GEN) proto/mok.proto
 
+# The build's configuration (with or without CUDA) as a file: switching it in
+# one build folder rebuilds objects and archives instead of mixing the two.
+CONFIG_STAMP := $(BUILD)/.config-$(if $(HAVE_CUDA),cuda,nocuda)$(if $(SAN),-san)
+$(CONFIG_STAMP):
+	@mkdir -p $(BUILD)
+	@rm -f $(BUILD)/.config-*
+	@touch $@
+
 # every object may include the generated header
-$(OBJ)/%.o: %.c $(GEN)/mok.pb-c.h
+$(OBJ)/%.o: %.c $(GEN)/mok.pb-c.h $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(DEPFLAGS) -c $< -o $@
 
@@ -116,19 +124,19 @@ $(OBJ)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h kernels/*.cuh)
 # ---- libraries and programs -------------------------------------------------
 $(BUILD)/lib/libmokwire.a: $(WIRE_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
-$(BUILD)/lib/libmokd.a: $(DAEMON_OBJ)
+$(BUILD)/lib/libmokd.a: $(DAEMON_OBJ) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $(filter %.o,$^)
 
 $(BUILD)/lib/libmokkernels.a: $(KERNEL_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(BUILD)/lib/libmok.a: $(CLIENT_OBJ) $(WIRE_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ)
 	@mkdir -p $(dir $@)
