@@ -129,6 +129,7 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
       {"max-region-bytes-per-uid", UINT64_MAX, &cfg->max_region_bytes_per_uid, 8},
       {"max-layers-per-uid", 1u << 24, &cfg->max_layers_per_uid, 4},
       {"max-jobs-per-uid", 1u << 24, &cfg->limits.max_jobs_per_uid, 4},
+      {"fence-timeout-ms", 3600000, &cfg->engine_cfg.fence_timeout_ms, 4},
     };
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
       char alt[64];

@@ -49,6 +49,7 @@ struct mok_ep_group; /* daemon/group.h */
 typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
   int threads;     /* worker threads (cpu); 0: one per online core */
+  uint32_t fence_timeout_ms; /* cuda: a client fence unwritten this long fails its job; 0: default */
 } mok_engine_config;
 
 /* Results of run()/poll(): status plus a message a person can act on. */

@@ -253,8 +253,9 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     free(e);
     return st;
   }
+  /* mokd.conf's fence-timeout-ms; the environment still wins (tests use it) */
   const char *to = getenv("MOK_FENCE_TIMEOUT_MS");
-  unsigned long ms = to && *to ? strtoul(to, NULL, 10) : 0;
+  unsigned long ms = to && *to ? strtoul(to, NULL, 10) : (cfg ? cfg->fence_timeout_ms : 0);
   e->fence_timeout_ns = (uint64_t)(ms ? ms : DEFAULT_FENCE_TIMEOUT_MS) * 1000000ull;
   char bus[32] = "";
   cudaDeviceGetPCIBusId(bus, sizeof bus, dev);

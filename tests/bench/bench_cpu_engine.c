@@ -71,7 +71,7 @@ int main(int argc, char **argv) {
     return 2;
   }
 
-  mok_engine_config ec = {0, threads};
+  mok_engine_config ec = {.device = 0, .threads = threads};
   mok_engine *e = NULL;
   char err[128];
   if (mok_engine_cpu.open(&ec, &e, err, sizeof err) != MOK_OK) {

@@ -395,7 +395,7 @@ static void reference(const shape *s, const inputs *in, results *r) {
 
 /* The same layer on the cpu engine, called directly on host copies. */
 static void cpu_engine(const shape *s, const inputs *in, results *r) {
-  mok_engine_config ec = {0, 4};
+  mok_engine_config ec = {.device = 0, .threads = 4};
   mok_engine *e;
   char err[256];
   if (mok_engine_cpu.open(&ec, &e, err, sizeof err) != MOK_OK) {

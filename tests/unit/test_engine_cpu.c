@@ -259,7 +259,7 @@ static size_t sched_ints(const problem *p) {
 /* ---- engines and jobs ------------------------------------------------------ */
 
 static mok_engine *engine_open(int threads) {
-  mok_engine_config ec = {0, threads};
+  mok_engine_config ec = {.device = 0, .threads = threads};
   mok_engine *e = NULL;
   char err[128];
   int st = mok_engine_cpu.open(&ec, &e, err, sizeof err);
@@ -1368,7 +1368,7 @@ static void test_prepare_layer(void) {
   CHECK_EQ_INT(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err), MOK_EINVAL);
   mok_engine_cpu.close(e);
   mok_engine_cpu.close(NULL);
-  mok_engine_config bad = {0, -1};
+  mok_engine_config bad = {.device = 0, .threads = -1};
   mok_engine *none = NULL;
   CHECK_EQ_INT(mok_engine_cpu.open(&bad, &none, err, sizeof err), MOK_EINVAL);
   CHECK(none == NULL);
