@@ -23,6 +23,7 @@
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -31,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "engine.h"
 #include "log.h"
@@ -110,6 +112,22 @@ typedef struct vmm_import {
   CUmemGenericAllocationHandle handle;
 } vmm_import;
 
+/* Fence watches: a job parked on a client fence is watched by a thread that
+ * makes no CUDA calls. The engine thread's own timeout check cannot be
+ * relied on: some CUDA calls (cudaHostUnregister, cudaIpcCloseMemHandle)
+ * wait for the device, and while a stream is parked on a dead client's
+ * fence they would hold the engine thread - and the lock they take blocks
+ * its other CUDA calls - for ever. The watchdog writes the awaited value
+ * itself once the timeout passes, so the device always drains. */
+#define MAX_FENCE_WATCHES 4096
+enum { WATCH_FREE = 0, WATCH_ARMED, WATCH_CHECKING, WATCH_FORCED };
+typedef struct fence_watch {
+  _Atomic int state;
+  volatile uint64_t *word; /* the client's fence word (the session's sync page) */
+  uint64_t value;          /* what the job waits for */
+  uint64_t deadline_ns;
+} fence_watch;
+
 struct mok_engine {
   int device;
   char description[192];
@@ -120,6 +138,10 @@ struct mok_engine {
    * on a client fence would then hold the engine thread) */
   cudaStream_t mem_stream;
   ipc_entry *ipc; /* opened IPC handles, shared by every session of this daemon */
+  fence_watch *watches; /* MAX_FENCE_WATCHES */
+  pthread_t watchdog;
+  bool watchdog_started;
+  _Atomic bool watchdog_stop;
 };
 
 struct mok_engine_job {
@@ -131,6 +153,7 @@ struct mok_engine_job {
   uint64_t fence_wait, fence_signal;
   bool host_signal;   /* no device-mapped sync page: write the done value from the host */
   bool fence_forced;  /* the fence timed out and the engine released the wait itself */
+  int watch;          /* index in e->watches, -1: none */
   uint64_t head_since;
   bool reads_status;  /* the status word was copied back */
   int status;         /* a host-side failure found while enqueueing */
@@ -188,6 +211,68 @@ static bool context_broken(cudaStream_t stream) {
 }
 
 /* ---- open / close ---------------------------------------------------------------- */
+
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void *watchdog_main(void *arg) {
+  mok_engine *e = arg;
+  while (!atomic_load(&e->watchdog_stop)) {
+    uint64_t now = mono_ns();
+    for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
+      fence_watch *w = &e->watches[i];
+      int armed = WATCH_ARMED;
+      if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_ARMED) continue;
+      if (now <= w->deadline_ns) continue;
+      /* hold the slot while we touch the word: the job cannot be freed meanwhile */
+      if (!atomic_compare_exchange_strong(&w->state, &armed, WATCH_CHECKING)) continue;
+      int next = WATCH_ARMED;
+      if (*w->word < w->value) {
+        atomic_thread_fence(memory_order_seq_cst);
+        *w->word = w->value;
+        atomic_thread_fence(memory_order_seq_cst);
+        next = WATCH_FORCED;
+        log_warn("cuda engine: a client fence (%llu) was not written within the timeout; "
+                 "released, its job fails", (unsigned long long)w->value);
+      }
+      atomic_store_explicit(&w->state, next, memory_order_release);
+    }
+    usleep(5000);
+  }
+  return NULL;
+}
+
+/* Arm a watch for job j's fence; j->watch = -1 when none is free (then only
+ * the engine thread's own check covers it). */
+static void watch_arm(mok_engine *e, mok_engine_job *j, volatile uint64_t *word, uint64_t value) {
+  j->watch = -1;
+  if (!e->watchdog_started) return;
+  for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
+    fence_watch *w = &e->watches[i];
+    if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_FREE) continue;
+    w->word = word;
+    w->value = value;
+    w->deadline_ns = mono_ns() + e->fence_timeout_ns;
+    atomic_store_explicit(&w->state, WATCH_ARMED, memory_order_release);
+    j->watch = i;
+    return;
+  }
+}
+
+/* Disarm j's watch; returns true if the watchdog forced the fence. */
+static bool watch_disarm(mok_engine *e, mok_engine_job *j) {
+  if (j->watch < 0) return false;
+  fence_watch *w = &e->watches[j->watch];
+  j->watch = -1;
+  for (;;) {
+    int st = atomic_load_explicit(&w->state, memory_order_acquire);
+    if (st == WATCH_CHECKING) continue; /* the watchdog is looking at it: a moment */
+    if (atomic_compare_exchange_strong(&w->state, &st, WATCH_FREE)) return st == WATCH_FORCED;
+  }
+}
 
 static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
   *ret = NULL;
@@ -262,12 +347,20 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
   snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",
            p.name, p.major, p.minor, p.multiProcessorCount,
            (double)p.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), dev, bus);
+  e->watches = calloc(MAX_FENCE_WATCHES, sizeof *e->watches);
+  /* without the watchdog the engine thread's own check still times fences out */
+  e->watchdog_started = e->watches && pthread_create(&e->watchdog, NULL, watchdog_main, e) == 0;
   *ret = e;
   return MOK_OK;
 }
 
 static void cuda_close(mok_engine *e) {
   if (!e) return;
+  if (e->watchdog_started) {
+    atomic_store(&e->watchdog_stop, true);
+    pthread_join(e->watchdog, NULL);
+  }
+  free(e->watches);
   if (use_device(e) == MOK_OK) cudaDeviceSynchronize();
   while (e->ipc) { /* every region was released; nothing should be left */
     ipc_entry *n = e->ipc->next;
@@ -991,6 +1084,7 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
   j->fence_signal = a->fence_signal;
   j->host_signal = false;
   j->fence_forced = false;
+  j->watch = -1;
   j->head_since = 0;
   j->reads_status = false;
   j->status = MOK_OK;
@@ -1011,6 +1105,8 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
                        s->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (a->fence_wait % MOK_RING_ENTRIES),
                        a->fence_wait, CU_STREAM_WAIT_VALUE_GEQ);
   if (cr != CUDA_SUCCESS) job_fail(&c, MOK_EENGINE, "cuStreamWaitValue64: %s", drv_error(e, cr));
+  else if (a->fence_wait && s->sync_dev)
+    watch_arm(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
 
   if (a->op != MOK_OP_NOP && !c.failed && check_job(&c)) {
@@ -1043,10 +1139,12 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     snprintf(res->message, sizeof res->message, "cudaEventRecord: %s", cudaGetErrorString(r));
     if (!res->fatal) {
       cudaStreamSynchronize(s->stream);
+      watch_disarm(e, j);
       j->used = false;
       if (j->host_signal) *mok_shm_sync_done(s->sync_host) = j->fence_signal;
       return NULL;
     }
+    watch_disarm(e, j);
     j->used = false;
     return NULL;
   }
@@ -1096,6 +1194,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
     }
     return 0;
   }
+  if (watch_disarm(e, j)) j->fence_forced = true; /* the watchdog released the wait */
   res->fatal = 0;
   if (q != cudaSuccess) {
     res->status = MOK_EENGINE;

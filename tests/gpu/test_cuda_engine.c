@@ -688,6 +688,24 @@ static void test_fence_timeout(mok_client *c, cudaStream_t st) {
   uint64_t t1;
   double t0 = now_s();
   MK(mok_forward_on_stream(D.l, (uint32_t)s->T, &fa, st, &t1));
+  /* while that job is parked on the fence, another tenant registers and
+   * frees host memory. cudaHostUnregister waits for the device, so the
+   * release may take up to the fence timeout, but it must end: the fence
+   * watchdog (no CUDA calls) un-parks the stream even while the engine
+   * thread is held inside CUDA. Before the watchdog this hung for ever. */
+  mok_client *other;
+  MK(mok_connect(NULL, "fence-bystander", &other));
+  double ta = now_s();
+  void *hm = mok_host_alloc(other, 1 << 20);
+  double tb = now_s();
+  EXPECT(hm != NULL, "host alloc beside a parked stream: %s", mok_last_error());
+  int fr = hm ? mok_host_free(other, hm) : MOK_OK;
+  double tc = now_s();
+  printf("  beside a parked stream: host register %.3f s, release %.3f s (%s)\n", tb - ta,
+         tc - tb, mok_status_name(fr));
+  EXPECT(fr == MOK_OK && tc - tb < 10.0, "releasing host memory beside a parked stream took %.2f s",
+         tc - tb);
+  mok_close(other);
   int r = mok_wait(c, t1, 20000);
   printf("  unwritten fence -> %s after %.1f s: %s\n", mok_status_name(r), now_s() - t0,
          mok_last_error());
