@@ -29,6 +29,7 @@
 #include "mok.h"
 #include "mok_slots.h"
 #include "ref64.h"
+#include "host_bf16_rng.h"
 
 static int failures = 0;
 #define EXPECT(cond, ...)                                                                    \
@@ -59,35 +60,6 @@ static int failures = 0;
     }                                                                                        \
   } while (0)
 
-/* ---- host bf16, random numbers ------------------------------------------------------- */
-
-static uint16_t f2bf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static double bf2d(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnext(void) {
-  uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static double runit(void) { return (double)(rnext() >> 11) * (1.0 / 9007199254740992.0); }
-static uint16_t rbf(double scale) {
-  for (;;) {
-    uint16_t b = f2bf((float)((2.0 * runit() - 1.0) * scale));
-    if (b & 0x7fff) return b;
-  }
-}
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -128,10 +100,10 @@ static void make_ids(const shape *s, int32_t *ids) {
     for (int k = 0; k < s->K; k++) {
       int32_t id = -1;
       for (int tries = 0; tries < 64; tries++) {
-        if (s->route == ROUTE_ONE) id = k == 0 ? 1 % s->E : (int32_t)(rnext() % s->E);
+        if (s->route == ROUTE_ONE) id = k == 0 ? 1 % s->E : (int32_t)(rng_next() % s->E);
         else if (s->route == ROUTE_BALANCED) id = (int32_t)((t * s->K + k * 7 + t / 3) % s->E);
         else {
-          id = (int32_t)(rnext() % s->E);
+          id = (int32_t)(rng_next() % s->E);
           if (s->route == ROUTE_IDLE && (id & 1)) continue;
         }
         bool dup = false;
@@ -139,13 +111,13 @@ static void make_ids(const shape *s, int32_t *ids) {
         if (!dup) break;
         if (s->route == ROUTE_BALANCED) id = (id + 1) % s->E;
       }
-      if (k > 0 && runit() < s->p_drop) id = -1;
+      if (k > 0 && rng_unit() < s->p_drop) id = -1;
       if (s->route == ROUTE_ONE && k > 0) id = -1; /* every token on expert 1 */
       ids[t * s->K + k] = id;
     }
   if (s->route != ROUTE_ONE)
     for (int t = 0; t < s->T; t++)
-      if (runit() < s->p_drop * 0.5) ids[t * s->K] = -1;
+      if (rng_unit() < s->p_drop * 0.5) ids[t * s->K] = -1;
 }
 
 /* Clamped channels get a large term through x[:,0], the rest stay well
@@ -154,14 +126,14 @@ static void make_ffn(const shape *s, int n, int groups, uint16_t *wg, uint16_t *
   const int H = s->H;
   const double a = (s->has_limit ? 0.75 : 4.0) / sqrt((double)H), b = 3.0 / sqrt((double)n);
   size_t W = (size_t)groups * n * H;
-  for (size_t i = 0; i < W; i++) wg[i] = rbf(a), wu[i] = rbf(a), wd[i] = rbf(b);
+  for (size_t i = 0; i < W; i++) wg[i] = rand_bf16(a), wu[i] = rand_bf16(a), wd[i] = rand_bf16(b);
   if (s->has_limit)
     for (int e = 0; e < groups; e++)
       for (int i = 0; i < n; i++) {
         size_t at = ((size_t)e * n + i) * H;
-        if (i % 4 == 0) wg[at] = f2bf(3.0f * s->limit);
-        if (i % 4 == 1) wu[at] = f2bf(3.0f * s->limit);
-        if (i % 4 == 2) wu[at] = f2bf(-3.0f * s->limit);
+        if (i % 4 == 0) wg[at] = host_f2bf(3.0f * s->limit);
+        if (i % 4 == 1) wu[at] = host_f2bf(3.0f * s->limit);
+        if (i % 4 == 2) wu[at] = host_f2bf(-3.0f * s->limit);
       }
 }
 
@@ -174,12 +146,12 @@ static void make_inputs(const shape *s, inputs *in) {
   in->sg = malloc(S * 2 + 2), in->su = malloc(S * 2 + 2), in->sd = malloc(S * 2 + 2);
   in->rw = malloc(TK * 4);
   in->ids = malloc(TK * 4);
-  for (size_t i = 0; i < TH; i++) in->x[i] = rbf(1.0), in->d_out[i] = rbf(1.0);
+  for (size_t i = 0; i < TH; i++) in->x[i] = rand_bf16(1.0), in->d_out[i] = rand_bf16(1.0);
   if (s->has_limit)
-    for (int t = 0; t < s->T; t++) in->x[(size_t)t * s->H] = f2bf((float)(0.9 + 0.2 * runit()));
+    for (int t = 0; t < s->T; t++) in->x[(size_t)t * s->H] = host_f2bf((float)(0.9 + 0.2 * rng_unit()));
   make_ffn(s, s->I, s->E, in->wg, in->wu, in->wd);
   if (s->I_s) make_ffn(s, s->I_s, 1, in->sg, in->su, in->sd);
-  for (size_t i = 0; i < TK; i++) in->rw[i] = (float)(0.05 + 0.95 * runit());
+  for (size_t i = 0; i < TK; i++) in->rw[i] = (float)(0.05 + 0.95 * rng_unit());
   make_ids(s, in->ids);
 }
 
@@ -343,7 +315,7 @@ static void collect(const dlayer *D, results *r, int *nonfinite) {
     void *h = malloc(bytes ? bytes : 1);
     get(D, res_buf[i], h);
     for (size_t j = 0; j < n; j++) {
-      double v = f32 ? (double)((float *)h)[j] : bf2d(((uint16_t *)h)[j]);
+      double v = f32 ? (double)((float *)h)[j] : host_bf2d(((uint16_t *)h)[j]);
       if (!isfinite(v)) (*nonfinite)++;
       r->v[i][j] = v;
     }
@@ -380,10 +352,10 @@ static void reference(const shape *s, const inputs *in, results *r) {
   double *x = malloc(TH * 8), *dout = malloc(TH * 8), *rw = malloc(TK * 8);
   double *wg = malloc(W * 8), *wu = malloc(W * 8), *wd = malloc(W * 8);
   double *sg = malloc(S * 8 + 8), *su = malloc(S * 8 + 8), *sd = malloc(S * 8 + 8);
-  for (size_t i = 0; i < TH; i++) x[i] = bf2d(in->x[i]), dout[i] = bf2d(in->d_out[i]);
+  for (size_t i = 0; i < TH; i++) x[i] = host_bf2d(in->x[i]), dout[i] = host_bf2d(in->d_out[i]);
   for (size_t i = 0; i < TK; i++) rw[i] = in->rw[i];
-  for (size_t i = 0; i < W; i++) wg[i] = bf2d(in->wg[i]), wu[i] = bf2d(in->wu[i]), wd[i] = bf2d(in->wd[i]);
-  for (size_t i = 0; i < S; i++) sg[i] = bf2d(in->sg[i]), su[i] = bf2d(in->su[i]), sd[i] = bf2d(in->sd[i]);
+  for (size_t i = 0; i < W; i++) wg[i] = host_bf2d(in->wg[i]), wu[i] = host_bf2d(in->wu[i]), wd[i] = host_bf2d(in->wd[i]);
+  for (size_t i = 0; i < S; i++) sg[i] = host_bf2d(in->sg[i]), su[i] = host_bf2d(in->su[i]), sd[i] = host_bf2d(in->sd[i]);
   ref64_inputs ri = {x, rw, wg, wu, wd, S ? sg : NULL, S ? su : NULL, S ? sd : NULL, in->ids};
   size_t n[9] = {TH, TH, TK, W, W, W, S, S, S};
   for (int i = 0; i < 9; i++) r->n[i] = n[i], r->v[i] = calloc(n[i] ? n[i] : 1, 8);
@@ -460,7 +432,7 @@ static void cpu_engine(const shape *s, const inputs *in, results *r) {
     r->n[i] = n;
     r->v[i] = calloc(n ? n : 1, 8);
     for (size_t j = 0; j < n; j++)
-      r->v[i][j] = f32 ? ((float *)v->ptr)[j] : bf2d(((uint16_t *)v->ptr)[j]);
+      r->v[i][j] = f32 ? ((float *)v->ptr)[j] : host_bf2d(((uint16_t *)v->ptr)[j]);
   }
   for (int slot = 0; slot < MOK_SLOT_COUNT_; slot++) free(mem[slot]);
   mok_engine_cpu.close(e);
@@ -740,7 +712,7 @@ static void fill_device(void *p, size_t bytes, double scale) {
   size_t blk = 4u << 20;
   if (blk > bytes) blk = bytes;
   uint16_t *h = malloc(blk);
-  for (size_t i = 0; i < blk / 2; i++) h[i] = rbf(scale);
+  for (size_t i = 0; i < blk / 2; i++) h[i] = rand_bf16(scale);
   CK(cudaMemcpy(p, h, blk, cudaMemcpyHostToDevice));
   for (size_t at = blk; at < bytes; at += blk)
     CK(cudaMemcpy((char *)p + at, p, bytes - at < blk ? bytes - at : blk, cudaMemcpyDeviceToDevice));
@@ -769,7 +741,7 @@ static void time_shapes(mok_client *c, cudaStream_t st) {
     double *logit = malloc(ts->E_loc * sizeof(double));
     for (int t = 0; t < T; t++) {
       double z = 0;
-      for (int e = 0; e < ts->E_loc; e++) logit[e] = 2.0 * runit(), z += exp(logit[e]);
+      for (int e = 0; e < ts->E_loc; e++) logit[e] = 2.0 * rng_unit(), z += exp(logit[e]);
       for (int j = 0; j < ts->K; j++) {
         int best = 0;
         for (int e = 1; e < ts->E_loc; e++) if (logit[e] > logit[best]) best = e;

@@ -28,6 +28,7 @@
 
 extern "C" {
 #include "../ref/ref64.h"
+#include "host_bf16_rng.h"
 long long shim_rows_capacity(int T, int K, int E_loc, int row_align);
 long long shim_schedule_ints(int T, int K, int E_loc, int row_align);
 unsigned shim_sched_magic(void);
@@ -69,39 +70,6 @@ static int failures = 0;
       fflush(stdout);                                                          \
     }                                                                          \
   } while (0)
-
-/* ---- host bf16 and random numbers ------------------------------------------- */
-
-static uint16_t host_f2bf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static double host_bf2d(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint64_t rng_next(void) {
-  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static double rng_unit(void) { return (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0); }
-
-/* bf16 uniform in [-scale, scale], never zero */
-static uint16_t rand_bf16(double scale) {
-  for (;;) {
-    uint16_t b = host_f2bf((float)((2.0 * rng_unit() - 1.0) * scale));
-    if ((b & 0x7fff) != 0) return b;
-  }
-}
 
 /* ---- shapes ----------------------------------------------------------------------- */
 
