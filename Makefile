@@ -88,11 +88,11 @@ LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
 UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all debug test unit setup clean gpu bench install uninstall units
+.PHONY: all debug test unit setup clean gpu bench install uninstall units \
+	fuzz fuzz-smoke fuzz-build fuzz-check sanitize
 # keep intermediate objects (bench and test objects are built through chains of
 # pattern rules): no rebuilds, and no "rm" lines after the test summary
-.SECONDARY: \
-	fuzz fuzz-smoke fuzz-build fuzz-check sanitize
+.SECONDARY:
 all: $(BINS) $(LIBS) $(UNIT_BINS) $(BENCH_BINS)
 
 debug:
