@@ -35,14 +35,6 @@
 #include "../../kernels/mok_kernels.h"
 #include "../../proto/mok_status.h"
 
-#define CUDA_CHECK(call)                                                                    \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    if (err_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
 
 #define MOK_CHECK(call)                                                                     \
   do {                                                                                      \
@@ -58,22 +50,6 @@
 
 /* ---- device helpers --------------------------------------------------------------- */
 
-__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    if (v == 0.0f) v = scale * 0.5f;
-    uint32_t u = __float_as_uint(v);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-  }
-}
 
 /* order-independent integer hash of a buffer (position-weighted word sum) */
 __global__ void hash_words(const uint32_t *p, size_t n, unsigned long long *out) {

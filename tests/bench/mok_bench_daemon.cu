@@ -25,31 +25,7 @@
 #include "mok.h"
 #include "bench_common.h"
 
-#define CK(call)                                                                            \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    if (err_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
 
-__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    if (v == 0.0f) v = scale * 0.5f;
-    uint32_t u = __float_as_uint(v);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-  }
-}
 
 #define N_SETS 2
 enum { P_X, P_IDS, P_RW, P_DOUT, P_PER_SET };
@@ -112,7 +88,7 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   for (int k = 0; k < N_ONE; k++)
     total += ((one_bytes[k] = slot_bytes(l, T, ONE_SLOTS[k])) + 255) & ~(size_t)255;
   char *pool = NULL;
-  CK(cudaMalloc((void **)&pool, total + 256));
+  CUDA_CHECK(cudaMalloc((void **)&pool, total + 256));
   void *ps[N_SETS][P_PER_SET], *po[N_ONE];
   size_t at = 0;
   for (int k = 0; k < P_PER_SET; k++)
@@ -135,7 +111,7 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     fill_bf16<<<2048, 256>>>((uint16_t *)ps[s][P_X], set_bytes[P_X] / 2, 11u + 17u * s, sq3);
     fill_bf16<<<2048, 256>>>((uint16_t *)ps[s][P_DOUT], set_bytes[P_DOUT] / 2, 12u + 17u * s, sq3);
   }
-  CK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
   const size_t TK = (size_t)T * K;
   int32_t *ids = (int32_t *)malloc(TK * 4);
   float *rw = (float *)malloc(TK * 4);
@@ -147,12 +123,12 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     if (!load_routing(routing_dir, cf, s, (int)T, E_loc, K, ids, rw, &r->max_over_mean[s], &mn,
                       &mx))
       r->from_file = 0;
-    CK(cudaMemcpy(ps[s][P_IDS], ids, TK * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(ps[s][P_RW], rw, TK * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(ps[s][P_IDS], ids, TK * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(ps[s][P_RW], rw, TK * 4, cudaMemcpyHostToDevice));
   }
   free(ids);
   free(rw);
-  CK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaDeviceSynchronize());
 
   mok_forward_args fa[N_SETS];
   mok_backward_args ba[N_SETS];
@@ -183,28 +159,28 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
 
   int ok = 1;
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
   float *tf = (float *)malloc(sizeof(float) * reps), *tb = (float *)malloc(sizeof(float) * reps);
   for (int i = 0; ok && i < warmup + reps; i++) {
     const int s = i % N_SETS;
-    CK(cudaEventRecord(e0, st));
+    CUDA_CHECK(cudaEventRecord(e0, st));
     if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
       ok = fail(r, "mok_forward_on_stream", st_);
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    if (i >= warmup) CK(cudaEventElapsedTime(&tf[i - warmup], e0, e1));
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    if (i >= warmup) CUDA_CHECK(cudaEventElapsedTime(&tf[i - warmup], e0, e1));
   }
   for (int i = 0; ok && i < warmup + reps; i++) {
     const int s = i % N_SETS;
     if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
       ok = fail(r, "mok_forward_on_stream", st_);
-    CK(cudaEventRecord(e0, st));
+    CUDA_CHECK(cudaEventRecord(e0, st));
     if (ok && (st_ = mok_backward_on_stream(l, T, 0, &ba[s], st, NULL)) != MOK_OK)
       ok = fail(r, "mok_backward_on_stream", st_);
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    if (i >= warmup) CK(cudaEventElapsedTime(&tb[i - warmup], e0, e1));
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    if (i >= warmup) CUDA_CHECK(cudaEventElapsedTime(&tb[i - warmup], e0, e1));
   }
   if ((st_ = mok_sync(c, 30000)) != MOK_OK && ok) ok = fail(r, "a job (mok_sync)", st_);
   if (ok) {
@@ -213,11 +189,11 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   }
   free(tf);
   free(tb);
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
   mok_layer_destroy(l);
   mok_cuda_forget(c, pool);
-  CK(cudaFree(pool));
+  CUDA_CHECK(cudaFree(pool));
   r->ok = ok;
   return ok;
 }
@@ -296,10 +272,10 @@ int main(int argc, char **argv) {
     p = comma + 1;
   }
   const double t0 = now_s();
-  CK(cudaSetDevice(0));
-  CK(cudaFree(NULL));
+  CUDA_CHECK(cudaSetDevice(0));
+  CUDA_CHECK(cudaFree(NULL));
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int mps = getenv("CUDA_MPS_PIPE_DIRECTORY") != NULL;
   mok_client *c = NULL;
   int r0 = mok_connect(NULL, "mok_bench_daemon", &c);
@@ -342,7 +318,7 @@ int main(int argc, char **argv) {
     }
   }
   mok_close(c);
-  CK(cudaStreamDestroy(st));
+  CUDA_CHECK(cudaStreamDestroy(st));
   printf("mok_bench_daemon: %.1f s, %d failure(s)\n", now_s() - t0, failures);
   return failures ? 1 : 0;
 }
