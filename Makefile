@@ -177,6 +177,14 @@ $(BUILD)/tests/gpu/test_cuda_engine: $(OBJ)/tests/gpu/test_cuda_engine.o $(REF_O
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_SAN) -o $@ $< $(REF_OBJ) $(BUILD)/lib/libmok.a $(DAEMON_LINK)
 
+# the Hopper GEMM's device test and bench (run it on the GPU machine)
+ifneq ($(HAVE_CUDA),)
+GPU_TEST_BINS += $(BUILD)/tests/gpu/test_gemm_sm90
+endif
+$(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h $(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
 gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
 

@@ -13,10 +13,14 @@
  * found from the schedule's offsets on the device. Tiles past the last
  * group write zeros. WGRAD gives each (expert, M tile, N tile) to one block
  * that reduces over all the expert's rows in order: no split-K, no atomics.
- * This is the simple, correct version; the wgmma/TMA kernel replaces it.
+ * This is the simple, correct version. The forward products (GATE_UP,
+ * DOWN) run on the wgmma/TMA kernels of mok_gemm_sm90.cu when the device
+ * allows it; MOK_GEMM=hmma in the environment keeps them here.
  */
+#include <stdlib.h>
 #include <string.h>
 
+#include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
 
 #define BM 128
@@ -485,6 +489,7 @@ extern "C" int mok_k_init(void) {
   if (st == MOK_OK) st = set_smem_limit<GM_DOWN_DGRAD>();
   if (st == MOK_OK) st = set_smem_limit<GM_GATE_UP_DGRAD>();
   if (st == MOK_OK) st = set_smem_limit<GM_WGRAD>();
+  if (st == MOK_OK && mok_k_sm90_usable()) st = mok_k_sm90_init();
   return st;
 }
 
@@ -515,11 +520,23 @@ static void params_grouped(gemm_params *p, const mok_k_dims *d, const int32_t *s
   p->row_slot = s.row_slot;
 }
 
+/* The forward GEMMs go to the Hopper kernels unless MOK_GEMM=hmma (read at
+ * every launch, so a test can compare both paths in one process). */
+static bool use_sm90(void) {
+  const char *v = getenv("MOK_GEMM");
+  if (v && !strcmp(v, "hmma")) return false;
+  return mok_k_sm90_usable() != 0;
+}
+
 /* One SwiGLU FFN forward over M rows: gate/up then down. grouped: routed
  * (schedule), else the shared expert (one group of T rows). */
 static int ffn_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
                        const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *g, bf16 *u, bf16 *h,
                        int32_t *status, cudaStream_t stream) {
+  if (use_sm90())
+    return mok_k_sm90_gate_up(d, schedule, M, n_inter, (const mok_k_bf16 *)x,
+                              (const mok_k_bf16 *)wg, (const mok_k_bf16 *)wu, (mok_k_bf16 *)g,
+                              (mok_k_bf16 *)u, (mok_k_bf16 *)h, status, stream);
   gemm_params p = params_base(d, status);
   if (schedule) params_grouped(&p, d, schedule);
   p.M = M;
@@ -540,6 +557,9 @@ static int ffn_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int 
 
 static int ffn_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
                     const bf16 *h, const bf16 *wd, bf16 *y, int32_t *status, cudaStream_t stream) {
+  if (use_sm90())
+    return mok_k_sm90_down(d, schedule, M, n_inter, (const mok_k_bf16 *)h, (const mok_k_bf16 *)wd,
+                           (mok_k_bf16 *)y, status, stream);
   gemm_params p = params_base(d, status);
   if (schedule) params_grouped(&p, d, schedule);
   p.M = M;

@@ -1,0 +1,651 @@
+/* Device test and focused bench of the Hopper forward GEMMs
+ * (kernels/mok_gemm_sm90.cu) against the mma.sync kernels and a float64
+ * host reference.
+ *
+ *   test_gemm_sm90 correct   shapes with ragged and empty experts, one hot
+ *                            expert, T not a multiple of the tile, clamp,
+ *                            K tails, the shared expert: every output
+ *                            written (poisoned before), padding rows zero,
+ *                            error vs float64, difference vs mma.sync,
+ *                            bitwise repeatable over grid sizes, a row's
+ *                            result independent of the other rows, NaN in
+ *                            padding rows harmless
+ *   test_gemm_sm90 bench     issue 4's shapes at T=2048 and 8192, balanced
+ *                            routing: TFLOP/s of gate_up and down, new vs
+ *                            mma.sync in the same process
+ * Exit status 0 only when every check passed.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../../kernels/mok_gemm_sm90.h"
+#include "../../kernels/mok_kernels.h"
+#include "../../proto/mok_status.h"
+
+extern "C" {
+#include "host_bf16_rng.h"
+}
+
+#define CUDA_CHECK(call)                                                                    \
+  do {                                                                                      \
+    cudaError_t err_ = (call);                                                              \
+    if (err_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+#define MOK_CHECK(call)                                                                       \
+  do {                                                                                        \
+    int st_ = (call);                                                                         \
+    if (st_ != MOK_OK) {                                                                      \
+      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__, __LINE__, #call, \
+              st_, mok_k_last_cuda_error());                                                  \
+      exit(2);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+static int failures = 0;
+#define EXPECT(cond, ...)                        \
+  do {                                           \
+    if (!(cond)) {                               \
+      failures++;                                \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+      printf(__VA_ARGS__);                       \
+      printf("\n");                              \
+      fflush(stdout);                            \
+    }                                            \
+  } while (0)
+
+/* ---- device helpers ---------------------------------------------------------------- */
+
+/* bf16 uniform in [-scale, scale], never zero, from a hash of the index */
+__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    h *= 3266489917u;
+    h ^= h >> 16;
+    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
+    if (v == 0.0f) v = scale * 0.5f;
+    uint32_t u = __float_as_uint(v);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (uint16_t)(u >> 16);
+  }
+}
+
+/* elements whose bits differ, and the largest |a - b| (test-only atomics) */
+__global__ void diff_bf16(const uint16_t *a, const uint16_t *b, size_t n,
+                          unsigned long long *ndiff, unsigned *maxbits) {
+  unsigned long long mine = 0;
+  float mx = 0.0f;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    if (a[i] != b[i]) {
+      mine++;
+      float fa = __uint_as_float((uint32_t)a[i] << 16), fb = __uint_as_float((uint32_t)b[i] << 16);
+      float d = fabsf(fa - fb);
+      if (!(d <= mx)) mx = isnan(d) ? 3.0e38f : d;
+    }
+  }
+  if (mine) atomicAdd(ndiff, mine);
+  atomicMax(maxbits, __float_as_uint(mx));
+}
+
+static void fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
+  if (n) fill_bf16<<<1024, 256>>>(p, n, seed, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+static void *dmalloc(size_t bytes) {
+  void *p = NULL;
+  CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 16));
+  return p;
+}
+
+static std::vector<uint16_t> down16(const uint16_t *p, size_t n) {
+  std::vector<uint16_t> v(n);
+  if (n) CUDA_CHECK(cudaMemcpy(v.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+static void up16(uint16_t *p, const std::vector<uint16_t> &v) {
+  if (!v.empty()) CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * 2, cudaMemcpyHostToDevice));
+}
+
+static void set_hmma(bool on) {
+  if (on)
+    setenv("MOK_GEMM", "hmma", 1);
+  else
+    unsetenv("MOK_GEMM");
+}
+
+/* ---- one routed layer on the device ------------------------------------------------ */
+
+typedef struct layer {
+  mok_k_dims d;
+  long long R, sched_ints;
+  uint16_t *x, *wg, *wu, *wd, *rx, *g, *u, *h, *y;
+  int32_t *ids, *sched, *status;
+  void *ws;
+} layer;
+
+static mok_k_dims make_dims(int T, int H, int I, int E_loc, int K, int limit) {
+  mok_k_dims d;
+  memset(&d, 0, sizeof d);
+  d.T = T;
+  d.H = H;
+  d.I = I;
+  d.E = E_loc;
+  d.E_loc = E_loc;
+  d.first_expert = 0;
+  d.K = K;
+  d.I_s = 0;
+  d.row_align = mok_k_row_align();
+  d.has_limit = limit;
+  d.limit = 1.0f;
+  return d;
+}
+
+static void layer_alloc(layer *L, const mok_k_dims *d) {
+  L->d = *d;
+  L->R = mok_k_rows_capacity(d);
+  L->sched_ints = mok_k_schedule_ints(d);
+  const size_t W = (size_t)d->E_loc * d->I * d->H;
+  L->x = (uint16_t *)dmalloc((size_t)d->T * d->H * 2);
+  L->wg = (uint16_t *)dmalloc(W * 2);
+  L->wu = (uint16_t *)dmalloc(W * 2);
+  L->wd = (uint16_t *)dmalloc(W * 2);
+  L->rx = (uint16_t *)dmalloc((size_t)L->R * d->H * 2);
+  L->g = (uint16_t *)dmalloc((size_t)L->R * d->I * 2);
+  L->u = (uint16_t *)dmalloc((size_t)L->R * d->I * 2);
+  L->h = (uint16_t *)dmalloc((size_t)L->R * d->I * 2);
+  L->y = (uint16_t *)dmalloc((size_t)L->R * d->H * 2);
+  L->ids = (int32_t *)dmalloc((size_t)d->T * d->K * 4);
+  L->sched = (int32_t *)dmalloc((size_t)L->sched_ints * 4);
+  L->status = (int32_t *)dmalloc(4);
+  L->ws = dmalloc(mok_k_workspace_bytes(d));
+}
+
+static void layer_free(layer *L) {
+  void *p[] = {L->x, L->wg, L->wu, L->wd, L->rx, L->g, L->u, L->h, L->y, L->ids, L->sched,
+               L->status, L->ws};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
+}
+
+/* schedule + gather from the ids on the device */
+static void layer_route(layer *L, const std::vector<int32_t> &ids) {
+  if (!ids.empty())
+    CUDA_CHECK(cudaMemcpy(L->ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(L->status, 0, 4));
+  MOK_CHECK(mok_k_schedule_build(&L->d, L->ids, L->sched, L->ws, L->status, 0));
+  MOK_CHECK(mok_k_gather_rows(&L->d, L->sched, L->x, L->rx, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void poison(layer *L) {
+  const size_t RI = (size_t)L->R * L->d.I * 2, RH = (size_t)L->R * L->d.H * 2;
+  CUDA_CHECK(cudaMemset(L->g, 0xff, RI));
+  CUDA_CHECK(cudaMemset(L->u, 0xff, RI));
+  CUDA_CHECK(cudaMemset(L->h, 0xff, RI));
+  CUDA_CHECK(cudaMemset(L->y, 0xff, RH));
+}
+
+/* the forward GEMMs through the public launchers; hmma picks the path */
+static void layer_forward(layer *L, bool hmma) {
+  set_hmma(hmma);
+  MOK_CHECK(mok_k_gate_up_swiglu(&L->d, L->sched, L->rx, L->wg, L->wu, L->g, L->u, L->h,
+                                 L->status, 0));
+  MOK_CHECK(mok_k_down(&L->d, L->sched, L->h, L->wd, L->y, L->status, 0));
+  set_hmma(false);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  int32_t st = -1;
+  CUDA_CHECK(cudaMemcpy(&st, L->status, 4, cudaMemcpyDeviceToHost));
+  EXPECT(st == 0, "status %d after the forward", st);
+}
+
+typedef struct outs {
+  std::vector<uint16_t> g, u, h, y;
+} outs;
+
+static outs snap(const layer *L) {
+  outs o;
+  o.g = down16(L->g, (size_t)L->R * L->d.I);
+  o.u = down16(L->u, (size_t)L->R * L->d.I);
+  o.h = down16(L->h, (size_t)L->R * L->d.I);
+  o.y = down16(L->y, (size_t)L->R * L->d.H);
+  return o;
+}
+
+static bool same(const outs &a, const outs &b) {
+  return a.g == b.g && a.u == b.u && a.h == b.h && a.y == b.y;
+}
+
+/* ---- float64 reference on the kernel's own rows ------------------------------------- */
+
+static double silu64(double v) { return v / (1.0 + exp(-v)); }
+
+typedef struct errs {
+  double num[4], den[4]; /* g, u, h, y */
+} errs;
+
+/* Row r of expert e, its input row xr: g, u from x (float64); h from the
+ * kernel's own rounded g, u; y from the kernel's own h (so each GEMM is
+ * checked on its own inputs). */
+static void ref_row(const layer *L, const outs &o, const std::vector<uint16_t> &xr,
+                    const std::vector<uint16_t> &wg, const std::vector<uint16_t> &wu,
+                    const std::vector<uint16_t> &wd, long long r, int e, errs *E) {
+  const int H = L->d.H, I = L->d.I;
+  const double lim = L->d.limit;
+  for (int c = 0; c < I; c++) {
+    double g = 0, u = 0;
+    const uint16_t *a = &xr[(size_t)r * H], *bg = &wg[((size_t)e * I + c) * H],
+                   *bu = &wu[((size_t)e * I + c) * H];
+    for (int k = 0; k < H; k++) {
+      double xv = host_bf2d(a[k]);
+      g += xv * host_bf2d(bg[k]);
+      u += xv * host_bf2d(bu[k]);
+    }
+    const size_t at = (size_t)r * I + c;
+    double gk = host_bf2d(o.g[at]), uk = host_bf2d(o.u[at]);
+    E->num[0] += (gk - g) * (gk - g);
+    E->den[0] += g * g;
+    E->num[1] += (uk - u) * (uk - u);
+    E->den[1] += u * u;
+    if (L->d.has_limit) {
+      gk = std::min(gk, lim);
+      uk = std::min(std::max(uk, -lim), lim);
+    }
+    const double hr = silu64(gk) * uk, hk = host_bf2d(o.h[at]);
+    E->num[2] += (hk - hr) * (hk - hr);
+    E->den[2] += hr * hr;
+  }
+  for (int n = 0; n < H; n++) {
+    double y = 0;
+    const uint16_t *a = &o.h[(size_t)r * I], *b = &wd[((size_t)e * H + n) * I];
+    for (int k = 0; k < I; k++) y += host_bf2d(a[k]) * host_bf2d(b[k]);
+    const double yk = host_bf2d(o.y[(size_t)r * H + n]);
+    E->num[3] += (yk - y) * (yk - y);
+    E->den[3] += y * y;
+  }
+}
+
+static double rel(const errs &E, int i) {
+  return E.den[i] > 0 ? sqrt(E.num[i] / E.den[i]) : sqrt(E.num[i]);
+}
+
+/* ---- the correctness cases ------------------------------------------------------------ */
+
+enum route { R_RANDOM, R_HOLES, R_ONE };
+
+typedef struct tcase {
+  const char *name;
+  int T, H, I, E_loc, K, limit, route;
+  double p_drop;
+  int ref_rows; /* rows checked against float64 (0: all) */
+} tcase;
+
+static const tcase CASES[] = {
+    /* name           T     H     I    Eloc K  lim route     drop  ref */
+    {"ragged_holes",  333,  256,  192, 8,   2, 0,  R_HOLES,  0.1,  0},
+    {"one_expert",    300,  128,  128, 4,   1, 0,  R_ONE,    0.0,  0},
+    {"odd_clamp",     77,   200,  136, 5,   3, 1,  R_RANDOM, 0.2,  0},
+    {"k_tail",        129,  72,   96,  3,   2, 0,  R_RANDOM, 0.0,  0},
+    {"T1",            1,    64,   64,  1,   1, 0,  R_RANDOM, 0.0,  0},
+    {"T0",            0,    64,   64,  4,   2, 0,  R_RANDOM, 0.0,  0},
+    {"wide",          1000, 1024, 512, 16,  4, 0,  R_HOLES,  0.05, 96},
+    {"big_k",         700,  4096, 1024, 6,  2, 1,  R_RANDOM, 0.05, 48},
+};
+
+static std::vector<int32_t> make_ids(const tcase *c) {
+  std::vector<int32_t> ids((size_t)c->T * c->K, -1);
+  for (int t = 0; t < c->T; t++)
+    for (int k = 0; k < c->K; k++) {
+      int32_t id = -1;
+      for (int tries = 0; tries < 64; tries++) {
+        if (c->route == R_ONE) {
+          id = c->E_loc > 1 ? 1 : 0;
+          break;
+        }
+        id = (int32_t)(rng_next() % c->E_loc);
+        /* holes: experts 1 and E_loc-2 never chosen (empty groups) */
+        if (c->route == R_HOLES && (id == 1 || id == c->E_loc - 2)) continue;
+        bool dup = false;
+        for (int j = 0; j < k; j++) dup |= ids[(size_t)t * c->K + j] == id;
+        if (!dup) break;
+      }
+      if (rng_unit() < c->p_drop) id = -1;
+      ids[(size_t)t * c->K + k] = id;
+    }
+  return ids;
+}
+
+static void compare_paths(const char *name, const char *what, const std::vector<uint16_t> &a,
+                          const std::vector<uint16_t> &b) {
+  size_t ndiff = 0;
+  double num = 0, den = 0, mx = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    double x = host_bf2d(a[i]), y = host_bf2d(b[i]);
+    if (a[i] != b[i]) ndiff++;
+    num += (x - y) * (x - y);
+    den += y * y;
+    mx = std::max(mx, fabs(x - y));
+  }
+  const double r = den > 0 ? sqrt(num / den) : sqrt(num);
+  printf("    vs mma.sync %-2s: %zu of %zu differ (%.3f%%), rel %.2e, max|d| %.3g\n", what, ndiff,
+         a.size(), a.size() ? 100.0 * ndiff / a.size() : 0.0, r, mx);
+  EXPECT(r < 1e-2, "%s: %s differs from the mma.sync kernel (rel %.3e)", name, what, r);
+}
+
+static void test_case(const tcase *c) {
+  mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
+  char err[160];
+  if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
+    EXPECT(0, "%s: dims rejected: %s", c->name, err);
+    return;
+  }
+  layer L;
+  layer_alloc(&L, &d);
+  const size_t W = (size_t)d.E_loc * d.I * d.H;
+  fill(L.x, (size_t)d.T * d.H, 11, 1.0f);
+  fill(L.wg, W, 12, (float)(2.0 / sqrt((double)d.H)));
+  fill(L.wu, W, 13, (float)(2.0 / sqrt((double)d.H)));
+  fill(L.wd, W, 14, (float)(3.0 / sqrt((double)d.I)));
+  std::vector<int32_t> ids = make_ids(c);
+  layer_route(&L, ids);
+  std::vector<int32_t> sched((size_t)L.sched_ints);
+  CUDA_CHECK(cudaMemcpy(sched.data(), L.sched, sched.size() * 4, cudaMemcpyDeviceToHost));
+  const int32_t *counts = sched.data() + 8, *offsets = counts + d.E_loc,
+                *row_slot = offsets + d.E_loc + 1;
+  const int32_t *slot_row = row_slot + L.R;
+
+  /* both paths, outputs poisoned first */
+  poison(&L);
+  layer_forward(&L, true);
+  outs ref_hmma = snap(&L);
+  poison(&L);
+  layer_forward(&L, false);
+  outs o = snap(&L);
+
+  /* every element written; padding and tail rows exactly zero */
+  size_t bad_pad = 0, nan_used = 0;
+  for (long long r = 0; r < L.R; r++) {
+    const bool used = row_slot[r] >= 0;
+    for (int j = 0; j < d.I; j++) {
+      const size_t at = (size_t)r * d.I + j;
+      if (!used) bad_pad += (o.g[at] | o.u[at] | o.h[at]) != 0;
+      else nan_used += (o.g[at] & 0x7f80) == 0x7f80 || (o.h[at] & 0x7f80) == 0x7f80;
+    }
+    for (int j = 0; j < d.H; j++) {
+      const uint16_t v = o.y[(size_t)r * d.H + j];
+      if (!used) bad_pad += v != 0;
+      else nan_used += (v & 0x7f80) == 0x7f80;
+    }
+  }
+  EXPECT(bad_pad == 0, "%s: %zu padding elements not zero", c->name, bad_pad);
+  EXPECT(nan_used == 0, "%s: %zu used elements NaN/Inf (unwritten?)", c->name, nan_used);
+
+  /* float64 on the kernel's rows */
+  std::vector<uint16_t> xr = down16(L.rx, (size_t)L.R * d.H), wg = down16(L.wg, W),
+                        wu = down16(L.wu, W), wd = down16(L.wd, W);
+  errs E;
+  memset(&E, 0, sizeof E);
+  std::vector<long long> rows;
+  for (long long r = 0; r < L.R; r++)
+    if (row_slot[r] >= 0) rows.push_back(r);
+  size_t step = c->ref_rows && rows.size() > (size_t)c->ref_rows ? rows.size() / c->ref_rows : 1;
+  int checked = 0;
+  for (size_t i = 0; i < rows.size(); i += step) {
+    int e = 0;
+    while (e + 1 < d.E_loc && offsets[e + 1] <= rows[i]) e++;
+    ref_row(&L, o, xr, wg, wu, wd, rows[i], e, &E);
+    checked++;
+  }
+  const char *nm[4] = {"g", "u", "h", "y"};
+  printf("%-14s T=%d H=%d I=%d E_loc=%d K=%d lim=%d rows=%zu R=%lld counts:", c->name, d.T, d.H,
+         d.I, d.E_loc, d.K, d.limit > 0 && d.has_limit, rows.size(), L.R);
+  for (int e = 0; e < d.E_loc && e < 8; e++) printf(" %d", counts[e]);
+  printf("%s\n", d.E_loc > 8 ? " ..." : "");
+  for (int i = 0; i < 4; i++) {
+    printf("    vs float64 %s: rel %.3e (%d rows)\n", nm[i], rel(E, i), checked);
+    EXPECT(rel(E, i) < 1e-2, "%s: %s rel err %.3e vs float64", c->name, nm[i], rel(E, i));
+  }
+  compare_paths(c->name, "g", o.g, ref_hmma.g);
+  compare_paths(c->name, "h", o.h, ref_hmma.h);
+  compare_paths(c->name, "y", o.y, ref_hmma.y);
+
+  /* bitwise repeatable, whatever the number of persistent CTAs */
+  const int grids[3] = {7, 1, 0};
+  bool rep = true;
+  for (int i = 0; i < 3; i++) {
+    mok_k_sm90_set_grid(grids[i]);
+    poison(&L);
+    layer_forward(&L, false);
+    rep = rep && same(snap(&L), o);
+  }
+  EXPECT(rep, "%s: results differ between runs / grid sizes", c->name);
+
+  /* NaN in the padding rows of routed_x changes nothing */
+  std::vector<uint16_t> xn = xr;
+  for (long long r = 0; r < L.R; r++)
+    if (row_slot[r] < 0)
+      for (int j = 0; j < d.H; j++) xn[(size_t)r * d.H + j] = 0xffff;
+  up16(L.rx, xn);
+  poison(&L);
+  layer_forward(&L, false);
+  const bool nan_ok = same(snap(&L), o);
+  EXPECT(nan_ok, "%s: NaN padding rows changed results", c->name);
+
+  /* a row's result does not depend on the other rows: drop every odd token */
+  bool indep = true;
+  if (d.T > 1) {
+    std::vector<int32_t> ids2 = ids;
+    for (int t = 1; t < d.T; t += 2)
+      for (int k = 0; k < d.K; k++) ids2[(size_t)t * d.K + k] = -1;
+    layer_route(&L, ids2);
+    poison(&L);
+    layer_forward(&L, false);
+    outs o2 = snap(&L);
+    std::vector<int32_t> sched2((size_t)L.sched_ints);
+    CUDA_CHECK(cudaMemcpy(sched2.data(), L.sched, sched2.size() * 4, cudaMemcpyDeviceToHost));
+    const int32_t *slot_row2 = sched2.data() + 8 + 2 * d.E_loc + 1 + L.R;
+    for (long long s = 0; s < (long long)d.T * d.K; s += 1) {
+      if ((s / d.K) % 2 || slot_row[s] < 0) continue;
+      const long long r1 = slot_row[s], r2 = slot_row2[s];
+      if (r2 < 0) {
+        indep = false;
+        continue;
+      }
+      indep = indep &&
+              !memcmp(&o.y[(size_t)r1 * d.H], &o2.y[(size_t)r2 * d.H], (size_t)d.H * 2) &&
+              !memcmp(&o.h[(size_t)r1 * d.I], &o2.h[(size_t)r2 * d.I], (size_t)d.I * 2) &&
+              !memcmp(&o.g[(size_t)r1 * d.I], &o2.g[(size_t)r2 * d.I], (size_t)d.I * 2);
+    }
+    EXPECT(indep, "%s: a row's result changed with the other rows of the batch", c->name);
+  }
+  printf("    repeatable over grids 132/7/1: %s; NaN padding harmless: %s; row-independent: %s\n",
+         rep ? "yes" : "NO", nan_ok ? "yes" : "NO", indep ? "yes" : "NO");
+  layer_free(&L);
+}
+
+/* The shared expert (one group of T rows, no schedule) through
+ * mok_k_shared_forward, new vs mma.sync. */
+static void test_shared(void) {
+  mok_k_dims d = make_dims(201, 192, 128, 2, 1, 0);
+  d.I_s = 160;
+  const size_t TH = (size_t)d.T * d.H, S = (size_t)d.I_s * d.H;
+  uint16_t *x = (uint16_t *)dmalloc(TH * 2), *sg = (uint16_t *)dmalloc(S * 2),
+           *su = (uint16_t *)dmalloc(S * 2), *sd = (uint16_t *)dmalloc(S * 2);
+  uint16_t *ag = (uint16_t *)dmalloc((size_t)d.T * d.I_s * 2),
+           *au = (uint16_t *)dmalloc((size_t)d.T * d.I_s * 2), *y = (uint16_t *)dmalloc(TH * 2);
+  int32_t *status = (int32_t *)dmalloc(4);
+  void *ws = dmalloc(mok_k_workspace_bytes(&d));
+  fill(x, TH, 21, 1.0f);
+  fill(sg, S, 22, 0.15f);
+  fill(su, S, 23, 0.15f);
+  fill(sd, S, 24, 0.2f);
+  CUDA_CHECK(cudaMemset(status, 0, 4));
+  std::vector<uint16_t> res[2][3];
+  for (int path = 0; path < 2; path++) {
+    CUDA_CHECK(cudaMemset(ag, 0xff, (size_t)d.T * d.I_s * 2));
+    CUDA_CHECK(cudaMemset(y, 0xff, TH * 2));
+    set_hmma(path == 0);
+    MOK_CHECK(mok_k_shared_forward(&d, x, sg, su, sd, ag, au, y, ws, status, 0));
+    set_hmma(false);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    res[path][0] = down16(ag, (size_t)d.T * d.I_s);
+    res[path][1] = down16(au, (size_t)d.T * d.I_s);
+    res[path][2] = down16(y, TH);
+  }
+  printf("shared expert  T=%d H=%d I_s=%d\n", d.T, d.H, d.I_s);
+  compare_paths("shared", "g", res[1][0], res[0][0]);
+  compare_paths("shared", "u", res[1][1], res[0][1]);
+  compare_paths("shared", "y", res[1][2], res[0][2]);
+  void *p[] = {x, sg, su, sd, ag, au, y, status, ws};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
+}
+
+/* ---- bench ------------------------------------------------------------------------------ */
+
+typedef struct bshape {
+  const char *name;
+  int E_loc, H, I, K;
+} bshape;
+
+static const bshape BSHAPES[] = {
+    {"kimi-k2.7", 48, 7168, 2048, 8},
+    {"glm-5.2", 32, 6144, 2048, 8},
+    {"qwen3.5-397b", 64, 4096, 1024, 10},
+    {"deepseek-v4-pro", 48, 7168, 3072, 6},
+};
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/* median ms of gate_up and of down over reps, after 2 warm-up runs */
+static void time_path(layer *L, bool hmma, int reps, float *ms_gu, float *ms_dn) {
+  cudaEvent_t ev[3];
+  for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+  std::vector<float> a, b;
+  set_hmma(hmma);
+  for (int i = 0; i < reps + 2; i++) {
+    CUDA_CHECK(cudaEventRecord(ev[0], 0));
+    MOK_CHECK(mok_k_gate_up_swiglu(&L->d, L->sched, L->rx, L->wg, L->wu, L->g, L->u, L->h,
+                                   L->status, 0));
+    CUDA_CHECK(cudaEventRecord(ev[1], 0));
+    MOK_CHECK(mok_k_down(&L->d, L->sched, L->h, L->wd, L->y, L->status, 0));
+    CUDA_CHECK(cudaEventRecord(ev[2], 0));
+    CUDA_CHECK(cudaEventSynchronize(ev[2]));
+    float x, y;
+    CUDA_CHECK(cudaEventElapsedTime(&x, ev[0], ev[1]));
+    CUDA_CHECK(cudaEventElapsedTime(&y, ev[1], ev[2]));
+    if (i >= 2) {
+      a.push_back(x);
+      b.push_back(y);
+    }
+  }
+  set_hmma(false);
+  *ms_gu = median(a);
+  *ms_dn = median(b);
+  for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+}
+
+static void bench(void) {
+  const int Ts[2] = {2048, 8192};
+  printf("\n%-16s %5s | %-22s | %-22s | %-22s | %s\n", "shape", "T",
+         "gate_up ms (TF/s) hmma", "gate_up ms (TF/s) sm90", "down ms (TF/s) hmma/sm90",
+         "fwd GEMMs TF/s hmma -> sm90 (x); y vs hmma");
+  for (int ti = 0; ti < 2; ti++)
+    for (size_t si = 0; si < sizeof BSHAPES / sizeof BSHAPES[0]; si++) {
+      const bshape *s = &BSHAPES[si];
+      const int T = Ts[ti];
+      mok_k_dims d = make_dims(T, s->H, s->I, s->E_loc, s->K, 0);
+      layer L;
+      layer_alloc(&L, &d);
+      const size_t W = (size_t)d.E_loc * d.I * d.H;
+      fill(L.x, (size_t)T * d.H, 31, 1.0f);
+      fill(L.wg, W, 32, 0.02f);
+      fill(L.wu, W, 33, 0.02f);
+      fill(L.wd, W, 34, 0.03f);
+      /* balanced: K distinct experts uniformly per token */
+      std::vector<int32_t> ids((size_t)T * d.K);
+      for (int t = 0; t < T; t++)
+        for (int k = 0; k < d.K; k++) {
+          int32_t id;
+          bool dup;
+          do {
+            id = (int32_t)(rng_next() % d.E_loc);
+            dup = false;
+            for (int j = 0; j < k; j++) dup |= ids[(size_t)t * d.K + j] == id;
+          } while (dup);
+          ids[(size_t)t * d.K + k] = id;
+        }
+      layer_route(&L, ids);
+      const int reps = T >= 8192 ? 5 : 10;
+      float hg, hd, ng, nd;
+      time_path(&L, true, reps, &hg, &hd);
+      uint16_t *y_h = (uint16_t *)dmalloc((size_t)L.R * d.H * 2);
+      CUDA_CHECK(cudaMemcpy(y_h, L.y, (size_t)L.R * d.H * 2, cudaMemcpyDeviceToDevice));
+      time_path(&L, false, reps, &ng, &nd);
+      unsigned long long *nd_d = (unsigned long long *)dmalloc(16);
+      CUDA_CHECK(cudaMemset(nd_d, 0, 16));
+      diff_bf16<<<1024, 256>>>(L.y, y_h, (size_t)L.R * d.H, nd_d, (unsigned *)(nd_d + 1));
+      unsigned long long hd2[2];
+      CUDA_CHECK(cudaMemcpy(hd2, nd_d, 16, cudaMemcpyDeviceToHost));
+      float maxd;
+      unsigned mb = (unsigned)hd2[1];
+      memcpy(&maxd, &mb, 4);
+      int32_t st = -1;
+      CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
+      EXPECT(st == 0, "bench %s: status %d", s->name, st);
+      const double rows = (double)T * d.K;
+      const double f_gu = 2.0 * rows * d.H * 2.0 * d.I, f_dn = 2.0 * rows * d.I * d.H;
+      printf("%-16s %5d | %7.3f (%5.1f)        | %7.3f (%5.1f)        | %6.3f (%5.1f) / %6.3f (%5.1f) | "
+             "%5.1f -> %5.1f (%.2fx); y differs %.3f%%, max %.3g\n",
+             s->name, T, hg, f_gu / hg * 1e-9, ng, f_gu / ng * 1e-9, hd, f_dn / hd * 1e-9, nd,
+             f_dn / nd * 1e-9, (f_gu + f_dn) / (hg + hd) * 1e-9, (f_gu + f_dn) / (ng + nd) * 1e-9,
+             (hg + hd) / (ng + nd), 100.0 * hd2[0] / ((double)L.R * d.H), maxd);
+      fflush(stdout);
+      CUDA_CHECK(cudaFree(y_h));
+      CUDA_CHECK(cudaFree(nd_d));
+      layer_free(&L);
+    }
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "correct";
+  CUDA_CHECK(cudaSetDevice(0));
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("device: %s, sm_%d%d, %d SMs; sm90 path usable: %d\n", prop.name, prop.major,
+         prop.minor, prop.multiProcessorCount, mok_k_sm90_usable());
+  MOK_CHECK(mok_k_init());
+  if (!mok_k_sm90_usable()) {
+    printf("the sm90 path is not usable on this device\n");
+    return 1;
+  }
+  bool all = !strcmp(mode, "all");
+  if (all || !strcmp(mode, "correct")) {
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+      test_case(&CASES[i]);
+      mok_k_sm90_set_grid(0);
+    }
+    test_shared();
+  }
+  if (all || !strcmp(mode, "bench")) bench();
+  printf("%s: %s (%d failures)\n", mode, failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}
