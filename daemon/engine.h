@@ -123,6 +123,19 @@ typedef struct mok_engine_ops {
    * written in order. */
   mok_engine_job *(*start)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
   int (*poll)(mok_engine *e, mok_engine_job *job, uint64_t now_ns, mok_engine_result *res);
+
+  /* Expert parallelism on an asynchronous engine (cuda; docs/ep.md).
+   * group_attach after each successful join: the engine makes its share of
+   * the group's buffers and publishes it (mok_ep_group_set_engine_state);
+   * a rejoin finds it there. start_group is start() for a validated job of
+   * a layer on g: it runs the group's host protocol (job order, signatures,
+   * first barrier) on the calling thread and enqueues the rest, with device
+   * barriers, on the session's stream; poll() follows it like any job. A
+   * job that fails with MOK_ETIMEOUT found a peer missing on the device;
+   * the caller then breaks the group. */
+  int (*group_attach)(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
+  mok_engine_job *(*start_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
+                                 mok_engine_result *res);
 } mok_engine_ops;
 
 extern const mok_engine_ops mok_engine_cpu;

@@ -32,6 +32,7 @@ typedef struct pend {
   uint64_t user_data, seq, t0;
   uint16_t op;
   int fail_status; /* != MOK_OK: the job failed validation and runs as a fence-only NOP */
+  uint32_t group_id; /* a job of a layer on this group (0: none) */
   char fail_message[MOK_COMPLETION_MSG];
   struct pend *next;
 } pend;
@@ -337,7 +338,7 @@ static int group_layer_config(mok_engine_thread *t, esession *s, mok_layer_confi
 }
 
 static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  if (!t->ops->run_group || !t->groups) {
+  if ((!t->ops->run_group && !t->ops->start_group) || !t->groups) {
     c->status = MOK_EUNSUPPORTED;
     snprintf(c->message, sizeof c->message,
              "the %s engine does not run expert-parallel groups yet", t->ops->name);
@@ -358,6 +359,13 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
                              sizeof c->message);
   if (c->status != MOK_OK) return;
+  if (t->ops->group_attach) {
+    c->status = t->ops->group_attach(t->engine, g, c->message, sizeof c->message);
+    if (c->status != MOK_OK) {
+      mok_ep_group_unref(t->groups, g, true);
+      return;
+    }
+  }
   s->groups[s->n_groups++] = mok_ep_group_id(g);
   const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
   c->out.group.id = mok_ep_group_id(g);
@@ -384,6 +392,9 @@ static void cmd_leave_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
  * failed its checks still takes its turn in the group, posting the failure,
  * so that every member fails it with the same message instead of waiting
  * for this one until the timeout. */
+static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
+                               const mok_layer_config *layer, const mok_engine_result *res);
+
 static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
                           const mok_layer_config *layer, const mok_job_args *args,
                           mok_engine_result *res) {
@@ -399,6 +410,12 @@ static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc 
     t->ops->run_group(t->engine, g, args, res);
     return;
   }
+  post_group_failure(g, desc, layer, res);
+}
+
+/* A job that failed its checks still takes its turn in its group. */
+static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
+                               const mok_layer_config *layer, const mok_engine_result *res) {
   if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
   char err[MOK_COMPLETION_MSG];
   if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
@@ -646,6 +663,11 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
     }
+    if (p->group_id && res.status == MOK_ETIMEOUT && t->groups) {
+      /* a peer never arrived at a device barrier: the group cannot go on */
+      mok_ep_group *g = mok_ep_group_find(t->groups, p->group_id);
+      if (g) mok_ep_group_mark_broken(g, res.message);
+    }
     uint64_t end = now == UINT64_MAX ? now_ns() : now;
     if (!s->detaching) finish_job(t, s, p->user_data, p->seq, p->op, &res, end - p->t0);
     free(p);
@@ -743,7 +765,20 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                s->uid, in_flight, s->limits.max_jobs_per_uid);
     }
   }
-  if (le && le->cfg.group_id) {
+  mok_ep_group *group = NULL;
+  if (le && le->cfg.group_id && t->ops->start_group) {
+    /* asynchronous group job: a failed one posts its failure to the group,
+     * then runs as the fence-only NOP below like any failed job */
+    group = session_group(t, s, le->cfg.group_id);
+    if (!group && res.status == MOK_OK) {
+      res.status = MOK_ENOENT;
+      snprintf(res.message, sizeof res.message,
+               "%s: the layer's group %u was left; re-join and re-create the layer",
+               mok_op_name(desc.op), le->cfg.group_id);
+    }
+    if (group && res.status != MOK_OK) post_group_failure(group, &desc, &le->cfg, &res);
+    if (res.status != MOK_OK) group = NULL;
+  } else if (le && le->cfg.group_id) {
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
     return true;
@@ -777,7 +812,12 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   }
   args.session = s->es;
   args.layer_state = le ? le->state : NULL;
-  p->job = t->ops->start(t->engine, &args, &res);
+  if (group) {
+    p->group_id = le->cfg.group_id;
+    p->job = t->ops->start_group(t->engine, group, &args, &res);
+  } else {
+    p->job = t->ops->start(t->engine, &args, &res);
+  }
   if (res.fatal) engine_fatal(t, res.message);
   if (!p->job) {
     if (p->fail_status != MOK_OK) {
@@ -909,7 +949,7 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   pthread_mutex_init(&t->lock, NULL);
   int r = ops->open(cfg, &t->engine, err, errlen);
   if (r != MOK_OK) goto fail;
-  if (ops->run_group && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
+  if ((ops->run_group || ops->start_group) && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
     snprintf(err, errlen, "out of memory");
     r = MOK_ENOMEM;
     goto fail;

@@ -24,7 +24,7 @@
 #include "mok_status.h"
 
 #define SEG_MAGIC 0x5045474bu /* "KGEP" */
-#define SEG_VERSION 1u
+#define SEG_VERSION 2u
 #define SEG_ALIGN 4096u
 #define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
 
@@ -32,7 +32,10 @@ typedef struct seg_rank {
   alignas(64) _Atomic uint64_t joined_gen; /* 0: not a member */
   _Atomic int32_t pid;                     /* the member's mokd */
   alignas(64) _Atomic uint64_t arrive;
-  alignas(64) mok_ep_group_post post;
+  _Atomic uint64_t dev_serial; /* names this member's device buffer (0: none yet) */
+  /* by sequence parity: an engine without the host's second barrier (cuda)
+   * may post job n+1 while a slower member still reads the posts of job n */
+  alignas(64) mok_ep_group_post post[2];
   uint64_t fin_seq;
   int32_t fin_status;
   char fin_msg[MOK_COMPLETION_MSG];
@@ -71,6 +74,9 @@ struct mok_ep_group {
   uint32_t refs;
   uint64_t idle_since_ns; /* when refs dropped to 0 */
   mok_ep_group_table *table;
+  uint64_t dev_serial;
+  void *engine_state; /* the engine's per-group state (device buffers) */
+  void (*engine_state_free)(void *);
   struct mok_ep_group *next;
 };
 
@@ -95,6 +101,8 @@ __attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, 
   va_end(ap);
   return status;
 }
+
+static void group_break(mok_ep_group *g, const char *msg);
 
 /* ---- futex bell ------------------------------------------------------------ */
 
@@ -236,6 +244,8 @@ static const char *seg_dir(void) {
 
 /* Leave the segment: our rank is free, and the last daemon out removes it. */
 static void group_release(mok_ep_group *g) {
+  /* the engine's buffers first: peers may still be mapping ours until we go */
+  if (g->engine_state && g->engine_state_free) g->engine_state_free(g->engine_state);
   if (g->h) {
     flock(g->fd, LOCK_EX);
     seg_rank *me = &g->h->ranks[g->rank];
@@ -330,6 +340,7 @@ static void enter_generation(mok_ep_group *g, bool fresh) {
   seg_rank *me = &h->ranks[g->rank];
   atomic_store(&me->arrive, 0);
   atomic_store(&me->pid, (int32_t)getpid());
+  atomic_store(&me->dev_serial, g->dev_serial);
   atomic_store(&me->joined_gen, gen);
   g->gen = gen;
   g->seq = 0;
@@ -494,8 +505,33 @@ uint64_t mok_ep_group_generation(const mok_ep_group *g) { return g->gen; }
 uint64_t mok_ep_group_sequence(const mok_ep_group *g) { return g->seq; }
 const mok_ep_group_buffers *mok_ep_group_bufs(const mok_ep_group *g) { return &g->bufs; }
 
+uint32_t mok_ep_group_timeout_ms(const mok_ep_group *g) { return g->timeout_ms; }
+
+void *mok_ep_group_engine_state(const mok_ep_group *g) { return g->engine_state; }
+
+void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_free)(void *),
+                                   uint64_t dev_serial) {
+  g->engine_state = state;
+  g->engine_state_free = state_free;
+  g->dev_serial = dev_serial;
+  atomic_store(&g->h->ranks[g->rank].dev_serial, dev_serial);
+  bell_ring(g->h);
+}
+
+mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p) {
+  mok_ep_group_peer r = {0};
+  if (p >= g->sz.world) return r;
+  const seg_rank *o = &g->h->ranks[p];
+  r.pid = atomic_load(&o->pid);
+  r.dev_serial = atomic_load(&o->dev_serial);
+  r.joined = atomic_load(&o->joined_gen) == g->gen;
+  return r;
+}
+
+void mok_ep_group_mark_broken(mok_ep_group *g, const char *why) { group_break(g, why); }
+
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p) {
-  uint32_t t = g->h->ranks[p].post.tokens;
+  uint32_t t = g->h->ranks[p].post[g->seq & 1].tokens;
   return t <= g->sz.max_tokens ? t : g->sz.max_tokens;
 }
 
@@ -623,19 +659,19 @@ int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, s
   g->seq++;
   mine->seq = g->seq;
   seg_rank *me = &g->h->ranks[g->rank];
-  memcpy(&me->post, mine, sizeof *mine);
+  memcpy(&me->post[g->seq & 1], mine, sizeof *mine);
   r = barrier(g, 1, err, errlen);
   if (r != MOK_OK) return r;
   /* every member sees every post: all reach the same verdict */
   for (uint32_t p = 0; p < g->sz.world; p++) {
-    const mok_ep_group_post *o = &g->h->ranks[p].post;
+    const mok_ep_group_post *o = &g->h->ranks[p].post[g->seq & 1];
     if (o->status != MOK_OK)
       return fail(err, errlen, o->status, "group job %llu failed on rank %u: %.*s",
                   (unsigned long long)g->seq, p, (int)sizeof o->msg, o->msg);
   }
   for (uint32_t p = 0; p < g->sz.world; p++) {
-    const mok_ep_group_post *o = &g->h->ranks[p].post;
-    const mok_ep_group_post *first = &g->h->ranks[0].post;
+    const mok_ep_group_post *o = &g->h->ranks[p].post[g->seq & 1];
+    const mok_ep_group_post *first = &g->h->ranks[0].post[g->seq & 1];
     if (o->seq != g->seq)
       return fail(err, errlen, MOK_EINVAL, "group job %llu: rank %u is at job %llu",
                   (unsigned long long)g->seq, p, (unsigned long long)o->seq);

@@ -91,6 +91,31 @@ const mok_ep_group_sizing *mok_ep_group_get_sizing(const mok_ep_group *g);
 uint64_t mok_ep_group_generation(const mok_ep_group *g);
 uint64_t mok_ep_group_sequence(const mok_ep_group *g);
 const mok_ep_group_buffers *mok_ep_group_bufs(const mok_ep_group *g);
+uint32_t mok_ep_group_timeout_ms(const mok_ep_group *g);
+
+/* ---- the engine's part of a group ------------------------------------------
+ *
+ * An engine that keeps its buffers outside the segment (cuda: one device
+ * allocation per member, shared as a VMM fd) hangs its state on the group;
+ * the group frees it (state_free) when this daemon leaves the group, before
+ * it gives up its rank. dev_serial (random, nonzero) names the member's
+ * buffer in the segment, so peers notice when a rank's buffer was replaced
+ * (its mokd restarted) and map the new one. */
+void *mok_ep_group_engine_state(const mok_ep_group *g);
+void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_free)(void *),
+                                   uint64_t dev_serial);
+
+typedef struct mok_ep_group_peer {
+  int32_t pid;         /* the member's mokd (0: none) */
+  uint64_t dev_serial; /* its device buffer's name (0: none yet) */
+  bool joined;         /* a member of this daemon's generation */
+} mok_ep_group_peer;
+mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p);
+
+/* Break the group (a device-side barrier timed out): every member's later
+ * jobs fail until its clients re-join. */
+void mok_ep_group_mark_broken(mok_ep_group *g, const char *why);
+
 /* Tokens rank p posted for the current job (after barrier 1). */
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p);
 
