@@ -482,6 +482,18 @@ static int ordered_ksum(const mok_k_dims *d, const int32_t *schedule, const mok_
   return mok_k_launch_status();
 }
 
+/* The ordered K-sum over rows named by any slot_row (mok_ep.cu's own-token
+ * view of the landing slots uses it, so that EP sums exactly as EP=1). */
+int mok_k_ksum_rows(const mok_k_dims *d, const int32_t *slot_row, int capacity,
+                    const mok_k_bf16 *routed, const float *rw, const mok_k_bf16 *base,
+                    mok_k_bf16 *out, int32_t *status, cudaStream_t stream) {
+  if (d->T == 0) return MOK_OK;
+  ordered_ksum_kernel<<<(d->T + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 32 * ROWS_PER_BLOCK, 0,
+                        stream>>>((const uint4 *)routed, slot_row, rw, (const uint4 *)base, d->T,
+                                  d->K, capacity, d->H / 8, (uint4 *)out, status);
+  return mok_k_launch_status();
+}
+
 extern "C" int mok_k_combine(const mok_k_dims *d, const int32_t *schedule,
                              const mok_k_bf16 *routed_y, const float *router_weights,
                              const mok_k_bf16 *shared_y, mok_k_bf16 *out, int32_t *status,
