@@ -48,7 +48,7 @@ LDLIBS := -lm -lpthread
 # ---- sources --------------------------------------------------------------
 PROTO_SRC := $(wildcard proto/*.c)
 GEN_SRC := $(GEN)/mok.pb-c.c
-DAEMON_SRC := $(filter-out daemon/main.c daemon/engine_cuda.c,$(wildcard daemon/*.c))
+DAEMON_SRC := $(filter-out daemon/main.c daemon/engine_cuda.c daemon/ep_cuda.c,$(wildcard daemon/*.c))
 CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)
 UNIT_SRC := $(wildcard tests/unit/test_*.c tests/integration/test_*.c)
@@ -59,7 +59,7 @@ ifneq ($(NVCC),)
   HAVE_CUDA := 1
   CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
   NVCCFLAGS ?= -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Ikernels -Iproto
-  CUDA_DAEMON_SRC := daemon/engine_cuda.c
+  CUDA_DAEMON_SRC := daemon/engine_cuda.c daemon/ep_cuda.c
   # never -lcuda: machines without a GPU have no libcuda.so.1 at run time;
   # the static runtime loads the driver lazily (daemon/engine_cuda.c)
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++

@@ -34,34 +34,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine_cuda_internal.h"
 #include "engine.h"
 #include "log.h"
 #include "mok_kernels.h"
 #include "mok_slots.h"
 #include "region.h"
 #include "schedule.h"
-
-#define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
-#define DEFAULT_FENCE_TIMEOUT_MS 30000u
-
-/* ---- driver entry points ---------------------------------------------------- */
-
-typedef struct drv_api {
-  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-  CUresult (*get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
-  CUresult (*import_handle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
-  CUresult (*props_from_handle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
-  CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
-  CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
-  CUresult (*address_free)(CUdeviceptr, size_t);
-  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
-  CUresult (*unmap)(CUdeviceptr, size_t);
-  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-  CUresult (*release)(CUmemGenericAllocationHandle);
-  CUresult (*device_attribute)(int *, CUdevice_attribute, CUdevice);
-  CUresult (*error_string)(CUresult, const char **);
-} drv_api;
 
 static int drv_load(drv_api *d, char *err, size_t errlen) {
   struct {
@@ -82,6 +61,8 @@ static int drv_load(drv_api *d, char *err, size_t errlen) {
       {"cuMemRelease", (void **)&d->release},
       {"cuDeviceGetAttribute", (void **)&d->device_attribute},
       {"cuGetErrorString", (void **)&d->error_string},
+      {"cuMemCreate", (void **)&d->mem_create},
+      {"cuMemExportToShareableHandle", (void **)&d->export_handle},
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSuccess;
@@ -96,103 +77,15 @@ static int drv_load(drv_api *d, char *err, size_t errlen) {
   return MOK_OK;
 }
 
-/* ---- engine state ------------------------------------------------------------- */
-
-typedef struct ipc_entry {
-  uint8_t handle[64];
-  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
-  size_t size;    /* the allocation's size (cuMemGetAddressRange) */
-  int refs;
-  struct ipc_entry *next;
-} ipc_entry;
-
-typedef struct vmm_import {
-  CUdeviceptr va;
-  size_t size;
-  CUmemGenericAllocationHandle handle;
-} vmm_import;
-
-/* Fence watches: a job parked on a client fence is watched by a thread that
- * makes no CUDA calls. The engine thread's own timeout check cannot be
- * relied on: some CUDA calls (cudaHostUnregister, cudaIpcCloseMemHandle)
- * wait for the device, and while a stream is parked on a dead client's
- * fence they would hold the engine thread - and the lock they take blocks
- * its other CUDA calls - for ever. The watchdog writes the awaited value
- * itself once the timeout passes, so the device always drains. */
-#define MAX_FENCE_WATCHES 4096
-enum { WATCH_FREE = 0, WATCH_ARMED, WATCH_CHECKING, WATCH_FORCED };
-typedef struct fence_watch {
-  _Atomic int state;
-  volatile uint64_t *word; /* the client's fence word (the session's sync page) */
-  uint64_t value;          /* what the job waits for */
-  uint64_t deadline_ns;
-} fence_watch;
-
-struct mok_engine {
-  int device;
-  char description[192];
-  drv_api drv;
-  uint64_t fence_timeout_ns;
-  /* allocations and frees of device scratch go through this stream (stream-
-   * ordered: cudaFree would wait for the whole device, and a session parked
-   * on a client fence would then hold the engine thread) */
-  cudaStream_t mem_stream;
-  ipc_entry *ipc; /* opened IPC handles, shared by every session of this daemon */
-  fence_watch *watches; /* MAX_FENCE_WATCHES */
-  pthread_t watchdog;
-  bool watchdog_started;
-  _Atomic bool watchdog_stop;
-};
-
-struct mok_engine_job {
-  mok_engine_session *s;
-  bool used;
-  int slot;
-  cudaEvent_t ev_start, ev_done;
-  uint32_t op;
-  uint64_t fence_wait, fence_signal;
-  bool host_signal;   /* no device-mapped sync page: write the done value from the host */
-  bool fence_forced;  /* the fence timed out and the engine released the wait itself */
-  int watch;          /* index in e->watches, -1: none */
-  uint64_t head_since;
-  bool reads_status;  /* the status word was copied back */
-  int status;         /* a host-side failure found while enqueueing */
-  char message[MOK_COMPLETION_MSG];
-};
-
-struct mok_engine_session {
-  cudaStream_t stream;
-  void *sync_host;       /* the session's header page */
-  CUdeviceptr sync_dev;  /* its device address; 0 when it could not be registered */
-  char sync_error[80];
-  int32_t *d_status;     /* the running job's status word */
-  volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
-  bool h_status_own;     /* from cudaHostAlloc */
-  cudaStream_t mem_stream;
-  uint16_t *wstage;      /* daemon-local copy of a backward's routed weights */
-  size_t wstage_bytes;
-  mok_engine_job jobs[MAX_JOBS];
-};
-
-struct mok_engine_layer {
-  mok_layer_config cfg;
-  void *ws;          /* mok_k_workspace_bytes at max_tokens */
-  void *ctx;         /* schedule + acts when the job brings no ctx / acts */
-  uint16_t *routed_a; /* routed_x */
-  uint16_t *routed_b; /* routed_y / routed_d_out */
-  uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] */
-  uint16_t *shared;  /* shared_y / shared_d_x [T, H] */
-};
-
 static _Thread_local int current_device = -1;
 
-static const char *drv_error(const mok_engine *e, CUresult r) {
+const char *cuda_drv_error(const mok_engine *e, CUresult r) {
   const char *s = NULL;
   if (e->drv.error_string && e->drv.error_string(r, &s) == CUDA_SUCCESS && s) return s;
   return "unknown driver error";
 }
 
-static int use_device(mok_engine *e) {
+int cuda_use_device(mok_engine *e) {
   if (current_device == e->device) return MOK_OK;
   if (cudaSetDevice(e->device) != cudaSuccess) return MOK_EENGINE;
   current_device = e->device;
@@ -201,7 +94,7 @@ static int use_device(mok_engine *e) {
 
 /* After a failed CUDA call: does the context still work? A sticky error
  * (illegal address, trap, ...) poisons it for good. */
-static bool context_broken(cudaStream_t stream) {
+bool cuda_context_broken(cudaStream_t stream) {
   cudaError_t r = stream ? cudaStreamQuery(stream) : cudaDeviceSynchronize();
   if (r == cudaSuccess || r == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -325,7 +218,7 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
   if (cr != CUDA_SUCCESS || !mem64)
     log_warn("cuda engine: GPU %d reports no 64-bit stream memory operations (%s): jobs "
              "with GPU fences will fail",
-             dev, cr != CUDA_SUCCESS ? drv_error(e, cr) : "attribute 0");
+             dev, cr != CUDA_SUCCESS ? cuda_drv_error(e, cr) : "attribute 0");
   if (cudaStreamCreateWithFlags(&e->mem_stream, cudaStreamNonBlocking) != cudaSuccess) {
     snprintf(err, errlen, "cuda engine: cannot create a stream");
     free(e);
@@ -361,7 +254,7 @@ static void cuda_close(mok_engine *e) {
     pthread_join(e->watchdog, NULL);
   }
   free(e->watches);
-  if (use_device(e) == MOK_OK) cudaDeviceSynchronize();
+  if (cuda_use_device(e) == MOK_OK) cudaDeviceSynchronize();
   while (e->ipc) { /* every region was released; nothing should be left */
     ipc_entry *n = e->ipc->next;
     cudaIpcCloseMemHandle(e->ipc->ptr);
@@ -379,7 +272,7 @@ static const char *cuda_describe(const mok_engine *e) { return e ? e->descriptio
 
 /* ---- layers ------------------------------------------------------------------------- */
 
-static mok_k_dims dims_of(const mok_layer_config *c, uint32_t tokens) {
+mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
   mok_k_dims d;
   d.T = (int)tokens;
   d.H = (int)c->hidden;
@@ -405,7 +298,7 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
     return MOK_EUNSUPPORTED;
   }
   cfg->row_align = (uint32_t)mok_k_row_align();
-  mok_k_dims d = dims_of(cfg, cfg->max_tokens);
+  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
   char kerr[160];
   if (mok_k_check_dims(&d, kerr, sizeof kerr) != MOK_OK) {
     snprintf(err, errlen, "the cuda engine cannot run this layer: %s", kerr);
@@ -420,27 +313,42 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
     snprintf(err, errlen, "cuda engine: kernel and wire layouts disagree (build mismatch)");
     return MOK_EENGINE;
   }
+  if (cfg->group_world) {
+    /* the routed part runs on the group's virtual batch */
+    mok_k_dims dv = cuda_dims_of(cfg, cfg->group_world * cfg->group_tokens);
+    dv.I_s = 0;
+    if (mok_k_check_dims(&dv, kerr, sizeof kerr) != MOK_OK) {
+      snprintf(err, errlen, "the cuda engine cannot run this layer on its group: %s", kerr);
+      return MOK_EUNSUPPORTED;
+    }
+    mok_sched_shape vs = {mok_group_routed_dims(cfg), cfg->experts, cfg->first_expert};
+    if ((st = mok_schedule_shape_check(&vs, err, errlen)) != MOK_OK) return st;
+  }
   return MOK_OK;
 }
 
-static void free_async(void *p, cudaStream_t st) {
+void cuda_free_async(void *p, cudaStream_t st) {
   if (p) cudaFreeAsync(p, st);
 }
 
 static void layer_free(mok_engine_layer *l, cudaStream_t st) {
-  free_async(l->ws, st);
-  free_async(l->ctx, st);
-  free_async(l->routed_a, st);
-  free_async(l->routed_b, st);
-  free_async(l->routed_c, st);
-  free_async(l->shared, st);
+  cuda_free_async(l->ws, st);
+  cuda_free_async(l->ctx, st);
+  cuda_free_async(l->routed_a, st);
+  cuda_free_async(l->routed_b, st);
+  cuda_free_async(l->routed_c, st);
+  cuda_free_async(l->shared, st);
+  cuda_free_async(l->ep_ids, st);
+  cuda_free_async(l->ep_rw, st);
+  cuda_free_async(l->ep_drw, st);
+  cuda_free_async(l->ep_own, st);
   free(l);
 }
 
 static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer **ret,
                            char *err, size_t errlen) {
   *ret = NULL;
-  if (use_device(e) != MOK_OK) {
+  if (cuda_use_device(e) != MOK_OK) {
     snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
     return MOK_EENGINE;
   }
@@ -450,21 +358,38 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
     return MOK_ENOMEM;
   }
   l->cfg = *cfg;
-  mok_k_dims d = dims_of(cfg, cfg->max_tokens);
+  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
   mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
   size_t R = (size_t)mok_rows_capacity(&ld), H = cfg->hidden, I = cfg->intermediate;
-  size_t T = cfg->max_tokens;
+  size_t T = cfg->max_tokens, ws_bytes = mok_k_workspace_bytes(&d);
+  uint64_t ctx_bytes = mok_ctx_bytes(&ld);
+  size_t TK_v = 0, TK_own = 0; /* a group layer's gathered routing */
+  if (cfg->group_world) {
+    /* the routed part runs on the virtual batch of every member's tokens */
+    mok_k_dims dv = cuda_dims_of(cfg, cfg->group_world * cfg->group_tokens);
+    dv.I_s = 0;
+    mok_layout_dims lv = mok_group_routed_dims(cfg);
+    R = (size_t)mok_rows_capacity(&lv);
+    if (mok_k_workspace_bytes(&dv) > ws_bytes) ws_bytes = mok_k_workspace_bytes(&dv);
+    ctx_bytes = mok_group_ctx_bytes(cfg, cfg->max_tokens);
+    TK_v = (size_t)cfg->group_world * cfg->group_tokens * cfg->topk;
+    TK_own = (size_t)cfg->group_tokens * cfg->topk;
+  }
   struct {
     void **p;
     size_t bytes;
     const char *what;
   } bufs[] = {
-      {&l->ws, mok_k_workspace_bytes(&d), "workspace"},
-      {&l->ctx, (size_t)mok_ctx_bytes(&ld), "context scratch"},
+      {&l->ws, ws_bytes, "workspace"},
+      {&l->ctx, (size_t)ctx_bytes, "context scratch"},
       {(void **)&l->routed_a, R * H * 2, "routed rows"},
       {(void **)&l->routed_b, R * H * 2, "routed rows"},
       {(void **)&l->routed_c, R * (H > I ? H : I) * 2, "routed rows"},
       {(void **)&l->shared, cfg->shared_intermediate ? T * H * 2 : 0, "shared rows"},
+      {(void **)&l->ep_ids, TK_v * 4, "group routing"},
+      {(void **)&l->ep_rw, TK_v * 4, "group routing"},
+      {(void **)&l->ep_drw, TK_v * 4, "group routing"},
+      {(void **)&l->ep_own, TK_own * 4, "group routing"},
   };
   size_t total = 0;
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
@@ -492,7 +417,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
 
 static void cuda_layer_close(mok_engine *e, mok_engine_layer *l) {
   if (!l) return;
-  use_device(e);
+  cuda_use_device(e);
   layer_free(l, e->mem_stream);
 }
 
@@ -505,8 +430,8 @@ static void session_free(mok_engine_session *s) {
   }
   if (s->stream) cudaStreamDestroy(s->stream);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
-  free_async(s->d_status, s->mem_stream);
-  free_async(s->wstage, s->mem_stream);
+  cuda_free_async(s->d_status, s->mem_stream);
+  cuda_free_async(s->wstage, s->mem_stream);
   if (s->h_status_own) cudaFreeHost((void *)s->h_status);
   free(s);
 }
@@ -514,7 +439,7 @@ static void session_free(mok_engine_session *s) {
 static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
                              size_t errlen) {
   *ret = NULL;
-  if (use_device(e) != MOK_OK) {
+  if (cuda_use_device(e) != MOK_OK) {
     snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
     return MOK_EENGINE;
   }
@@ -574,7 +499,7 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
 
 static void cuda_session_close(mok_engine *e, mok_engine_session *s) {
   if (!s) return;
-  use_device(e);
+  cuda_use_device(e);
   cudaStreamSynchronize(s->stream); /* nothing should be left; never free under running work */
   session_free(s);
 }
@@ -609,7 +534,7 @@ static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r
     if (dr != CUDA_SUCCESS) {
       cudaIpcCloseMemHandle(en->ptr);
       free(en);
-      snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s", drv_error(e, dr));
+      snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s", cuda_drv_error(e, dr));
       return MOK_EENGINE;
     }
     en->size = size - (size_t)(base - (CUdeviceptr)(uintptr_t)en->ptr);
@@ -652,7 +577,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (cr != CUDA_SUCCESS) {
     free(v);
-    snprintf(err, errlen, "cannot import the VMM fd: %s", drv_error(e, cr));
+    snprintf(err, errlen, "cannot import the VMM fd: %s", cuda_drv_error(e, cr));
     return MOK_EINVAL;
   }
   CUmemAllocationProp prop;
@@ -700,7 +625,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
   if (cr != CUDA_SUCCESS) {
     d->release(v->handle);
     free(v);
-    snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, drv_error(e, cr));
+    snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, cuda_drv_error(e, cr));
     return cr == CUDA_ERROR_INVALID_VALUE ? MOK_EBOUNDS : MOK_EINVAL;
   }
   r->kind = MOK_REGION_CUDA_VMM;
@@ -712,7 +637,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
 
 static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_region *r,
                               char *err, size_t errlen) {
-  if (use_device(e) != MOK_OK) {
+  if (cuda_use_device(e) != MOK_OK) {
     snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
     return MOK_EENGINE;
   }
@@ -745,7 +670,7 @@ static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_r
 
 static void cuda_region_release(mok_engine *e, mok_region *r) {
   if (!r->engine_handle) return;
-  use_device(e);
+  cuda_use_device(e);
   switch (r->kind) {
   case MOK_REGION_HOST_MEMFD: cudaHostUnregister(r->map_base); break;
   case MOK_REGION_CUDA_IPC: {
@@ -775,20 +700,7 @@ static void cuda_region_release(mok_engine *e, mok_region *r) {
 
 /* ---- one job ----------------------------------------------------------------------------- */
 
-typedef struct job_ctx {
-  mok_engine *e;
-  mok_engine_session *s;
-  mok_engine_job *j;
-  const mok_job_args *a;
-  mok_engine_layer *l;
-  mok_k_dims d;
-  mok_layout_dims ld;
-  cudaStream_t st;
-  int32_t *status;
-  bool failed; /* stop enqueueing kernels */
-} job_ctx;
-
-__attribute__((format(printf, 3, 4))) static void job_fail(job_ctx *c, int status,
+__attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status,
                                                           const char *fmt, ...) {
   if (c->failed) return;
   c->failed = true;
@@ -802,38 +714,29 @@ __attribute__((format(printf, 3, 4))) static void job_fail(job_ctx *c, int statu
 }
 
 /* A launcher's result: MOK_EINVAL means the kernels refused the arguments. */
-static void launched(job_ctx *c, int st, const char *what) {
+void cuda_launched(job_ctx *c, int st, const char *what) {
   if (st == MOK_OK || c->failed) return;
   if (st == MOK_EENGINE) {
     int ce = mok_k_last_cuda_error();
-    job_fail(c, MOK_EENGINE, "%s: CUDA launch failed: %s", what,
+    cuda_job_fail(c, MOK_EENGINE, "%s: CUDA launch failed: %s", what,
              cudaGetErrorString((cudaError_t)ce));
   } else {
-    job_fail(c, st, "%s: the kernels refused the arguments (alignment or dims)", what);
+    cuda_job_fail(c, st, "%s: the kernels refused the arguments (alignment or dims)", what);
   }
 }
-
-#define LAUNCH(c, call)                                                                       \
-  do {                                                                                        \
-    if (!(c)->failed) launched((c), (call), #call);                                           \
-  } while (0)
 
 static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
 #define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
 
-static void memset_async(job_ctx *c, void *p, size_t bytes) {
+void cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (c->failed || !bytes) return;
   cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
-  if (r != cudaSuccess) job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
 }
-
-typedef struct acts_ptrs {
-  uint16_t *g, *u, *gs, *us;
-} acts_ptrs;
 
 /* acts at T (mok_wire.h); the bytes between each array's end and its
  * 256-byte boundary are zeroed as the cpu engine does */
-static acts_ptrs acts_split(job_ctx *c, void *acts, bool zero_gaps) {
+acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   acts_ptrs p = {0};
   uint64_t routed = mok_acts_routed_bytes(&c->ld), shared = mok_acts_shared_bytes(&c->ld);
   char *b = acts;
@@ -844,10 +747,10 @@ static acts_ptrs acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   if (zero_gaps) {
     size_t ru = (size_t)mok_rows_capacity(&c->ld) * c->ld.intermediate * 2;
     size_t su = (size_t)c->ld.tokens * c->ld.shared_intermediate * 2;
-    memset_async(c, (char *)p.g + ru, routed - ru);
-    memset_async(c, (char *)p.u + ru, routed - ru);
-    memset_async(c, (char *)p.gs + su, shared - su);
-    memset_async(c, (char *)p.us + su, shared - su);
+    cuda_memset_async(c, (char *)p.g + ru, routed - ru);
+    cuda_memset_async(c, (char *)p.u + ru, routed - ru);
+    cuda_memset_async(c, (char *)p.gs + su, shared - su);
+    cuda_memset_async(c, (char *)p.us + su, shared - su);
   }
   return p;
 }
@@ -856,8 +759,8 @@ static acts_ptrs acts_split(job_ctx *c, void *acts, bool zero_gaps) {
 static void ctx_split(job_ctx *c, void *ctx, bool writing, int32_t **sched, acts_ptrs *acts) {
   uint64_t sb = mok_schedule_bytes(&c->ld);
   *sched = ctx;
-  if (writing) memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
-  *acts = acts_split(c, (char *)ctx + mok_align256(sb), writing);
+  if (writing) cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
+  *acts = cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
 }
 
 static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *routed_x,
@@ -886,14 +789,14 @@ static bool stage_weights_enabled(void) {
   return on > 0;
 }
 
-static void stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
+void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
                           const uint16_t **wd) {
   size_t n = (size_t)c->d.E_loc * c->d.I * c->d.H * 2; /* bytes of one of the three */
   if (c->failed || !stage_weights_enabled() || n == 0) return;
   mok_engine_session *s = c->s;
   if (s->wstage_bytes < 3 * n) {
     /* stream-ordered: earlier jobs of this session still using the old one finish first */
-    free_async(s->wstage, c->st);
+    cuda_free_async(s->wstage, c->st);
     s->wstage = NULL;
     s->wstage_bytes = 0;
     if (cudaMallocAsync((void **)&s->wstage, 3 * n, c->st) != cudaSuccess) {
@@ -908,7 +811,7 @@ static void stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
   for (int i = 0; i < 3; i++) {
     cudaError_t r = cudaMemcpyAsync(dst[i], *src[i], n, cudaMemcpyDeviceToDevice, c->st);
     if (r != cudaSuccess) {
-      job_fail(c, MOK_EENGINE, "staging weights: %s", cudaGetErrorString(r));
+      cuda_job_fail(c, MOK_EENGINE, "staging weights: %s", cudaGetErrorString(r));
       return;
     }
     *src[i] = dst[i];
@@ -919,7 +822,7 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
                              const uint16_t *routed_x, const uint16_t *routed_dout,
                              uint16_t *routed_dx, uint16_t *shared_dx) {
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
-  stage_weights(c, &wg, &wu, &wd);
+  cuda_stage_weights(c, &wg, &wu, &wd);
   LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
                                   (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
                                   (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
@@ -989,7 +892,7 @@ static void op_step(job_ctx *c) {
     void *acts = T_(c, MOK_SLOT_ACTS);
     acts_ptrs a;
     if (acts) {
-      a = acts_split(c, acts, true);
+      a = cuda_acts_split(c, acts, true);
     } else {
       int32_t *unused;
       ctx_split(c, c->l->ctx, false, &unused, &a);
@@ -1010,7 +913,7 @@ static void op_step(job_ctx *c) {
   }
   case MOK_OP_COMPUTE_BWD: {
     const int32_t *s = sched_in(c);
-    acts_ptrs a = acts_split(c, T_(c, MOK_SLOT_ACTS), false);
+    acts_ptrs a = cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
     step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
                      BF(c, SHARED_DX));
     break;
@@ -1021,33 +924,33 @@ static void op_step(job_ctx *c) {
                                       c->status, c->st));
     break;
   }
-  default: job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
+  default: cuda_job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
   }
 }
 
 /* Host-side checks the daemon's generic validation does not make. */
-static bool check_job(job_ctx *c) {
+bool cuda_check_job(job_ctx *c) {
   const mok_job_args *a = c->a;
   if (!c->l) {
-    job_fail(c, MOK_EINVAL, "the layer has no device state");
+    cuda_job_fail(c, MOK_EINVAL, "the layer has no device state");
     return false;
   }
   if (a->layer->dtype != MOK_DTYPE_BF16 || a->layer->row_align != (uint32_t)mok_k_row_align()) {
-    job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
+    cuda_job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
     return false;
   }
   if (a->tokens == 0 || a->tokens > a->layer->max_tokens) {
-    job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens, a->layer->max_tokens);
+    cuda_job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens, a->layer->max_tokens);
     return false;
   }
   if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD) {
-    job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
+    cuda_job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
     return false;
   }
   for (int s = 0; s < MOK_SLOT_COUNT_; s++) {
     const mok_tensor_view *t = &a->t[s];
     if (t->ptr && ((uintptr_t)t->ptr & 15u)) {
-      job_fail(c, MOK_EINVAL,
+      cuda_job_fail(c, MOK_EINVAL,
                "tensor '%s' is not 16-byte aligned (address ...%02x): the cuda engine needs "
                "every tensor at a multiple of 16 bytes in its buffer",
                mok_slot_name((uint32_t)s), (unsigned)((uintptr_t)t->ptr & 0xffu));
@@ -1063,11 +966,12 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
-static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
+                               mok_engine_result *res) {
   res->status = MOK_OK;
   res->message[0] = '\0';
   mok_engine_session *s = a->session;
-  if (!s || use_device(e) != MOK_OK) {
+  if (!s || cuda_use_device(e) != MOK_OK) {
     res->status = MOK_EENGINE;
     snprintf(res->message, sizeof res->message, "cuda engine: job without a session or device");
     return NULL;
@@ -1089,11 +993,11 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
   j->reads_status = false;
   j->status = MOK_OK;
   j->message[0] = '\0';
-  job_ctx c = {.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
-               .status = s->d_status};
+  *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
+                 .status = s->d_status};
 
   if ((a->fence_wait || a->fence_signal) && !s->sync_dev) {
-    job_fail(&c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
+    cuda_job_fail(c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
              s->sync_error);
     j->host_signal = a->fence_signal != 0; /* still release the client's stream, in order */
   }
@@ -1104,30 +1008,44 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     cr = e->drv.wait64(s->stream,
                        s->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (a->fence_wait % MOK_RING_ENTRIES),
                        a->fence_wait, CU_STREAM_WAIT_VALUE_GEQ);
-  if (cr != CUDA_SUCCESS) job_fail(&c, MOK_EENGINE, "cuStreamWaitValue64: %s", drv_error(e, cr));
+  if (cr != CUDA_SUCCESS) cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", cuda_drv_error(e, cr));
   else if (a->fence_wait && s->sync_dev)
     watch_arm(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
+  return j;
+}
 
-  if (a->op != MOK_OP_NOP && !c.failed && check_job(&c)) {
-    c.d = dims_of(a->layer, a->tokens);
-    c.ld = mok_layer_dims(a->layer, a->tokens);
-    cudaError_t r = cudaMemsetAsync(s->d_status, 0, sizeof(int32_t), s->stream);
-    if (r != cudaSuccess) job_fail(&c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
-    if (a->op == MOK_OP_FORWARD) op_forward(&c);
-    else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
-    else op_step(&c);
-    /* read back at completion only: the word lands in pinned memory before ev_done */
-    r = cudaMemcpyAsync((void *)&s->h_status[j->slot], s->d_status, sizeof(int32_t),
-                        cudaMemcpyDeviceToHost, s->stream);
-    if (r == cudaSuccess) j->reads_status = true;
-    else job_fail(&c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+bool cuda_job_prepare(job_ctx *c) {
+  const mok_job_args *a = c->a;
+  if (a->op == MOK_OP_NOP || c->failed || !cuda_check_job(c)) return false;
+  c->d = cuda_dims_of(a->layer, a->tokens);
+  c->ld = mok_layer_dims(a->layer, a->tokens);
+  cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  /* read back at completion only: the word lands in pinned memory before ev_done */
+  c->j->reads_status = true;
+  return !c->failed;
+}
+
+mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
+  mok_engine *e = c->e;
+  mok_engine_session *s = c->s;
+  mok_engine_job *j = c->j;
+  const mok_job_args *a = c->a;
+  if (j->reads_status) {
+    cudaError_t r = cudaMemcpyAsync((void *)&s->h_status[j->slot], s->d_status, sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, s->stream);
+    if (r != cudaSuccess) {
+      j->reads_status = false;
+      cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+    }
   }
+  CUresult cr;
   if (a->fence_signal && s->sync_dev) {
     cr = e->drv.write64(s->stream, s->sync_dev + MOK_SHM_SYNC_DONE_OFFSET, a->fence_signal,
                         CU_STREAM_WRITE_VALUE_DEFAULT);
     if (cr != CUDA_SUCCESS) {
-      job_fail(&c, MOK_EENGINE, "cuStreamWriteValue64: %s", drv_error(e, cr));
+      cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64: %s", cuda_drv_error(e, cr));
       j->host_signal = true;
     }
   }
@@ -1135,7 +1053,7 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
   if (r != cudaSuccess) {
     /* without the event the job cannot be followed: give up on the device */
     res->status = MOK_EENGINE;
-    res->fatal = context_broken(s->stream);
+    res->fatal = cuda_context_broken(s->stream);
     snprintf(res->message, sizeof res->message, "cudaEventRecord: %s", cudaGetErrorString(r));
     if (!res->fatal) {
       cudaStreamSynchronize(s->stream);
@@ -1148,12 +1066,24 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     j->used = false;
     return NULL;
   }
-  if (c.failed && j->status == MOK_EENGINE && context_broken(s->stream)) {
+  if (c->failed && j->status == MOK_EENGINE && cuda_context_broken(s->stream)) {
     res->status = MOK_EENGINE;
     res->fatal = 1;
     snprintf(res->message, sizeof res->message, "%s", j->message);
   }
   return j;
+}
+
+static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  job_ctx c;
+  mok_engine_job *j = cuda_job_begin(e, a, &c, res);
+  if (!j) return NULL;
+  if (cuda_job_prepare(&c)) {
+    if (a->op == MOK_OP_FORWARD) op_forward(&c);
+    else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
+    else op_step(&c);
+  }
+  return cuda_job_end(&c, res);
 }
 
 static const char *status_text(int st) {
@@ -1167,7 +1097,7 @@ static const char *status_text(int st) {
 
 static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_result *res) {
   mok_engine_session *s = j->s;
-  use_device(e);
+  cuda_use_device(e);
   cudaError_t q = cudaEventQuery(j->ev_done);
   if (q == cudaErrorNotReady) {
     if (j->fence_wait && !j->fence_forced && s->sync_dev) {
@@ -1258,4 +1188,6 @@ const mok_engine_ops mok_engine_cuda = {
     .region_release = cuda_region_release,
     .start = cuda_start,
     .poll = cuda_poll,
+    .group_attach = cuda_group_attach,
+    .start_group = cuda_start_group,
 };

@@ -1,0 +1,188 @@
+/* The cuda engine's internals, shared by engine_cuda.c (single-daemon jobs)
+ * and ep_cuda.c (jobs of a layer on an expert-parallel group). Not an
+ * interface: both files are one engine. */
+#ifndef MOK_ENGINE_CUDA_INTERNAL_H
+#define MOK_ENGINE_CUDA_INTERNAL_H
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine.h"
+#include "mok_kernels.h"
+
+#define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
+#define DEFAULT_FENCE_TIMEOUT_MS 30000u
+
+/* ---- driver entry points ---------------------------------------------------- */
+
+typedef struct drv_api {
+  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  CUresult (*get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+  CUresult (*import_handle)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+  CUresult (*props_from_handle)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+  CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+  CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*address_free)(CUdeviceptr, size_t);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*device_attribute)(int *, CUdevice_attribute, CUdevice);
+  CUresult (*error_string)(CUresult, const char **);
+  CUresult (*mem_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                         unsigned long long);
+  CUresult (*export_handle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long);
+} drv_api;
+
+/* ---- engine state ------------------------------------------------------------- */
+
+typedef struct ipc_entry {
+  uint8_t handle[64];
+  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
+  size_t size;    /* the allocation's size (cuMemGetAddressRange) */
+  int refs;
+  struct ipc_entry *next;
+} ipc_entry;
+
+typedef struct vmm_import {
+  CUdeviceptr va;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+} vmm_import;
+
+/* Fence watches: a job parked on a client fence is watched by a thread that
+ * makes no CUDA calls. The engine thread's own timeout check cannot be
+ * relied on: some CUDA calls (cudaHostUnregister, cudaIpcCloseMemHandle)
+ * wait for the device, and while a stream is parked on a dead client's
+ * fence they would hold the engine thread - and the lock they take blocks
+ * its other CUDA calls - for ever. The watchdog writes the awaited value
+ * itself once the timeout passes, so the device always drains. */
+#define MAX_FENCE_WATCHES 4096
+enum { WATCH_FREE = 0, WATCH_ARMED, WATCH_CHECKING, WATCH_FORCED };
+typedef struct fence_watch {
+  _Atomic int state;
+  volatile uint64_t *word; /* the client's fence word (the session's sync page) */
+  uint64_t value;          /* what the job waits for */
+  uint64_t deadline_ns;
+} fence_watch;
+
+struct mok_engine {
+  int device;
+  char description[192];
+  drv_api drv;
+  uint64_t fence_timeout_ns;
+  /* allocations and frees of device scratch go through this stream (stream-
+   * ordered: cudaFree would wait for the whole device, and a session parked
+   * on a client fence would then hold the engine thread) */
+  cudaStream_t mem_stream;
+  ipc_entry *ipc; /* opened IPC handles, shared by every session of this daemon */
+  fence_watch *watches; /* MAX_FENCE_WATCHES */
+  pthread_t watchdog;
+  bool watchdog_started;
+  _Atomic bool watchdog_stop;
+};
+
+struct mok_engine_job {
+  mok_engine_session *s;
+  bool used;
+  int slot;
+  cudaEvent_t ev_start, ev_done;
+  uint32_t op;
+  uint64_t fence_wait, fence_signal;
+  bool host_signal;   /* no device-mapped sync page: write the done value from the host */
+  bool fence_forced;  /* the fence timed out and the engine released the wait itself */
+  int watch;          /* index in e->watches, -1: none */
+  uint64_t head_since;
+  bool reads_status;  /* the status word was copied back */
+  int status;         /* a host-side failure found while enqueueing */
+  char message[MOK_COMPLETION_MSG];
+};
+
+struct mok_engine_session {
+  cudaStream_t stream;
+  void *sync_host;       /* the session's header page */
+  CUdeviceptr sync_dev;  /* its device address; 0 when it could not be registered */
+  char sync_error[80];
+  int32_t *d_status;     /* the running job's status word */
+  volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
+  bool h_status_own;     /* from cudaHostAlloc */
+  cudaStream_t mem_stream;
+  uint16_t *wstage;      /* daemon-local copy of a backward's routed weights */
+  size_t wstage_bytes;
+  mok_engine_job jobs[MAX_JOBS];
+};
+
+struct mok_engine_layer {
+  mok_layer_config cfg;
+  void *ws;          /* mok_k_workspace_bytes at max_tokens */
+  void *ctx;         /* schedule + acts when the job brings no ctx / acts */
+  uint16_t *routed_a; /* routed_x */
+  uint16_t *routed_b; /* routed_y / routed_d_out */
+  uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] */
+  uint16_t *shared;  /* shared_y / shared_d_x [T, H] */
+  /* a layer on a group (docs/ep.md): routed buffers above are sized for the
+   * virtual batch of W*T_max tokens; these hold its gathered routing */
+  int32_t *ep_ids;   /* [W*T_max, K] every member's ids */
+  float *ep_rw;      /* [W*T_max, K] every member's router weights */
+  float *ep_drw;     /* [W*T_max*K] d_rw of the local experts' slots, before the push */
+  int32_t *ep_own;   /* [T_max*K] the own tokens' view of the landing slots */
+};
+
+typedef struct job_ctx {
+  mok_engine *e;
+  mok_engine_session *s;
+  mok_engine_job *j;
+  const mok_job_args *a;
+  mok_engine_layer *l;
+  mok_k_dims d;
+  mok_layout_dims ld;
+  cudaStream_t st;
+  int32_t *status;
+  bool failed; /* stop enqueueing kernels */
+} job_ctx;
+
+typedef struct acts_ptrs {
+  uint16_t *g, *u, *gs, *us;
+} acts_ptrs;
+
+/* ---- helpers (engine_cuda.c) ---- */
+int cuda_use_device(mok_engine *e);
+const char *cuda_drv_error(const mok_engine *e, CUresult r);
+bool cuda_context_broken(cudaStream_t stream);
+void cuda_free_async(void *p, cudaStream_t st);
+mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
+__attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status, const char *fmt,
+                                                         ...);
+void cuda_launched(job_ctx *c, int st, const char *what);
+#define LAUNCH(c, call)                                                                       \
+  do {                                                                                        \
+    if (!(c)->failed) cuda_launched((c), (call), #call);                                      \
+  } while (0)
+
+void cuda_memset_async(job_ctx *c, void *p, size_t bytes);
+acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps);
+void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu, const uint16_t **wd);
+bool cuda_check_job(job_ctx *c);
+
+/* A job's frame: cuda_job_begin takes a job record, enqueues the wait for
+ * the client's fence and the start event, and fills c (NULL: res says why);
+ * the caller enqueues the op's work (c->failed: none); cuda_job_end reads
+ * back the status word, writes the done fence and records the done event,
+ * returning the job for poll() (NULL: it finished, res filled). */
+mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
+                               mok_engine_result *res);
+bool cuda_job_prepare(job_ctx *c); /* checks the job and resets the status word */
+mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res);
+
+/* ep_cuda.c */
+int cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
+mok_engine_job *cuda_start_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                 mok_engine_result *res);
+
+#endif /* MOK_ENGINE_CUDA_INTERNAL_H */

@@ -1,0 +1,532 @@
+/* The cuda engine's expert-parallel layer (docs/ep.md): forward and backward
+ * of a layer on a group, with the group's buffers in device memory.
+ *
+ * Each member allocates one device buffer (mok_k_ep_layout: arrival words,
+ * status words, x, d_out, ids, rw, landing rows, landing d_rw) with the VMM
+ * API, exportable as a POSIX fd, and serves the fd to its peers
+ * (fd_exchange.h). After the first host barrier of a job every member has
+ * joined and published its buffer, so a member maps the peers' buffers it
+ * does not hold yet (or holds from a mokd that since restarted).
+ *
+ * A job, rank r (the host part runs on the engine thread, the rest is
+ * enqueued on the session's stream and the engine thread goes on):
+ *   host:   group usable? post the job's signature; barrier 1 on the host
+ *           (the same order and mismatch rules as the cpu engine); map peers
+ *   device: copy x, ids (tokens past T: -1), rw [, d_out] into r's buffer;
+ *           barrier 1; all-gather ids (and rw); the schedule of the virtual
+ *           batch for the local experts; PULL the rows from their owners;
+ *           the expert FFN (or its backward); PUSH each result row (and d_rw)
+ *           into its owner's unique (t,k) slot; barrier 2 (statuses
+ *           exchanged); the shared expert and the ordered K-sum over the own
+ *           landing slots.
+ * The routed rows go through the same kernels in the same order as a
+ * single-daemon job on the members' tokens concatenated (rank-major), so
+ * out, d_x, d_rw and the routed weight gradients equal EP=1's bits.
+ *
+ * The device barriers wait at most the group's timeout; a member that does
+ * not arrive fails the job with MOK_ETIMEOUT, and the engine thread then
+ * breaks the group. Device barriers need the members' kernels to run at the
+ * same time: on one GPU that takes MPS (without it, a waiting barrier only
+ * advances when the GPU switches contexts).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "engine_cuda_internal.h"
+#include "fd_exchange.h"
+#include "group.h"
+#include "log.h"
+#include "mok_ep_kernels.h"
+#include "mok_slots.h"
+
+typedef struct mapping {
+  CUmemGenericAllocationHandle handle;
+  CUdeviceptr va;
+  size_t size;
+  struct mapping *next; /* retired mappings */
+} mapping;
+
+typedef struct peer_map {
+  int32_t pid;
+  uint64_t serial;
+  mapping *m; /* NULL: not mapped */
+} peer_map;
+
+typedef struct ep_state {
+  mok_engine *e;
+  mok_ep_group_sizing sz;
+  uint32_t rank;
+  uid_t uid;
+  mok_k_ep_layout lay;
+  mapping own;
+  int own_fd;
+  uint64_t serial;
+  mok_fdx_server *server;
+  peer_map peers[MOK_GROUP_MAX_WORLD];
+  mapping *retired; /* peers' old buffers, unmapped when the group goes */
+} ep_state;
+
+#define FETCH_TIMEOUT_MS 5000u
+
+static void unmap(mok_engine *e, mapping *m) {
+  if (m->va) {
+    e->drv.unmap(m->va, m->size);
+    e->drv.address_free(m->va, m->size);
+  }
+  if (m->handle) e->drv.release(m->handle);
+}
+
+/* Reserve, map and open for this GPU: the one way both our own and the
+ * peers' buffers become addressable. */
+static CUresult map_here(mok_engine *e, mapping *m, const char **step) {
+  *step = "cuMemAddressReserve";
+  CUresult cr = e->drv.address_reserve(&m->va, m->size, 0, 0, 0);
+  if (cr != CUDA_SUCCESS) {
+    m->va = 0;
+    return cr;
+  }
+  *step = "cuMemMap";
+  cr = e->drv.map(m->va, m->size, 0, m->handle, 0);
+  if (cr == CUDA_SUCCESS) {
+    CUmemAccessDesc a;
+    memset(&a, 0, sizeof a);
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = e->device;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    *step = "cuMemSetAccess (can this GPU reach the peer's?)";
+    cr = e->drv.set_access(m->va, m->size, &a, 1);
+    if (cr != CUDA_SUCCESS) e->drv.unmap(m->va, m->size);
+  }
+  if (cr != CUDA_SUCCESS) {
+    e->drv.address_free(m->va, m->size);
+    m->va = 0;
+  }
+  return cr;
+}
+
+static void state_free(void *arg) {
+  ep_state *st = arg;
+  mok_engine *e = st->e;
+  mok_fdx_stop(st->server);
+  cuda_use_device(e);
+  /* nothing of ours may still run against these mappings (a device barrier
+   * waits at most the group's timeout) */
+  cudaDeviceSynchronize();
+  (void)cudaGetLastError();
+  for (uint32_t p = 0; p < MOK_GROUP_MAX_WORLD; p++)
+    if (st->peers[p].m) {
+      unmap(e, st->peers[p].m);
+      free(st->peers[p].m);
+    }
+  while (st->retired) {
+    mapping *m = st->retired;
+    st->retired = m->next;
+    unmap(e, m);
+    free(m);
+  }
+  unmap(e, &st->own);
+  if (st->own_fd >= 0) close(st->own_fd);
+  free(st);
+}
+
+int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
+  if (mok_ep_group_engine_state(g)) return MOK_OK; /* a re-join: the buffer is there */
+  const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
+  if (sz->dtype != MOK_DTYPE_BF16) {
+    snprintf(err, errlen, "the cuda engine runs bfloat16 groups only");
+    return MOK_EUNSUPPORTED;
+  }
+  if (sz->world > MOK_K_EP_MAX_WORLD || (sz->hidden & 7u)) {
+    snprintf(err, errlen, "the cuda engine runs groups of up to %d members with hidden a "
+             "multiple of 8", MOK_K_EP_MAX_WORLD);
+    return MOK_EUNSUPPORTED;
+  }
+  if (cuda_use_device(e) != MOK_OK) {
+    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
+    return MOK_EENGINE;
+  }
+  ep_state *st = calloc(1, sizeof *st);
+  if (!st) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
+  st->e = e;
+  st->sz = *sz;
+  st->rank = mok_ep_group_rank(g);
+  st->uid = mok_ep_group_uid(g);
+  st->own_fd = -1;
+  st->lay = mok_k_ep_layout_of((int)sz->max_tokens, (int)sz->hidden, (int)sz->topk);
+
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = e->device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  const char *step = "cuMemGetAllocationGranularity";
+  CUresult cr = e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  if (cr == CUDA_SUCCESS) {
+    st->own.size = (size_t)((st->lay.bytes + gran - 1) / gran * gran);
+    step = "cuMemCreate";
+    cr = e->drv.mem_create(&st->own.handle, st->own.size, &prop, 0);
+    if (cr != CUDA_SUCCESS) st->own.handle = 0;
+  }
+  if (cr == CUDA_SUCCESS) cr = map_here(e, &st->own, &step);
+  if (cr == CUDA_SUCCESS) {
+    step = "cuMemExportToShareableHandle";
+    cr = e->drv.export_handle(&st->own_fd, st->own.handle,
+                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (cr != CUDA_SUCCESS) st->own_fd = -1;
+  }
+  if (cr != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuda engine: the group's device buffer (%zu MiB): %s: %s",
+             st->own.size >> 20, step, cuda_drv_error(e, cr));
+    state_free(st);
+    return cr == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EENGINE;
+  }
+  /* arrival words start at 0: below every barrier value */
+  cudaError_t r = cudaMemsetAsync((void *)(uintptr_t)st->own.va, 0, st->own.size, e->mem_stream);
+  if (r == cudaSuccess) r = cudaStreamSynchronize(e->mem_stream);
+  if (r != cudaSuccess) {
+    snprintf(err, errlen, "cuda engine: clearing the group's buffer: %s", cudaGetErrorString(r));
+    state_free(st);
+    return MOK_EENGINE;
+  }
+  while (st->serial == 0)
+    if (getrandom(&st->serial, sizeof st->serial, 0) != sizeof st->serial) {
+      snprintf(err, errlen, "getrandom: %s", strerror(errno));
+      state_free(st);
+      return MOK_EENGINE;
+    }
+  char name[MOK_FDX_NAME_MAX];
+  mok_fdx_name(name, sizeof name, st->uid, st->rank, st->serial);
+  int rc = mok_fdx_serve(name, st->own_fd, st->own.size, &st->server, err, errlen);
+  if (rc != MOK_OK) {
+    state_free(st);
+    return rc;
+  }
+  mok_ep_group_set_engine_state(g, st, state_free, st->serial);
+  log_info("cuda engine: group rank %u: %zu MiB device buffer, served as @%s", st->rank,
+           st->own.size >> 20, name);
+  return MOK_OK;
+}
+
+/* Map every peer's current buffer (after barrier 1: all have joined). */
+static int map_peers(ep_state *st, mok_ep_group *g, mok_k_ep *kg, char *err, size_t errlen) {
+  mok_engine *e = st->e;
+  kg->world = (int)st->sz.world;
+  kg->rank = (int)st->rank;
+  kg->T_max = (int)st->sz.max_tokens;
+  kg->off = st->lay;
+  memset(kg->base, 0, sizeof kg->base);
+  kg->base[st->rank] = st->own.va;
+  for (uint32_t p = 0; p < st->sz.world; p++) {
+    if (p == st->rank) continue;
+    mok_ep_group_peer who = mok_ep_group_peer_of(g, p);
+    peer_map *pm = &st->peers[p];
+    if (!who.joined || !who.pid || !who.dev_serial) {
+      snprintf(err, errlen, "rank %u has no device buffer (is its mokd a cuda engine?)", p);
+      return MOK_EINVAL;
+    }
+    if (pm->m && pm->pid == who.pid && pm->serial == who.dev_serial) {
+      kg->base[p] = pm->m->va;
+      continue;
+    }
+    if (pm->m) { /* the rank's mokd was replaced: keep the old mapping until we go */
+      pm->m->next = st->retired;
+      st->retired = pm->m;
+      pm->m = NULL;
+    }
+    char name[MOK_FDX_NAME_MAX];
+    mok_fdx_name(name, sizeof name, st->uid, p, who.dev_serial);
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = mok_fdx_fetch(name, who.pid, FETCH_TIMEOUT_MS, &fd, &size, err, errlen);
+    if (rc != MOK_OK) return rc;
+    if (size != st->own.size) {
+      close(fd);
+      snprintf(err, errlen, "rank %u's device buffer has %llu bytes, ours %zu (mokd builds differ?)",
+               p, (unsigned long long)size, st->own.size);
+      return MOK_EINVAL;
+    }
+    mapping *m = calloc(1, sizeof *m);
+    if (!m) {
+      close(fd);
+      snprintf(err, errlen, "out of memory");
+      return MOK_ENOMEM;
+    }
+    m->size = size;
+    const char *step = "cuMemImportFromShareableHandle";
+    CUresult cr = e->drv.import_handle(&m->handle, (void *)(intptr_t)fd,
+                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd);
+    if (cr == CUDA_SUCCESS) cr = map_here(e, m, &step);
+    else m->handle = 0;
+    if (cr != CUDA_SUCCESS) {
+      unmap(e, m);
+      free(m);
+      snprintf(err, errlen, "mapping rank %u's device buffer: %s: %s", p, step,
+               cuda_drv_error(e, cr));
+      return MOK_EENGINE;
+    }
+    pm->m = m;
+    pm->pid = who.pid;
+    pm->serial = who.dev_serial;
+    kg->base[p] = m->va;
+    log_info("cuda engine: group rank %u mapped rank %u's buffer (mokd %d)", st->rank, p,
+             (int)who.pid);
+  }
+  return MOK_OK;
+}
+
+/* ---- one job --------------------------------------------------------------------------- */
+
+static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
+#define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
+
+typedef struct ep_job {
+  job_ctx *c;
+  mok_ep_group *g;
+  ep_state *st;
+  mok_k_ep kg;
+  mok_k_dims dv;      /* the virtual batch's routed part */
+  char *own;          /* this member's buffer */
+  int32_t *sched;     /* the virtual schedule (ctx) */
+  int32_t *ctx_ids;   /* the own ids kept in ctx */
+  acts_ptrs acts;     /* routed acts of the virtual batch, shared acts of the own tokens */
+  uint64_t timeout_ns;
+} ep_job;
+
+static void copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
+  if (c->failed || !bytes) return;
+  cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+}
+
+static void fill_async(job_ctx *c, void *dst, int byte, size_t bytes) {
+  if (c->failed || !bytes) return;
+  cudaError_t r = cudaMemsetAsync(dst, byte, bytes, c->st);
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+}
+
+/* ctx of a group layer (mok_wire.h): virtual schedule | own ids | acts */
+static void group_ctx(ep_job *j, void *ctx, bool writing) {
+  job_ctx *c = j->c;
+  const mok_layer_config *cfg = c->a->layer;
+  uint32_t T = c->a->tokens;
+  mok_layout_dims lv = mok_group_routed_dims(cfg);
+  char *b = ctx;
+  uint64_t sched_bytes = mok_schedule_bytes(&lv), ids_off = mok_group_ctx_ids_offset(cfg),
+           ids_bytes = 4ull * T * cfg->topk, acts_off = mok_group_ctx_acts_offset(cfg, T);
+  uint64_t routed = mok_acts_routed_bytes(&lv), shared = mok_acts_shared_bytes(&c->ld);
+  j->sched = (int32_t *)b;
+  j->ctx_ids = (int32_t *)(b + ids_off);
+  j->acts.g = (uint16_t *)(b + acts_off);
+  j->acts.u = (uint16_t *)(b + acts_off + routed);
+  j->acts.gs = (uint16_t *)(b + acts_off + 2 * routed);
+  j->acts.us = (uint16_t *)(b + acts_off + 2 * routed + shared);
+  if (writing) { /* the padding is part of the bytes a client keeps: define it */
+    size_t routed_used = (size_t)mok_rows_capacity(&lv) * cfg->intermediate * 2;
+    size_t shared_used = (size_t)T * cfg->shared_intermediate * 2;
+    cuda_memset_async(c, b + sched_bytes, ids_off - sched_bytes);
+    cuda_memset_async(c, b + ids_off + ids_bytes, acts_off - ids_off - ids_bytes);
+    cuda_memset_async(c, (char *)j->acts.g + routed_used, routed - routed_used);
+    cuda_memset_async(c, (char *)j->acts.u + routed_used, routed - routed_used);
+    cuda_memset_async(c, (char *)j->acts.gs + shared_used, shared - shared_used);
+    cuda_memset_async(c, (char *)j->acts.us + shared_used, shared - shared_used);
+  }
+}
+
+/* This member's tokens into its buffer: rows, routing (tokens past T route
+ * nowhere: ids -1, every byte 0xff) and router weights. */
+static void copy_in(ep_job *j, const int32_t *ids, bool with_d_out) {
+  job_ctx *c = j->c;
+  size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, H = c->d.H, K = c->d.K;
+  copy_async(c, j->own + j->kg.off.x, BF(c, X), T * H * 2);
+  if (with_d_out) copy_async(c, j->own + j->kg.off.d_out, BF(c, D_OUT), T * H * 2);
+  copy_async(c, j->own + j->kg.off.ids, ids, T * K * 4);
+  fill_async(c, j->own + j->kg.off.ids + T * K * 4, 0xff, (Tm - T) * K * 4);
+  copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
+}
+
+static uint64_t barrier_value(const mok_ep_group *g, uint32_t phase) {
+  return mok_ep_group_generation(g) << 40 | mok_ep_group_sequence(g) << 2 | phase;
+}
+
+/* The host half: signatures and barrier 1 on the host, then the peers'
+ * buffers. false: the job failed (c says why) and nothing more is enqueued. */
+static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
+  job_ctx *c = j->c;
+  char err[MOK_COMPLETION_MSG];
+  mok_ep_group_post post =
+      mok_ep_group_post_for(c->a->layer, c->a->op, c->a->flags, c->a->tokens);
+  post.status = own_status;
+  if (own_msg) snprintf(post.msg, sizeof post.msg, "%s", own_msg);
+  int r = mok_ep_group_job_post(j->g, &post, err, sizeof err);
+  if (r != MOK_OK) {
+    c->failed = false; /* the group's verdict replaces a local message */
+    cuda_job_fail(c, r, "%s", err);
+    return false;
+  }
+  if (own_status != MOK_OK) return false;
+  r = map_peers(j->st, j->g, &j->kg, err, sizeof err);
+  if (r != MOK_OK) {
+    /* the peers passed barrier 1 and will wait for us on the device */
+    mok_ep_group_mark_broken(j->g, err);
+    cuda_job_fail(c, r, "%s; the group is broken until its members re-join", err);
+    return false;
+  }
+  return true;
+}
+
+static void device_barrier(ep_job *j, uint32_t phase) {
+  LAUNCH(j->c, mok_k_ep_barrier(&j->kg, barrier_value(j->g, phase), j->timeout_ns, phase == 2,
+                                j->c->status, j->c->st));
+}
+
+static void ep_forward(ep_job *j) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  void *ctx = T_(c, MOK_SLOT_CTX);
+  group_ctx(j, ctx ? ctx : l->ctx, ctx != NULL);
+  const int32_t *ids = T_(c, MOK_SLOT_TOPK_IDS);
+  copy_in(j, ids, false);
+  if (!host_protocol(j, MOK_OK, NULL)) return;
+  device_barrier(j, 1);
+  size_t Tm = j->st->sz.max_tokens, K = c->d.K;
+  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
+  LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
+  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+                               c->st));
+  LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                 BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
+                                 c->status, c->st));
+  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_b, NULL, c->status, c->st));
+  device_barrier(j, 2);
+  /* the own tokens: shared expert and the ordered K-sum of the landing rows */
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                   j->acts.gs, j->acts.us, l->shared, l->ws, c->status, c->st));
+  LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
+  LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
+                          (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
+                          BF(c, OUT), c->status, c->st));
+  if (ctx) copy_async(c, j->ctx_ids, ids, (size_t)c->a->tokens * K * 4);
+}
+
+static void ep_backward(ep_job *j) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  const bool recompute = (c->a->flags & MOK_JOB_RECOMPUTE) != 0;
+  void *ctx = T_(c, MOK_SLOT_CTX);
+  group_ctx(j, ctx ? ctx : l->ctx, recompute && ctx);
+  /* own routing: the job's ids with recompute, else the forward's copy in ctx */
+  const int32_t *ids = recompute ? (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS) : j->ctx_ids;
+  size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, K = c->d.K;
+  if (recompute && ctx) copy_async(c, j->ctx_ids, ids, T * K * 4);
+  copy_in(j, ids, true);
+  if (!host_protocol(j, MOK_OK, NULL)) return;
+  device_barrier(j, 1);
+  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
+  if (recompute) {
+    /* dispatch and the gate/up GEMM again, bitwise as forward */
+    LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
+    LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+                                 c->st));
+    LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   j->acts.g, j->acts.u, l->routed_c, c->status, c->st));
+  } else {
+    LAUNCH(c, mok_k_schedule_validate(&j->dv, j->sched, c->status, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+                                 c->st));
+  }
+  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
+                               c->status, c->st));
+  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+  cuda_stage_weights(c, &wg, &wu, &wd);
+  LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, l->routed_a,
+                                  l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
+                                  BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
+                                  c->status, c->st));
+  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_c, l->ep_drw, c->status,
+                               c->st));
+  device_barrier(j, 2);
+  /* the own tokens: shared expert, ordered K-sum of d_x, the own d_rw */
+  if (c->d.I_s) {
+    if (recompute)
+      LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                     j->acts.gs, j->acts.us, l->shared, l->ws, c->status, c->st));
+    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
+                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), l->shared,
+                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN), l->ws,
+                                    c->status, c->st));
+  }
+  LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
+  LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
+                          c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));
+  LAUNCH(c, mok_k_ep_own_drw(&c->d, l->ep_own, (const float *)(j->own + j->kg.off.drw),
+                             (float *)T_(c, MOK_SLOT_D_RW), c->status, c->st));
+}
+
+/* Why this job cannot run on g here (MOK_OK: it can). */
+static int job_fits(const job_ctx *c, const mok_ep_group *g, const ep_state *st, char *msg,
+                    size_t len) {
+  const mok_layer_config *cfg = c->a->layer;
+  const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
+  if (!st) {
+    snprintf(msg, len, "the group has no device buffer on this mokd");
+    return MOK_EENGINE;
+  }
+  if (cfg->group_world != sz->world || cfg->group_tokens != sz->max_tokens ||
+      cfg->group_rank != mok_ep_group_rank(g) || cfg->hidden != sz->hidden ||
+      cfg->topk != sz->topk || cfg->experts != sz->experts || cfg->dtype != sz->dtype) {
+    snprintf(msg, len, "the layer does not fit its group's sizing");
+    return MOK_EINVAL;
+  }
+  return MOK_OK;
+}
+
+mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_args *a,
+                                 mok_engine_result *res) {
+  job_ctx c;
+  mok_engine_job *job = cuda_job_begin(e, a, &c, res);
+  if (!job) return NULL;
+  if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
+    cuda_job_fail(&c, MOK_EUNSUPPORTED,
+                  "a layer on a group runs forward and backward; single steps need a layer "
+                  "without a group");
+    return cuda_job_end(&c, res);
+  }
+  ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+  char err[MOK_COMPLETION_MSG];
+  int st = mok_ep_group_job_start(g, err, sizeof err);
+  if (st != MOK_OK) {
+    cuda_job_fail(&c, st, "%s", err);
+    return cuda_job_end(&c, res);
+  }
+  bool ok = cuda_job_prepare(&c);
+  int fit = MOK_OK;
+  if (ok && (fit = job_fits(&c, g, j.st, err, sizeof err)) != MOK_OK) {
+    cuda_job_fail(&c, fit, "%s", err);
+    ok = false;
+  }
+  if (!ok) {
+    /* still take the turn, so that every member fails this job with our message */
+    host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
+    return cuda_job_end(&c, res);
+  }
+  j.dv = cuda_dims_of(a->layer, a->layer->group_world * a->layer->group_tokens);
+  j.dv.I_s = 0;
+  j.own = (char *)(uintptr_t)j.st->own.va;
+  j.kg.off = j.st->lay;
+  j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;
+  if (a->op == MOK_OP_FORWARD) ep_forward(&j);
+  else ep_backward(&j);
+  return cuda_job_end(&c, res);
+}
