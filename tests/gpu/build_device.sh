@@ -14,8 +14,15 @@ mkdir -p "$B/lib"
 gcc -O2 -fPIC -c tests/gpu/sd_stub.c -o "$B/sd_stub.o"
 make -j"$(nproc)" BUILD="$B" PB_LIBS=-lprotobuf-c "$B/lib/libmok.so"
 make -j"$(nproc)" BUILD="$B" UV_LIBS="$LIBDIR/libuv_a.a" PB_LIBS="$LIBDIR/libprotobuf-c.a" \
-  SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine"
+  SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine" \
+  "$B/tests/test_ep"
 cp -L "$LIBDIR/libprotobuf-c.so.1" "$B/lib/"
 rm -rf "$B/python" && mkdir -p "$B/python" && cp -r client/python/mok "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
-echo "built into $B"
+
+# the EP bench (tests/bench/bench_ep_cuda.cu): kernels and libmok, static protobuf-c
+"${NVCC:-/usr/local/cuda/bin/nvcc}" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+  -Iclient/include -Iproto -Ikernels -Itests/bench -o "$B/bench/bench_ep_cuda" \
+  tests/bench/bench_ep_cuda.cu "$B/lib/libmok.a" "$B/lib/libmokkernels.a" \
+  "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
+echo "built $B/bench/bench_ep_cuda"

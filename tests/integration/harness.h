@@ -37,6 +37,15 @@ static inline int harness_can_connect(const char *path) {
   return ok;
 }
 
+/* The engine the daemons run: cpu, or $MOK_TEST_ENGINE (the GPU machine
+ * runs some integration tests on the cuda engine). */
+static inline const char *harness_engine(void) {
+  const char *e = getenv("MOK_TEST_ENGINE");
+  return e && *e ? e : "cpu";
+}
+
+static inline bool harness_engine_is_cuda(void) { return strcmp(harness_engine(), "cuda") == 0; }
+
 /* Start mokd with extra config lines; its stderr goes to d.log. Returns
  * once it accepts connections, or with pid 0 when it exited first (a
  * configuration it refused). */
@@ -60,7 +69,8 @@ static inline daemon_proc harness_try_start(const char *config_text) {
     prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
     int lfd = open(d.log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (lfd >= 0) dup2(lfd, 2);
-    execl(bin, "mokd", "--socket", d.sock, "--engine", "cpu", "--config", cfg, (char *)NULL);
+    execl(bin, "mokd", "--socket", d.sock, "--engine", harness_engine(), "--config", cfg,
+          (char *)NULL);
     perror("exec mokd");
     _exit(127);
   }

@@ -3,7 +3,12 @@
  * Each test starts W daemons (cpu engine, one worker thread each) and, per
  * rank, a client process of its own that joins the group through its own
  * daemon. Results come back to the test through shared memory and are held
- * against the cpu engine's EP=1 results (bitwise) and ref64 (tolerance).
+ * against the same engine's EP=1 results (bitwise) and ref64 (tolerance).
+ *
+ * On the GPU machine the same tests run on the cuda engine
+ * (MOK_TEST_ENGINE=cuda, under MPS; tests/gpu/run_device_tests.sh): bf16
+ * only, so the float32 cases run in bf16 there. MOK_TEST_GPUS=n puts rank
+ * r's daemon on GPU r % n.
  */
 #include <math.h>
 #include <sys/mman.h>
@@ -49,8 +54,14 @@ static float frand(unsigned *s) {
 
 static float as_dtype(uint32_t dt, float v) { return dt == MOK_DTYPE_BF16 ? mok_round_bf16(v) : v; }
 
+/* The cuda engine runs bf16 layers only. */
+static uint32_t engine_dtype(uint32_t want) {
+  return harness_engine_is_cuda() ? MOK_DTYPE_BF16 : want;
+}
+
 static void problem_init(problem *p, uint32_t dtype, uint32_t W, const uint32_t *T, unsigned seed) {
   memset(p, 0, sizeof *p);
+  dtype = engine_dtype(dtype);
   p->dtype = dtype;
   p->W = W;
   unsigned s = seed;
@@ -203,6 +214,7 @@ static void rank_main(const rank_job *j, result *res) {
   const problem *p = j->p;
   mok_client *c;
   CHECK_MSG(mok_connect(j->sock, "ep-rank", &c) == MOK_OK, "%s", mok_last_error());
+  CHECK_STR_CONTAINS(mok_client_engine(c), harness_engine()); /* the engine under test */
   mok_group *g;
   mok_group_sizing sz = sizing_of(p, j->timeout_ms);
   double t0 = now_s();
@@ -254,7 +266,13 @@ static void reap(pid_t pid) {
 }
 
 static void start_daemons(daemon_proc *d, uint32_t W) {
-  for (uint32_t r = 0; r < W; r++) d[r] = harness_start("threads = 1\n");
+  const char *g = getenv("MOK_TEST_GPUS");
+  uint32_t gpus = g && atoi(g) > 0 ? (uint32_t)atoi(g) : 1;
+  for (uint32_t r = 0; r < W; r++) {
+    char cfg[64];
+    snprintf(cfg, sizeof cfg, "threads = 1\ndevice = %u\n", r % gpus);
+    d[r] = harness_start(cfg);
+  }
 }
 
 static void stop_daemons(daemon_proc *d, uint32_t W) {

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Expert parallelism on the cuda engine (docs/ep.md): the EP integration
+# tests (tests/integration/test_ep.c) with every daemon on the cuda engine,
+# under MPS so that the members' kernels run at the same time.
+#   tests/gpu/run_ep_tests.sh [GPUS]     GPUS: daemons spread over this many GPUs
+# Expects the build of tests/gpu/build_device.sh in $MOK_DEVBUILD (.devbuild).
+# Logs go to $OUT (or ./ep-logs).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+B=${MOK_DEVBUILD:-.devbuild}
+LOGS=${OUT:-ep-logs}
+GPUS=${1:-1}
+mkdir -p "$LOGS"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+if ! nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
+  echo "MPS would not start:"; cat "$LOGS/mps.log"; exit 1
+fi
+export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+rc=0
+MOK_BUILD="$B" MOK_TEST_ENGINE=cuda MOK_TEST_GPUS="$GPUS" "$B/tests/test_ep" "${@:2}" \
+  2>&1 | tee "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
+grep -q " 0 failed" "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
+# the daemons' logs of any test that left them
+for f in /tmp/mok-test-*/mokd.log; do
+  [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$(dirname "$f")").log"
+done
+exit $rc
