@@ -1,8 +1,8 @@
 /* Expert parallelism on the cuda engine (docs/ep.md), issue 5's bench.
  *
- *   bench_ep_cuda kernels [W] [T] [H] [K]
- *     The data path in one process, HBM-local: W members' buffers on this
- *     GPU, a virtual schedule over balanced random routing, then the pull
+ *   bench_ep_cuda kernels [W] [T] [H] [K] [GPUS]
+ *     The data path in one process: W members' buffers on GPU p % GPUS
+ *     (one GPU: HBM-local; more: rank 0 reaches its peers over NVLink), a virtual schedule over balanced random routing, then the pull
  *     (dispatch), the push (combine) and a W-member barrier, each timed
  *     with events (median of 20). Bytes are logical: routed rows x row
  *     bytes, per rank per direction, as DeepEP reports them.
@@ -58,8 +58,15 @@ static void routing(int32_t *ids, float *rw, int T, int E, int K, unsigned seed)
 
 /* ---- part 1: the kernels in one process ------------------------------------------ */
 
-static int bench_kernels(int W, int T, int H, int K) {
+static int bench_kernels(int W, int T, int H, int K, int gpus) {
   const int E = 64 * W, E_loc = 64, Tv = W * T;
+  /* member p's buffer on GPU p % gpus; rank 0 (GPU 0) reaches the others by peer access */
+  for (int d = 1; d < gpus; d++) {
+    CUDA_CHECK(cudaSetDevice(d));
+    CUDA_CHECK(cudaDeviceEnablePeerAccess(0, 0));
+    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaDeviceEnablePeerAccess(d, 0));
+  }
   CUDA_CHECK(cudaSetDevice(0));
   CUDA_CHECK((cudaError_t)(mok_k_init() == MOK_OK ? cudaSuccess : cudaErrorUnknown));
   mok_k_ep_layout lay = mok_k_ep_layout_of(T, H, K);
@@ -67,12 +74,15 @@ static int bench_kernels(int W, int T, int H, int K) {
   memset(g, 0, sizeof g);
   for (int p = 0; p < W; p++) {
     void *b;
+    CUDA_CHECK(cudaSetDevice(p % gpus));
     CUDA_CHECK(cudaMalloc(&b, lay.bytes));
     CUDA_CHECK(cudaMemset(b, 0, lay.bytes));
     fill_bf16<<<1024, 256>>>((uint16_t *)((char *)b + lay.x), (size_t)T * H, 11u + (unsigned)p,
                              1.0f);
     g[0].base[p] = (uint64_t)(uintptr_t)b;
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
+  CUDA_CHECK(cudaSetDevice(0));
   for (int p = 0; p < W; p++) {
     g[p] = g[0];
     g[p].world = W;
@@ -107,8 +117,11 @@ static int bench_kernels(int W, int T, int H, int K) {
   int32_t used = 0;
   int32_t hdr[8];
   CUDA_CHECK(cudaMemcpy(hdr, sched, sizeof hdr, cudaMemcpyDeviceToHost));
-  int routed = 0;
-  for (int i = 0; i < Tv * K; i++) routed += h_ids[i] < E_loc;
+  int routed = 0, remote = 0;
+  for (int i = 0; i < Tv * K; i++) {
+    routed += h_ids[i] < E_loc;
+    remote += h_ids[i] < E_loc && (i / K / T) % gpus != 0; /* a row on another GPU */
+  }
   used = hdr[6];
   double bytes = (double)routed * H * 2;
 
@@ -118,7 +131,18 @@ static int bench_kernels(int W, int T, int H, int K) {
   const int N = 20;
   double pull[N], push[N], bar[N];
   cudaStream_t st[MOK_K_EP_MAX_WORLD];
-  for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamCreateWithFlags(&st[p], cudaStreamNonBlocking));
+  for (int p = 0; p < W; p++) {
+    CUDA_CHECK(cudaSetDevice(p % gpus));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st[p], cudaStreamNonBlocking));
+  }
+  CUDA_CHECK(cudaSetDevice(0));
+  int32_t *pstatus[MOK_K_EP_MAX_WORLD];
+  for (int p = 0; p < W; p++) {
+    CUDA_CHECK(cudaSetDevice(p % gpus));
+    CUDA_CHECK(cudaMalloc((void **)&pstatus[p], 4));
+    CUDA_CHECK(cudaMemset(pstatus[p], 0, 4));
+  }
+  CUDA_CHECK(cudaSetDevice(0));
   for (int it = -3; it < N; it++) {
     float ms;
     CUDA_CHECK(cudaEventRecord(a, 0));
@@ -134,29 +158,40 @@ static int bench_kernels(int W, int T, int H, int K) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     if (it >= 0) push[it] = ms * 1e-3;
     /* a barrier of W members: each on its own stream, all at once */
+    for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
     CUDA_CHECK(cudaDeviceSynchronize());
     double t0 = now_s();
-    for (int p = 0; p < W; p++)
-      if (mok_k_ep_barrier(&g[p], (uint64_t)(it + 10), 1000000000ull, 0, status, st[p]) != MOK_OK)
+    for (int p = 0; p < W; p++) {
+      CUDA_CHECK(cudaSetDevice(p % gpus));
+      if (mok_k_ep_barrier(&g[p], (uint64_t)(it + 10), 1000000000ull, 0, pstatus[p], st[p]) !=
+          MOK_OK)
         return 1;
-    CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
+    CUDA_CHECK(cudaSetDevice(0));
     if (it >= 0) bar[it] = now_s() - t0;
   }
   int32_t h_status = -1;
   CUDA_CHECK(cudaMemcpy(&h_status, status, 4, cudaMemcpyDeviceToHost));
+  for (int p = 0; p < W; p++) {
+    int32_t b = -1;
+    CUDA_CHECK(cudaMemcpy(&b, pstatus[p], 4, cudaMemcpyDeviceToHost));
+    if (b != 0) h_status = b; /* a barrier timed out */
+  }
   double mp = median(pull, N), mq = median(push, N), mb = median(bar, N);
-  printf("EP=%d kernels on one GPU (HBM-local), T=%d tokens/rank, H=%d, K=%d, E=%d (%d/rank), "
+  printf("EP=%d kernels on %d GPU(s) (%s), T=%d tokens/rank, H=%d, K=%d, E=%d (%d/rank), "
          "balanced routing; rank 0's view\n",
-         W, T, H, K, E, E_loc);
-  printf("  routed rows pulled = pushed: %d (%.1f MiB), schedule rows %d, status %d\n", routed,
-         bytes / 1048576.0, used, h_status);
+         W, gpus, gpus == 1 ? "HBM-local" : "peers over NVLink", T, H, K, E, E_loc);
+  printf("  routed rows pulled = pushed: %d (%.1f MiB; %d of them on another GPU), schedule rows "
+         "%d, status %d\n",
+         routed, bytes / 1048576.0, remote, used, h_status);
   printf("  dispatch (pull): %.3f ms, %.0f GB/s\n", mp * 1e3, bytes / mp * 1e-9);
   printf("  combine (push):  %.3f ms, %.0f GB/s\n", mq * 1e3, bytes / mq * 1e-9);
   printf("  barrier of %d members (host-timed launch to completion): %.1f us\n", W, mb * 1e6);
-  printf("JSON {\"part\": \"kernels\", \"W\": %d, \"T\": %d, \"H\": %d, \"K\": %d, \"rows\": %d, "
+  printf("JSON {\"part\": \"kernels\", \"gpus\": %d, \"remote_rows\": %d, \"W\": %d, \"T\": %d, \"H\": %d, \"K\": %d, \"rows\": %d, "
          "\"pull_ms\": %.4f, \"push_ms\": %.4f, \"pull_GBps\": %.1f, \"push_GBps\": %.1f, "
          "\"barrier_us\": %.1f, \"status\": %d}\n",
-         W, T, H, K, routed, mp * 1e3, mq * 1e3, bytes / mp * 1e-9, bytes / mq * 1e-9, mb * 1e6,
+         gpus, remote, W, T, H, K, routed, mp * 1e3, mq * 1e3, bytes / mp * 1e-9, bytes / mq * 1e-9, mb * 1e6,
          h_status);
   return h_status == 0 ? 0 : 1;
 }
@@ -403,7 +438,8 @@ int main(int argc, char **argv) {
   if (argc >= 2 && !strcmp(argv[1], "kernels")) {
     int W = argc > 2 ? atoi(argv[2]) : 4, T = argc > 3 ? atoi(argv[3]) : 2048;
     int H = argc > 4 ? atoi(argv[4]) : 7168, K = argc > 5 ? atoi(argv[5]) : 8;
-    return bench_kernels(W, T, H, K);
+    int gpus = argc > 6 ? atoi(argv[6]) : 1;
+    return bench_kernels(W, T, H, K, gpus);
   }
   if (argc >= 3 && !strcmp(argv[1], "daemon")) {
     shape2 s = {4, 2048, 4096, 1024, 64, 8, 1};
@@ -411,6 +447,6 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 7 && 3 + i < argc; i++) *f[i] = atoi(argv[3 + i]);
     return bench_daemon(argv[2], &s);
   }
-  fprintf(stderr, "usage: %s kernels [W T H K] | daemon MOKD [W T H I E K GPUS]\n", argv[0]);
+  fprintf(stderr, "usage: %s kernels [W T H K GPUS] | daemon MOKD [W T H I E K GPUS]\n", argv[0]);
   return 2;
 }
