@@ -1091,6 +1091,8 @@ static const char *status_text(int st) {
   case MOK_EROUTE: return "a routing id is outside [0, experts) and not -1";
   case MOK_EINVAL: return "the schedule (or ctx) given failed validation";
   case MOK_EOVERFLOW: return "a capacity overflowed";
+  case MOK_ETIMEOUT:
+    return "a group member missed a device barrier (timeout); group broken, re-join";
   default: return "the kernels reported an error";
   }
 }

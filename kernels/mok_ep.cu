@@ -2,7 +2,21 @@
 #include "mok_ep_kernels.h"
 #include "mok_kernels_internal.cuh"
 
-#define EP_ROWS_PER_BLOCK 8 /* row kernels: one warp per row */
+#define EP_ROWS_PER_BLOCK 8 /* row kernels: one warp per row, 8 warps a CTA ... */
+#define EP_CAPPED_WARPS 32 /* ... or 32 when the CTAs are capped (more loads in flight each) */
+
+/* Grid and CTA size of a row kernel over `rows` rows. */
+static void row_launch(const mok_k_ep *g, int rows, dim3 *grid, dim3 *block) {
+  int warps = EP_ROWS_PER_BLOCK;
+  int ctas = (rows + warps - 1) / warps;
+  if (g->max_ctas > 0) {
+    warps = EP_CAPPED_WARPS;
+    ctas = (rows + warps - 1) / warps;
+    if (ctas > g->max_ctas) ctas = g->max_ctas;
+  }
+  *grid = dim3((unsigned)(ctas > 0 ? ctas : 1));
+  *block = dim3(32u * (unsigned)warps);
+}
 
 static uint64_t up256(uint64_t v) { return (v + 255u) & ~(uint64_t)255u; }
 
@@ -128,17 +142,18 @@ __global__ void ep_pull_rows_kernel(mok_k_ep g, const int32_t *row_slot, int cap
                                     int n_slots, int vecs, uint64_t off, uint4 *dst,
                                     const int32_t *status) {
   if (job_failed(status)) return;
-  const int r = blockIdx.x * EP_ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= capacity) return;
-  const int s = row_slot[r];
-  const uint4 *src = NULL;
-  if (s >= 0 && s < n_slots) {
-    int t;
-    const char *b = owner_base(g, s / K, &t);
-    src = (const uint4 *)(b + off) + (size_t)t * vecs;
+  const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < capacity; r += gridDim.x * warps) {
+    const int s = row_slot[r];
+    const uint4 *src = NULL;
+    if (s >= 0 && s < n_slots) {
+      int t;
+      const char *b = owner_base(g, s / K, &t);
+      src = (const uint4 *)(b + off) + (size_t)t * vecs;
+    }
+    uint4 *drow = dst + (size_t)r * vecs;
+    for (int c = lane; c < vecs; c += 32) drow[c] = src ? src[c] : make_uint4(0, 0, 0, 0);
   }
-  uint4 *drow = dst + (size_t)r * vecs;
-  for (int c = lane; c < vecs; c += 32) drow[c] = src ? src[c] : make_uint4(0, 0, 0, 0);
 }
 
 static bool ep_ok(const mok_k_ep *g, const mok_k_dims *dv) {
@@ -153,8 +168,9 @@ extern "C" int mok_k_ep_pull_rows(const mok_k_ep *g, const mok_k_dims *dv,
     return MOK_EINVAL;
   sched_ptrs s = sched_view(dv, schedule);
   if (s.capacity == 0) return MOK_OK;
-  ep_pull_rows_kernel<<<(s.capacity + EP_ROWS_PER_BLOCK - 1) / EP_ROWS_PER_BLOCK,
-                        32 * EP_ROWS_PER_BLOCK, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
+  dim3 grid, block;
+  row_launch(g, s.capacity, &grid, &block);
+  ep_pull_rows_kernel<<<grid, block, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
                                                              s.n_slots, dv->H / 8, off,
                                                              (uint4 *)dst, status);
   return mok_k_launch_status();
@@ -164,17 +180,18 @@ __global__ void ep_push_rows_kernel(mok_k_ep g, const int32_t *row_slot, int cap
                                     int n_slots, int vecs, const uint4 *rows,
                                     const float *drw_virtual, const int32_t *status) {
   if (job_failed(status)) return;
-  const int r = blockIdx.x * EP_ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= capacity) return;
-  const int s = row_slot[r];
-  if (s < 0 || s >= n_slots) return;
-  int t;
-  char *b = (char *)owner_base(g, s / K, &t);
-  const size_t slot = (size_t)t * K + (size_t)(s % K);
-  uint4 *drow = (uint4 *)(b + g.off.land) + slot * vecs;
-  const uint4 *srow = rows + (size_t)r * vecs;
-  for (int c = lane; c < vecs; c += 32) drow[c] = srow[c];
-  if (drw_virtual && lane == 0) ((float *)(b + g.off.drw))[slot] = drw_virtual[s];
+  const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < capacity; r += gridDim.x * warps) {
+    const int s = row_slot[r];
+    if (s < 0 || s >= n_slots) continue;
+    int t;
+    char *b = (char *)owner_base(g, s / K, &t);
+    const size_t slot = (size_t)t * K + (size_t)(s % K);
+    uint4 *drow = (uint4 *)(b + g.off.land) + slot * vecs;
+    const uint4 *srow = rows + (size_t)r * vecs;
+    for (int c = lane; c < vecs; c += 32) drow[c] = srow[c];
+    if (drw_virtual && lane == 0) ((float *)(b + g.off.drw))[slot] = drw_virtual[s];
+  }
 }
 
 extern "C" int mok_k_ep_push_rows(const mok_k_ep *g, const mok_k_dims *dv,
@@ -184,8 +201,9 @@ extern "C" int mok_k_ep_push_rows(const mok_k_ep *g, const mok_k_dims *dv,
   if (!ep_ok(g, dv) || !schedule || !rows || !status || !mok_k_aligned16(rows)) return MOK_EINVAL;
   sched_ptrs s = sched_view(dv, schedule);
   if (s.capacity == 0) return MOK_OK;
-  ep_push_rows_kernel<<<(s.capacity + EP_ROWS_PER_BLOCK - 1) / EP_ROWS_PER_BLOCK,
-                        32 * EP_ROWS_PER_BLOCK, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
+  dim3 grid, block;
+  row_launch(g, s.capacity, &grid, &block);
+  ep_push_rows_kernel<<<grid, block, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
                                                              s.n_slots, dv->H / 8,
                                                              (const uint4 *)rows, drw_virtual,
                                                              status);

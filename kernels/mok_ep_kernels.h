@@ -54,6 +54,7 @@ mok_k_ep_layout mok_k_ep_layout_of(int T_max, int H, int K);
 
 typedef struct mok_k_ep {
   int world, rank, T_max;
+  int max_ctas; /* pull and push on at most this many CTAs of 1024 threads (0: no cap) */
   mok_k_ep_layout off;
   uint64_t base[MOK_K_EP_MAX_WORLD]; /* member p's buffer as mapped by this one */
 } mok_k_ep;

@@ -129,7 +129,6 @@ static int bench_kernels(int W, int T, int H, int K, int gpus) {
   CUDA_CHECK(cudaEventCreate(&a));
   CUDA_CHECK(cudaEventCreate(&b));
   const int N = 20;
-  double pull[N], push[N], bar[N];
   cudaStream_t st[MOK_K_EP_MAX_WORLD];
   for (int p = 0; p < W; p++) {
     CUDA_CHECK(cudaSetDevice(p % gpus));
@@ -143,57 +142,70 @@ static int bench_kernels(int W, int T, int H, int K, int gpus) {
     CUDA_CHECK(cudaMemset(pstatus[p], 0, 4));
   }
   CUDA_CHECK(cudaSetDevice(0));
-  for (int it = -3; it < N; it++) {
-    float ms;
-    CUDA_CHECK(cudaEventRecord(a, 0));
-    if (mok_k_ep_pull_rows(&g[0], &dv, sched, lay.x, rows, status, 0) != MOK_OK) return 1;
-    CUDA_CHECK(cudaEventRecord(b, 0));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 0) pull[it] = ms * 1e-3;
-    CUDA_CHECK(cudaEventRecord(a, 0));
-    if (mok_k_ep_push_rows(&g[0], &dv, sched, rows, NULL, status, 0) != MOK_OK) return 1;
-    CUDA_CHECK(cudaEventRecord(b, 0));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (it >= 0) push[it] = ms * 1e-3;
-    /* a barrier of W members: each on its own stream, all at once */
-    for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
-    CUDA_CHECK(cudaDeviceSynchronize());
-    double t0 = now_s();
-    for (int p = 0; p < W; p++) {
-      CUDA_CHECK(cudaSetDevice(p % gpus));
-      if (mok_k_ep_barrier(&g[p], (uint64_t)(it + 10), 1000000000ull, 0, pstatus[p], st[p]) !=
-          MOK_OK)
-        return 1;
-    }
-    for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
-    CUDA_CHECK(cudaSetDevice(0));
-    if (it >= 0) bar[it] = now_s() - t0;
-  }
-  int32_t h_status = -1;
-  CUDA_CHECK(cudaMemcpy(&h_status, status, 4, cudaMemcpyDeviceToHost));
-  for (int p = 0; p < W; p++) {
-    int32_t b = -1;
-    CUDA_CHECK(cudaMemcpy(&b, pstatus[p], 4, cudaMemcpyDeviceToHost));
-    if (b != 0) h_status = b; /* a barrier timed out */
-  }
-  double mp = median(pull, N), mq = median(push, N), mb = median(bar, N);
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   printf("EP=%d kernels on %d GPU(s) (%s), T=%d tokens/rank, H=%d, K=%d, E=%d (%d/rank), "
          "balanced routing; rank 0's view\n",
          W, gpus, gpus == 1 ? "HBM-local" : "peers over NVLink", T, H, K, E, E_loc);
   printf("  routed rows pulled = pushed: %d (%.1f MiB; %d of them on another GPU), schedule rows "
-         "%d, status %d\n",
-         routed, bytes / 1048576.0, remote, used, h_status);
-  printf("  dispatch (pull): %.3f ms, %.0f GB/s\n", mp * 1e3, bytes / mp * 1e-9);
-  printf("  combine (push):  %.3f ms, %.0f GB/s\n", mq * 1e3, bytes / mq * 1e-9);
-  printf("  barrier of %d members (host-timed launch to completion): %.1f us\n", W, mb * 1e6);
-  printf("JSON {\"part\": \"kernels\", \"gpus\": %d, \"remote_rows\": %d, \"W\": %d, \"T\": %d, \"H\": %d, \"K\": %d, \"rows\": %d, "
-         "\"pull_ms\": %.4f, \"push_ms\": %.4f, \"pull_GBps\": %.1f, \"push_GBps\": %.1f, "
-         "\"barrier_us\": %.1f, \"status\": %d}\n",
-         gpus, remote, W, T, H, K, routed, mp * 1e3, mq * 1e3, bytes / mp * 1e-9, bytes / mq * 1e-9, mb * 1e6,
-         h_status);
-  return h_status == 0 ? 0 : 1;
+         "%d\n",
+         routed, bytes / 1048576.0, remote, used);
+  const int caps[] = {0, 32, 16, 8};
+  int bad = 0;
+  for (int ci = 0; ci < 4; ci++) {
+    double pull[N], push[N], bar[N];
+    g[0].max_ctas = caps[ci];
+    for (int it = -3; it < N; it++) {
+      float ms;
+      CUDA_CHECK(cudaEventRecord(a, 0));
+      if (mok_k_ep_pull_rows(&g[0], &dv, sched, lay.x, rows, status, 0) != MOK_OK) return 1;
+      CUDA_CHECK(cudaEventRecord(b, 0));
+      CUDA_CHECK(cudaEventSynchronize(b));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (it >= 0) pull[it] = ms * 1e-3;
+      CUDA_CHECK(cudaEventRecord(a, 0));
+      if (mok_k_ep_push_rows(&g[0], &dv, sched, rows, NULL, status, 0) != MOK_OK) return 1;
+      CUDA_CHECK(cudaEventRecord(b, 0));
+      CUDA_CHECK(cudaEventSynchronize(b));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      if (it >= 0) push[it] = ms * 1e-3;
+      /* a barrier of W members: each on its own stream, all at once */
+      for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
+      CUDA_CHECK(cudaDeviceSynchronize());
+      double t0 = now_s();
+      uint64_t value = (uint64_t)(ci * 100 + it + 10);
+      for (int p = 0; p < W; p++) {
+        CUDA_CHECK(cudaSetDevice(p % gpus));
+        if (mok_k_ep_barrier(&g[p], value, 1000000000ull, 0, pstatus[p], st[p]) != MOK_OK)
+          return 1;
+      }
+      for (int p = 0; p < W; p++) CUDA_CHECK(cudaStreamSynchronize(st[p]));
+      CUDA_CHECK(cudaSetDevice(0));
+      if (it >= 0) bar[it] = now_s() - t0;
+    }
+    int32_t h_status = -1;
+    CUDA_CHECK(cudaMemcpy(&h_status, status, 4, cudaMemcpyDeviceToHost));
+    for (int p = 0; p < W; p++) {
+      int32_t v = -1;
+      CUDA_CHECK(cudaMemcpy(&v, pstatus[p], 4, cudaMemcpyDeviceToHost));
+      if (v != 0) h_status = v; /* a barrier timed out */
+    }
+    bad |= h_status != 0;
+    double mp = median(pull, N), mq = median(push, N), mb = median(bar, N);
+    char who[32];
+    if (caps[ci]) snprintf(who, sizeof who, "%d SMs (1024 thr)", caps[ci]);
+    else snprintf(who, sizeof who, "all %d SMs", sms);
+    printf("  %-18s dispatch (pull) %.3f ms, %5.0f GB/s | combine (push) %.3f ms, %5.0f GB/s | "
+           "barrier %.1f us | status %d\n",
+           who, mp * 1e3, bytes / mp * 1e-9, mq * 1e3, bytes / mq * 1e-9, mb * 1e6, h_status);
+    printf("JSON {\"part\": \"kernels\", \"gpus\": %d, \"sms\": %d, \"remote_rows\": %d, "
+           "\"W\": %d, \"T\": %d, \"H\": %d, \"K\": %d, \"rows\": %d, \"pull_ms\": %.4f, "
+           "\"push_ms\": %.4f, \"pull_GBps\": %.1f, \"push_GBps\": %.1f, \"barrier_us\": %.1f, "
+           "\"status\": %d}\n",
+           gpus, caps[ci] ? caps[ci] : sms, remote, W, T, H, K, routed, mp * 1e3, mq * 1e3,
+           bytes / mp * 1e-9, bytes / mq * 1e-9, mb * 1e6, h_status);
+  }
+  return bad;
 }
 
 /* ---- part 2: through mokd ------------------------------------------------------------- */

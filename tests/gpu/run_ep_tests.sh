@@ -22,8 +22,10 @@ rc=0
 MOK_BUILD="$B" MOK_TEST_ENGINE=cuda MOK_TEST_GPUS="$GPUS" "$B/tests/test_ep" "${@:2}" \
   2>&1 | tee "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
 grep -q " 0 failed" "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
-# the daemons' logs of any test that left them
-for f in /tmp/mok-test-*/mokd.log; do
-  [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$(dirname "$f")").log"
-done
+# on failure, the daemons' logs of the tests that left them
+if [ $rc != 0 ]; then
+  for f in /tmp/mok-test-*/mokd.log; do
+    [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$(dirname "$f")").log"
+  done
+fi
 exit $rc

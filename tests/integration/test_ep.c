@@ -16,6 +16,10 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#ifdef MOK_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "bf16.h"
 #include "check.h"
 #include "group.h"
@@ -131,9 +135,38 @@ typedef struct result {
 /* forward (twice: repeatable), backward (recompute or from ctx), through
  * layer l on tokens [x, ids, rw, d_out] of T rows; weights of experts
  * [e0, e0+ne). */
+#ifdef MOK_HAVE_CUDA
+static void CUDART_CB stall_stream(void *ms) { usleep((useconds_t)(uintptr_t)ms * 1000u); }
+#endif
+
+/* The first forward, on a CUDA stream held up for stall_ms first when
+ * stall_ms > 0 (the rank's GPU work then starts that late: a stalled peer
+ * as its daemon's device barriers see it). */
+static int first_forward(mok_client *c, mok_layer *l, uint32_t T, const mok_forward_args *fa,
+                         int stall_ms) {
+  uint64_t t;
+  if (stall_ms <= 0) {
+    CHECK_MSG(mok_forward(l, T, fa, &t) == MOK_OK, "%s", mok_last_error());
+    return mok_wait(c, t, 20000);
+  }
+#ifdef MOK_HAVE_CUDA
+  cudaStream_t st;
+  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess);
+  CHECK(cudaLaunchHostFunc(st, stall_stream, (void *)(uintptr_t)stall_ms) == cudaSuccess);
+  CHECK_MSG(mok_forward_on_stream(l, T, fa, st, &t) == MOK_OK, "%s", mok_last_error());
+  int r = mok_wait(c, t, 20000);
+  CHECK(cudaStreamSynchronize(st) == cudaSuccess);
+  cudaStreamDestroy(st);
+  return r;
+#else
+  CHECK_MSG(0, "a stalled stream needs a build with CUDA");
+  return MOK_EUNSUPPORTED;
+#endif
+}
+
 static void run_layer(mok_client *c, mok_layer *l, const problem *p, uint32_t T,
                       const float *x, const int32_t *ids, const float *rw, const float *d_out,
-                      uint32_t e0, uint32_t ne, uint32_t flags, result *res) {
+                      uint32_t e0, uint32_t ne, uint32_t flags, int stall_ms, result *res) {
   uint32_t dt = p->dtype;
   size_t es = esize(dt);
   void *X = put(c, dt, x, T * H_), *DO = put(c, dt, d_out, T * H_);
@@ -159,8 +192,7 @@ static void run_layer(mok_client *c, mok_layer *l, const problem *p, uint32_t T,
                          .out = OUT, .ctx = CTX};
   uint64_t t;
   double t0 = now_s();
-  CHECK_MSG(mok_forward(l, T, &fa, &t) == MOK_OK, "%s", mok_last_error());
-  res->status_fwd = mok_wait(c, t, 20000);
+  res->status_fwd = first_forward(c, l, T, &fa, stall_ms);
   res->first_job_s = now_s() - t0;
   if (res->status_fwd != MOK_OK) {
     snprintf(res->msg, sizeof res->msg, "%s", mok_last_error());
@@ -208,6 +240,7 @@ typedef struct rank_job {
   const problem *p;
   uint32_t rank, timeout_ms, flags, tag;
   int skip_jobs; /* join only */
+  int stall_ms;  /* hold the first forward's stream up this long (cuda) */
 } rank_job;
 
 static void rank_main(const rank_job *j, result *res) {
@@ -238,7 +271,7 @@ static void rank_main(const rank_job *j, result *res) {
   CHECK_EQ_INT(mok_layer_local_experts(l), E_ / p->W);
   uint32_t r0 = j->rank;
   run_layer(c, l, p, p->T[r0], p->x[r0], p->ids[r0], p->rw[r0], p->d_out[r0], r0 * (E_ / p->W),
-            E_ / p->W, j->flags, res);
+            E_ / p->W, j->flags, j->stall_ms, res);
   mok_close(c);
 }
 
@@ -316,7 +349,7 @@ static void run_ep1(const char *sock, const problem *p, uint32_t first_rank, uin
   mok_layer_desc d = desc_of(p, MAXW * TMAX, NULL);
   mok_layer *l;
   CHECK_MSG(mok_layer_create(c, &d, &l) == MOK_OK, "%s", mok_last_error());
-  run_layer(c, l, p, T, x, ids, rw, dout, 0, E_, flags, res);
+  run_layer(c, l, p, T, x, ids, rw, dout, 0, E_, flags, 0, res);
   CHECK_MSG(res->status_fwd == MOK_OK && res->status_bwd == MOK_OK, "EP=1: %s", res->msg);
   mok_close(c);
 }
@@ -526,6 +559,49 @@ static void test_mismatched_peer_fails_clearly(void) {
   free(p);
 }
 
+/* A peer whose GPU work starts late (its client's stream is held up past
+ * the group timeout; the host protocol went through): the other member's
+ * device barrier gives up with ETIMEOUT, the late one learns it at the
+ * second barrier (statuses are exchanged there) instead of reporting rows
+ * nobody pushed, the group is broken, both daemons stay healthy, and after
+ * a re-join jobs run again. The cuda engine's device barriers only. */
+static void test_stalled_peer_fails_on_the_device(void) {
+  if (!harness_engine_is_cuda()) {
+    printf("# device barriers: cuda engine only (MOK_TEST_ENGINE=cuda); skipped\n");
+    return;
+  }
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_BF16, 2, T, 17);
+  result *res = shared_results(4);
+  char key[96];
+  unique_key(key, sizeof key, "stall");
+  rank_job j0 = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 800};
+  rank_job j1 = {.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 800,
+                 .stall_ms = 2500};
+  double t0 = now_s();
+  pid_t a = spawn_rank(&j0, &res[0]), b = spawn_rank(&j1, &res[1]);
+  reap(a);
+  reap(b);
+  double took = now_s() - t0;
+  for (int r = 0; r < 2; r++) {
+    CHECK_MSG(res[r].status_fwd == MOK_ETIMEOUT, "rank %d: %d (%s)", r, res[r].status_fwd,
+              res[r].msg);
+    CHECK_STR_CONTAINS(res[r].msg, "device barrier");
+  }
+  CHECK_MSG(took < 15.0, "the stalled job took %.1f s", took);
+  for (int r = 0; r < 2; r++) CHECK_MSG(harness_alive(&d[r]), "mokd %d died", r);
+  /* everyone re-joins: jobs run again */
+  run_group(d, p, key, 0, &res[2]);
+  for (int r = 0; r < 2; r++)
+    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
+              "rank %d after re-join: %s", r, res[2 + r].msg);
+  stop_daemons(d, 2);
+  free(p);
+}
+
 /* A restarted client re-joins the group its daemon still holds: cheap, and
  * its first job runs. */
 static void test_restarted_client_rejoins(void) {
@@ -652,6 +728,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_ep2_bf16_clamp_recompute),
     CHECK_CASE(test_missing_peer_times_out_and_group_recovers),
     CHECK_CASE(test_mismatched_peer_fails_clearly),
+    CHECK_CASE(test_stalled_peer_fails_on_the_device),
     CHECK_CASE(test_restarted_client_rejoins),
     CHECK_CASE(test_join_rules),
     CHECK_CASE(test_two_tenants_never_share_a_group),
