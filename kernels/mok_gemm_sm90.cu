@@ -21,6 +21,10 @@
  * element is computed by one CTA with K in ascending 64-wide blocks, so
  * results are bitwise repeatable and independent of the grid size, and a
  * row's result depends only on its own input row.
+ *
+ * Bench knobs (mok_k_sm90_set_tuning; defaults measured best or equal, see
+ * kernels/PERF.md v1): a pipelined consumer loop (one wgmma batch in
+ * flight), banded tile order, L2 eviction hints on the TMA loads.
  */
 #include <cudaTypedefs.h>
 #include <stdlib.h>
@@ -47,6 +51,8 @@ typedef struct s9_params {
   int M, N, K;         /* output rows (buffer), output columns, reduction */
   int tile_n;          /* output columns per tile: 128 (GATE_UP) or 256 */
   int m_tiles, n_tiles;
+  int band;            /* > 0: bands of this many row blocks, column tiles outer */
+  int pol_a, pol_b;    /* L2 policy of the A and B loads (l2_policy kinds) */
   int E_loc;           /* grouped: schedule's local experts */
   const int32_t *offsets, *counts; /* NULL: one group of M rows */
   bf16 *C0, *C1, *C2;  /* GATE_UP: g, u, h; DOWN: y */
@@ -71,8 +77,17 @@ typedef struct s9_tile {
 
 __device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
   s9_tile tl;
-  const int mb = t / p.n_tiles;
-  tl.n0 = (t - mb * p.n_tiles) * p.tile_n;
+  int mb, nb;
+  if (p.band > 0) { /* the CTAs at work share fewer A and B tiles (L2) */
+    const int per = p.band * p.n_tiles, b = t / per, idx = t - b * per;
+    const int bm = min(p.band, p.m_tiles - b * p.band);
+    nb = idx / bm;
+    mb = b * p.band + (idx - nb * bm);
+  } else {
+    mb = t / p.n_tiles;
+    nb = t - mb * p.n_tiles;
+  }
+  tl.n0 = nb * p.tile_n;
   tl.row0 = mb * S9_BM;
   tl.e = 0;
   if (!p.offsets) {
@@ -100,6 +115,7 @@ template <int MODE>
 __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, const CUtensorMap *mb0,
                                   const CUtensorMap *mb1, uint32_t base, uint32_t bars) {
   const int total = p.m_tiles * p.n_tiles, nk = (p.K + S9_BK - 1) / S9_BK;
+  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = s9_locate(p, t);
@@ -110,12 +126,12 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
       const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1); /* the consumers released this stage */
       mbar_arrive_expect_tx(full, S9_STAGE_BYTES); /* whole boxes, out-of-bounds parts zero-filled */
-      tma_load_2d(sa, ma, kb * S9_BK, tl.row0, full);
+      tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
       if (MODE == S9_GATE_UP) {
-        tma_load_3d(sb, mb0, kb * S9_BK, tl.n0, e, full);
-        tma_load_3d(sb + S9_B_BYTES / 2, mb1, kb * S9_BK, tl.n0, e, full);
+        tma_load_3d_hint(sb, mb0, kb * S9_BK, tl.n0, e, full, pb);
+        tma_load_3d_hint(sb + S9_B_BYTES / 2, mb1, kb * S9_BK, tl.n0, e, full, pb);
       } else {
-        tma_load_3d(sb, mb0, kb * S9_BK, tl.n0, e, full);
+        tma_load_3d_hint(sb, mb0, kb * S9_BK, tl.n0, e, full, pb);
       }
       if (++s == S9_STAGES) {
         s = 0;
@@ -179,10 +195,63 @@ __device__ static inline void s9_epilogue(const s9_params &p, const s9_tile &tl,
   }
 }
 
-template <int MODE>
+/* The consumer warpgroup's k loop over one tile. PIPE = 1 keeps one wgmma
+ * batch in flight and releases the previous stage once it is known
+ * complete; PIPE = 0 waits for each batch. s, ph: the ring position. */
+template <int PIPE>
+__device__ static inline void s9_mma_loop(float (&acc)[128], uint32_t base, uint32_t bars, int cw,
+                                          int nk, int &s, int &ph) {
+  const bool lead = (threadIdx.x & 31) == 0; /* one arrival per warp */
+  int prev = -1;
+  for (int kb = 0; kb < nk; kb++) {
+    mbar_wait(bars + 8 * s, ph);
+    const uint32_t sa = base + s * S9_STAGE_BYTES;
+    const uint64_t da = wgmma_desc_k128(sa + cw * 64 * 128);
+    const uint64_t db = wgmma_desc_k128(sa + S9_A_BYTES);
+    acc_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < S9_BK / 16; k++) /* +32 B along K per step: +2 in the address field */
+      wgmma_m64n256k16(acc, da + 2 * k, db + 2 * k, (kb > 0 || k > 0) ? 1 : 0);
+    wgmma_commit();
+    if (PIPE) {
+      wgmma_wait<1>();
+      acc_fence(acc);
+      mbar_arrive_if(bars + 8 * (S9_STAGES + prev), lead && prev >= 0);
+      prev = s;
+    } else {
+      wgmma_wait<0>();
+      acc_fence(acc);
+      mbar_arrive_if(bars + 8 * (S9_STAGES + s), lead);
+    }
+    if (++s == S9_STAGES) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  if (PIPE) {
+    wgmma_wait<0>();
+    acc_fence(acc);
+    mbar_arrive_if(bars + 8 * (S9_STAGES + prev), lead && prev >= 0);
+  }
+}
+
+/* A warpgroup whose 64 rows are all padding: follow the ring, no math. */
+__device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
+  const bool lead = (threadIdx.x & 31) == 0;
+  for (int kb = 0; kb < nk; kb++) {
+    mbar_wait(bars + 8 * s, ph);
+    mbar_arrive_if(bars + 8 * (S9_STAGES + s), lead);
+    if (++s == S9_STAGES) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+}
+
+template <int MODE, int PIPE>
 __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t bars) {
   const int cw = threadIdx.x / 128 - 1; /* rows 64*cw .. of the tile */
-  const int lane = threadIdx.x & 31;
   const int total = p.m_tiles * p.n_tiles, nk = (p.K + S9_BK - 1) / S9_BK;
   float acc[128];
 #pragma unroll
@@ -191,35 +260,16 @@ __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t ba
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = s9_locate(p, t);
     if (tl.used_end > tl.row0) {
-      const bool mine = tl.row0 + 64 * cw < tl.used_end; /* else: all padding, skip the math */
-      for (int kb = 0; kb < nk; kb++) {
-        const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
-        mbar_wait(full, ph);
-        if (mine) {
-          const uint32_t sa = base + s * S9_STAGE_BYTES;
-          const uint64_t da = wgmma_desc_k128(sa + cw * 64 * 128);
-          const uint64_t db = wgmma_desc_k128(sa + S9_A_BYTES);
-          acc_fence(acc);
-          wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < S9_BK / 16; k++) /* +32 B along K per step: +2 in the address field */
-            wgmma_m64n256k16(acc, da + 2 * k, db + 2 * k, (kb > 0 || k > 0) ? 1 : 0);
-          wgmma_commit();
-          wgmma_wait<0>();
-          acc_fence(acc);
-        }
-        if (lane == 0) mbar_arrive(empty); /* this warp no longer reads stage s */
-        if (++s == S9_STAGES) {
-          s = 0;
-          ph ^= 1;
-        }
-      }
+      if (tl.row0 + 64 * cw < tl.used_end)
+        s9_mma_loop<PIPE>(acc, base, bars, cw, nk, s, ph);
+      else /* all padding: the epilogue writes zeros */
+        s9_skip_loop(bars, nk, s, ph);
     }
     s9_epilogue<MODE>(p, tl, acc, cw);
   }
 }
 
-template <int MODE>
+template <int MODE, int PIPE>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
                    const __grid_constant__ CUtensorMap map_b1, const s9_params p) {
@@ -248,15 +298,23 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     if (threadIdx.x == 0) s9_produce<MODE>(p, &map_a, &map_b0, &map_b1, base, bars);
   } else {
     regs_inc<232>();
-    s9_consume<MODE>(p, base, bars);
+    s9_consume<MODE, PIPE>(p, base, bars);
   }
 }
 
 /* ---- host side ------------------------------------------------------------------ */
 
 static int s9_grid_override = 0;
+static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
 
 extern "C" void mok_k_sm90_set_grid(int ctas) { s9_grid_override = ctas > 0 ? ctas : 0; }
+
+extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) {
+  s9_pipe = pipe ? 1 : 0;
+  s9_band = band > 0 ? band : 0;
+  s9_pol_a = pol_a >= 0 && pol_a <= 2 ? pol_a : 0;
+  s9_pol_b = pol_b >= 0 && pol_b <= 2 ? pol_b : 0;
+}
 
 /* cuTensorMapEncodeTiled through the runtime (the library never links
  * libcuda: machines without a GPU have none). */
@@ -289,11 +347,12 @@ extern "C" int mok_k_sm90_usable(void) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  cudaError_t err = cudaFuncSetAttribute(s9_gemm_kernel<S9_GATE_UP>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, S9_SMEM_BYTES);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(s9_gemm_kernel<S9_DOWN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               S9_SMEM_BYTES);
+  const void *k[4] = {(const void *)s9_gemm_kernel<S9_GATE_UP, 0>,
+                      (const void *)s9_gemm_kernel<S9_GATE_UP, 1>,
+                      (const void *)s9_gemm_kernel<S9_DOWN, 0>, (const void *)s9_gemm_kernel<S9_DOWN, 1>};
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < 4 && err == cudaSuccess; i++)
+    err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize, S9_SMEM_BYTES);
   if (err != cudaSuccess) {
     mok_k_set_cuda_error((int)err);
     return MOK_EENGINE;
@@ -349,7 +408,14 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
                      const CUtensorMap &b1, cudaStream_t stream) {
   const int tiles = p.m_tiles * p.n_tiles;
   if (tiles == 0) return MOK_OK;
-  s9_gemm_kernel<MODE><<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, b1, p);
+  s9_params q = p;
+  q.band = s9_band;
+  q.pol_a = s9_pol_a;
+  q.pol_b = s9_pol_b;
+  if (s9_pipe)
+    s9_gemm_kernel<MODE, 1><<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, b1, q);
+  else
+    s9_gemm_kernel<MODE, 0><<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, b1, q);
   return mok_k_launch_status();
 }
 

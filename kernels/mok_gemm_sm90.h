@@ -38,6 +38,12 @@ int mok_k_sm90_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_i
  * depend on it. */
 void mok_k_sm90_set_grid(int ctas);
 
+/* Tuning knobs for the bench (defaults 0): pipe = 1 keeps one wgmma batch
+ * in flight per consumer; band > 0 walks tiles in bands of that many row
+ * blocks; pol_a, pol_b: L2 policy of the A and B loads (0 normal, 1 evict
+ * last, 2 evict first). Results do not depend on them. */
+void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b);
+
 #ifdef __cplusplus
 }
 #endif

@@ -30,23 +30,28 @@ __device__ static inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes
                : "memory");
 }
 
-__device__ static inline void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+/* Arrives when pred holds; the predicate stays inside the PTX, so the
+ * compiler sees no divergent branch near in-flight wgmmas (it would
+ * serialise them otherwise, ptxas C7518). */
+__device__ static inline void mbar_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"((int)pred)
+      : "memory");
 }
 
 /* Returns once the phase of parity `parity` has completed (a fresh barrier
- * is in phase 0, so parity 1 passes at once). */
+ * is in phase 0, so parity 1 passes at once). The retry loop is inside the
+ * PTX for the same reason as above. */
 __device__ static inline void mbar_wait(uint32_t bar, int parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "MOK_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra MOK_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 }
 
 /* ---- TMA tile loads (completion counted on an mbarrier) ----------------------- */
@@ -67,6 +72,37 @@ __device__ static inline void tma_load_3d(uint32_t dst, const CUtensorMap *map, 
       " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+
+/* The same loads with an L2 eviction-priority policy (createpolicy). */
+__device__ static inline void tma_load_2d_hint(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                               uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+__device__ static inline void tma_load_3d_hint(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                               int c2, uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+/* L2 policies: 0 evict_normal, 1 evict_last (keep), 2 evict_first (stream). */
+__device__ static inline uint64_t l2_policy(int kind) {
+  uint64_t p;
+  if (kind == 1)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  else if (kind == 2)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
 }
 
 __device__ static inline void tma_prefetch_map(const CUtensorMap *map) {
