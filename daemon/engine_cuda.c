@@ -342,6 +342,7 @@ static void layer_free(mok_engine_layer *l, cudaStream_t st) {
   cuda_free_async(l->ep_rw, st);
   cuda_free_async(l->ep_drw, st);
   cuda_free_async(l->ep_own, st);
+  cuda_free_async(l->ws_aux, st);
   free(l);
 }
 
@@ -363,7 +364,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
   size_t R = (size_t)mok_rows_capacity(&ld), H = cfg->hidden, I = cfg->intermediate;
   size_t T = cfg->max_tokens, ws_bytes = mok_k_workspace_bytes(&d);
   uint64_t ctx_bytes = mok_ctx_bytes(&ld);
-  size_t TK_v = 0, TK_own = 0; /* a group layer's gathered routing */
+  size_t TK_v = 0, TK_own = 0, ws_aux = 0; /* a group layer's gathered routing */
   if (cfg->group_world) {
     /* the routed part runs on the virtual batch of every member's tokens */
     mok_k_dims dv = cuda_dims_of(cfg, cfg->group_world * cfg->group_tokens);
@@ -374,6 +375,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
     ctx_bytes = mok_group_ctx_bytes(cfg, cfg->max_tokens);
     TK_v = (size_t)cfg->group_world * cfg->group_tokens * cfg->topk;
     TK_own = (size_t)cfg->group_tokens * cfg->topk;
+    if (cfg->shared_intermediate) ws_aux = mok_k_workspace_bytes(&d); /* the shared expert's */
   }
   struct {
     void **p;
@@ -390,6 +392,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
       {(void **)&l->ep_rw, TK_v * 4, "group routing"},
       {(void **)&l->ep_drw, TK_v * 4, "group routing"},
       {(void **)&l->ep_own, TK_own * 4, "group routing"},
+      {&l->ws_aux, ws_aux, "shared-expert workspace"},
   };
   size_t total = 0;
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
@@ -429,6 +432,9 @@ static void session_free(mok_engine_session *s) {
     if (s->jobs[i].ev_done) cudaEventDestroy(s->jobs[i].ev_done);
   }
   if (s->stream) cudaStreamDestroy(s->stream);
+  if (s->aux) cudaStreamDestroy(s->aux);
+  if (s->fork_ev) cudaEventDestroy(s->fork_ev);
+  if (s->join_ev) cudaEventDestroy(s->join_ev);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
   cuda_free_async(s->d_status, s->mem_stream);
   cuda_free_async(s->wstage, s->mem_stream);
@@ -451,6 +457,9 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
   s->sync_host = sync_page;
   s->mem_stream = e->mem_stream;
   cudaError_t r = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  if (r == cudaSuccess) r = cudaStreamCreateWithFlags(&s->aux, cudaStreamNonBlocking);
+  if (r == cudaSuccess) r = cudaEventCreateWithFlags(&s->fork_ev, cudaEventDisableTiming);
+  if (r == cudaSuccess) r = cudaEventCreateWithFlags(&s->join_ev, cudaEventDisableTiming);
   if (r == cudaSuccess) r = cudaMallocAsync((void **)&s->d_status, sizeof(int32_t), e->mem_stream);
   if (r == cudaSuccess) r = cudaStreamSynchronize(e->mem_stream);
   for (int i = 0; r == cudaSuccess && i < MAX_JOBS; i++) {

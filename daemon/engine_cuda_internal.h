@@ -113,6 +113,8 @@ struct mok_engine_session {
   volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
   bool h_status_own;     /* from cudaHostAlloc */
   cudaStream_t mem_stream;
+  cudaStream_t aux;      /* side stream: a group job's shared expert runs beside the exchange */
+  cudaEvent_t fork_ev, join_ev;
   uint16_t *wstage;      /* daemon-local copy of a backward's routed weights */
   size_t wstage_bytes;
   mok_engine_job jobs[MAX_JOBS];
@@ -132,6 +134,7 @@ struct mok_engine_layer {
   float *ep_rw;      /* [W*T_max, K] every member's router weights */
   float *ep_drw;     /* [W*T_max*K] d_rw of the local experts' slots, before the push */
   int32_t *ep_own;   /* [T_max*K] the own tokens' view of the landing slots */
+  void *ws_aux;      /* workspace of the shared expert on the side stream */
 };
 
 typedef struct job_ctx {

@@ -300,6 +300,7 @@ typedef struct ep_job {
   int32_t *ctx_ids;   /* the own ids kept in ctx */
   acts_ptrs acts;     /* routed acts of the virtual batch, shared acts of the own tokens */
   uint64_t timeout_ns;
+  bool side; /* work is on the side stream: join before the job ends */
 } ep_job;
 
 static void copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
@@ -384,6 +385,33 @@ static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
   return true;
 }
 
+/* The shared expert needs only the own tokens: it runs on the session's side
+ * stream, beside the barriers, the exchange and the routed GEMMs, and joins
+ * the main stream before the K-sum (its own workspace: the routed kernels
+ * use the layer's). */
+static void side_begin(ep_job *j) {
+  job_ctx *c = j->c;
+  if (c->failed || !c->d.I_s) return;
+  cudaError_t r = cudaEventRecord(c->s->fork_ev, c->st);
+  if (r == cudaSuccess) r = cudaStreamWaitEvent(c->s->aux, c->s->fork_ev, 0);
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "forking the side stream: %s",
+                                      cudaGetErrorString(r));
+  else j->side = true;
+}
+
+static void side_end(ep_job *j) {
+  if (!j->side) return;
+  job_ctx *c = j->c;
+  j->side = false;
+  cudaError_t r = cudaEventRecord(c->s->join_ev, c->s->aux);
+  if (r == cudaSuccess) r = cudaStreamWaitEvent(c->st, c->s->join_ev, 0);
+  if (r != cudaSuccess) {
+    /* the main stream must not run ahead of the side stream's writes */
+    cudaStreamSynchronize(c->s->aux);
+    cuda_job_fail(c, MOK_EENGINE, "joining the side stream: %s", cudaGetErrorString(r));
+  }
+}
+
 static void device_barrier(ep_job *j, uint32_t phase) {
   LAUNCH(j->c, mok_k_ep_barrier(&j->kg, barrier_value(j->g, phase), j->timeout_ns, phase == 2,
                                 j->c->status, j->c->st));
@@ -397,6 +425,11 @@ static void ep_forward(ep_job *j) {
   const int32_t *ids = T_(c, MOK_SLOT_TOPK_IDS);
   copy_in(j, ids, false);
   if (!host_protocol(j, MOK_OK, NULL)) return;
+  side_begin(j);
+  if (j->side)
+    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                   j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
+                                   c->s->aux));
   device_barrier(j, 1);
   size_t Tm = j->st->sz.max_tokens, K = c->d.K;
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
@@ -408,10 +441,8 @@ static void ep_forward(ep_job *j) {
                                  c->status, c->st));
   LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_b, NULL, c->status, c->st));
   device_barrier(j, 2);
-  /* the own tokens: shared expert and the ordered K-sum of the landing rows */
-  if (c->d.I_s)
-    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                   j->acts.gs, j->acts.us, l->shared, l->ws, c->status, c->st));
+  /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
+  side_end(j);
   LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
                           (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
@@ -431,6 +462,17 @@ static void ep_backward(ep_job *j) {
   if (recompute && ctx) copy_async(c, j->ctx_ids, ids, T * K * 4);
   copy_in(j, ids, true);
   if (!host_protocol(j, MOK_OK, NULL)) return;
+  side_begin(j);
+  if (j->side) {
+    if (recompute)
+      LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                     j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
+                                     c->s->aux));
+    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
+                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), l->shared,
+                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN), l->ws_aux,
+                                    c->status, c->s->aux));
+  }
   device_barrier(j, 1);
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
   if (recompute) {
@@ -457,16 +499,8 @@ static void ep_backward(ep_job *j) {
   LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_c, l->ep_drw, c->status,
                                c->st));
   device_barrier(j, 2);
-  /* the own tokens: shared expert, ordered K-sum of d_x, the own d_rw */
-  if (c->d.I_s) {
-    if (recompute)
-      LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                     j->acts.gs, j->acts.us, l->shared, l->ws, c->status, c->st));
-    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
-                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), l->shared,
-                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN), l->ws,
-                                    c->status, c->st));
-  }
+  /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
+  side_end(j);
   LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
                           c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));
@@ -528,5 +562,6 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
   j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;
   if (a->op == MOK_OP_FORWARD) ep_forward(&j);
   else ep_backward(&j);
+  side_end(&j); /* a job that stopped early still joins its side work */
   return cuda_job_end(&c, res);
 }

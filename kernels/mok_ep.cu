@@ -131,6 +131,23 @@ extern "C" int mok_k_ep_allgather(const mok_k_ep *g, uint64_t off, size_t bytes,
 
 /* ---- pull and push ---------------------------------------------------------------- */
 
+/* Copy one row of vecs 16-byte vectors by one warp; src NULL: zeros. Four
+ * loads are issued before their stores, so a warp keeps several requests in
+ * flight (rows are read from other GPUs: latency, not bandwidth, bounds a
+ * warp that waits for each load). */
+__device__ static inline void warp_copy_row(uint4 *dst, const uint4 *src, int vecs, int lane) {
+  int c = lane;
+  for (; c + 96 < vecs; c += 128) {
+    uint4 a = src ? src[c] : make_uint4(0, 0, 0, 0), b = src ? src[c + 32] : a,
+          d = src ? src[c + 64] : a, e = src ? src[c + 96] : a;
+    dst[c] = a;
+    dst[c + 32] = b;
+    dst[c + 64] = d;
+    dst[c + 96] = e;
+  }
+  for (; c < vecs; c += 32) dst[c] = src ? src[c] : make_uint4(0, 0, 0, 0);
+}
+
 /* Where virtual token v's data lives: member v / T_max, token v % T_max. */
 __device__ static inline const char *owner_base(const mok_k_ep &g, int v, int *t) {
   const int p = v / g.T_max;
@@ -151,8 +168,7 @@ __global__ void ep_pull_rows_kernel(mok_k_ep g, const int32_t *row_slot, int cap
       const char *b = owner_base(g, s / K, &t);
       src = (const uint4 *)(b + off) + (size_t)t * vecs;
     }
-    uint4 *drow = dst + (size_t)r * vecs;
-    for (int c = lane; c < vecs; c += 32) drow[c] = src ? src[c] : make_uint4(0, 0, 0, 0);
+    warp_copy_row(dst + (size_t)r * vecs, src, vecs, lane);
   }
 }
 
@@ -187,9 +203,7 @@ __global__ void ep_push_rows_kernel(mok_k_ep g, const int32_t *row_slot, int cap
     int t;
     char *b = (char *)owner_base(g, s / K, &t);
     const size_t slot = (size_t)t * K + (size_t)(s % K);
-    uint4 *drow = (uint4 *)(b + g.off.land) + slot * vecs;
-    const uint4 *srow = rows + (size_t)r * vecs;
-    for (int c = lane; c < vecs; c += 32) drow[c] = srow[c];
+    warp_copy_row((uint4 *)(b + g.off.land) + slot * vecs, rows + (size_t)r * vecs, vecs, lane);
     if (drw_virtual && lane == 0) ((float *)(b + g.off.drw))[slot] = drw_virtual[s];
   }
 }
