@@ -9,11 +9,13 @@
 #   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py)
 #      and compute-sanitizer memcheck on mokd (small shapes)
 #   6. timings at T=2048 (issue 4's shapes, balanced routing)
+#   7. expert parallelism: the EP integration tests on the cuda engine, under
+#      MPS, daemons spread over every GPU (tests/gpu/run_ep_tests.sh)
 # and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
 # development machine with tests/gpu/build_device.sh and carried), else `make`.
 #
 #   tests/gpu/run_device_tests.sh [STEP...]   STEP: kernels correct concurrent fence
-#                                             python sanitize time (default: all of them)
+#                                             python sanitize time ep (default: all of them)
 # Environment: OUT (logs.tgz goes there, if set), LOGS (default /tmp/mok-device-logs), KERNEL_STEPS (default
 # "build correct"). Exit status 0 when every step passed.
 set -uo pipefail
@@ -176,12 +178,22 @@ step_time() {
   record time "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
+step_ep() {
+  local gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  note "expert parallelism on the cuda engine ($gpus GPU(s), MPS)"
+  OUT=$LOGS/ep MOK_DEVBUILD=$B tests/gpu/run_ep_tests.sh "${gpus:-1}" >"$LOGS/ep.txt" 2>&1
+  local rc=$?
+  tail -3 "$LOGS/ep.txt"
+  record ep "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time)
+[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time ep)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 for s in "${steps[@]}"; do
   case $s in
-    kernels|correct|concurrent|fence|sanitize|python|time) "step_$s" ;;
+    kernels|correct|concurrent|fence|sanitize|python|time|ep) "step_$s" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done
