@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism on the cuda engine (docs/ep.md): the EP integration
 # tests (tests/integration/test_ep.c) with every daemon on the cuda engine,
-# under MPS so that the members' kernels run at the same time.
+# under MPS so that the members' kernels run at the same time, then
+# mok.torch.MoE on a group (tests/gpu/test_torch_ep.py) when torch is there.
 #   tests/gpu/run_ep_tests.sh [GPUS]     GPUS: daemons spread over this many GPUs
 # Expects the build of tests/gpu/build_device.sh in $MOK_DEVBUILD (.devbuild).
 # Logs go to $OUT (or ./ep-logs).
@@ -22,6 +23,14 @@ rc=0
 MOK_BUILD="$B" MOK_TEST_ENGINE=cuda MOK_TEST_GPUS="$GPUS" "$B/tests/test_ep" "${@:2}" \
   2>&1 | tee "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
 grep -q " 0 failed" "$LOGS/test_ep_cuda_gpus$GPUS.txt" || rc=1
+# mok.torch.MoE on a group: EP=2 and (several daemons per GPU, MPS) EP=4
+if python3 -c "import torch" 2>/dev/null; then
+  for W in 2 4; do
+    PYTHONPATH="$PWD/$B/python${PYTHONPATH:+:$PYTHONPATH}" MOK_LIBRARY="$PWD/$B/lib/libmok.so" PYTHONUNBUFFERED=1 \
+      python3 tests/gpu/test_torch_ep.py "$PWD/$B/bin/mokd" $W 2>&1 | tee "$LOGS/test_torch_ep_$W.txt"
+    grep -q "torch EP: PASS" "$LOGS/test_torch_ep_$W.txt" || rc=1
+  done
+fi
 # on failure, the daemons' logs of the tests that left them
 if [ $rc != 0 ]; then
   for f in /tmp/mok-test-*/mokd.log; do

@@ -141,11 +141,16 @@ class _Slot:
     """The mok layer of one MoE module; re-created larger when T grows."""
 
     def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
-                 swiglu_limit, max_tokens):
+                 swiglu_limit, max_tokens, group=None, group_tag=0):
         self.client = client
         self.args = dict(hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
                          shared_intermediate=shared_intermediate, dtype="bfloat16",
                          swiglu_limit=swiglu_limit)
+        if group is not None:
+            # a layer on a group cannot grow past the group's buffers
+            self.args.update(group=group, group_tag=group_tag)
+            if max_tokens is None:
+                max_tokens = group.max_tokens
         self.fixed = max_tokens is not None
         self.max_tokens = max_tokens
         self.layer = None
@@ -263,14 +268,36 @@ class MoE(torch.nn.Module):
     engine, default mok.torch.default_client()); backend="torch" runs moe_reference, the
     same math in plain PyTorch ops (for comparisons; no daemon). recompute=True saves no
     activations between forward and backward: mokd rebuilds them, bitwise, in backward.
-    max_tokens: None lets the daemon layer grow (powers of two from 1024) with T."""
+    max_tokens: None lets the daemon layer grow (powers of two from 1024) with T.
+
+    Expert parallelism (docs/ep.md): group=client.group(key, rank, world, ...,
+    dtype="bfloat16") makes this module rank `rank`'s part of the layer: it holds the
+    experts/world local experts (w_gate, w_up [E/world,I,H], w_down [E/world,H,I], global
+    experts rank*E/world ...), takes its own tokens with global routing ids, and its
+    forward and backward exchange tokens with the other ranks' modules; the shared expert
+    (if any) runs on the own tokens and its gradients are the rank's (all-reduce them as in
+    data parallelism). group_tag names the layer in the group's job order: give each MoE
+    of a model its own, the same on every rank; every rank runs the same layers in the
+    same order. client must be the client that joined the group."""
 
     def __init__(self, hidden, intermediate, experts, topk, shared_intermediate=0,
                  swiglu_limit=None, recompute=False, backend="mokd", client=None,
-                 max_tokens=None, device=None):
+                 max_tokens=None, device=None, group=None, group_tag=0):
         super().__init__()
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        if group is not None:
+            if backend != "mokd":
+                raise ValueError("a group needs backend='mokd'")
+            if client is None:
+                client = group.client
+            elif client is not group.client:
+                raise ValueError("client must be the client that joined the group")
+            if experts % group.world:
+                raise ValueError("experts (%d) must be a multiple of the group's world (%d)" %
+                                 (experts, group.world))
+        self.group, self.group_tag = group, group_tag
+        local = experts // group.world if group is not None else experts
         self.hidden, self.intermediate, self.experts, self.topk = hidden, intermediate, \
             experts, topk
         self.shared_intermediate = shared_intermediate
@@ -282,9 +309,9 @@ class MoE(torch.nn.Module):
         self._slot = None
         kw = dict(dtype=torch.bfloat16, device=device)
         P = torch.nn.Parameter
-        self.w_gate = P(torch.empty(experts, intermediate, hidden, **kw))
-        self.w_up = P(torch.empty(experts, intermediate, hidden, **kw))
-        self.w_down = P(torch.empty(experts, hidden, intermediate, **kw))
+        self.w_gate = P(torch.empty(local, intermediate, hidden, **kw))
+        self.w_up = P(torch.empty(local, intermediate, hidden, **kw))
+        self.w_down = P(torch.empty(local, hidden, intermediate, **kw))
         if shared_intermediate:
             self.s_gate = P(torch.empty(shared_intermediate, hidden, **kw))
             self.s_up = P(torch.empty(shared_intermediate, hidden, **kw))
@@ -314,7 +341,9 @@ class MoE(torch.nn.Module):
                                  self.shared_intermediate,
                                  "" if self.swiglu_limit is None else ", swiglu_limit=%g" %
                                  self.swiglu_limit, self.backend,
-                                 ", recompute" if self.recompute else "")
+                                 ", recompute" if self.recompute else "") + \
+            ("" if self.group is None else ", group rank %d of %d, tag %d" %
+             (self.group.rank, self.group.world, self.group_tag))
 
     @property
     def client(self):
@@ -331,7 +360,7 @@ class MoE(torch.nn.Module):
         if self._slot is None:
             self._slot = _Slot(self.client, self.hidden, self.intermediate, self.experts,
                                self.topk, self.shared_intermediate, self.swiglu_limit,
-                               self._max_tokens)
+                               self._max_tokens, self.group, self.group_tag)
         return self._slot
 
     def forward(self, x, topk_ids, router_weights):
