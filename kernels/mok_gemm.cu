@@ -13,9 +13,10 @@
  * found from the schedule's offsets on the device. Tiles past the last
  * group write zeros. WGRAD gives each (expert, M tile, N tile) to one block
  * that reduces over all the expert's rows in order: no split-K, no atomics.
- * This is the simple, correct version. The forward products (GATE_UP,
- * DOWN) run on the wgmma/TMA kernels of mok_gemm_sm90.cu when the device
- * allows it; MOK_GEMM=hmma in the environment keeps them here.
+ * This is the simple, correct version. All five products run on the
+ * wgmma/TMA kernels of mok_gemm_sm90.cu (bitwise equal to these) when the
+ * device allows it (GATE_UP_DGRAD when I is a multiple of 16);
+ * MOK_GEMM=hmma in the environment keeps them all here.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -520,13 +521,16 @@ static void params_grouped(gemm_params *p, const mok_k_dims *d, const int32_t *s
   p->row_slot = s.row_slot;
 }
 
-/* The forward GEMMs go to the Hopper kernels unless MOK_GEMM=hmma (read at
- * every launch, so a test can compare both paths in one process). */
+/* The GEMMs go to the Hopper kernels unless MOK_GEMM=hmma (read at every
+ * launch, so a test can compare both paths in one process). */
 static bool use_sm90(void) {
   const char *v = getenv("MOK_GEMM");
   if (v && !strcmp(v, "hmma")) return false;
   return mok_k_sm90_usable() != 0;
 }
+
+/* A backward mode (MOK_K_SM90_BWD_*) on the Hopper kernels */
+static bool use_sm90_bwd(int mode_bit) { return (mok_k_sm90_bwd_modes() & mode_bit) && use_sm90(); }
 
 /* One SwiGLU FFN forward over M rows: gate/up then down. grouped: routed
  * (schedule), else the shared expert (one group of T rows). */
@@ -665,7 +669,14 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   p.rw = a->rw;
   p.partial = a->partial;
   p.n_partial = cdiv(n, BN);
-  int st = launch_gemm<GM_DOWN_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(n, BN)), stream);
+  int st;
+  if (use_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD))
+    st = mok_k_sm90_down_dgrad(d, schedule, a->M, n, (const mok_k_bf16 *)a->d_out,
+                               (const mok_k_bf16 *)a->wd, (const mok_k_bf16 *)a->g,
+                               (const mok_k_bf16 *)a->u, a->rw, (mok_k_bf16 *)a->dgu,
+                               (mok_k_bf16 *)a->h, a->partial, p.n_partial, status, stream);
+  else
+    st = launch_gemm<GM_DOWN_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(n, BN)), stream);
   if (st != MOK_OK) return st;
   /* d_xr = dg W_g + du W_u */
   p.N = d->H;
@@ -682,7 +693,12 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   p.ldc = d->H;
   p.rw = NULL;
   p.partial = NULL;
-  st = launch_gemm<GM_GATE_UP_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(d->H, BN)), stream);
+  if (use_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0)
+    st = mok_k_sm90_gate_up_dgrad(d, schedule, a->M, n, (const mok_k_bf16 *)a->dgu,
+                                  (const mok_k_bf16 *)a->wg, (const mok_k_bf16 *)a->wu,
+                                  (mok_k_bf16 *)a->d_xr, status, stream);
+  else
+    st = launch_gemm<GM_GATE_UP_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(d->H, BN)), stream);
   if (st != MOK_OK) return st;
   /* d_wd[e] = dy^T h over the expert's rows */
   gemm_params w = params_base(d, status);
@@ -698,7 +714,13 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   w.c_split = d->H;
   w.ldc = n;
   w.c_expert_stride = (long long)d->H * n;
-  st = launch_gemm<GM_WGRAD>(w, dim3(cdiv(d->H, BM), cdiv(n, BN), a->groups), stream);
+  const bool wg90 = use_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
+  if (wg90)
+    st = mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
+                          (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
+                          w.c_split, w.ldc, w.c_expert_stride, status, stream);
+  else
+    st = launch_gemm<GM_WGRAD>(w, dim3(cdiv(d->H, BM), cdiv(n, BN), a->groups), stream);
   if (st != MOK_OK) return st;
   /* [d_wg; d_wu][e] = dgu^T x */
   w.M = 2 * n;
@@ -712,6 +734,10 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   w.c_split = n;
   w.ldc = d->H;
   w.c_expert_stride = (long long)n * d->H;
+  if (wg90)
+    return mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
+                            (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
+                            w.c_split, w.ldc, w.c_expert_stride, status, stream);
   return launch_gemm<GM_WGRAD>(w, dim3(cdiv(2LL * n, BM), cdiv(d->H, BN), a->groups), stream);
 }
 

@@ -1,9 +1,10 @@
-/* The Hopper (sm_90a) forward grouped GEMMs: TMA loads into a 4-stage
- * shared-memory ring, wgmma from two consumer warpgroups, one producer
- * warpgroup, a persistent grid walking the tiles of the schedule on the
- * device. Internal to the kernel library: mok_gemm.cu routes the forward
- * products here (MOK_GEMM=hmma keeps the mma.sync kernels); tests call
- * these directly to compare the two paths. */
+/* The Hopper (sm_90a) grouped GEMMs, forward and backward: TMA loads into
+ * a 4-stage shared-memory ring, wgmma from two consumer warpgroups, one
+ * producer warpgroup, a persistent grid walking the tiles of the schedule
+ * on the device. Internal to the kernel library: mok_gemm.cu routes the
+ * products here (MOK_GEMM=hmma keeps the mma.sync kernels for all); tests
+ * call these directly to compare the two paths. Results equal the mma.sync
+ * kernels' bit for bit. */
 #ifndef MOK_GEMM_SM90_H
 #define MOK_GEMM_SM90_H
 
@@ -33,6 +34,40 @@ int mok_k_sm90_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int 
 int mok_k_sm90_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
                     const mok_k_bf16 *h, const mok_k_bf16 *wd, mok_k_bf16 *y, int32_t *status,
                     mok_k_stream stream);
+
+/* Backward, same contracts as the mma.sync modes of mok_gemm.cu:
+ * down_dgrad: a = d_out W_d[e] per row, SwiGLU backward: dgu [M, 2n]
+ *   (dg | du), h [M, n], d_rw partials [M, n_partial] (128-column tiles;
+ *   partial NULL: none); rw NULL: rw = 1.
+ * gate_up_dgrad: d_x [M, H] = dg W_g[e] + du W_u[e]; n_inter must be a
+ *   multiple of 16 (else MOK_EINVAL: the caller keeps mma.sync).
+ * wgrad: per group e (schedule: the expert's rows; else all `rows`),
+ *   C[e] [M, N] = a^T b over the rows, a [rows, M], b [rows, N]; output
+ *   rows < c_split to c0 + e*c_expert_stride, the rest (from row c_split)
+ *   to c1 likewise, rows ldc apart. */
+int mok_k_sm90_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                          const mok_k_bf16 *d_out, const mok_k_bf16 *wd, const mok_k_bf16 *g,
+                          const mok_k_bf16 *u, const float *rw, mok_k_bf16 *dgu, mok_k_bf16 *h,
+                          float *partial, int n_partial, int32_t *status, mok_k_stream stream);
+int mok_k_sm90_gate_up_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                             const mok_k_bf16 *dgu, const mok_k_bf16 *wg, const mok_k_bf16 *wu,
+                             mok_k_bf16 *d_x, int32_t *status, mok_k_stream stream);
+int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows, int M,
+                     int N, const mok_k_bf16 *a, const mok_k_bf16 *b, mok_k_bf16 *c0,
+                     mok_k_bf16 *c1, int c_split, long long ldc, long long c_expert_stride,
+                     int32_t *status, mok_k_stream stream);
+
+/* Which backward modes mok_gemm.cu sends here (bits: MOK_K_SM90_BWD_*;
+ * default all). Tests and benches compare them one at a time. */
+#define MOK_K_SM90_BWD_DOWN_DGRAD 1
+#define MOK_K_SM90_BWD_GATE_UP_DGRAD 2
+#define MOK_K_SM90_BWD_WGRAD 4
+void mok_k_sm90_set_bwd_modes(int mask);
+int mok_k_sm90_bwd_modes(void);
+
+/* Tests: 1 swaps the two strides of the MN-major wgmma descriptor (a probe
+ * of the layout; results are wrong then). 0: the normal layout. */
+void mok_k_sm90_set_mn_desc(int swap);
 
 /* Tests: persistent CTAs per launch (0: one per SM). Results must not
  * depend on it. */

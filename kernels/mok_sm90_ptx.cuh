@@ -132,6 +132,35 @@ __device__ static inline uint64_t wgmma_desc_k128(uint32_t saddr) {
   return d;
 }
 
+/* The same for an MN-major tile (M or N contiguous: the operand's stored
+ * layout when it is not K-major), as TMA writes boxes of 64 MN elements x
+ * 64 K rows with the 128-byte swizzle: 128-byte rows of 64 MN elements,
+ * one row per k. LBO: distance between 64-element MN slabs (one box, 64
+ * rows of 128 B); SBO: distance between 8-row groups along K. Used with the
+ * wgmma transpose bit; a k16 step is +16 rows = +2048 B. */
+__device__ static inline uint64_t wgmma_desc_mn128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = (uint64_t)((saddr & 0x3FFFF) >> 4);
+  d |= (uint64_t)((lbo >> 4) & 0x3FFF) << 16;
+  d |= (uint64_t)((sbo >> 4) & 0x3FFF) << 32;
+  d |= (uint64_t)1 << 62;
+  return d;
+}
+
+/* Orders this thread's generic-proxy shared-memory writes before later
+ * async-proxy (wgmma, TMA) accesses. */
+__device__ static inline void fence_proxy_async_smem(void) {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Named barrier over `count` threads (barrier 0 is __syncthreads). */
+__device__ static inline void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ static inline void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
 __device__ static inline void wgmma_fence(void) {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -149,8 +178,10 @@ __device__ static inline void acc_fence(float (&d)[128]) {
   for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* D[64x256] (+)= A[64x16] B[16x256]^T, both from shared memory (K-major,
- * 128-byte swizzle); scale_d = 0 starts a fresh accumulation. */
+/* D[64x256] (+)= A[64x16] B[16x256], both from shared memory (128-byte
+ * swizzle); TA, TB: the wgmma transpose bits (0: K-major tile, 1: MN-major);
+ * scale_d = 0 starts a fresh accumulation. */
+template <int TA, int TB>
 __device__ static inline void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db,
                                                int scale_d) {
   asm volatile(
@@ -164,7 +195,7 @@ __device__ static inline void wgmma_m64n256k16(float (&d)[128], uint64_t da, uin
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -181,7 +212,7 @@ __device__ static inline void wgmma_m64n256k16(float (&d)[128], uint64_t da, uin
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 #endif /* MOK_SM90_PTX_CUH */

@@ -1,4 +1,4 @@
-/* Device test and focused bench of the Hopper forward GEMMs
+/* Device test and focused bench of the Hopper GEMMs
  * (kernels/mok_gemm_sm90.cu) against the mma.sync kernels and a float64
  * host reference.
  *
@@ -15,6 +15,20 @@
  *                            routing: TFLOP/s of gate_up and down, new (and
  *                            its tuning variants) vs mma.sync in the same
  *                            process; y must equal mma.sync's bit for bit
+ *   test_gemm_sm90 bwd       the backward GEMMs (down dgrad, gate/up dgrad,
+ *                            wgrad) through mok_k_expert_backward and
+ *                            mok_k_shared_backward on the correct shapes:
+ *                            each mode alone and all together on the new
+ *                            kernels must equal mma.sync bit for bit (all
+ *                            outputs poisoned first), also with grids 7 and
+ *                            1 and with NaN in the padding rows
+ *   test_gemm_sm90 bwdbench [SHAPE [T]]
+ *                            issue 4's shapes: expert_backward with all
+ *                            backward GEMMs on mma.sync, each alone on the
+ *                            new kernels, all on them; the new kernels
+ *                            timed alone; outputs compared bitwise
+ *   test_gemm_sm90 mnprobe   the MN-major descriptor with its two strides
+ *                            swapped (diagnostic: expected to differ)
  * Exit status 0 only when every check passed.
  */
 #include <cuda_runtime.h>
@@ -29,6 +43,7 @@
 
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
+#include "../../kernels/mok_kernels_internal.cuh"
 #include "../../proto/mok_status.h"
 
 extern "C" {
@@ -648,6 +663,381 @@ static void bench(const char *only, int only_T) {
     }
 }
 
+/* ---- backward ------------------------------------------------------------------------- */
+
+/* the backward's own buffers, on top of a routed layer that ran forward */
+typedef struct bwd_bufs {
+  uint16_t *dout, *rdout, *dxr, *dwg, *dwu, *dwd;
+  float *rw, *drw;
+} bwd_bufs;
+
+static void bwd_alloc(bwd_bufs *b, const layer *L) {
+  const mok_k_dims *d = &L->d;
+  const size_t W = (size_t)d->E_loc * d->I * d->H;
+  b->dout = (uint16_t *)dmalloc((size_t)d->T * d->H * 2);
+  b->rdout = (uint16_t *)dmalloc((size_t)L->R * d->H * 2);
+  b->dxr = (uint16_t *)dmalloc((size_t)L->R * d->H * 2);
+  b->dwg = (uint16_t *)dmalloc(W * 2);
+  b->dwu = (uint16_t *)dmalloc(W * 2);
+  b->dwd = (uint16_t *)dmalloc(W * 2);
+  b->rw = (float *)dmalloc((size_t)d->T * d->K * 4);
+  b->drw = (float *)dmalloc((size_t)d->T * d->K * 4);
+  std::vector<float> rw((size_t)d->T * d->K);
+  for (size_t i = 0; i < rw.size(); i++) rw[i] = (float)(0.05 + 0.9 * rng_unit());
+  if (!rw.empty()) CUDA_CHECK(cudaMemcpy(b->rw, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
+  fill(b->dout, (size_t)d->T * d->H, 41, 0.5f);
+  MOK_CHECK(mok_k_gather_rows(d, L->sched, b->dout, b->rdout, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void bwd_free(bwd_bufs *b) {
+  void *p[] = {b->dout, b->rdout, b->dxr, b->dwg, b->dwu, b->dwd, b->rw, b->drw};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
+}
+
+typedef struct bouts {
+  std::vector<uint16_t> dxr, dwg, dwu, dwd, drw; /* drw as 16-bit halves */
+} bouts;
+
+static void bwd_run(layer *L, bwd_bufs *b, int mask) {
+  const mok_k_dims *d = &L->d;
+  const size_t W = (size_t)d->E_loc * d->I * d->H;
+  CUDA_CHECK(cudaMemset(b->dxr, 0xff, (size_t)L->R * d->H * 2));
+  CUDA_CHECK(cudaMemset(b->dwg, 0xff, W * 2));
+  CUDA_CHECK(cudaMemset(b->dwu, 0xff, W * 2));
+  CUDA_CHECK(cudaMemset(b->dwd, 0xff, W * 2));
+  CUDA_CHECK(cudaMemset(b->drw, 0xff, (size_t)d->T * d->K * 4));
+  mok_k_sm90_set_bwd_modes(mask);
+  MOK_CHECK(mok_k_expert_backward(d, L->sched, L->g, L->u, L->rx, b->rdout, b->rw, L->wg, L->wu,
+                                  L->wd, b->dxr, b->drw, b->dwg, b->dwu, b->dwd, L->ws, L->status,
+                                  0));
+  mok_k_sm90_set_bwd_modes(7);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  int32_t st = -1;
+  CUDA_CHECK(cudaMemcpy(&st, L->status, 4, cudaMemcpyDeviceToHost));
+  EXPECT(st == 0, "status %d after the backward", st);
+}
+
+static bouts bwd_snap(const layer *L, const bwd_bufs *b) {
+  const mok_k_dims *d = &L->d;
+  const size_t W = (size_t)d->E_loc * d->I * d->H;
+  bouts o;
+  o.dxr = down16(b->dxr, (size_t)L->R * d->H);
+  o.dwg = down16(b->dwg, W);
+  o.dwu = down16(b->dwu, W);
+  o.dwd = down16(b->dwd, W);
+  o.drw = down16((const uint16_t *)b->drw, (size_t)d->T * d->K * 2);
+  return o;
+}
+
+static size_t ndiff16(const std::vector<uint16_t> &a, const std::vector<uint16_t> &b) {
+  size_t n = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); i++) n += a[i] != b[i];
+  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
+}
+
+static size_t nbad16(const std::vector<uint16_t> &a) { /* NaN/Inf: unwritten (poison) */
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); i++) n += (a[i] & 0x7f80) == 0x7f80;
+  return n;
+}
+
+/* differing elements per output; true when all equal */
+static bool bwd_compare(const char *name, const char *what, const bouts &o, const bouts &r) {
+  const size_t n[5] = {ndiff16(o.dxr, r.dxr), ndiff16(o.drw, r.drw), ndiff16(o.dwg, r.dwg),
+                       ndiff16(o.dwu, r.dwu), ndiff16(o.dwd, r.dwd)};
+  const bool ok = !(n[0] | n[1] | n[2] | n[3] | n[4]);
+  printf("    %-28s vs mma.sync: differ d_x %zu/%zu d_rw %zu d_wg %zu d_wu %zu d_wd %zu of %zu%s\n",
+         what, n[0], o.dxr.size(), n[1], n[2], n[3], n[4], o.dwd.size(), ok ? "  (bitwise equal)" : "");
+  EXPECT(ok, "%s: %s differs from mma.sync", name, what);
+  return ok;
+}
+
+static void test_bwd_case(const tcase *c) {
+  mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
+  layer L;
+  layer_alloc(&L, &d);
+  const size_t W = (size_t)d.E_loc * d.I * d.H;
+  fill(L.x, (size_t)d.T * d.H, 11, 1.0f);
+  fill(L.wg, W, 12, (float)(2.0 / sqrt((double)d.H)));
+  fill(L.wu, W, 13, (float)(2.0 / sqrt((double)d.H)));
+  fill(L.wd, W, 14, (float)(3.0 / sqrt((double)d.I)));
+  std::vector<int32_t> ids = make_ids(c);
+  layer_route(&L, ids);
+  layer_forward(&L, false);
+  bwd_bufs b;
+  bwd_alloc(&b, &L);
+  printf("%-14s T=%d H=%d I=%d E_loc=%d K=%d lim=%d R=%lld (gate/up dgrad on %s)\n", c->name, d.T,
+         d.H, d.I, d.E_loc, d.K, d.has_limit, L.R, d.I % 16 ? "mma.sync: I % 16" : "sm90");
+  bwd_run(&L, &b, 0);
+  const bouts ref = bwd_snap(&L, &b);
+  const size_t bad = nbad16(ref.dxr) + nbad16(ref.dwg) + nbad16(ref.dwu) + nbad16(ref.dwd);
+  EXPECT(bad == 0, "%s: %zu mma.sync backward outputs NaN/Inf", c->name, bad);
+  const int masks[4] = {MOK_K_SM90_BWD_DOWN_DGRAD, MOK_K_SM90_BWD_GATE_UP_DGRAD,
+                        MOK_K_SM90_BWD_WGRAD, 7};
+  const char *mn[4] = {"down dgrad on sm90", "gate/up dgrad on sm90", "wgrad on sm90", "all on sm90"};
+  for (int i = 0; i < 4; i++) {
+    bwd_run(&L, &b, masks[i]);
+    bwd_compare(c->name, mn[i], bwd_snap(&L, &b), ref);
+  }
+  /* grid sizes */
+  const int grids[2] = {7, 1};
+  for (int i = 0; i < 2; i++) {
+    mok_k_sm90_set_grid(grids[i]);
+    bwd_run(&L, &b, 7);
+    mok_k_sm90_set_grid(0);
+    bwd_compare(c->name, grids[i] == 7 ? "all on sm90, grid 7" : "all on sm90, grid 1",
+                bwd_snap(&L, &b), ref);
+  }
+  /* NaN in the padding rows of routed_x and routed_d_out: both paths alike */
+  std::vector<int32_t> sched((size_t)L.sched_ints);
+  CUDA_CHECK(cudaMemcpy(sched.data(), L.sched, sched.size() * 4, cudaMemcpyDeviceToHost));
+  const int32_t *row_slot = sched.data() + 8 + 2 * d.E_loc + 1;
+  std::vector<uint16_t> xr = down16(L.rx, (size_t)L.R * d.H), dr = down16(b.rdout, (size_t)L.R * d.H);
+  size_t npad = 0;
+  for (long long r = 0; r < L.R; r++)
+    if (row_slot[r] < 0) {
+      npad++;
+      for (int j = 0; j < d.H; j++) xr[(size_t)r * d.H + j] = dr[(size_t)r * d.H + j] = 0xffff;
+    }
+  up16(L.rx, xr);
+  up16(b.rdout, dr);
+  bwd_run(&L, &b, 0);
+  const bouts ref_nan = bwd_snap(&L, &b);
+  bwd_run(&L, &b, 7);
+  bwd_compare(c->name, "all on sm90, NaN padding", bwd_snap(&L, &b), ref_nan);
+  printf("    NaN in %zu padding rows: mma.sync's outputs %s\n", npad,
+         ndiff16(ref_nan.dxr, ref.dxr) + ndiff16(ref_nan.dwg, ref.dwg) + ndiff16(ref_nan.dwd, ref.dwd) ==
+                 0
+             ? "unchanged"
+             : "CHANGED");
+  bwd_free(&b);
+  layer_free(&L);
+}
+
+/* the shared expert's backward (one group of T rows) */
+static void test_bwd_shared(int I_s) {
+  mok_k_dims d = make_dims(201, 192, 128, 2, 1, 1);
+  d.I_s = I_s;
+  const size_t TH = (size_t)d.T * d.H, S = (size_t)d.I_s * d.H, TI = (size_t)d.T * d.I_s;
+  uint16_t *x = (uint16_t *)dmalloc(TH * 2), *dout = (uint16_t *)dmalloc(TH * 2),
+           *sg = (uint16_t *)dmalloc(S * 2), *su = (uint16_t *)dmalloc(S * 2),
+           *sd = (uint16_t *)dmalloc(S * 2), *ag = (uint16_t *)dmalloc(TI * 2),
+           *au = (uint16_t *)dmalloc(TI * 2), *y = (uint16_t *)dmalloc(TH * 2),
+           *dx = (uint16_t *)dmalloc(TH * 2), *dg = (uint16_t *)dmalloc(S * 2),
+           *du = (uint16_t *)dmalloc(S * 2), *dd = (uint16_t *)dmalloc(S * 2);
+  int32_t *status = (int32_t *)dmalloc(4);
+  void *ws = dmalloc(mok_k_workspace_bytes(&d));
+  fill(x, TH, 21, 1.0f);
+  fill(dout, TH, 25, 0.5f);
+  fill(sg, S, 22, 0.15f);
+  fill(su, S, 23, 0.15f);
+  fill(sd, S, 24, 0.2f);
+  CUDA_CHECK(cudaMemset(status, 0, 4));
+  MOK_CHECK(mok_k_shared_forward(&d, x, sg, su, sd, ag, au, y, ws, status, 0));
+  std::vector<uint16_t> res[2][4];
+  for (int path = 0; path < 2; path++) {
+    uint16_t *o[4] = {dx, dg, du, dd};
+    for (int i = 0; i < 4; i++) CUDA_CHECK(cudaMemset(o[i], 0xff, (i ? S : TH) * 2));
+    mok_k_sm90_set_bwd_modes(path ? 7 : 0);
+    MOK_CHECK(mok_k_shared_backward(&d, x, dout, ag, au, sg, su, sd, dx, dg, du, dd, ws, status, 0));
+    mok_k_sm90_set_bwd_modes(7);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (int i = 0; i < 4; i++) res[path][i] = down16(o[i], i ? S : TH);
+  }
+  const size_t n[4] = {ndiff16(res[1][0], res[0][0]), ndiff16(res[1][1], res[0][1]),
+                       ndiff16(res[1][2], res[0][2]), ndiff16(res[1][3], res[0][3])};
+  const size_t bad = nbad16(res[1][0]) + nbad16(res[1][1]) + nbad16(res[1][2]) + nbad16(res[1][3]);
+  printf("shared bwd     T=%d H=%d I_s=%d clamp: differ d_x %zu d_sg %zu d_su %zu d_sd %zu; NaN/Inf %zu\n",
+         d.T, d.H, d.I_s, n[0], n[1], n[2], n[3], bad);
+  EXPECT(!(n[0] | n[1] | n[2] | n[3]) && bad == 0, "shared backward I_s=%d differs from mma.sync", I_s);
+  void *p[] = {x, dout, sg, su, sd, ag, au, y, dx, dg, du, dd, status, ws};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
+}
+
+/* The MN-major descriptor with its strides swapped: a probe of the layout
+ * (one case, all backward modes on sm90). */
+static void mn_probe(void) {
+  const tcase *c = &CASES[0];
+  mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
+  layer L;
+  layer_alloc(&L, &d);
+  const size_t W = (size_t)d.E_loc * d.I * d.H;
+  fill(L.x, (size_t)d.T * d.H, 11, 1.0f);
+  fill(L.wg, W, 12, 0.1f);
+  fill(L.wu, W, 13, 0.1f);
+  fill(L.wd, W, 14, 0.2f);
+  layer_route(&L, make_ids(c));
+  layer_forward(&L, false);
+  bwd_bufs b;
+  bwd_alloc(&b, &L);
+  bwd_run(&L, &b, 0);
+  const bouts ref = bwd_snap(&L, &b);
+  const int masks[3] = {1, 2, 4};
+  for (int i = 0; i < 3; i++) {
+    mok_k_sm90_set_mn_desc(1);
+    bwd_run(&L, &b, masks[i]);
+    mok_k_sm90_set_mn_desc(0);
+    const bouts o = bwd_snap(&L, &b);
+    printf("mnprobe swapped LBO/SBO, mode mask %d: differ d_x %zu d_rw %zu d_wg %zu d_wd %zu\n",
+           masks[i], ndiff16(o.dxr, ref.dxr), ndiff16(o.drw, ref.drw), ndiff16(o.dwg, ref.dwg),
+           ndiff16(o.dwd, ref.dwd));
+  }
+  CUDA_CHECK(cudaMemset(L.status, 0, 4));
+  bwd_free(&b);
+  layer_free(&L);
+}
+
+static void balanced_ids(std::vector<int32_t> &ids, int T, int K, int E) {
+  ids.assign((size_t)T * K, 0);
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < K; k++) {
+      int32_t id;
+      bool dup;
+      do {
+        id = (int32_t)(rng_next() % E);
+        dup = false;
+        for (int j = 0; j < k; j++) dup |= ids[(size_t)t * K + j] == id;
+      } while (dup);
+      ids[(size_t)t * K + k] = id;
+    }
+}
+
+static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n) {
+  unsigned long long *nd = (unsigned long long *)dmalloc(16);
+  CUDA_CHECK(cudaMemset(nd, 0, 16));
+  if (n) diff_bf16<<<1024, 256>>>(a, b, n, nd, (unsigned *)(nd + 1));
+  unsigned long long h[2];
+  CUDA_CHECK(cudaMemcpy(h, nd, 16, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(nd));
+  return (size_t)h[0];
+}
+
+/* Backward GEMMs at issue 4's shapes. expert_backward (all its kernels)
+ * with masks 0 (mma.sync), 1, 2, 4 (one mode on sm90), 7 (all); the new
+ * kernels alone through their launchers; mma.sync per mode derived as
+ * new + (t(0) - t(mode alone)). */
+static void bwd_bench(const char *only, int only_T) {
+  const int Ts[2] = {2048, 8192};
+  printf("\nbackward GEMMs, TFLOP/s by real rows (median ms): down dgrad | gate/up dgrad | wgrad "
+         "(both) | expert_backward total\n");
+  for (int ti = 0; ti < 2; ti++)
+    for (size_t si = 0; si < sizeof BSHAPES / sizeof BSHAPES[0]; si++) {
+      const bshape *sh = &BSHAPES[si];
+      const int T = Ts[ti];
+      if ((only && strcmp(only, sh->name)) || (only_T && only_T != T)) continue;
+      mok_k_dims d = make_dims(T, sh->H, sh->I, sh->E_loc, sh->K, 0);
+      layer L;
+      layer_alloc(&L, &d);
+      const size_t W = (size_t)d.E_loc * d.I * d.H;
+      fill(L.x, (size_t)T * d.H, 31, 1.0f);
+      fill(L.wg, W, 32, 0.02f);
+      fill(L.wu, W, 33, 0.02f);
+      fill(L.wd, W, 34, 0.03f);
+      std::vector<int32_t> ids;
+      balanced_ids(ids, T, d.K, d.E_loc);
+      layer_route(&L, ids);
+      layer_forward(&L, false);
+      bwd_bufs b;
+      bwd_alloc(&b, &L);
+      const int reps = T >= 8192 ? 5 : 10;
+      cudaEvent_t ev[5];
+      for (int i = 0; i < 5; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+      float tot[5];
+      const int masks[5] = {0, 1, 2, 4, 7};
+      uint16_t *keep[4] = {NULL, NULL, NULL, NULL};
+      size_t nd[4] = {0, 0, 0, 0};
+      for (int mi = 0; mi < 5; mi++) {
+        std::vector<float> v;
+        mok_k_sm90_set_bwd_modes(masks[mi]);
+        for (int i = 0; i < reps + 1; i++) {
+          CUDA_CHECK(cudaEventRecord(ev[0], 0));
+          MOK_CHECK(mok_k_expert_backward(&d, L.sched, L.g, L.u, L.rx, b.rdout, b.rw, L.wg, L.wu,
+                                          L.wd, b.dxr, b.drw, b.dwg, b.dwu, b.dwd, L.ws, L.status,
+                                          0));
+          CUDA_CHECK(cudaEventRecord(ev[1], 0));
+          CUDA_CHECK(cudaEventSynchronize(ev[1]));
+          float ms;
+          CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+          if (i) v.push_back(ms);
+        }
+        mok_k_sm90_set_bwd_modes(7);
+        tot[mi] = median(v);
+        uint16_t *outs4[4] = {b.dxr, b.dwg, b.dwu, b.dwd};
+        const size_t sz[4] = {(size_t)L.R * d.H, W, W, W};
+        for (int j = 0; j < 4; j++) {
+          if (mi == 0) {
+            keep[j] = (uint16_t *)dmalloc(sz[j] * 2);
+            CUDA_CHECK(cudaMemcpy(keep[j], outs4[j], sz[j] * 2, cudaMemcpyDeviceToDevice));
+          } else {
+            nd[j] += dev_ndiff(outs4[j], keep[j], sz[j]);
+          }
+        }
+      }
+      /* the new kernels alone */
+      const ws_layout WL = mok_k_ws_layout(&d);
+      char *ws = (char *)L.ws;
+      const int n = d.I, Rr = (int)L.R;
+      float kt[3];
+      {
+        std::vector<float> v0, v1, v2;
+        for (int i = 0; i < reps + 1; i++) {
+          CUDA_CHECK(cudaEventRecord(ev[0], 0));
+          MOK_CHECK(mok_k_sm90_down_dgrad(&d, L.sched, Rr, n, b.rdout, L.wd, L.g, L.u, b.rw,
+                                          (uint16_t *)(ws + WL.dgu), (uint16_t *)(ws + WL.h),
+                                          (float *)(ws + WL.partial), mok_k_partial_tiles(&d),
+                                          L.status, 0));
+          CUDA_CHECK(cudaEventRecord(ev[1], 0));
+          MOK_CHECK(mok_k_sm90_gate_up_dgrad(&d, L.sched, Rr, n, (uint16_t *)(ws + WL.dgu), L.wg,
+                                             L.wu, b.dxr, L.status, 0));
+          CUDA_CHECK(cudaEventRecord(ev[2], 0));
+          MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, d.H, n, (uint16_t *)(ws + WL.dy),
+                                     (uint16_t *)(ws + WL.h), b.dwd, NULL, d.H, n,
+                                     (long long)d.H * n, L.status, 0));
+          MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, 2 * n, d.H, (uint16_t *)(ws + WL.dgu),
+                                     L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, L.status, 0));
+          CUDA_CHECK(cudaEventRecord(ev[3], 0));
+          CUDA_CHECK(cudaEventSynchronize(ev[3]));
+          float a, bb, cc;
+          CUDA_CHECK(cudaEventElapsedTime(&a, ev[0], ev[1]));
+          CUDA_CHECK(cudaEventElapsedTime(&bb, ev[1], ev[2]));
+          CUDA_CHECK(cudaEventElapsedTime(&cc, ev[2], ev[3]));
+          if (i) {
+            v0.push_back(a);
+            v1.push_back(bb);
+            v2.push_back(cc);
+          }
+        }
+        kt[0] = median(v0);
+        kt[1] = median(v1);
+        kt[2] = median(v2);
+      }
+      const double rows = (double)T * d.K, hi = (double)d.H * d.I;
+      const double f[3] = {2 * rows * hi, 4 * rows * hi, 6 * rows * hi};
+      printf("%-16s %5d new ", sh->name, T);
+      for (int j = 0; j < 3; j++) printf("%5.1f (%6.3f) ", f[j] / kt[j] * 1e-9, kt[j]);
+      printf("| hmma(derived) ");
+      for (int j = 0; j < 3; j++) {
+        const float h = kt[j] + tot[0] - tot[j + 1];
+        printf("%5.1f (%6.3f) ", f[j] / h * 1e-9, h);
+      }
+      printf("| total hmma %6.3f ms %5.1f TF/s, sm90 %6.3f ms %5.1f TF/s, %.2fx; outputs differ %zu %zu %zu %zu\n",
+             tot[0], 12 * rows * hi / tot[0] * 1e-9, tot[4], 12 * rows * hi / tot[4] * 1e-9,
+             tot[0] / tot[4], nd[0], nd[1], nd[2], nd[3]);
+      EXPECT(!(nd[0] | nd[1] | nd[2] | nd[3]), "bwd bench %s T=%d: outputs differ from mma.sync",
+             sh->name, T);
+      int32_t st = -1;
+      CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
+      EXPECT(st == 0, "bwd bench %s: status %d", sh->name, st);
+      fflush(stdout);
+      for (int j = 0; j < 4; j++) CUDA_CHECK(cudaFree(keep[j]));
+      for (int i = 0; i < 5; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+      bwd_free(&b);
+      layer_free(&L);
+    }
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "correct";
   CUDA_CHECK(cudaSetDevice(0));
@@ -668,8 +1058,19 @@ int main(int argc, char **argv) {
     }
     test_shared();
   }
+  if (all || !strcmp(mode, "bwd")) {
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+      test_bwd_case(&CASES[i]);
+      mok_k_sm90_set_grid(0);
+    }
+    test_bwd_shared(160);
+    test_bwd_shared(136);
+  }
+  if (!strcmp(mode, "mnprobe")) mn_probe();
   if (all || !strcmp(mode, "bench"))
     bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
+  if (all || !strcmp(mode, "bwdbench"))
+    bwd_bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   printf("%s: %s (%d failures)\n", mode, failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }
