@@ -430,6 +430,8 @@ static void session_free(mok_engine_session *s) {
   for (int i = 0; i < MAX_JOBS; i++) {
     if (s->jobs[i].ev_start) cudaEventDestroy(s->jobs[i].ev_start);
     if (s->jobs[i].ev_done) cudaEventDestroy(s->jobs[i].ev_done);
+    for (int m = 0; m < CUDA_MAX_MARKS; m++)
+      if (s->jobs[i].marks[m]) cudaEventDestroy(s->jobs[i].marks[m]);
   }
   if (s->stream) cudaStreamDestroy(s->stream);
   if (s->aux) cudaStreamDestroy(s->aux);
@@ -1002,6 +1004,7 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
   j->reads_status = false;
   j->status = MOK_OK;
   j->message[0] = '\0';
+  j->n_marks = 0;
   *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
                  .status = s->d_status};
 
@@ -1022,6 +1025,50 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
     watch_arm(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
   return j;
+}
+
+bool cuda_profiling(void) {
+  static int on = -1;
+  if (on < 0) {
+    const char *v = getenv("MOK_EP_PROFILE");
+    on = v && strcmp(v, "1") == 0;
+  }
+  return on > 0;
+}
+
+void cuda_mark(job_ctx *c, const char *name) {
+  mok_engine_job *j = c->j;
+  if (c->failed || j->n_marks >= CUDA_MAX_MARKS) return;
+  cudaEvent_t *ev = &j->marks[j->n_marks];
+  if (!*ev && cudaEventCreate(ev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    *ev = NULL;
+    return;
+  }
+  if (cudaEventRecord(*ev, c->st) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  j->mark_names[j->n_marks++] = name;
+}
+
+/* "copy-in 0.12, barrier-1 0.03, ..." (ms from the previous mark) */
+static void log_marks(mok_engine_job *j) {
+  char buf[512];
+  size_t n = 0;
+  float total = 0;
+  for (int i = 1; i < j->n_marks && n < sizeof buf - 40; i++) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, j->marks[i - 1], j->marks[i]) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    total += ms;
+    n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%s %.3f", i > 1 ? ", " : "",
+                          j->mark_names[i], (double)ms);
+  }
+  log_info("cuda engine: %s phases (ms): %s; total %.3f", mok_op_name(j->op), buf,
+           (double)total);
 }
 
 bool cuda_job_prepare(job_ctx *c) {
@@ -1145,6 +1192,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
     j->used = false;
     return 1;
   }
+  if (j->n_marks > 1) log_marks(j);
   if (j->host_signal && j->fence_signal) {
     volatile uint64_t *w = mok_shm_sync_done(s->sync_host);
     atomic_thread_fence(memory_order_seq_cst);

@@ -16,6 +16,7 @@
 
 #define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
 #define DEFAULT_FENCE_TIMEOUT_MS 30000u
+#define CUDA_MAX_MARKS 12
 
 /* ---- driver entry points ---------------------------------------------------- */
 
@@ -102,6 +103,10 @@ struct mok_engine_job {
   bool reads_status;  /* the status word was copied back */
   int status;         /* a host-side failure found while enqueueing */
   char message[MOK_COMPLETION_MSG];
+  /* phase marks of a group job when MOK_EP_PROFILE=1 (logged at completion) */
+  int n_marks;
+  cudaEvent_t marks[CUDA_MAX_MARKS];
+  const char *mark_names[CUDA_MAX_MARKS];
 };
 
 struct mok_engine_session {
@@ -181,6 +186,10 @@ bool cuda_check_job(job_ctx *c);
 mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
                                mok_engine_result *res);
 bool cuda_job_prepare(job_ctx *c); /* checks the job and resets the status word */
+/* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
+ * far, named; the intervals are logged when the job completes. */
+bool cuda_profiling(void);
+void cuda_mark(job_ctx *c, const char *name);
 mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res);
 
 /* ep_cuda.c */

@@ -301,6 +301,7 @@ typedef struct ep_job {
   acts_ptrs acts;     /* routed acts of the virtual batch, shared acts of the own tokens */
   uint64_t timeout_ns;
   bool side; /* work is on the side stream: join before the job ends */
+  bool profile; /* MOK_EP_PROFILE=1: phase marks */
 } ep_job;
 
 static void copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
@@ -412,6 +413,11 @@ static void side_end(ep_job *j) {
   }
 }
 
+#define MARK(j, name)                                                                         \
+  do {                                                                                        \
+    if ((j)->profile) cuda_mark((j)->c, (name));                                              \
+  } while (0)
+
 static void device_barrier(ep_job *j, uint32_t phase) {
   LAUNCH(j->c, mok_k_ep_barrier(&j->kg, barrier_value(j->g, phase), j->timeout_ns, phase == 2,
                                 j->c->status, j->c->st));
@@ -423,31 +429,41 @@ static void ep_forward(ep_job *j) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   group_ctx(j, ctx ? ctx : l->ctx, ctx != NULL);
   const int32_t *ids = T_(c, MOK_SLOT_TOPK_IDS);
+  MARK(j, "start");
   copy_in(j, ids, false);
   if (!host_protocol(j, MOK_OK, NULL)) return;
+  MARK(j, "copy-in");
   side_begin(j);
   if (j->side)
     LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
                                    j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
                                    c->s->aux));
   device_barrier(j, 1);
+  MARK(j, "barrier-1");
   size_t Tm = j->st->sz.max_tokens, K = c->d.K;
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
   LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
+  MARK(j, "schedule");
   LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
                                c->st));
+  MARK(j, "pull");
   LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                  BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
                                  c->status, c->st));
+  MARK(j, "experts");
   LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_b, NULL, c->status, c->st));
+  MARK(j, "push");
   device_barrier(j, 2);
+  MARK(j, "barrier-2");
   /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
   side_end(j);
+  MARK(j, "shared-join");
   LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
                           (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
                           BF(c, OUT), c->status, c->st));
   if (ctx) copy_async(c, j->ctx_ids, ids, (size_t)c->a->tokens * K * 4);
+  MARK(j, "k-sum");
 }
 
 static void ep_backward(ep_job *j) {
@@ -459,9 +475,11 @@ static void ep_backward(ep_job *j) {
   /* own routing: the job's ids with recompute, else the forward's copy in ctx */
   const int32_t *ids = recompute ? (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS) : j->ctx_ids;
   size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, K = c->d.K;
+  MARK(j, "start");
   if (recompute && ctx) copy_async(c, j->ctx_ids, ids, T * K * 4);
   copy_in(j, ids, true);
   if (!host_protocol(j, MOK_OK, NULL)) return;
+  MARK(j, "copy-in");
   side_begin(j);
   if (j->side) {
     if (recompute)
@@ -474,6 +492,7 @@ static void ep_backward(ep_job *j) {
                                     c->status, c->s->aux));
   }
   device_barrier(j, 1);
+  MARK(j, "barrier-1");
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
   if (recompute) {
     /* dispatch and the gate/up GEMM again, bitwise as forward */
@@ -490,22 +509,28 @@ static void ep_backward(ep_job *j) {
   }
   LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
                                c->status, c->st));
+  MARK(j, recompute ? "pull+recompute" : "pull");
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
   cuda_stage_weights(c, &wg, &wu, &wd);
   LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, l->routed_a,
                                   l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
                                   BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
                                   c->status, c->st));
+  MARK(j, "experts");
   LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_c, l->ep_drw, c->status,
                                c->st));
+  MARK(j, "push");
   device_barrier(j, 2);
+  MARK(j, "barrier-2");
   /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
   side_end(j);
+  MARK(j, "shared-join");
   LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
                           c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));
   LAUNCH(c, mok_k_ep_own_drw(&c->d, l->ep_own, (const float *)(j->own + j->kg.off.drw),
                              (float *)T_(c, MOK_SLOT_D_RW), c->status, c->st));
+  MARK(j, "k-sum");
 }
 
 /* Why this job cannot run on g here (MOK_OK: it can). */
@@ -560,6 +585,7 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
   j.own = (char *)(uintptr_t)j.st->own.va;
   j.kg.off = j.st->lay;
   j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;
+  j.profile = cuda_profiling();
   if (a->op == MOK_OP_FORWARD) ep_forward(&j);
   else ep_backward(&j);
   side_end(&j); /* a job that stopped early still joins its side work */
