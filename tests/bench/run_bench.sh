@@ -24,6 +24,7 @@
 # protobuf-c) when that exists, else a carried BUILD_DIR/mok_bench_daemon is
 # used. BENCH_DAEMON=0 skips the step; BENCH_DEADLINE_DAEMON (default 90).
 # Environment: BUILD_DIR (default .benchbuild), NVCC, PYTHON (default python3),
+# BENCH_BUILD_ONLY=1 builds and stops (on a machine with nvcc and no GPU);
 # BENCH_T (default "2048,8192"), BENCH_REPS (10), BENCH_WARMUP (3),
 # BENCH_DEADLINE_BASE / BENCH_DEADLINE_MOK (seconds after which each program
 # starts no new configuration; default 150 / 120), BENCH_ONLY (shape names).
@@ -53,7 +54,8 @@ status=0
 note() { printf '== %s\n' "$*"; }
 
 # ---- build -------------------------------------------------------------------------
-SOURCES="kernels/mok_routing.cu kernels/mok_gemm.cu kernels/mok_kernels.h kernels/mok_kernels_internal.cuh proto/mok_status.h tests/bench/mok_bench.cu tests/bench/bench_common.h"
+KERNELS=$(ls kernels/*.cu | sed 's/\.cu$//')
+SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh) proto/mok_status.h tests/bench/mok_bench.cu tests/bench/bench_common.h"
 srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
 {
   if [ -x "$BIN" ] && [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && "$BIN" --version >/dev/null 2>&1; then
@@ -63,14 +65,16 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     ARCH="-gencode=arch=compute_90a,code=sm_90a"
     FLAGS="-std=c++17 -O3 $ARCH -Xcompiler -Wall,-Wextra"
     pids=()
-    for f in kernels/mok_routing kernels/mok_gemm tests/bench/mok_bench; do
+    for f in $KERNELS tests/bench/mok_bench; do
       "$NVCC" $FLAGS -Xptxas -v -c $f.cu -o "$BUILD_DIR/$(basename $f).o" \
         >"$BUILD_DIR/ptxas_$(basename $f).log" 2>&1 &
       pids+=($!)
     done
     ok=1
     for p in "${pids[@]}"; do wait "$p" || ok=0; done
-    if [ $ok = 1 ] && "$NVCC" $ARCH -o "$BIN" "$BUILD_DIR"/{mok_bench,mok_routing,mok_gemm}.o -lpthread -lm; then
+    objs=("$BUILD_DIR/mok_bench.o")
+    for f in $KERNELS; do objs+=("$BUILD_DIR/$(basename "$f").o"); done
+    if [ $ok = 1 ] && "$NVCC" $ARCH -o "$BIN" "${objs[@]}" -lpthread -lm; then
       echo "$srchash" >"$BIN.srchash"
       grep -hE "spill|Used [0-9]+ registers" "$BUILD_DIR"/ptxas_mok_gemm.log | sed 's/ptxas info    : //' | sort | uniq -c
     else
@@ -102,6 +106,8 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used --format=csv
 } 2>&1 | tee "$OUTDIR/build.log"
 [ -x "$BIN" ] || status=1
+# BENCH_BUILD_ONLY=1: build (here, without a GPU) and stop; carry $BUILD_DIR
+[ "${BENCH_BUILD_ONLY:-0}" = 1 ] && exit $status
 
 # ---- baseline ----------------------------------------------------------------------
 note "PyTorch baseline"
