@@ -27,7 +27,9 @@
  * WGRAD: every (expert, M tile, N tile), each reducing over all the
  * expert's rows in ascending 64-row blocks (the rows past the expert's
  * count in the last block are zeroed in shared memory, as the mma.sync
- * kernel zero-fills them): no split-K, no atomics.
+ * kernel zero-fills them): no split-K, no atomics. Its tiles have short k
+ * loops, so its epilogue goes through shared memory and TMA stores that
+ * overlap the next tile (3 stages to make room).
  * Each output element is computed by one CTA with K in ascending k16 steps
  * at the same positions as the mma.sync kernel's (plus steps over zeros),
  * and every epilogue repeats the mma.sync epilogue's arithmetic, so results
@@ -56,7 +58,12 @@
 #define S9_A_BYTES (S9_BM * S9_BK * 2)
 #define S9_B_BYTES (S9_BN * S9_BK * 2)
 #define S9_STAGE_BYTES (S9_A_BYTES + S9_B_BYTES)
-#define S9_SMEM_BYTES (S9_STAGES * S9_STAGE_BYTES + 1024 + 2 * S9_STAGES * 8)
+/* WGRAD: 3 stages and a 64x256 bf16 staging tile per consumer warpgroup
+ * for the TMA-store epilogue (its short k loops leave the epilogue exposed) */
+#define S9_STAGES_W 3
+#define S9_STAGE_OUT (64 * S9_BN * 2)
+#define S9_NST(MODE) ((MODE) == S9_WGRAD ? S9_STAGES_W : S9_STAGES)
+#define S9_SMEM_BYTES (S9_STAGES_W * S9_STAGE_BYTES + 2 * S9_STAGE_OUT + 1024 + 2 * S9_STAGES * 8)
 
 #define S9_SLAB 8192 /* one MN-major box: 64 k rows of 128 B */
 
@@ -90,7 +97,7 @@ typedef struct s9_params {
   int n_slots;
   float *partial;      /* DOWN_DGRAD: d_rw partials per 128-column tile (NULL: none) */
   int n_partial;
-  uint32_t mn_lbo, mn_sbo; /* MN-major descriptor strides */
+  int wstore;          /* WGRAD: epilogue through TMA stores (maps: map_a2 C0, map_b1 C1) */
 } s9_params;
 
 /* ---- SwiGLU (must match mok_gemm.cu bit for bit: explicit roundings) -------- */
@@ -197,13 +204,14 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
                                   uint32_t bars) {
   const int total = MODE == S9_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
+  constexpr int NST = S9_NST(MODE);
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = MODE == S9_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
     const int nk = s9_tile_nk(p, tl, MODE);
     const int e = tl.e, slabs = s9_b_slabs(p.N, tl.n0);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
-      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (NST + s);
       const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1); /* the consumers released this stage */
       /* whole boxes, out-of-bounds parts zero-filled */
@@ -234,7 +242,7 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
         if (tl.row0 + 64 < p.M) tma_load_2d_hint(sa + S9_SLAB, ma, tl.row0 + 64, k, full, pa);
         s9_load_b_mn(sb, mb0, tl.n0, k, 0, 2, slabs, full, pb);
       }
-      if (++s == S9_STAGES) {
+      if (++s == NST) {
         s = 0;
         ph ^= 1;
       }
@@ -384,6 +392,49 @@ __device__ static inline void s9_epilogue(const s9_params &p, const s9_tile &tl,
   }
 }
 
+/* WGRAD epilogue through shared memory and TMA stores: the warpgroup's
+ * 64x256 block as bf16 (the same roundings as the direct stores) in four
+ * 64x64 boxes with the 128-byte swizzle, stored while the next tile's
+ * wgmmas run (the tile's k loop is short: a direct store would leave the
+ * tensor cores idle). Rows past M and columns past N are clipped by TMA. A
+ * block straddling c_split is stored directly. so: the staging tile. */
+__device__ static inline void s9_epilogue_wstore(const s9_params &p, const s9_tile &tl,
+                                                 const float (&acc)[128], int cw, bool have,
+                                                 uint32_t so, const CUtensorMap *mc0,
+                                                 const CUtensorMap *mc1) {
+  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31;
+  const int r0 = tl.row0 + 64 * cw;
+  if (r0 >= p.M) return; /* uniform over the warpgroup */
+  const bool to0 = r0 < p.c_split, to1 = r0 + 64 > p.c_split;
+  if (!p.wstore || (to0 && to1)) {
+    s9_epilogue<S9_WGRAD>(p, tl, acc, cw, have);
+    return;
+  }
+  if (lt == 0) bulk_wait_read0(); /* the previous store has read the staging tile */
+  named_bar_sync(2 + cw, 128);
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int r = 16 * warp + (lane >> 2) + 8 * hh;
+    const uint32_t rowa = so + r * 128 + 4 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+      __nv_bfloat162 v = __floats2bfloat162_rn(have ? acc[4 * j + 2 * hh] : 0.0f,
+                                               have ? acc[4 * j + 2 * hh + 1] : 0.0f);
+      /* box j/8, 16-byte chunk j%8 swizzled by the row within its 8-row group */
+      st_shared_u32(rowa + (j >> 3) * S9_SLAB + (((j & 7) ^ (r & 7)) << 4), *(uint32_t *)&v);
+    }
+  }
+  fence_proxy_async_smem();
+  named_bar_sync(2 + cw, 128);
+  if (lt == 0) {
+    const int slabs = s9_b_slabs(p.N, tl.n0);
+    for (int j = 0; j < slabs; j++)
+      tma_store_3d(to0 ? mc0 : mc1, so + j * S9_SLAB, tl.n0 + 64 * j, to0 ? r0 : r0 - p.c_split,
+                   tl.e);
+    bulk_commit();
+  }
+}
+
 /* WGRAD, last k block: the expert's rows end at row kv of the block. The
  * rows after it (padding rows, which may hold anything) are zeroed in this
  * warpgroup's A slab and half of the B slabs, as the mma.sync kernel
@@ -408,7 +459,7 @@ __device__ static inline void s9_zero_tail(uint32_t sa, int cw, int kv) {
 template <int MODE, int PIPE>
 __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128], uint32_t base,
                                           uint32_t bars, int cw, int nk, int kv, int &s, int &ph) {
-  constexpr int TA = S9_TA(MODE), TB = S9_TB(MODE);
+  constexpr int TA = S9_TA(MODE), TB = S9_TB(MODE), NST = S9_NST(MODE);
   /* k16 step in the descriptor's address field (16 B units): K-major +32 B,
    * MN-major +16 rows of 128 B */
   constexpr int step_a = TA ? 128 : 2, step_b = TB ? 128 : 2;
@@ -423,9 +474,9 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
     mbar_wait(bars + 8 * s, ph);
     const uint32_t sa = base + s * S9_STAGE_BYTES;
     if (MODE == S9_WGRAD && kv < S9_BK && kb == nk - 1) s9_zero_tail(sa, cw, kv);
-    const uint64_t da = TA ? wgmma_desc_mn128(sa + cw * S9_SLAB, p.mn_lbo, p.mn_sbo)
+    const uint64_t da = TA ? wgmma_desc_mn128(sa + cw * S9_SLAB)
                            : wgmma_desc_k128(sa + cw * 64 * 128);
-    const uint64_t db = TB ? wgmma_desc_mn128(sa + S9_A_BYTES, p.mn_lbo, p.mn_sbo)
+    const uint64_t db = TB ? wgmma_desc_mn128(sa + S9_A_BYTES)
                            : wgmma_desc_k128(sa + S9_A_BYTES);
     acc_fence(acc);
     wgmma_fence();
@@ -436,14 +487,14 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
     if (PIPE) {
       wgmma_wait<1>();
       acc_fence(acc);
-      mbar_arrive_if(bars + 8 * (S9_STAGES + prev), lead && prev >= 0);
+      mbar_arrive_if(bars + 8 * (NST + prev), lead && prev >= 0);
       prev = s;
     } else {
       wgmma_wait<0>();
       acc_fence(acc);
-      mbar_arrive_if(bars + 8 * (S9_STAGES + s), lead);
+      mbar_arrive_if(bars + 8 * (NST + s), lead);
     }
-    if (++s == S9_STAGES) {
+    if (++s == NST) {
       s = 0;
       ph ^= 1;
     }
@@ -451,11 +502,12 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   if (PIPE) {
     wgmma_wait<0>();
     acc_fence(acc);
-    mbar_arrive_if(bars + 8 * (S9_STAGES + prev), lead && prev >= 0);
+    mbar_arrive_if(bars + 8 * (NST + prev), lead && prev >= 0);
   }
 }
 
-/* A warpgroup whose 64 rows are all padding: follow the ring, no math. */
+/* A warpgroup whose 64 rows are all padding: follow the ring, no math
+ * (row modes: S9_STAGES). */
 __device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
   const bool lead = (threadIdx.x & 31) == 0;
   for (int kb = 0; kb < nk; kb++) {
@@ -469,7 +521,8 @@ __device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &p
 }
 
 template <int MODE, int PIPE>
-__device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t bars) {
+__device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t bars,
+                                  const CUtensorMap *mc0, const CUtensorMap *mc1) {
   const int cw = threadIdx.x / 128 - 1; /* rows 64*cw .. of the tile */
   const int total = MODE == S9_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   float acc[128];
@@ -488,8 +541,13 @@ __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t ba
       else /* all padding: the epilogue writes zeros */
         s9_skip_loop(bars, nk, s, ph);
     }
-    s9_epilogue<MODE>(p, tl, acc, cw, nk > 0);
+    if (MODE == S9_WGRAD)
+      s9_epilogue_wstore(p, tl, acc, cw, nk > 0, base + S9_STAGES_W * S9_STAGE_BYTES + cw * S9_STAGE_OUT,
+                         mc0, mc1);
+    else
+      s9_epilogue<MODE>(p, tl, acc, cw, nk > 0);
   }
+  if (MODE == S9_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
 }
 
 template <int MODE, int PIPE>
@@ -501,19 +559,21 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   __shared__ int s_failed;
   /* the 128-byte swizzle is computed from address bits: stages 1024-aligned */
   const uint32_t base = (s9_smem(s9_smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES; /* full[S], then empty[S] */
+  constexpr int NST = S9_NST(MODE);
+  /* the stages, WGRAD's staging tiles, then full[NST] and empty[NST] */
+  const uint32_t bars = base + NST * S9_STAGE_BYTES + (MODE == S9_WGRAD ? 2 * S9_STAGE_OUT : 0);
   if (threadIdx.x == 0) {
     s_failed = job_failed(p.status);
     if (!s_failed) {
-      for (int i = 0; i < S9_STAGES; i++) {
+      for (int i = 0; i < NST; i++) {
         mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (S9_STAGES + i), S9_CONSUMER_WARPS);
+        mbar_init(bars + 8 * (NST + i), S9_CONSUMER_WARPS);
       }
       mbar_fence_init();
       tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b0);
-      if (MODE == S9_GU_DGRAD) tma_prefetch_map(&map_a2);
-      if (MODE == S9_GATE_UP || MODE == S9_GU_DGRAD) tma_prefetch_map(&map_b1);
+      if (MODE == S9_GU_DGRAD || MODE == S9_WGRAD) tma_prefetch_map(&map_a2);
+      if (MODE != S9_DOWN && MODE != S9_DOWN_DGRAD) tma_prefetch_map(&map_b1);
     }
   }
   __syncthreads();
@@ -523,7 +583,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     if (threadIdx.x == 0) s9_produce<MODE>(p, &map_a, &map_a2, &map_b0, &map_b1, base, bars);
   } else {
     regs_inc<232>();
-    s9_consume<MODE, PIPE>(p, base, bars);
+    s9_consume<MODE, PIPE>(p, base, bars, &map_a2, &map_b1);
   }
 }
 
@@ -628,14 +688,6 @@ static int s9_bwd_mask = MOK_K_SM90_BWD_DOWN_DGRAD | MOK_K_SM90_BWD_GATE_UP_DGRA
 extern "C" void mok_k_sm90_set_bwd_modes(int mask) { s9_bwd_mask = mask & 7; }
 extern "C" int mok_k_sm90_bwd_modes(void) { return s9_bwd_mask; }
 
-/* MN-major descriptor strides; a test can swap them to probe the layout */
-static uint32_t s9_mn_lbo = S9_SLAB, s9_mn_sbo = 1024;
-
-extern "C" void mok_k_sm90_set_mn_desc(int swap) {
-  s9_mn_lbo = swap ? 1024 : S9_SLAB;
-  s9_mn_sbo = swap ? S9_SLAB : 1024;
-}
-
 static s9_params s9_base(const mok_k_dims *d, const int32_t *schedule, int M, int32_t *status) {
   s9_params p;
   memset(&p, 0, sizeof p);
@@ -643,8 +695,6 @@ static s9_params s9_base(const mok_k_dims *d, const int32_t *schedule, int M, in
   p.has_limit = d->has_limit;
   p.limit = d->limit;
   p.status = status;
-  p.mn_lbo = s9_mn_lbo;
-  p.mn_sbo = s9_mn_sbo;
   if (schedule) {
     sched_ptrs s = sched_view(d, schedule);
     p.E_loc = d->E_loc;
@@ -792,9 +842,21 @@ extern "C" int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, in
   /* A(m, k = row) = a[row][m], B(k = row, n) = b[row][n]: boxes of 64 x 64.
    * No rows: valid maps that are never read (every tile writes zeros). */
   const int rk = rows > 0 ? rows : 1;
-  CUtensorMap ma, mb;
+  CUtensorMap ma, mb, mc0, mc1;
   int st = s9_map(&ma, a, 2, M, rk, 1, S9_BK);
   if (st == MOK_OK) st = s9_map(&mb, b, 2, N, rk, 1, S9_BK);
   if (st != MOK_OK) return st;
-  return s9_launch<S9_WGRAD>(p, ma, ma, mb, mb, stream);
+  /* store maps [groups][rows][N] for each output half, where the layout is
+   * that plain (else direct stores) */
+  const int rows0 = c_split < M ? c_split : M, rows1 = M - rows0;
+  p.wstore = c_expert_stride == ldc * rows0 && (rows1 == 0 || (c1 && ldc * rows1 == c_expert_stride)) &&
+             ldc % 8 == 0 &&
+             mok_k_aligned16(c0) && mok_k_aligned16(c1) && rows0 > 0;
+  if (p.wstore) {
+    p.wstore = s9_map_ld(&mc0, c0, 3, N, rows0, groups, ldc, 64) == MOK_OK &&
+               (rows1 == 0 || s9_map_ld(&mc1, c1, 3, N, rows1, groups, ldc, 64) == MOK_OK);
+    if (rows1 == 0) mc1 = mc0;
+  }
+  if (!p.wstore) mc0 = mc1 = ma; /* unused */
+  return s9_launch<S9_WGRAD>(p, ma, mc0, mb, mc1, stream);
 }

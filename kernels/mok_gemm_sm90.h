@@ -65,10 +65,6 @@ int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, i
 void mok_k_sm90_set_bwd_modes(int mask);
 int mok_k_sm90_bwd_modes(void);
 
-/* Tests: 1 swaps the two strides of the MN-major wgmma descriptor (a probe
- * of the layout; results are wrong then). 0: the normal layout. */
-void mok_k_sm90_set_mn_desc(int swap);
-
 /* Tests: persistent CTAs per launch (0: one per SM). Results must not
  * depend on it. */
 void mok_k_sm90_set_grid(int ctas);

@@ -93,6 +93,35 @@ __device__ static inline void tma_load_3d_hint(uint32_t dst, const CUtensorMap *
       : "memory");
 }
 
+/* ---- TMA tile stores from shared memory (bulk groups) ------------------------- */
+
+/* Out-of-bounds parts of the box are not written. */
+__device__ static inline void tma_store_3d(const CUtensorMap *map, uint32_t src, int c0, int c1,
+                                           int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                   (uint64_t)map),
+               "r"(c0), "r"(c1), "r"(c2), "r"(src)
+               : "memory");
+}
+
+__device__ static inline void bulk_commit(void) {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+/* The committed stores have finished reading shared memory. */
+__device__ static inline void bulk_wait_read0(void) {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+/* The committed stores are complete. */
+__device__ static inline void bulk_wait0(void) {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+__device__ static inline void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 /* L2 policies: 0 evict_normal, 1 evict_last (keep), 2 evict_first (stream). */
 __device__ static inline uint64_t l2_policy(int kind) {
   uint64_t p;
@@ -135,13 +164,13 @@ __device__ static inline uint64_t wgmma_desc_k128(uint32_t saddr) {
 /* The same for an MN-major tile (M or N contiguous: the operand's stored
  * layout when it is not K-major), as TMA writes boxes of 64 MN elements x
  * 64 K rows with the 128-byte swizzle: 128-byte rows of 64 MN elements,
- * one row per k. LBO: distance between 64-element MN slabs (one box, 64
- * rows of 128 B); SBO: distance between 8-row groups along K. Used with the
- * wgmma transpose bit; a k16 step is +16 rows = +2048 B. */
-__device__ static inline uint64_t wgmma_desc_mn128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+ * one row per k. LBO: distance between 64-element MN slabs (one 8 KB box);
+ * SBO: distance between 8-row groups along K (1 KB). Used with the wgmma
+ * transpose bit; a k16 step is +16 rows = +2048 B. */
+__device__ static inline uint64_t wgmma_desc_mn128(uint32_t saddr) {
   uint64_t d = (uint64_t)((saddr & 0x3FFFF) >> 4);
-  d |= (uint64_t)((lbo >> 4) & 0x3FFF) << 16;
-  d |= (uint64_t)((sbo >> 4) & 0x3FFF) << 32;
+  d |= (uint64_t)(8192 >> 4) << 16;
+  d |= (uint64_t)(1024 >> 4) << 32;
   d |= (uint64_t)1 << 62;
   return d;
 }

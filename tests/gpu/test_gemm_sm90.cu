@@ -27,8 +27,6 @@
  *                            backward GEMMs on mma.sync, each alone on the
  *                            new kernels, all on them; the new kernels
  *                            timed alone; outputs compared bitwise
- *   test_gemm_sm90 mnprobe   the MN-major descriptor with its two strides
- *                            swapped (diagnostic: expected to differ)
  * Exit status 0 only when every check passed.
  */
 #include <cuda_runtime.h>
@@ -856,39 +854,6 @@ static void test_bwd_shared(int I_s) {
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
 }
 
-/* The MN-major descriptor with its strides swapped: a probe of the layout
- * (one case, all backward modes on sm90). */
-static void mn_probe(void) {
-  const tcase *c = &CASES[0];
-  mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
-  layer L;
-  layer_alloc(&L, &d);
-  const size_t W = (size_t)d.E_loc * d.I * d.H;
-  fill(L.x, (size_t)d.T * d.H, 11, 1.0f);
-  fill(L.wg, W, 12, 0.1f);
-  fill(L.wu, W, 13, 0.1f);
-  fill(L.wd, W, 14, 0.2f);
-  layer_route(&L, make_ids(c));
-  layer_forward(&L, false);
-  bwd_bufs b;
-  bwd_alloc(&b, &L);
-  bwd_run(&L, &b, 0);
-  const bouts ref = bwd_snap(&L, &b);
-  const int masks[3] = {1, 2, 4};
-  for (int i = 0; i < 3; i++) {
-    mok_k_sm90_set_mn_desc(1);
-    bwd_run(&L, &b, masks[i]);
-    mok_k_sm90_set_mn_desc(0);
-    const bouts o = bwd_snap(&L, &b);
-    printf("mnprobe swapped LBO/SBO, mode mask %d: differ d_x %zu d_rw %zu d_wg %zu d_wd %zu\n",
-           masks[i], ndiff16(o.dxr, ref.dxr), ndiff16(o.drw, ref.drw), ndiff16(o.dwg, ref.dwg),
-           ndiff16(o.dwd, ref.dwd));
-  }
-  CUDA_CHECK(cudaMemset(L.status, 0, 4));
-  bwd_free(&b);
-  layer_free(&L);
-}
-
 static void balanced_ids(std::vector<int32_t> &ids, int T, int K, int E) {
   ids.assign((size_t)T * K, 0);
   for (int t = 0; t < T; t++)
@@ -1066,7 +1031,6 @@ int main(int argc, char **argv) {
     test_bwd_shared(160);
     test_bwd_shared(136);
   }
-  if (!strcmp(mode, "mnprobe")) mn_probe();
   if (all || !strcmp(mode, "bench"))
     bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (all || !strcmp(mode, "bwdbench"))
