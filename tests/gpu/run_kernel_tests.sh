@@ -26,7 +26,9 @@ fail() { printf '!! %s\n' "$*"; status=1; }
 build() {
   note "build ($NVCC)"
   local pids=() f
-  for f in mok_routing mok_gemm; do
+  local kernels
+  kernels=$(cd kernels && ls *.cu | sed 's/\.cu$//')
+  for f in $kernels; do
     "$NVCC" $NVFLAGS -Xptxas -v -c kernels/$f.cu -o "$BUILD_DIR/$f.o" \
       >"$LOGS/ptxas_$f.log" 2>&1 &
     pids+=($!)
@@ -44,8 +46,9 @@ build() {
     fail "nvcc"
     return 1
   fi
-  "$NVCC" $ARCH -o "$BIN" "$BUILD_DIR"/{mok_routing,mok_gemm,test_kernels,schedule,sched_shim,ref64}.o \
-    -lpthread -lm || { fail "link"; return 1; }
+  local objs=()
+  for f in $kernels test_kernels schedule sched_shim ref64; do objs+=("$BUILD_DIR/$f.o"); done
+  "$NVCC" $ARCH -o "$BIN" "${objs[@]}" -lpthread -lm || { fail "link"; return 1; }
   # resource report: registers, shared memory, spills per kernel
   cat "$LOGS"/ptxas_*.log | awk '
     /Compiling entry function/ { match($0, /\x27[^\x27]+\x27/); fn = substr($0, RSTART+1, RLENGTH-2) }
