@@ -783,27 +783,31 @@ static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *route
                                    a->gs, a->us, shared_y, c->l->ws, c->status, c->st));
 }
 
-/* The dgrad GEMMs read the routed weights in column stripes (N-major B).
- * Through a client's CUDA IPC mapping that ran ~8x slower than on memory the
- * daemon allocated (H200: kimi-k2.7 backward 148 ms against 18 ms staged),
- * so each backward first copies the weights into a per-session buffer with a
- * streaming device-to-device copy (a few ms at these shapes). The buffer is
- * the size of the session's largest layer's routed weights; jobs of a
- * session run in order on its stream, so one buffer serves all its layers.
- * MOK_CUDA_STAGE_WEIGHTS=0 turns it off (less memory, slower backward). */
-static bool stage_weights_enabled(void) {
-  static int on = -1;
-  if (on < 0) {
+/* The mma.sync dgrad GEMMs read the routed weights in column stripes
+ * (N-major B). Through a client's CUDA IPC mapping that ran ~8x slower than
+ * on memory the daemon allocated (H200: kimi-k2.7 backward 148 ms against
+ * 18 ms staged), so a backward on that path first copies the weights into a
+ * per-session buffer with a streaming device-to-device copy (a few ms at
+ * these shapes). The Hopper kernels' TMA boxes read the mapping at full
+ * speed (H200, kimi T=2048 through mokd: +11 % over in-process without the
+ * copy, +40 % with it), so by default only the mma.sync path stages. The
+ * buffer is the size of the session's largest layer's routed weights; jobs
+ * of a session run in order on its stream, so one buffer serves all its
+ * layers. MOK_CUDA_STAGE_WEIGHTS=1 / 0 forces staging on / off. */
+static bool stage_weights_enabled(const mok_k_dims *d) {
+  static int forced = -2; /* -1: not forced */
+  if (forced == -2) {
     const char *v = getenv("MOK_CUDA_STAGE_WEIGHTS");
-    on = !(v && strcmp(v, "0") == 0);
+    forced = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "1") == 0 ? 1 : -1;
   }
-  return on > 0;
+  if (forced >= 0) return forced > 0;
+  return !mok_k_backward_on_hopper(d);
 }
 
 void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
                           const uint16_t **wd) {
   size_t n = (size_t)c->d.E_loc * c->d.I * c->d.H * 2; /* bytes of one of the three */
-  if (c->failed || !stage_weights_enabled() || n == 0) return;
+  if (c->failed || !stage_weights_enabled(&c->d) || n == 0) return;
   mok_engine_session *s = c->s;
   if (s->wstage_bytes < 3 * n) {
     /* stream-ordered: earlier jobs of this session still using the old one finish first */

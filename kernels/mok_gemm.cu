@@ -532,6 +532,12 @@ static bool use_sm90(void) {
 /* A backward mode (MOK_K_SM90_BWD_*) on the Hopper kernels */
 static bool use_sm90_bwd(int mode_bit) { return (mok_k_sm90_bwd_modes() & mode_bit) && use_sm90(); }
 
+extern "C" int mok_k_backward_on_hopper(const mok_k_dims *d) {
+  const int all = MOK_K_SM90_BWD_DOWN_DGRAD | MOK_K_SM90_BWD_GATE_UP_DGRAD | MOK_K_SM90_BWD_WGRAD;
+  return d && (mok_k_sm90_bwd_modes() & all) == all && use_sm90() && d->I % 16 == 0 &&
+         (d->I_s == 0 || d->I_s % 16 == 0);
+}
+
 /* One SwiGLU FFN forward over M rows: gate/up then down. grouped: routed
  * (schedule), else the shared expert (one group of T rows). */
 static int ffn_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,

@@ -71,6 +71,12 @@ int mok_k_init(void);
 /* The cudaError_t of the last failed launch on this thread (0: none). */
 int mok_k_last_cuda_error(void);
 
+/* 1 when every backward GEMM of these dims runs on the Hopper (TMA) kernels
+ * (not forced onto mma.sync by MOK_GEMM=hmma, I and I_s multiples of 16):
+ * those read weights through any mapping at full speed, so the engine need
+ * not copy a client's weights first. */
+int mok_k_backward_on_hopper(const mok_k_dims *d);
+
 /* Layout sizes; equal to mok_rows_capacity() / mok_schedule_ints() of
  * proto/mok_wire.h for the same dims (the engine can assert that). */
 int64_t mok_k_rows_capacity(const mok_k_dims *d);
