@@ -92,6 +92,12 @@ int cuda_use_device(mok_engine *e) {
   return MOK_OK;
 }
 
+int cuda_select(mok_engine *e, char *err, size_t errlen) {
+  if (cuda_use_device(e) == MOK_OK) return MOK_OK;
+  snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
+  return MOK_EENGINE;
+}
+
 /* After a failed CUDA call: does the context still work? A sticky error
  * (illegal address, trap, ...) poisons it for good. */
 bool cuda_context_broken(cudaStream_t stream) {
@@ -349,10 +355,7 @@ static void layer_free(mok_engine_layer *l, cudaStream_t st) {
 static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer **ret,
                            char *err, size_t errlen) {
   *ret = NULL;
-  if (cuda_use_device(e) != MOK_OK) {
-    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
-    return MOK_EENGINE;
-  }
+  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   mok_engine_layer *l = calloc(1, sizeof *l);
   if (!l) {
     snprintf(err, errlen, "out of memory");
@@ -447,10 +450,7 @@ static void session_free(mok_engine_session *s) {
 static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
                              size_t errlen) {
   *ret = NULL;
-  if (cuda_use_device(e) != MOK_OK) {
-    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
-    return MOK_EENGINE;
-  }
+  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   mok_engine_session *s = calloc(1, sizeof *s);
   if (!s) {
     snprintf(err, errlen, "out of memory");
@@ -648,10 +648,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
 
 static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_region *r,
                               char *err, size_t errlen) {
-  if (cuda_use_device(e) != MOK_OK) {
-    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
-    return MOK_EENGINE;
-  }
+  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   switch (src->kind) {
   case MOK_REGION_HOST_MEMFD: {
     cudaError_t cr = cudaHostRegister(r->map_base, r->map_bytes,

@@ -161,6 +161,7 @@ typedef struct acts_ptrs {
 
 /* ---- helpers (engine_cuda.c) ---- */
 int cuda_use_device(mok_engine *e);
+int cuda_select(mok_engine *e, char *err, size_t errlen); /* cuda_use_device, or err says why */
 const char *cuda_drv_error(const mok_engine *e, CUresult r);
 bool cuda_context_broken(cudaStream_t stream);
 void cuda_free_async(void *p, cudaStream_t st);

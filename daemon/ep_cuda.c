@@ -145,10 +145,7 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
              "multiple of 8", MOK_K_EP_MAX_WORLD);
     return MOK_EUNSUPPORTED;
   }
-  if (cuda_use_device(e) != MOK_OK) {
-    snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
-    return MOK_EENGINE;
-  }
+  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   ep_state *st = calloc(1, sizeof *st);
   if (!st) {
     snprintf(err, errlen, "out of memory");
@@ -423,6 +420,22 @@ static void device_barrier(ep_job *j, uint32_t phase) {
                                 j->c->status, j->c->st));
 }
 
+/* After the expert step: push the result rows (and d_rw) into their owners'
+ * slots, wait for every member's pushes, join the side stream, and view the
+ * own landing slots through the own routing ids (into l->ep_own). */
+static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virtual,
+                          const int32_t *own_ids) {
+  job_ctx *c = j->c;
+  MARK(j, "experts");
+  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, rows, drw_virtual, c->status, c->st));
+  MARK(j, "push");
+  device_barrier(j, 2);
+  MARK(j, "barrier-2");
+  side_end(j);
+  MARK(j, "shared-join");
+  LAUNCH(c, mok_k_ep_own_slots(&c->d, own_ids, c->l->ep_own, c->status, c->st));
+}
+
 static void ep_forward(ep_job *j) {
   job_ctx *c = j->c;
   mok_engine_layer *l = c->l;
@@ -450,15 +463,8 @@ static void ep_forward(ep_job *j) {
   LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                  BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
                                  c->status, c->st));
-  MARK(j, "experts");
-  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_b, NULL, c->status, c->st));
-  MARK(j, "push");
-  device_barrier(j, 2);
-  MARK(j, "barrier-2");
+  exchange_back(j, l->routed_b, NULL, ids);
   /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
-  side_end(j);
-  MARK(j, "shared-join");
-  LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
                           (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
                           BF(c, OUT), c->status, c->st));
@@ -516,16 +522,8 @@ static void ep_backward(ep_job *j) {
                                   l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
                                   BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
                                   c->status, c->st));
-  MARK(j, "experts");
-  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, l->routed_c, l->ep_drw, c->status,
-                               c->st));
-  MARK(j, "push");
-  device_barrier(j, 2);
-  MARK(j, "barrier-2");
+  exchange_back(j, l->routed_c, l->ep_drw, ids);
   /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
-  side_end(j);
-  MARK(j, "shared-join");
-  LAUNCH(c, mok_k_ep_own_slots(&c->d, ids, l->ep_own, c->status, c->st));
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
                           c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));
   LAUNCH(c, mok_k_ep_own_drw(&c->d, l->ep_own, (const float *)(j->own + j->kg.off.drw),

@@ -17,33 +17,7 @@
 
 /* ---- CUDA: error check and random bf16 fill (both programs) ----------------------- */
 
-#define CUDA_CHECK(call)                                                                    \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    if (err_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
-
-/* bf16 uniform in [-scale, scale] from a hash of the index: never zero, the
- * same bits for the same (n, seed, scale) */
-__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    if (v == 0.0f) v = scale * 0.5f;
-    uint32_t u = __float_as_uint(v);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-  }
-}
+#include "../gpu/cuda_check.cuh"
 
 /* ---- shapes and the plan (same as torch_baseline.py) ------------------------------- */
 

@@ -25,9 +25,15 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_common.h"
+#include "../gpu/cuda_check.cuh"
 #include "mok.h"
 #include "mok_ep_kernels.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static int cmp_d(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;

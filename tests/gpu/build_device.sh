@@ -22,7 +22,7 @@ find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
 
 # the EP bench (tests/bench/bench_ep_cuda.cu): kernels and libmok, static protobuf-c
 "${NVCC:-/usr/local/cuda/bin/nvcc}" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
-  -Iclient/include -Iproto -Ikernels -Itests/bench -o "$B/bench/bench_ep_cuda" \
+  -Iclient/include -Iproto -Ikernels -o "$B/bench/bench_ep_cuda" \
   tests/bench/bench_ep_cuda.cu "$B/lib/libmok.a" "$B/lib/libmokkernels.a" \
   "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
 echo "built $B/bench/bench_ep_cuda"

@@ -48,56 +48,10 @@ extern "C" {
 #include "host_bf16_rng.h"
 }
 
-#define CUDA_CHECK(call)                                                                    \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    if (err_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
-
-#define MOK_CHECK(call)                                                                       \
-  do {                                                                                        \
-    int st_ = (call);                                                                         \
-    if (st_ != MOK_OK) {                                                                      \
-      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__, __LINE__, #call, \
-              st_, mok_k_last_cuda_error());                                                  \
-      exit(2);                                                                                \
-    }                                                                                         \
-  } while (0)
-
-static int failures = 0;
-#define EXPECT(cond, ...)                        \
-  do {                                           \
-    if (!(cond)) {                               \
-      failures++;                                \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      printf(__VA_ARGS__);                       \
-      printf("\n");                              \
-      fflush(stdout);                            \
-    }                                            \
-  } while (0)
+#include "cuda_check.cuh"
 
 /* ---- device helpers ---------------------------------------------------------------- */
 
-/* bf16 uniform in [-scale, scale], never zero, from a hash of the index */
-__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed ^ (uint32_t)(i >> 32) * 0x85ebca6bu;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    if (v == 0.0f) v = scale * 0.5f;
-    uint32_t u = __float_as_uint(v);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-  }
-}
 
 /* elements whose bits differ, and the largest |a - b| (test-only atomics) */
 __global__ void diff_bf16(const uint16_t *a, const uint16_t *b, size_t n,

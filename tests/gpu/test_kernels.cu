@@ -38,38 +38,7 @@ int shim_schedule_validate(int T, int K, int E, int E_loc, int first, int row_al
                            const int32_t *sched, size_t ints);
 }
 
-#define CUDA_CHECK(call)                                                       \
-  do {                                                                         \
-    cudaError_t err_ = (call);                                                 \
-    if (err_ != cudaSuccess) {                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,            \
-              cudaGetErrorString(err_));                                       \
-      exit(2);                                                                 \
-    }                                                                          \
-  } while (0)
-
-#define MOK_CHECK(call)                                                        \
-  do {                                                                         \
-    int st_ = (call);                                                          \
-    if (st_ != MOK_OK) {                                                       \
-      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__,  \
-              __LINE__, #call, st_, mok_k_last_cuda_error());                  \
-      exit(2);                                                                 \
-    }                                                                          \
-  } while (0)
-
-static int failures = 0;
-
-#define EXPECT(cond, ...)                                                      \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      failures++;                                                              \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                              \
-      printf(__VA_ARGS__);                                                     \
-      printf("\n");                                                            \
-      fflush(stdout);                                                          \
-    }                                                                          \
-  } while (0)
+#include "cuda_check.cuh"
 
 /* ---- shapes ----------------------------------------------------------------------- */
 
