@@ -541,6 +541,36 @@ static void time_path(layer *L, bool hmma, int reps, float *ms_gu, float *ms_dn)
 static const int VARIANTS[][4] = {{0, 0, 0, 0}, {0, 0, 1, 0}, {0, 0, 1, 2}, {0, 0, 0, 1}, {1, 0, 1, 0}};
 #define NVAR (int)(sizeof VARIANTS / sizeof VARIANTS[0])
 
+static void balanced_ids(std::vector<int32_t> &ids, int T, int K, int E) {
+  ids.assign((size_t)T * K, 0);
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < K; k++) {
+      int32_t id;
+      bool dup;
+      do {
+        id = (int32_t)(rng_next() % E);
+        dup = false;
+        for (int j = 0; j < k; j++) dup |= ids[(size_t)t * K + j] == id;
+      } while (dup);
+      ids[(size_t)t * K + k] = id;
+    }
+}
+
+/* A bench layer: dims at T, buffers, random x and weights, balanced routing. */
+static mok_k_dims bench_layer(const bshape *s, int T, layer *L) {
+  mok_k_dims d = make_dims(T, s->H, s->I, s->E_loc, s->K, 0);
+  layer_alloc(L, &d);
+  const size_t W = (size_t)d.E_loc * d.I * d.H;
+  fill(L->x, (size_t)T * d.H, 31, 1.0f);
+  fill(L->wg, W, 32, 0.02f);
+  fill(L->wu, W, 33, 0.02f);
+  fill(L->wd, W, 34, 0.03f);
+  std::vector<int32_t> ids;
+  balanced_ids(ids, T, d.K, d.E_loc);
+  layer_route(L, ids);
+  return d;
+}
+
 static void bench(const char *only, int only_T) {
   const int Ts[2] = {2048, 8192};
   printf("\nTFLOP/s of gate_up / down / both (median ms of both); sm90 variants "
@@ -553,28 +583,8 @@ static void bench(const char *only, int only_T) {
       const bshape *s = &BSHAPES[si];
       const int T = Ts[ti];
       if ((only && strcmp(only, s->name)) || (only_T && only_T != T)) continue;
-      mok_k_dims d = make_dims(T, s->H, s->I, s->E_loc, s->K, 0);
       layer L;
-      layer_alloc(&L, &d);
-      const size_t W = (size_t)d.E_loc * d.I * d.H;
-      fill(L.x, (size_t)T * d.H, 31, 1.0f);
-      fill(L.wg, W, 32, 0.02f);
-      fill(L.wu, W, 33, 0.02f);
-      fill(L.wd, W, 34, 0.03f);
-      /* balanced: K distinct experts uniformly per token */
-      std::vector<int32_t> ids((size_t)T * d.K);
-      for (int t = 0; t < T; t++)
-        for (int k = 0; k < d.K; k++) {
-          int32_t id;
-          bool dup;
-          do {
-            id = (int32_t)(rng_next() % d.E_loc);
-            dup = false;
-            for (int j = 0; j < k; j++) dup |= ids[(size_t)t * d.K + j] == id;
-          } while (dup);
-          ids[(size_t)t * d.K + k] = id;
-        }
-      layer_route(&L, ids);
+      mok_k_dims d = bench_layer(s, T, &L); /* balanced: K distinct experts per token */
       const int reps = T >= 8192 ? 5 : 10;
       const double rows = (double)T * d.K;
       const double f_gu = 2.0 * rows * d.H * 2.0 * d.I, f_dn = 2.0 * rows * d.I * d.H;
@@ -808,20 +818,6 @@ static void test_bwd_shared(int I_s) {
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
 }
 
-static void balanced_ids(std::vector<int32_t> &ids, int T, int K, int E) {
-  ids.assign((size_t)T * K, 0);
-  for (int t = 0; t < T; t++)
-    for (int k = 0; k < K; k++) {
-      int32_t id;
-      bool dup;
-      do {
-        id = (int32_t)(rng_next() % E);
-        dup = false;
-        for (int j = 0; j < k; j++) dup |= ids[(size_t)t * K + j] == id;
-      } while (dup);
-      ids[(size_t)t * K + k] = id;
-    }
-}
 
 static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n) {
   unsigned long long *nd = (unsigned long long *)dmalloc(16);
@@ -846,17 +842,9 @@ static void bwd_bench(const char *only, int only_T) {
       const bshape *sh = &BSHAPES[si];
       const int T = Ts[ti];
       if ((only && strcmp(only, sh->name)) || (only_T && only_T != T)) continue;
-      mok_k_dims d = make_dims(T, sh->H, sh->I, sh->E_loc, sh->K, 0);
       layer L;
-      layer_alloc(&L, &d);
+      mok_k_dims d = bench_layer(sh, T, &L);
       const size_t W = (size_t)d.E_loc * d.I * d.H;
-      fill(L.x, (size_t)T * d.H, 31, 1.0f);
-      fill(L.wg, W, 32, 0.02f);
-      fill(L.wu, W, 33, 0.02f);
-      fill(L.wd, W, 34, 0.03f);
-      std::vector<int32_t> ids;
-      balanced_ids(ids, T, d.K, d.E_loc);
-      layer_route(&L, ids);
       layer_forward(&L, false);
       bwd_bufs b;
       bwd_alloc(&b, &L);

@@ -708,25 +708,10 @@ static void test_layout(void) {
 
 /* ---- timing ----------------------------------------------------------------------------- */
 
-__global__ void fill_random_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    h *= 3266489917u;
-    h ^= h >> 16;
-    float v = ((float)(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale;
-    if (v == 0.0f) v = scale * 0.5f;
-    __nv_bfloat16 b = __float2bfloat16_rn(v);
-    p[i] = *(uint16_t *)&b;
-  }
-}
 
 static void fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
   if (!p || !n) return;
-  fill_random_bf16<<<1024, 256>>>(p, n, seed, scale);
+  fill_bf16<<<1024, 256>>>(p, n, seed, scale);
   CUDA_CHECK(cudaGetLastError());
 }
 
