@@ -33,7 +33,7 @@ void mok_server_config_defaults(mok_server_config *cfg) {
 static struct {
   const char *key;
   char *value;
-} owned[] = {{"socket", NULL}, {"engine", NULL}, {"socket-group", NULL}};
+} owned[] = {{"socket", NULL}, {"engine", NULL}, {"socket-group", NULL}, {"group-dir", NULL}};
 
 static const char *keep_string(const char *key, const char *v) {
   for (size_t i = 0; i < sizeof owned / sizeof owned[0]; i++) {
@@ -110,6 +110,15 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
     int l = mok_log_parse_level(value);
     if (l < 0) goto bad;
     mok_log_set_level((mok_log_level)l);
+  } else if (strcmp(key, "group-dir") == 0 || strcmp(key, "group_dir") == 0) {
+    /* the segments of expert-parallel groups: members of a group must agree */
+    if (value[0] != '/' || strlen(value) > 200 ||
+        !(cfg->engine_cfg.group_dir = keep_string("group-dir", value)))
+      goto bad;
+  } else if (strcmp(key, "group-linger-ms") == 0 || strcmp(key, "group_linger_ms") == 0) {
+    if (parse_u64(value, 86400000, &n, 10)) goto bad;
+    cfg->engine_cfg.group_linger_ms = (uint32_t)n;
+    cfg->engine_cfg.group_linger_set = true;
   } else if (strcmp(key, "socket-mode") == 0 || strcmp(key, "socket_mode") == 0) {
     if (parse_u64(value, 0777, &n, 8)) goto bad;
     cfg->socket_mode = (mode_t)n;

@@ -13,6 +13,7 @@
 #ifndef MOK_ENGINE_H
 #define MOK_ENGINE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -50,6 +51,10 @@ typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
   int threads;     /* worker threads (cpu); 0: one per online core */
   uint32_t fence_timeout_ms; /* cuda: a client fence unwritten this long fails its job; 0: default */
+  /* expert-parallel groups (the engine thread's table; docs/ep.md) */
+  bool group_linger_set;     /* else the default (MOK_GROUP_LINGER_MS) */
+  uint32_t group_linger_ms;  /* a group no session holds is kept this long (0: not kept) */
+  const char *group_dir;     /* where group segments live; NULL: $MOK_GROUP_DIR or /dev/shm */
 } mok_engine_config;
 
 /* Results of run()/poll(): status plus a message a person can act on. */

@@ -954,6 +954,8 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
     r = MOK_ENOMEM;
     goto fail;
   }
+  if (t->groups && cfg->group_linger_set) mok_ep_group_set_linger_ms(t->groups, cfg->group_linger_ms);
+  if (t->groups && cfg->group_dir) mok_ep_group_set_dir(t->groups, cfg->group_dir);
   t->epfd = epoll_create1(EPOLL_CLOEXEC);
   t->cmd_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};

@@ -84,6 +84,7 @@ struct mok_ep_group_table {
   mok_ep_group *groups;
   uint32_t next_id;
   uint32_t linger_ms;
+  char dir[208]; /* "": $MOK_GROUP_DIR or /dev/shm (config: at most 200 bytes) */
   const _Atomic bool *abort;
 };
 
@@ -237,7 +238,12 @@ mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort) {
 
 void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms) { t->linger_ms = ms; }
 
-static const char *seg_dir(void) {
+void mok_ep_group_set_dir(mok_ep_group_table *t, const char *dir) {
+  snprintf(t->dir, sizeof t->dir, "%s", dir ? dir : "");
+}
+
+static const char *seg_dir(const mok_ep_group_table *t) {
+  if (t->dir[0]) return t->dir;
   const char *d = getenv("MOK_GROUP_DIR");
   return d && *d ? d : "/dev/shm";
 }
@@ -479,7 +485,7 @@ int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mo
   g->sz = a->sizing;
   g->timeout_ms = timeout;
   g->table = t;
-  snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(), (unsigned)a->uid,
+  snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(t), (unsigned)a->uid,
            (unsigned long long)fnv1a(a->key));
   r = open_segment(g, a, err, errlen);
   if (r != MOK_OK) {

@@ -83,6 +83,9 @@ void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave);
 /* Release groups that nobody held for MOK_GROUP_LINGER_MS. */
 void mok_ep_group_tick(mok_ep_group_table *t);
 void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms);
+/* Where segments live (NULL or "": $MOK_GROUP_DIR, else /dev/shm). Every
+ * member of a group must use the same directory. */
+void mok_ep_group_set_dir(mok_ep_group_table *t, const char *dir);
 
 uint32_t mok_ep_group_id(const mok_ep_group *g);
 uid_t mok_ep_group_uid(const mok_ep_group *g);

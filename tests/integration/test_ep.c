@@ -10,6 +10,7 @@
  * only, so the float32 cases run in bf16 there. MOK_TEST_GPUS=n puts rank
  * r's daemon on GPU r % n.
  */
+#include <dirent.h>
 #include <math.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -630,6 +631,42 @@ static void test_restarted_client_rejoins(void) {
   free(p);
 }
 
+/* group-dir and group-linger-ms from mokd's configuration: the segment lives
+ * in that directory, and with no linger it goes as soon as its last client
+ * closes. */
+static void test_group_dir_and_linger_from_config(void) {
+  char dir[] = "/tmp/mok-test-groups-XXXXXX", cfg[320], key[96];
+  CHECK(mkdtemp(dir) != NULL);
+  snprintf(cfg, sizeof cfg, "threads = 1\ngroup-dir = %s\ngroup-linger-ms = 0\n", dir);
+  daemon_proc d = harness_start(cfg);
+  unique_key(key, sizeof key, "config");
+  mok_client *c;
+  CHECK_MSG(mok_connect(d.sock, "ep-config", &c) == MOK_OK, "%s", mok_last_error());
+  mok_group_sizing sz = {.max_tokens = TMAX, .hidden = H_, .topk = K_, .experts = E_,
+                         .dtype = engine_dtype(MOK_DTYPE_F32), .timeout_ms = 1000};
+  mok_group *g;
+  CHECK_MSG(mok_group_join(c, key, 0, 1, &sz, &g) == MOK_OK, "%s", mok_last_error());
+  int found = 0; /* the segment's name hashes the key (group.c): count what is there */
+  DIR *dd = opendir(dir);
+  CHECK(dd != NULL);
+  for (struct dirent *e; (e = readdir(dd));)
+    found += strncmp(e->d_name, "mok-ep-", 7) == 0;
+  closedir(dd);
+  CHECK_MSG(found == 1, "%d segments in the configured group-dir", found);
+  mok_close(c); /* no linger: the daemon releases the group at once */
+  found = 1;
+  for (int i = 0; i < 200 && found; i++) {
+    usleep(10000);
+    found = 0;
+    dd = opendir(dir);
+    for (struct dirent *e; (e = readdir(dd));) found += strncmp(e->d_name, "mok-ep-", 7) == 0;
+    closedir(dd);
+  }
+  CHECK_MSG(found == 0, "the segment stayed although group-linger-ms = 0");
+  CHECK_EQ_INT(harness_stop(&d), 0);
+  CHECK(rmdir(dir) == 0);
+}
+
 /* Join-time rules: sizing must agree; one daemon serves one rank of a group;
  * a group's segment of another uid is refused. */
 static void test_join_rules(void) {
@@ -731,6 +768,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_stalled_peer_fails_on_the_device),
     CHECK_CASE(test_restarted_client_rejoins),
     CHECK_CASE(test_join_rules),
+    CHECK_CASE(test_group_dir_and_linger_from_config),
     CHECK_CASE(test_two_tenants_never_share_a_group),
     {0},
 };

@@ -27,6 +27,21 @@ static void expect_error(const char *text, const char *needle) {
   CHECK_STR_CONTAINS(err, needle);
 }
 
+static void test_group_settings(void) {
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  CHECK(!cfg.engine_cfg.group_linger_set && cfg.engine_cfg.group_dir == NULL);
+  char err[256] = "";
+  CHECK_MSG(mok_config_parse(&cfg, "group-dir = /var/lib/mok/groups\ngroup_linger_ms = 0\n", err,
+                             sizeof err) == 0,
+            "%s", err);
+  CHECK(strcmp(cfg.engine_cfg.group_dir, "/var/lib/mok/groups") == 0);
+  CHECK(cfg.engine_cfg.group_linger_set && cfg.engine_cfg.group_linger_ms == 0);
+  expect_error("group-dir = relative/dir\n", "bad value");
+  expect_error("group-linger-ms = 86400001\n", "bad value");
+  expect_error("group-linger-ms = soon\n", "bad value");
+}
+
 static void test_rejects_bad_lines_with_their_number(void) {
   expect_error("engine = cpu\nno equals sign\n", "line 2");
   expect_error("bogus = 1\n", "unknown setting \"bogus\"");
@@ -80,6 +95,7 @@ static void test_access_settings(void) {
 
 static const check_case cases[] = {CHECK_CASE(test_parses_settings_comments_and_blank_lines),
                                    CHECK_CASE(test_rejects_bad_lines_with_their_number),
+                                   CHECK_CASE(test_group_settings),
                                    CHECK_CASE(test_access_settings), {0}};
 
 int main(int argc, char **argv) { return check_main(argc, argv, cases); }
