@@ -388,32 +388,38 @@ static void cmd_leave_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   snprintf(c->message, sizeof c->message, "group %u was not joined by this session", c->in.id);
 }
 
-/* A job of a layer on a group (run synchronously on this thread). One that
- * failed its checks still takes its turn in the group, posting the failure,
- * so that every member fails it with the same message instead of waiting
- * for this one until the timeout. */
+/* A job of a layer on a group that failed its checks still takes its turn
+ * in the group, posting the failure, so that every member fails it with the
+ * same message instead of waiting for this one until the timeout. */
 static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
                                const mok_layer_config *layer, const mok_engine_result *res);
 
-static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
-                          const mok_layer_config *layer, const mok_job_args *args,
-                          mok_engine_result *res) {
+/* The group a job of a group layer runs on. NULL when it must not run:
+ * the session left the group (res says so), or the job failed its checks
+ * (it has posted the failure to the group). */
+static mok_ep_group *job_group(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
+                               const mok_layer_config *layer, mok_engine_result *res) {
   mok_ep_group *g = session_group(t, s, layer->group_id);
   if (!g) {
     res->status = MOK_ENOENT;
     snprintf(res->message, sizeof res->message,
              "%s: the layer's group %u was left; re-join and re-create the layer",
              mok_op_name(desc->op), layer->group_id);
-    return;
+    return NULL;
   }
-  if (res->status == MOK_OK) {
-    t->ops->run_group(t->engine, g, args, res);
-    return;
-  }
+  if (res->status == MOK_OK) return g;
   post_group_failure(g, desc, layer, res);
+  return NULL;
 }
 
-/* A job that failed its checks still takes its turn in its group. */
+/* A group job on an engine that runs it synchronously (cpu). */
+static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
+                          const mok_layer_config *layer, const mok_job_args *args,
+                          mok_engine_result *res) {
+  mok_ep_group *g = job_group(t, s, desc, layer, res);
+  if (g) t->ops->run_group(t->engine, g, args, res);
+}
+
 static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
                                const mok_layer_config *layer, const mok_engine_result *res) {
   if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
@@ -769,15 +775,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   if (le && le->cfg.group_id && t->ops->start_group) {
     /* asynchronous group job: a failed one posts its failure to the group,
      * then runs as the fence-only NOP below like any failed job */
-    group = session_group(t, s, le->cfg.group_id);
-    if (!group && res.status == MOK_OK) {
-      res.status = MOK_ENOENT;
-      snprintf(res.message, sizeof res.message,
-               "%s: the layer's group %u was left; re-join and re-create the layer",
-               mok_op_name(desc.op), le->cfg.group_id);
-    }
-    if (group && res.status != MOK_OK) post_group_failure(group, &desc, &le->cfg, &res);
-    if (res.status != MOK_OK) group = NULL;
+    group = job_group(t, s, &desc, &le->cfg, &res);
   } else if (le && le->cfg.group_id) {
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
