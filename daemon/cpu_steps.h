@@ -48,6 +48,10 @@ enum scratch_id {
   /* expert-parallel jobs (ep_cpu.c) */
   SCR_EP_SLOT_ROW,
   SCR_EP_DRW,
+  SCR_EP_RING_ACTS, /* a macrobatch's g and u rows */
+  SCR_EP_MB_OFFSETS,
+  SCR_EP_MB_SLOT_ROW,
+  SCR_EP_MB_DRW,
   SCR_COUNT_
 };
 

@@ -291,6 +291,16 @@ mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
   d.row_align = (int)c->row_align;
   d.has_limit = c->has_limit ? 1 : 0;
   d.limit = c->has_limit ? c->swiglu_limit : 0.0f;
+  d.rows_limit = 0;
+  return d;
+}
+
+/* The routed part of a group layer: the virtual batch of every member's
+ * tokens, no shared expert, the group's capacity. */
+mok_k_dims cuda_group_dims(const mok_layer_config *c) {
+  mok_k_dims d = cuda_dims_of(c, c->group_world * c->group_tokens);
+  d.I_s = 0;
+  d.rows_limit = (int)c->group_rows;
   return d;
 }
 
@@ -320,9 +330,15 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
     return MOK_EENGINE;
   }
   if (cfg->group_world) {
+    if (cfg->group_ring) {
+      snprintf(err, errlen,
+               "the cuda engine does not run a group's ring yet (ring_rows = %u): join with "
+               "ring_rows 0; the capacity multiplier bounds the routed buffers",
+               cfg->group_ring);
+      return MOK_EUNSUPPORTED;
+    }
     /* the routed part runs on the group's virtual batch */
-    mok_k_dims dv = cuda_dims_of(cfg, cfg->group_world * cfg->group_tokens);
-    dv.I_s = 0;
+    mok_k_dims dv = cuda_group_dims(cfg);
     if (mok_k_check_dims(&dv, kerr, sizeof kerr) != MOK_OK) {
       snprintf(err, errlen, "the cuda engine cannot run this layer on its group: %s", kerr);
       return MOK_EUNSUPPORTED;
@@ -370,10 +386,14 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
   size_t TK_v = 0, TK_own = 0, ws_aux = 0; /* a group layer's gathered routing */
   if (cfg->group_world) {
     /* the routed part runs on the virtual batch of every member's tokens */
-    mok_k_dims dv = cuda_dims_of(cfg, cfg->group_world * cfg->group_tokens);
-    dv.I_s = 0;
+    mok_k_dims dv = cuda_group_dims(cfg);
     mok_layout_dims lv = mok_group_routed_dims(cfg);
     R = (size_t)mok_rows_capacity(&lv);
+    if ((uint64_t)mok_k_rows_capacity(&dv) != R) {
+      free(l);
+      snprintf(err, errlen, "cuda engine: kernel and wire group capacities disagree (build mismatch)");
+      return MOK_EENGINE;
+    }
     if (mok_k_workspace_bytes(&dv) > ws_bytes) ws_bytes = mok_k_workspace_bytes(&dv);
     ctx_bytes = mok_group_ctx_bytes(cfg, cfg->max_tokens);
     TK_v = (size_t)cfg->group_world * cfg->group_tokens * cfg->topk;

@@ -166,6 +166,7 @@ const char *cuda_drv_error(const mok_engine *e, CUresult r);
 bool cuda_context_broken(cudaStream_t stream);
 void cuda_free_async(void *p, cudaStream_t st);
 mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
+mok_k_dims cuda_group_dims(const mok_layer_config *c);
 __attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status, const char *fmt,
                                                          ...);
 void cuda_launched(job_ctx *c, int st, const char *what);

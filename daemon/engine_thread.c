@@ -332,8 +332,25 @@ static int group_layer_config(mok_engine_thread *t, esession *s, mok_layer_confi
   cfg->group_world = z->world;
   cfg->group_rank = mok_ep_group_rank(g);
   cfg->group_tokens = z->max_tokens;
+  cfg->group_ring = z->ring_rows;
   cfg->local_experts = z->experts / z->world;
   cfg->first_expert = cfg->group_rank * cfg->local_experts;
+  return MOK_OK;
+}
+
+/* The group's capacity in rows of this layer's schedule: it needs the
+ * engine's row alignment, known once the engine has prepared the layer. */
+static int group_layer_rows(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
+                            size_t errlen) {
+  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(session_group(t, s, cfg->group_id));
+  cfg->group_rows = mok_group_rows_limit(z->capacity_ppm, z->world, z->max_tokens, z->topk,
+                                         cfg->local_experts, cfg->row_align);
+  if (cfg->group_ring && cfg->group_ring < cfg->row_align) {
+    snprintf(err, errlen,
+             "ring_rows = %u is smaller than one aligned row group of the %s engine (%u rows)",
+             cfg->group_ring, t->ops->name, cfg->row_align);
+    return MOK_EINVAL;
+  }
   return MOK_OK;
 }
 
@@ -445,6 +462,10 @@ static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
   }
   c->status = t->ops->prepare_layer(t->engine, &cfg, c->message, sizeof c->message);
   if (c->status != MOK_OK) return;
+  if (cfg.group_id) {
+    c->status = group_layer_rows(t, s, &cfg, c->message, sizeof c->message);
+    if (c->status != MOK_OK) return;
+  }
   if (s->n_layers == s->cap_layers) {
     size_t cap = s->cap_layers ? 2 * s->cap_layers : 8;
     layer_entry *n = realloc(s->layers, cap * sizeof *n);

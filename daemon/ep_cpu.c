@@ -76,6 +76,103 @@ static void push(job_env *v, const mok_sched_view *sv, const void *rows, void *l
   cpu_par_for(v, sv->rows_used, push_rows, &a);
 }
 
+/* ---- the ring: macrobatches of whole local experts -------------------------
+ *
+ * With a ring (the group's ring_rows), the routed buffers hold ring rows and
+ * the schedule's rows run in macrobatches: each takes as many whole local
+ * experts, in order, as fit the ring, and is pulled, computed and pushed
+ * before the next reuses the buffers. An expert never spans two
+ * macrobatches, so its weight gradients are one pass over its rows and
+ * every result keeps the bits of a run without a ring. The ctx keeps every
+ * row's activations (it is sized by the group's capacity, not the ring). */
+typedef struct macrobatch {
+  size_t e0, e1;  /* local experts [e0, e1) */
+  size_t base, n; /* schedule rows [base, base + n) */
+} macrobatch;
+
+static size_t ring_rows(const job_env *v) {
+  size_t ring = v->cfg->group_ring;
+  return ring && ring < v->rows_cap ? ring : 0;
+}
+
+/* The macrobatch that starts at local expert e0. */
+static mok_status next_macrobatch(job_env *v, const mok_sched_view *sv, size_t ring, size_t e0,
+                                  macrobatch *mb) {
+  size_t base = (size_t)sv->offsets[e0], e1 = e0;
+  while (e1 < sv->local_experts && (size_t)sv->offsets[e1 + 1] - base <= ring) e1++;
+  if (e1 == e0)
+    return cpu_job_fail(v, MOK_EOVERFLOW,
+                        "ring_rows %zu < expert %zu's %d rows: raise ring_rows (to at least "
+                        "world*max_tokens)",
+                        ring, sv->first_expert + e0, sv->offsets[e0 + 1] - sv->offsets[e0]);
+  *mb = (macrobatch){e0, e1, base, (size_t)sv->offsets[e1] - base};
+  return MOK_OK;
+}
+
+static void *expert_offset(void *w, size_t e, size_t per_expert) {
+  return w ? (char *)w + e * per_expert : NULL;
+}
+
+/* The env and schedule view of one macrobatch: its experts' weights (and
+ * weight gradients), its rows renumbered from 0 (slots of other
+ * macrobatches: -1), its own acts layout of n rows. */
+static mok_status macrobatch_env(job_env *v, const mok_sched_view *sv, const macrobatch *mb,
+                                 job_env *s, mok_sched_view *ssv) {
+  size_t n_exp = mb->e1 - mb->e0, n_slots = v->T * v->K;
+  int32_t *offsets = cpu_scratch(v, SCR_EP_MB_OFFSETS, (v->E_loc + 1) * sizeof(int32_t));
+  int32_t *slot_row = cpu_scratch(v, SCR_EP_MB_SLOT_ROW, n_slots * sizeof(int32_t));
+  if (!offsets || !slot_row) return v->res->status;
+  for (size_t e = 0; e <= n_exp; e++) offsets[e] = sv->offsets[mb->e0 + e] - (int32_t)mb->base;
+  for (size_t i = 0; i < n_slots; i++) {
+    int32_t r = sv->slot_row[i];
+    slot_row[i] = r >= (int32_t)mb->base && (size_t)r < mb->base + mb->n ? r - (int32_t)mb->base
+                                                                          : -1;
+  }
+  *s = *v;
+  s->E_loc = n_exp;
+  s->rows_cap = mb->n;
+  s->dims.local_experts = n_exp;
+  s->dims.rows_limit = mb->n ? mb->n : 1; /* the acts layout of the ring rows */
+  size_t gu = v->I * v->H * v->es; /* [I,H] and [H,I]: one expert's weights */
+  static const int per_expert[] = {MOK_SLOT_W_GATE,   MOK_SLOT_W_UP,   MOK_SLOT_W_DOWN,
+                                   MOK_SLOT_D_W_GATE, MOK_SLOT_D_W_UP, MOK_SLOT_D_W_DOWN};
+  for (size_t i = 0; i < sizeof per_expert / sizeof per_expert[0]; i++)
+    s->tensors[per_expert[i]] = expert_offset(v->tensors[per_expert[i]], mb->e0, gu);
+  *ssv = *sv;
+  ssv->local_experts = (uint32_t)n_exp;
+  ssv->first_expert = sv->first_expert + (uint32_t)mb->e0;
+  ssv->rows_capacity = ssv->rows_used = (uint32_t)mb->n;
+  ssv->counts = sv->counts + mb->e0;
+  ssv->offsets = offsets;
+  ssv->row_slot = sv->row_slot + mb->base;
+  ssv->slot_row = slot_row;
+  return MOK_OK;
+}
+
+/* acts rows [0, n) of a macrobatch <-> rows [base, base + n) of the ctx's
+ * g_routed and u_routed (whose layout is the full schedule's). */
+static void acts_rows_copy(const job_env *v, const job_env *s, const macrobatch *mb, void *ctx_acts,
+                           void *ring_acts, bool to_ctx) {
+  size_t row = v->I * v->es, full = mok_acts_routed_bytes(&v->dims);
+  size_t ring = mok_acts_routed_bytes(&s->dims);
+  for (int half = 0; half < 2; half++) {
+    char *c = (char *)ctx_acts + half * full + mb->base * row;
+    char *r = (char *)ring_acts + half * ring;
+    if (to_ctx)
+      memcpy(c, r, mb->n * row);
+    else
+      memcpy(r, c, mb->n * row);
+  }
+}
+
+/* Rows past the last macrobatch, and the arrays' padding, as a pass without
+ * a ring leaves them: zero. */
+static void acts_zero_tail(const job_env *v, void *ctx_acts, size_t rows_used) {
+  size_t row = v->I * v->es, full = mok_acts_routed_bytes(&v->dims);
+  for (int half = 0; half < 2; half++)
+    memset((char *)ctx_acts + half * full + rows_used * row, 0, full - rows_used * row);
+}
+
 /* This rank's copy-in: x-like rows and the routing of its tokens (ids of
  * tokens past T are -1: they route nowhere). */
 static void copy_in_rows(const job_env *l, const mok_ep_group *g, void *dst_all, const void *src) {
@@ -188,7 +285,8 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   group_ctx gc = {0};
   if (ctx) gc = ctx_split(l, v, ctx, true);
   int32_t *sched = ctx ? gc.sched : cpu_scratch(v, SCR_LAYER_CTX, mok_schedule_bytes(&v->dims));
-  size_t routed_bytes = v->rows_cap * v->H * v->es;
+  const size_t ring = ring_rows(v);
+  size_t routed_bytes = (ring ? ring : v->rows_cap) * v->H * v->es;
   void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
   void *routed_y = cpu_scratch(v, SCR_LAYER_ROUTED_Y, routed_bytes);
   mok_status local = (sched && routed_x && routed_y) ? MOK_OK : v->res->status;
@@ -201,20 +299,48 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   }
   if (local == MOK_OK) {
     sv = mok_schedule_view(&v->shape, sched);
+    tm->rows = sv.rows_used;
+    tm->row_bytes = v->H * v->es;
+  }
+  if (local == MOK_OK && !ring) {
     uint64_t a = mono_ns();
     cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
     uint64_t bb = mono_ns();
     tm->pull_ns = bb - a;
-    tm->rows = sv.rows_used;
-    tm->row_bytes = v->H * v->es;
     local = cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
     tm->compute_ns = mono_ns() - bb;
+    if (local == MOK_OK) {
+      uint64_t c = mono_ns();
+      push(v, &sv, routed_y, b->land, NULL, NULL);
+      tm->push_ns = mono_ns() - c;
+    }
   }
-  if (local == MOK_OK) {
+  for (size_t e0 = 0; local == MOK_OK && ring && e0 < sv.local_experts;) {
+    macrobatch mb;
+    job_env s;
+    mok_sched_view ssv;
+    void *ring_acts = NULL;
+    local = next_macrobatch(v, &sv, ring, e0, &mb);
+    if (local == MOK_OK) local = macrobatch_env(v, &sv, &mb, &s, &ssv);
+    if (local == MOK_OK && ctx &&
+        !(ring_acts = cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
+      local = v->res->status;
+    if (local != MOK_OK) break;
     uint64_t a = mono_ns();
-    push(v, &sv, routed_y, b->land, NULL, NULL);
-    tm->push_ns = mono_ns() - a;
+    cpu_gather_rows(&s, &ssv, b->x, routed_x);
+    uint64_t bb = mono_ns();
+    local = cpu_step_compute(&s, &ssv, routed_x, NULL, routed_y, NULL, ring_acts);
+    uint64_t c = mono_ns();
+    if (local == MOK_OK) {
+      if (ctx) acts_rows_copy(v, &s, &mb, gc.acts_routed, ring_acts, true);
+      push(&s, &ssv, routed_y, b->land, NULL, NULL);
+    }
+    tm->pull_ns += bb - a;
+    tm->compute_ns += c - bb;
+    tm->push_ns += mono_ns() - c;
+    e0 = mb.e1;
   }
+  if (local == MOK_OK && ring && ctx) acts_zero_tail(v, gc.acts_routed, sv.rows_used);
   uint64_t t3 = mono_ns();
   st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
   uint64_t t4 = mono_ns();
@@ -241,6 +367,59 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   if (own_view(l, ids, &own) != MOK_OK) return;
   cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
   tm->local_ns = mono_ns() - t4;
+}
+
+/* The routed part of backward with a ring: per macrobatch, pull x (and with
+ * recompute, the gate/up GEMM again) and d_out, backward of its experts,
+ * push d_x rows and d_rw. */
+static mok_status ring_backward(job_env *v, const mok_ep_group *g, group_ctx *gc, bool recompute,
+                                void *routed_x, void *routed_dout, void *routed_dx,
+                                float *drw_v) {
+  const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
+  mok_sched_view sv;
+  mok_status local;
+  if (recompute) {
+    char msg[MOK_COMPLETION_MSG];
+    local = mok_schedule_build(&v->shape, b->ids, gc->sched, mok_schedule_ints(&v->dims), msg,
+                               sizeof msg);
+    if (local != MOK_OK) return cpu_job_fail(v, local, "%s", msg);
+    sv = mok_schedule_view(&v->shape, gc->sched);
+  } else if ((local = cpu_schedule_in(v, gc->sched, &sv)) != MOK_OK) {
+    return local;
+  }
+  size_t n_slots = v->T * v->K, ring = ring_rows(v);
+  float *drw_mb = cpu_scratch(v, SCR_EP_MB_DRW, n_slots * sizeof(float));
+  if (!drw_mb) return v->res->status;
+  memset(drw_v, 0, n_slots * sizeof(float));
+  for (size_t e0 = 0; e0 < sv.local_experts;) {
+    macrobatch mb;
+    job_env s;
+    mok_sched_view ssv;
+    void *ring_acts;
+    if ((local = next_macrobatch(v, &sv, ring, e0, &mb)) != MOK_OK ||
+        (local = macrobatch_env(v, &sv, &mb, &s, &ssv)) != MOK_OK)
+      return local;
+    if (!(ring_acts = cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
+      return v->res->status;
+    cpu_gather_rows(&s, &ssv, b->x, routed_x);
+    if (recompute) {
+      if ((local = cpu_step_compute(&s, &ssv, routed_x, NULL, NULL, NULL, ring_acts)) != MOK_OK)
+        return local;
+      acts_rows_copy(v, &s, &mb, gc->acts_routed, ring_acts, true);
+    } else {
+      acts_rows_copy(v, &s, &mb, gc->acts_routed, ring_acts, false);
+    }
+    cpu_gather_rows(&s, &ssv, b->d_out, routed_dout);
+    local = cpu_step_compute_bwd(&s, &ssv, ring_acts, routed_x, routed_dout, b->rw, NULL, NULL,
+                                 routed_dx, drw_mb, NULL);
+    if (local != MOK_OK) return local;
+    for (size_t i = 0; i < n_slots; i++)
+      if (ssv.slot_row[i] >= 0) drw_v[i] = drw_mb[i];
+    push(&s, &ssv, routed_dx, b->land, drw_v, b->d_rw);
+    e0 = mb.e1;
+  }
+  if (recompute) acts_zero_tail(v, gc->acts_routed, sv.rows_used);
+  return MOK_OK;
 }
 
 static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
@@ -274,14 +453,17 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
     return;
   }
 
-  size_t routed_bytes = v->rows_cap * v->H * v->es;
+  const size_t ring = ring_rows(v);
+  size_t routed_bytes = (ring ? ring : v->rows_cap) * v->H * v->es;
   void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
   void *routed_dout = cpu_scratch(v, SCR_LAYER_ROUTED_DOUT, routed_bytes);
   void *routed_dx = cpu_scratch(v, SCR_LAYER_ROUTED_DX, routed_bytes);
   float *drw_v = cpu_scratch(v, SCR_EP_DRW, v->T * v->K * sizeof(float));
   mok_status local = (routed_x && routed_dout && routed_dx && drw_v) ? MOK_OK : v->res->status;
   mok_sched_view sv;
-  if (local == MOK_OK && recompute) {
+  if (local == MOK_OK && ring) {
+    local = ring_backward(v, g, &gc, recompute, routed_x, routed_dout, routed_dx, drw_v);
+  } else if (local == MOK_OK && recompute) {
     char msg[MOK_COMPLETION_MSG];
     local = mok_schedule_build(&v->shape, b->ids, gc.sched, mok_schedule_ints(&v->dims), msg,
                                sizeof msg);
@@ -295,12 +477,12 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
     local = cpu_schedule_in(v, gc.sched, &sv);
     if (local == MOK_OK) cpu_gather_rows(v, &sv, b->x, routed_x);
   }
-  if (local == MOK_OK) {
+  if (local == MOK_OK && !ring) {
     cpu_gather_rows(v, &sv, b->d_out, routed_dout); /* the reverse combine's pull */
     local = cpu_step_compute_bwd(v, &sv, gc.acts_routed, routed_x, routed_dout, b->rw, NULL,
                                  NULL, routed_dx, drw_v, NULL);
   }
-  if (local == MOK_OK) push(v, &sv, routed_dx, b->land, drw_v, b->d_rw);
+  if (local == MOK_OK && !ring) push(v, &sv, routed_dx, b->land, drw_v, b->d_rw);
   st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
   if (st != MOK_OK) {
     l->res->status = MOK_OK;

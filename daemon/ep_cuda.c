@@ -578,8 +578,7 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
     host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
     return cuda_job_end(&c, res);
   }
-  j.dv = cuda_dims_of(a->layer, a->layer->group_world * a->layer->group_tokens);
-  j.dv.I_s = 0;
+  j.dv = cuda_group_dims(a->layer);
   j.own = (char *)(uintptr_t)j.st->own.va;
   j.kg.off = j.st->lay;
   j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;

@@ -24,7 +24,7 @@
 #include "mok_status.h"
 
 #define SEG_MAGIC 0x5045474bu /* "KGEP" */
-#define SEG_VERSION 2u
+#define SEG_VERSION 3u /* 3: capacity and ring in the sizing */
 #define SEG_ALIGN 4096u
 #define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
 
@@ -170,6 +170,13 @@ static int check_sizing(const mok_ep_group_sizing *s, uint32_t rank, char *err, 
                 s->experts, s->world);
   if (s->dtype != MOK_DTYPE_F32 && s->dtype != MOK_DTYPE_BF16)
     return fail(err, errlen, MOK_EINVAL, "dtype must be float32 or bfloat16");
+  if (s->capacity_ppm > 1000000u)
+    return fail(err, errlen, MOK_EINVAL,
+                "capacity = %u millionths is above 1 (all routes); use 0 or 1 for the worst case",
+                s->capacity_ppm);
+  if (s->ring_rows > MOK_GROUP_MAX_RING_ROWS)
+    return fail(err, errlen, MOK_EINVAL, "ring_rows = %u is above %u", s->ring_rows,
+                MOK_GROUP_MAX_RING_ROWS);
   seg_layout l = layout_of(s);
   if (l.total > MOK_GROUP_MAX_BYTES)
     return fail(err, errlen, MOK_ELIMIT,
@@ -200,6 +207,8 @@ int mok_ep_group_check_join(uid_t seg_uid, const mok_ep_group_sizing *seg, const
   SAME(topk)
   SAME(experts)
   SAME(dtype)
+  SAME(capacity_ppm)
+  SAME(ring_rows)
 #undef SAME
   return MOK_OK;
 }

@@ -30,9 +30,12 @@
 #define MOK_GROUP_MAX_TIMEOUT_MS 3600000u
 #define MOK_GROUP_LINGER_MS 60000u /* a group no session holds is kept this long */
 #define MOK_GROUP_MAX_BYTES (64ull << 30)
+#define MOK_GROUP_MAX_RING_ROWS (1u << 26)
 
 typedef struct mok_ep_group_sizing {
   uint32_t world, max_tokens, hidden, topk, experts, dtype;
+  uint32_t capacity_ppm; /* mok_group_rows_limit (mok_wire.h); 0: the worst case */
+  uint32_t ring_rows;    /* rows of the routed buffers; 0: one pass */
 } mok_ep_group_sizing;
 
 typedef struct mok_ep_group_join_args {

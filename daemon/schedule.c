@@ -94,6 +94,12 @@ mok_status mok_schedule_build(const mok_sched_shape *s, const int32_t *topk_ids,
     if (e >= 0) counts[e]++;
   }
   offsets[0] = 0;
+  uint64_t padded = 0;
+  for (size_t e = 0; e < n_exp; e++) padded += round_up((uint64_t)counts[e], d->row_align);
+  if (padded > capacity) /* only below the worst case: a group's capacity multiplier */
+    SCHED_ERR(MOK_EOVERFLOW,
+              "capacity %zu < %" PRIu64 " routed rows: raise the group's capacity", capacity,
+              padded);
   for (size_t e = 0; e < n_exp; e++)
     offsets[e + 1] = offsets[e] + (int32_t)round_up((uint64_t)counts[e], d->row_align);
 

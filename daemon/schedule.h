@@ -49,7 +49,9 @@ mok_status mok_schedule_shape_check(const mok_sched_shape *s, char *msg, size_t 
 
 /* Builds the schedule of topk_ids [T,K] into sched (mok_schedule_ints
  * entries, every entry written). An id outside [0,E) other than -1 fails
- * with MOK_EROUTE naming t, k and the id, and leaves sched unwritten. */
+ * with MOK_EROUTE naming t, k and the id, and leaves sched unwritten. More
+ * padded rows than mok_rows_capacity (a group's capacity below the worst
+ * case) fail with MOK_EOVERFLOW. */
 mok_status mok_schedule_build(const mok_sched_shape *s, const int32_t *topk_ids, int32_t *sched,
                               size_t sched_ints, char *msg, size_t msglen);
 

@@ -356,7 +356,7 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
   j->timeout_ms = m->timeout_ms;
   j->sizing = (mok_ep_group_sizing){
       .world = m->world, .max_tokens = m->max_tokens, .hidden = m->hidden, .topk = m->topk,
-      .experts = m->experts,
+      .experts = m->experts, .capacity_ppm = m->capacity_ppm, .ring_rows = m->ring_rows,
       .dtype = m->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
                : m->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
                                                     : MOK_DTYPE_INVALID};

@@ -54,6 +54,7 @@ typedef struct mok_k_dims {
   int row_align; /* must be mok_k_row_align() */
   int has_limit;
   float limit;   /* SwiGLU clamp L (> 0) when has_limit */
+  int rows_limit; /* 0, or a routed-row capacity below the worst case (a group's) */
 } mok_k_dims;
 
 /* The routed-row group alignment these kernels need (the GEMM M tile). */

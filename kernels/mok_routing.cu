@@ -31,7 +31,8 @@ int mok_k_sched_chunk(void) { return SCHED_CHUNK; }
 extern "C" int mok_k_row_align(void) { return MOK_K_ROW_ALIGN; }
 
 extern "C" int64_t mok_k_rows_capacity(const mok_k_dims *d) {
-  return (int64_t)d->T * d->K + (int64_t)d->E_loc * (d->row_align - 1);
+  int64_t worst = (int64_t)d->T * d->K + (int64_t)d->E_loc * (d->row_align - 1);
+  return d->rows_limit > 0 && d->rows_limit < worst ? d->rows_limit : worst;
 }
 
 extern "C" int64_t mok_k_schedule_ints(const mok_k_dims *d) {
@@ -56,6 +57,7 @@ extern "C" int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen) {
              d->I, d->I_s);
   if (d->row_align != MOK_K_ROW_ALIGN)
     DIMS_ERR("kernels: row_align %d, the cuda kernels need %d", d->row_align, MOK_K_ROW_ALIGN);
+  if (d->rows_limit < 0) DIMS_ERR("kernels: rows_limit %d is negative", d->rows_limit);
   if (d->E_loc > MAX_E_LOC) DIMS_ERR("kernels: E_loc %d above %d", d->E_loc, MAX_E_LOC);
   if (d->has_limit && !(d->limit > 0.0f && d->limit < 3.0e38f))
     DIMS_ERR("kernels: SwiGLU limit %g must be finite and > 0", (double)d->limit);
@@ -185,20 +187,24 @@ __global__ void __launch_bounds__(1024) sched_scan_kernel(int32_t *hist, int n_c
   for (int e = e0; e < e1; e++) mine += ((long long)counts[e] + row_align - 1) / row_align * row_align;
   long long total;
   long long at = block_exclusive_scan(mine, &total);
+  /* Past the capacity (a group's capacity multiplier) the schedule is empty:
+   * every later kernel then moves and computes nothing, and the job fails. */
+  const bool over = total > capacity;
   for (int e = e0; e < e1; e++) {
-    offsets[e] = (int32_t)at;
+    offsets[e] = over ? 0 : (int32_t)at;
     at += ((long long)counts[e] + row_align - 1) / row_align * row_align;
+    if (over) counts[e] = 0;
   }
   if (threadIdx.x == 0) {
-    if (total > capacity) raise_status(status, MOK_EOVERFLOW);
-    offsets[E_loc] = (int32_t)min(total, (long long)capacity);
+    if (over) raise_status(status, MOK_EOVERFLOW);
+    offsets[E_loc] = over ? 0 : (int32_t)total;
     header[SCHED_H_MAGIC] = (int32_t)MOK_K_SCHED_MAGIC;
     header[SCHED_H_T] = T;
     header[SCHED_H_K] = K;
     header[SCHED_H_ELOC] = E_loc;
     header[SCHED_H_ROW_ALIGN] = row_align;
     header[SCHED_H_CAPACITY] = capacity;
-    header[SCHED_H_ROWS_USED] = (int32_t)min(total, (long long)capacity);
+    header[SCHED_H_ROWS_USED] = over ? 0 : (int32_t)total;
     header[SCHED_H_FIRST_EXPERT] = first;
   }
 }
@@ -221,7 +227,7 @@ __global__ void sched_place_kernel(const int32_t *ids, int n_slots, int E, int f
     __syncwarp();
     if (s < s1) {
       int row = e >= 0 ? before + __popc(same & lanes_below) : -1;
-      if (row >= capacity) row = -1; /* only on overflow, which raised EOVERFLOW */
+      if (row >= offsets[E_loc]) row = -1; /* only past the capacity: an empty schedule */
       slot_row[s] = row;
       if (row >= 0) row_slot[row] = s;
     }

@@ -184,12 +184,16 @@ static inline mok_completion *mok_shm_cq_entries(mok_shm_header *h) {
 typedef struct mok_layout_dims {
   uint64_t tokens, topk, local_experts, row_align;
   uint64_t intermediate, shared_intermediate, elem_size;
+  uint64_t rows_limit; /* 0, or fewer rows than the worst case (a group's capacity) */
 } mok_layout_dims;
 
 static inline uint64_t mok_align256(uint64_t v) { return (v + 255u) & ~(uint64_t)255u; }
 
+/* The worst case (every slot routed here, every group padded) unless the
+ * dims carry a smaller limit: a group's capacity multiplier. */
 static inline uint64_t mok_rows_capacity(const mok_layout_dims *d) {
-  return d->tokens * d->topk + d->local_experts * (d->row_align - 1u);
+  uint64_t worst = d->tokens * d->topk + d->local_experts * (d->row_align - 1u);
+  return d->rows_limit && d->rows_limit < worst ? d->rows_limit : worst;
 }
 static inline uint64_t mok_schedule_ints(const mok_layout_dims *d) {
   return MOK_SCHED_HEADER_INTS + d->local_experts + (d->local_experts + 1u) +
@@ -232,6 +236,8 @@ typedef struct mok_layer_config {
   uint32_t group_rank;          /* this member's rank */
   uint32_t group_tokens;        /* T_max per rank of the group */
   uint32_t group_tag;           /* names the layer in the group's job signature */
+  uint32_t group_rows;          /* routed-row capacity of the virtual batch, 0: worst case */
+  uint32_t group_ring;          /* ring rows for the routed buffers, 0: one pass */
 } mok_layer_config;
 
 /* Layout dimensions of a layer at T tokens (the shared formulas in mok_wire.h). */
@@ -244,6 +250,7 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
   d.intermediate = l->intermediate;
   d.shared_intermediate = l->shared_intermediate;
   d.elem_size = mok_dtype_size(l->dtype);
+  d.rows_limit = 0;
   return d;
 }
 
@@ -260,7 +267,25 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
 static inline mok_layout_dims mok_group_routed_dims(const mok_layer_config *l) {
   mok_layout_dims d = mok_layer_dims(l, l->group_world * l->group_tokens);
   d.shared_intermediate = 0;
+  d.rows_limit = l->group_rows;
   return d;
+}
+
+/* The routed-row capacity of a member's schedule for a group's capacity
+ * multiplier m (the share of all W*T_max*K routes that may land on one
+ * member's experts, as MoK's schedule_capacity_multiplier): ceil(m * routes)
+ * plus every local expert's padding, at most the worst case. m <= 0 or
+ * m >= 1: the worst case (returned as 0, no limit). Client and daemon both
+ * size the ctx from this, so it is integer arithmetic on m in millionths. */
+static inline uint32_t mok_group_rows_limit(uint32_t capacity_ppm, uint32_t world,
+                                            uint32_t max_tokens, uint32_t topk,
+                                            uint32_t local_experts, uint32_t row_align) {
+  uint64_t routes = (uint64_t)world * max_tokens * topk;
+  if (capacity_ppm == 0 || capacity_ppm >= 1000000u || row_align == 0) return 0;
+  uint64_t rows = (routes * capacity_ppm + 999999u) / 1000000u +
+                  (uint64_t)local_experts * (row_align - 1u);
+  uint64_t worst = routes + (uint64_t)local_experts * (row_align - 1u);
+  return rows >= worst || rows > UINT32_MAX ? 0 : (uint32_t)rows;
 }
 static inline uint64_t mok_group_ctx_ids_offset(const mok_layer_config *l) {
   mok_layout_dims v = mok_group_routed_dims(l);

@@ -104,6 +104,18 @@ typedef struct mok_group_sizing {
   uint32_t experts;    /* E, global, a multiple of world */
   uint32_t dtype;      /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
   uint32_t timeout_ms; /* how long a job waits for the other ranks; 0: 30000 */
+  /* The share of all world*max_tokens*topk routes one rank's experts may
+   * receive, in (0, 1]; 0: all of them (the worst case). It sizes each
+   * rank's schedule, ctx and routed buffers; a job whose routing needs more
+   * fails with MOK_EOVERFLOW on every rank (the group stays usable). 2/world
+   * leaves twice the balanced load. Kept to millionths. */
+  float capacity;
+  /* Rows of the daemon's routed buffers (a ring): the routed rows then run
+   * in macrobatches of whole local experts that fit. 0: one pass. An expert
+   * with more padded rows than the ring fails the job with MOK_EOVERFLOW, so
+   * use at least world*max_tokens (the most rows distinct top-k ids send to
+   * one expert). */
+  uint32_t ring_rows;
 } mok_group_sizing;
 
 /* Join rank `rank` of the group `key` (scoped to this client's uid) through

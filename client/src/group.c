@@ -1,4 +1,5 @@
 /* Expert-parallel groups: JoinGroup / LeaveGroup (docs/ep.md). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,6 +10,10 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
   if (!c || !key || !sz || !ret) return mok_set_error(MOK_EINVAL, "mok_group_join: NULL argument");
   if (sz->dtype != MOK_DTYPE_F32 && sz->dtype != MOK_DTYPE_BF16)
     return mok_set_error(MOK_EINVAL, "mok_group_join: dtype must be MOK_DTYPE_F32 or BF16");
+  if (!(sz->capacity >= 0.0f && sz->capacity <= 1.0f))
+    return mok_set_error(MOK_EINVAL,
+                         "mok_group_join: capacity must be in (0, 1], or 0 for all routes");
+  uint32_t capacity_ppm = (uint32_t)lround((double)sz->capacity * 1e6);
   Mok__JoinGroup jg = MOK__JOIN_GROUP__INIT;
   jg.group_key = (char *)key;
   jg.rank = rank;
@@ -19,6 +24,8 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
   jg.experts = sz->experts;
   jg.dtype = sz->dtype == MOK_DTYPE_F32 ? MOK__DTYPE__DTYPE_F32 : MOK__DTYPE__DTYPE_BF16;
   jg.timeout_ms = sz->timeout_ms;
+  jg.capacity_ppm = capacity_ppm;
+  jg.ring_rows = sz->ring_rows;
   Mok__Request req = MOK__REQUEST__INIT;
   req.body_case = MOK__REQUEST__BODY_JOIN_GROUP;
   req.join_group = &jg;
@@ -54,6 +61,7 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
   g->generation = jr->generation;
   g->rejoined = jr->rejoined;
   g->sizing = *sz;
+  g->capacity_ppm = capacity_ppm;
   mok__reply__free_unpacked(reply, NULL);
   *ret = g;
   return MOK_OK;

@@ -70,6 +70,7 @@ struct mok_group {
   uint64_t generation;
   bool rejoined;
   mok_group_sizing sizing;
+  uint32_t capacity_ppm; /* sizing.capacity as joined (mok_group_rows_limit) */
 };
 
 /* Set the thread's last error; returns status for tail calls. */

@@ -56,6 +56,10 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
       l->cfg.group_rank = d->group->rank;
       l->cfg.group_tokens = d->group->sizing.max_tokens;
       l->cfg.group_tag = d->group_tag;
+      l->cfg.group_ring = d->group->sizing.ring_rows;
+      l->cfg.group_rows = mok_group_rows_limit(d->group->capacity_ppm, d->group->world,
+                                               d->group->sizing.max_tokens, d->topk,
+                                               cr->local_experts, cr->row_align);
     }
     c->layers[c->n_layers++] = l;
   }

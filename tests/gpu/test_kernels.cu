@@ -69,6 +69,7 @@ static const shape mid_shape = {"mid", 2048, 1024, 512, 16, 16, 0, 4, 512, 0, 0.
 
 static mok_k_dims dims_of(const shape *s) {
   mok_k_dims d;
+  memset(&d, 0, sizeof d);
   d.T = s->T;
   d.H = s->H;
   d.I = s->I;

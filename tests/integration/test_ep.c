@@ -46,6 +46,8 @@ static double now_s(void) {
 
 typedef struct problem {
   uint32_t dtype, W, T[MAXW], limit_on;
+  float capacity;     /* the group's capacity multiplier (0: all routes) */
+  uint32_t ring_rows; /* the group's ring (0: one pass) */
   float x[MAXW][TMAX * H_], d_out[MAXW][TMAX * H_], rw[MAXW][TMAX * K_];
   int32_t ids[MAXW][TMAX * K_];
   float wg[E_ * I_ * H_], wu[E_ * I_ * H_], wd[E_ * H_ * I_];
@@ -225,7 +227,8 @@ static void run_layer(mok_client *c, mok_layer *l, const problem *p, uint32_t T,
 
 static mok_group_sizing sizing_of(const problem *p, uint32_t timeout_ms) {
   return (mok_group_sizing){.max_tokens = TMAX, .hidden = H_, .topk = K_, .experts = E_,
-                            .dtype = p->dtype, .timeout_ms = timeout_ms};
+                            .dtype = p->dtype, .timeout_ms = timeout_ms,
+                            .capacity = p->capacity, .ring_rows = p->ring_rows};
 }
 
 static mok_layer_desc desc_of(const problem *p, uint32_t max_tokens, mok_group *g) {
@@ -452,12 +455,50 @@ static void check_ep(daemon_proc *d, const problem *p, const result *res, uint32
   munmap(ep1, (1 + p->W) * sizeof *ep1);
 }
 
-static void ep_case(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags, int limit) {
+/* Routed rows rank r's local experts receive: rows[e_loc] (no padding). */
+static void local_rows(const problem *p, uint32_t r, uint32_t *rows) {
+  const uint32_t El = E_ / p->W;
+  memset(rows, 0, El * sizeof *rows);
+  for (uint32_t q = 0; q < p->W; q++)
+    for (uint32_t i = 0; i < p->T[q] * K_; i++) {
+      int32_t e = p->ids[q][i];
+      if (e >= 0 && (uint32_t)e / El == r) rows[(uint32_t)e % El]++;
+    }
+}
+
+/* A capacity multiplier that just fits the busiest rank (half a row spare). */
+static float tight_capacity(const problem *p) {
+  uint32_t most = 0, rows[E_];
+  for (uint32_t r = 0; r < p->W; r++) {
+    local_rows(p, r, rows);
+    uint32_t sum = 0;
+    for (uint32_t e = 0; e < E_ / p->W; e++) sum += rows[e];
+    if (sum > most) most = sum;
+  }
+  return ((float)most + 0.5f) / (float)(p->W * TMAX * K_);
+}
+
+static void ep_case_sized(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags,
+                          int limit, int tight, int ring) {
   daemon_proc d[MAXW];
   start_daemons(d, W);
   problem *p = malloc(sizeof *p);
   problem_init(p, dtype, W, T, 11 + W);
   p->limit_on = (uint32_t)limit;
+  if (tight) p->capacity = tight_capacity(p);
+  if (ring) {
+    /* the busiest expert's rows (the cpu engine pads nothing): every expert
+     * fits, and rank 0's experts need more than one macrobatch */
+    uint32_t rows[E_], most = 0, sum = 0;
+    for (uint32_t r = 0; r < W; r++) {
+      local_rows(p, r, rows);
+      for (uint32_t e = 0; e < E_ / W; e++) most = rows[e] > most ? rows[e] : most;
+    }
+    local_rows(p, 0, rows);
+    for (uint32_t e = 0; e < E_ / W; e++) sum += rows[e];
+    CHECK_MSG(sum > most, "the test's routing must need several macrobatches");
+    p->ring_rows = most;
+  }
   result *res = shared_results(W);
   char key[96];
   unique_key(key, sizeof key, "match");
@@ -465,6 +506,10 @@ static void ep_case(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flag
   check_ep(d, p, res, flags);
   stop_daemons(d, W);
   free(p);
+}
+
+static void ep_case(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags, int limit) {
+  ep_case_sized(W, dtype, T, flags, limit, 0, 0);
 }
 
 /* ---- tests -------------------------------------------------------------------- */
@@ -487,6 +532,152 @@ static void test_ep4_bf16_matches_ep1_bitwise(void) {
 static void test_ep2_bf16_clamp_recompute(void) {
   uint32_t T[] = {11, TMAX};
   ep_case(2, MOK_DTYPE_BF16, T, MOK_JOB_RECOMPUTE, 1);
+}
+
+/* A capacity that just fits the busiest rank: the same bits as EP=1. */
+static void test_ep4_tight_capacity_matches_ep1(void) {
+  uint32_t T[] = {TMAX, 13, 24, 7};
+  ep_case_sized(4, MOK_DTYPE_BF16, T, 0, 0, 1, 0);
+}
+
+/* The ring: macrobatches of whole experts give the same bits as one pass
+ * (forward, backward from ctx and with recompute, with a tight capacity). */
+static void ring_case(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags, int tight) {
+  if (harness_engine_is_cuda()) {
+    /* not built on the GPU yet: refused at layer creation, clearly */
+    daemon_proc d = harness_start("threads = 1\n");
+    mok_client *c;
+    CHECK(mok_connect(d.sock, "ring", &c) == MOK_OK);
+    problem *p = calloc(1, sizeof *p);
+    p->dtype = MOK_DTYPE_BF16;
+    p->W = 1;
+    p->ring_rows = 1024;
+    mok_group_sizing sz = sizing_of(p, 1000);
+    mok_group *g;
+    char key[96];
+    unique_key(key, sizeof key, "ring");
+    CHECK_MSG(mok_group_join(c, key, 0, 1, &sz, &g) == MOK_OK, "%s", mok_last_error());
+    mok_layer_desc ld = desc_of(p, TMAX, g);
+    mok_layer *l;
+    CHECK_EQ_INT(mok_layer_create(c, &ld, &l), MOK_EUNSUPPORTED);
+    CHECK_STR_CONTAINS(mok_last_error(), "ring");
+    mok_close(c);
+    CHECK_EQ_INT(harness_stop(&d), 0);
+    free(p);
+    return;
+  }
+  ep_case_sized(W, dtype, T, flags, 1, tight, 1);
+}
+
+static void test_ep2_f32_ring_matches_ep1(void) {
+  uint32_t T[] = {TMAX, 17};
+  ring_case(2, MOK_DTYPE_F32, T, 0, 0);
+}
+
+static void test_ep4_bf16_ring_recompute_tight_capacity(void) {
+  uint32_t T[] = {20, TMAX, 9, 1};
+  ring_case(4, MOK_DTYPE_BF16, T, MOK_JOB_RECOMPUTE, 1);
+}
+
+/* One rank's client for the overflow test: forward on all tokens (too many
+ * for the capacity, or for the ring), then on one token (fits). */
+typedef struct overflow_result {
+  int first, second;
+  char msg[256];
+  uint64_t ctx_small, ctx_full;
+} overflow_result;
+
+static void overflow_rank(const char *sock, const char *key, const problem *p, uint32_t rank,
+                          overflow_result *res) {
+  mok_client *c;
+  CHECK_MSG(mok_connect(sock, "overflow", &c) == MOK_OK, "%s", mok_last_error());
+  mok_group_sizing sz = sizing_of(p, 10000);
+  mok_group *g;
+  CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc ld = desc_of(p, TMAX, g);
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  res->ctx_small = mok_layer_ctx_bytes(l, TMAX);
+  /* the same layer on a group of all routes: a larger ctx */
+  char key2[160];
+  snprintf(key2, sizeof key2, "%s-full", key);
+  mok_group_sizing full = sz;
+  full.capacity = 0.0f;
+  full.ring_rows = 0;
+  mok_group *g2;
+  mok_layer *l2;
+  CHECK_MSG(mok_group_join(c, key2, rank, p->W, &full, &g2) == MOK_OK, "%s", mok_last_error());
+  ld.group = g2;
+  CHECK_MSG(mok_layer_create(c, &ld, &l2) == MOK_OK, "%s", mok_last_error());
+  res->ctx_full = mok_layer_ctx_bytes(l2, TMAX);
+  result *r = calloc(1, sizeof *r);
+  run_layer(c, l, p, p->T[rank], p->x[rank], p->ids[rank], p->rw[rank], p->d_out[rank],
+            rank * (E_ / p->W), E_ / p->W, 0, 0, r);
+  res->first = r->status_fwd;
+  snprintf(res->msg, sizeof res->msg, "%s", r->msg);
+  memset(r, 0, sizeof *r);
+  run_layer(c, l, p, 1, p->x[rank], p->ids[rank], p->rw[rank], p->d_out[rank],
+            rank * (E_ / p->W), E_ / p->W, 0, 0, r);
+  res->second = r->status_fwd == MOK_OK && r->status_fwd2 == MOK_OK ? r->status_bwd
+                                                                     : r->status_fwd;
+  free(r);
+  mok_close(c);
+}
+
+/* Routing past the capacity (or an expert past the ring): EOVERFLOW on
+ * every rank, nothing hangs, and the group runs the next job. */
+static void overflow_case(float capacity, uint32_t ring_rows, const char *why) {
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_F32, 2, T, 21);
+  p->capacity = capacity;
+  p->ring_rows = ring_rows;
+  char key[96];
+  unique_key(key, sizeof key, "overflow");
+  overflow_result *res = mmap(NULL, 2 * sizeof *res, PROT_READ | PROT_WRITE,
+                              MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  CHECK(res != MAP_FAILED);
+  memset(res, 0, 2 * sizeof *res);
+  pid_t pids[2];
+  for (uint32_t r = 0; r < 2; r++) {
+    pids[r] = fork();
+    CHECK(pids[r] >= 0);
+    if (pids[r] == 0) {
+      overflow_rank(d[r].sock, key, p, r, &res[r]);
+      _exit(0);
+    }
+  }
+  for (uint32_t r = 0; r < 2; r++) reap(pids[r]);
+  for (uint32_t r = 0; r < 2; r++) {
+    CHECK_MSG(res[r].first == MOK_EOVERFLOW, "rank %u: first forward %d (%s)", r, res[r].first,
+              res[r].msg);
+    if (!harness_engine_is_cuda()) CHECK_STR_CONTAINS(res[r].msg, why);
+    CHECK_MSG(res[r].second == MOK_OK, "rank %u: the next job failed: %d", r, res[r].second);
+    if (capacity > 0.0f)
+      CHECK_MSG(res[r].ctx_small < res[r].ctx_full, "rank %u: ctx %llu bytes, all routes %llu",
+                r, (unsigned long long)res[r].ctx_small, (unsigned long long)res[r].ctx_full);
+  }
+  stop_daemons(d, 2);
+  munmap(res, 2 * sizeof *res);
+  free(p);
+}
+
+static void test_capacity_overflow_fails_every_rank(void) {
+  /* The first job routes 48 rows per rank, the second at most 4. cpu
+   * engine: 5% of the 96 routes is 5 rows. cuda engine (row groups of
+   * 128): 1% is 1 row plus 4 * 127 of padding, 509 rows: rank 0's four busy
+   * experts need 512, rank 1's three (expert 5 is idle) 384, so only rank 0
+   * overflows and rank 1's job fails with it; the second job needs 256. */
+  overflow_case(harness_engine_is_cuda() ? 0.01f : 0.05f, 0, "capacity");
+}
+
+static void test_expert_past_the_ring_fails_every_rank(void) {
+  if (harness_engine_is_cuda()) return; /* no ring on the GPU (ring_case checks the refusal) */
+  /* 2 rows: the first job's experts get more, the second's (one token per
+   * rank, distinct ids per token) at most 2 */
+  overflow_case(0.0f, 2, "ring_rows");
 }
 
 /* A rank that never comes: ETIMEOUT, the group broken, the daemons serve
@@ -692,6 +883,18 @@ static void test_join_rules(void) {
   CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
   CHECK_STR_CONTAINS(mok_last_error(), "max_tokens");
   bad = sz;
+  bad.capacity = 0.5f;
+  CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "capacity_ppm");
+  bad = sz;
+  bad.ring_rows = 64;
+  CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "ring_rows");
+  bad = sz;
+  bad.capacity = 1.5f;
+  CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "capacity must be");
+  bad = sz;
   bad.experts = 7;
   CHECK_EQ_INT(mok_group_join(c1, key, 1, 2, &bad, &g), MOK_EINVAL);
   CHECK_STR_CONTAINS(mok_last_error(), "multiple of world");
@@ -763,6 +966,11 @@ static const check_case cases[] = {
     CHECK_CASE(test_ep4_f32_uneven_tokens_recompute),
     CHECK_CASE(test_ep4_bf16_matches_ep1_bitwise),
     CHECK_CASE(test_ep2_bf16_clamp_recompute),
+    CHECK_CASE(test_ep4_tight_capacity_matches_ep1),
+    CHECK_CASE(test_ep2_f32_ring_matches_ep1),
+    CHECK_CASE(test_ep4_bf16_ring_recompute_tight_capacity),
+    CHECK_CASE(test_capacity_overflow_fails_every_rank),
+    CHECK_CASE(test_expert_past_the_ring_fails_every_rank),
     CHECK_CASE(test_missing_peer_times_out_and_group_recovers),
     CHECK_CASE(test_mismatched_peer_fails_clearly),
     CHECK_CASE(test_stalled_peer_fails_on_the_device),

@@ -63,7 +63,7 @@ def weights(seed):
             for s in ((E, I, H), (E, I, H), (E, H, I))]
 
 
-def run_ranks(socks, key, Ts, tags=(0, 0), timeout_ms=10000):
+def run_ranks(socks, key, Ts, tags=(0, 0), timeout_ms=10000, **sizing):
     wg, wu, wd = weights(1)
     El = E // W
     results, errors = [None] * W, [None] * W
@@ -72,7 +72,7 @@ def run_ranks(socks, key, Ts, tags=(0, 0), timeout_ms=10000):
         try:
             with mok.connect(socks[r]) as c:
                 g = c.group(key, r, W, max_tokens=TMAX, hidden=H, topk=K, experts=E,
-                            timeout_ms=timeout_ms)
+                            timeout_ms=timeout_ms, **sizing)
                 assert g.local_experts == El and g.first_expert == r * El
                 layer = c.layer(hidden=H, intermediate=I, experts=E, topk=K, group=g,
                                 group_tag=tags[r])
@@ -92,9 +92,12 @@ def run_ranks(socks, key, Ts, tags=(0, 0), timeout_ms=10000):
     return results, errors
 
 
-def test_group_layer_matches_ep1_and_reference(daemons):
+@pytest.mark.parametrize("sizing", [{}, {"capacity": 0.75, "ring_rows": W * TMAX}],
+                         ids=["one-pass", "capacity-ring"])
+def test_group_layer_matches_ep1_and_reference(daemons, sizing):
     Ts = (TMAX, 11)
-    results, errors = run_ranks(daemons, "py-ep-%d" % os.getpid(), Ts)
+    results, errors = run_ranks(daemons, "py-ep-%d-%d" % (os.getpid(), len(sizing)), Ts,
+                                **sizing)
     assert errors == [None] * W, errors
     wg, wu, wd = weights(1)
     parts = [inputs(10 + r, Ts[r]) for r in range(W)]
@@ -129,6 +132,10 @@ def test_group_errors(daemons):
         with pytest.raises(mok.Error) as e:
             c.group("py-ep-bad", 0, 2, max_tokens=TMAX, hidden=H, topk=K, experts=3)
         assert "multiple of world" in str(e.value)
+        with pytest.raises(mok.Error) as e:
+            c.group("py-ep-bad", 0, 2, max_tokens=TMAX, hidden=H, topk=K, experts=E,
+                    capacity=1.5)
+        assert e.value.status == "EINVAL" and "capacity" in str(e.value)
         g = c.group("py-ep-alone-%d" % os.getpid(), 0, 2, max_tokens=TMAX, hidden=H, topk=K,
                     experts=E, timeout_ms=300)
         layer = c.layer(hidden=H, intermediate=I, experts=E, topk=K, group=g)
@@ -139,3 +146,10 @@ def test_group_errors(daemons):
         assert e.value.status == "ETIMEOUT", e.value
         layer.close()
         g.leave()
+
+
+def test_group_capacity_overflow(daemons):
+    # one row for every rank's experts: the routing needs more
+    results, errors = run_ranks(daemons, "py-ep-cap-%d" % os.getpid(), (TMAX, TMAX),
+                                capacity=0.5 / (W * TMAX * K))
+    assert all(isinstance(e, mok.Error) and e.status == "EOVERFLOW" for e in errors), errors

@@ -32,7 +32,7 @@ static mok_ep_group_join_args args(uint32_t rank, const char *key) {
   snprintf(a.key, sizeof a.key, "%s", key);
   a.rank = rank;
   a.timeout_ms = 300;
-  a.sizing = (mok_ep_group_sizing){2, 16, 64, 2, 4, MOK_DTYPE_BF16};
+  a.sizing = (mok_ep_group_sizing){2, 16, 64, 2, 4, MOK_DTYPE_BF16, 0, 0};
   return a;
 }
 

@@ -246,6 +246,37 @@ static void test_empty(void) {
   free(sc);
 }
 
+/* A capacity below the worst case (a group's capacity multiplier): a
+ * schedule that fits is the same as without the limit, only shorter; one
+ * row more fails with EOVERFLOW, saying by how much. */
+static void test_capacity_limit(void) {
+  const int32_t ids[8] = {1, 3, 0, 1, -1, 3, 1, 1}; /* 6 local rows; padded (align 2): 6 */
+  mok_sched_shape s = make_shape(4, 2, 4, 3, 1, 2);
+  size_t n_full;
+  int32_t *full = build_ok(&s, ids, &n_full);
+  s.dims.rows_limit = 6;
+  CHECK_EQ_INT(mok_rows_capacity(&s.dims), 6);
+  size_t n;
+  int32_t *lim = build_ok(&s, ids, &n);
+  CHECK(n == n_full - 5); /* row_slot holds 6 rows instead of 11 */
+  mok_sched_view a = mok_schedule_view(&s, lim);
+  CHECK_EQ_INT(a.rows_capacity, 6);
+  CHECK_EQ_INT(a.rows_used, 6);
+  CHECK(memcmp(lim + MOK_SCHED_HEADER_INTS, full + MOK_SCHED_HEADER_INTS, (3 + 4) * 4) == 0);
+  s.dims.rows_limit = 5;
+  int32_t *sched = malloc(n * sizeof *sched);
+  CHECK(sched);
+  char msg[128];
+  CHECK_EQ_INT(mok_schedule_build(&s, ids, sched, n, msg, sizeof msg), MOK_EOVERFLOW);
+  CHECK_STR_CONTAINS(msg, "capacity 5 < 6 routed rows");
+  /* a limit at or above the worst case is no limit */
+  s.dims.rows_limit = 1000;
+  CHECK_EQ_INT(mok_rows_capacity(&s.dims), 11);
+  free(sched);
+  free(lim);
+  free(full);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_build_layout),
     CHECK_CASE(test_build_padding),
@@ -254,6 +285,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_validate_random_garbage),
     CHECK_CASE(test_shape_limits),
     CHECK_CASE(test_empty),
+    CHECK_CASE(test_capacity_limit),
     {0},
 };
 

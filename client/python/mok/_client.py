@@ -411,12 +411,15 @@ class Client:
 
     # ---- expert-parallel groups ----
     def group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype="float32",
-              timeout_ms=0):
+              timeout_ms=0, capacity=0.0, ring_rows=0):
         """Join rank `rank` of the expert-parallel group `key` (docs/ep.md).
         Every rank joins through its own mokd with the same sizing; joining a
-        group the daemon still holds (a restarted trainer) is cheap."""
+        group the daemon still holds (a restarted trainer) is cheap.
+        capacity: the share of all routes one rank's experts may receive, in
+        (0, 1] (0: all; a job needing more fails with EOVERFLOW); ring_rows:
+        rows of the daemon's routed buffers (0: one pass)."""
         return Group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype,
-                     timeout_ms)
+                     timeout_ms, capacity, ring_rows)
 
 
 def _dtype_code(dtype):
@@ -442,6 +445,14 @@ def _dim(name, v, lo=1):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo or v >= 1 << 32:
         raise Error("EINVAL", "%s must be an integer >= %d, got %r" % (name, lo, v))
     return int(v)
+
+
+def _capacity(v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(v) <= 1.0:
+        raise Error("EINVAL", "capacity must be a number in (0, 1], or 0 for all routes; got %r"
+                    % (v,))
+    return float(v)
 
 
 def _out_map(out, names, op):
@@ -524,7 +535,7 @@ class Group:
     """An expert-parallel group this client joined (see Client.group)."""
 
     def __init__(self, client, key, rank, world, max_tokens, hidden, topk, experts, dtype,
-                 timeout_ms):
+                 timeout_ms, capacity=0.0, ring_rows=0):
         self.client = client
         self.key = str(key)
         self.rank = _dim("rank", rank, 0)
@@ -534,7 +545,9 @@ class Group:
         sz = _lib.GroupSizing(max_tokens=self.max_tokens, hidden=_dim("hidden", hidden),
                               topk=_dim("topk", topk), experts=_dim("experts", experts),
                               dtype=_dtype_code(dtype), timeout_ms=_dim("timeout_ms",
-                                                                        timeout_ms, 0))
+                                                                        timeout_ms, 0),
+                              capacity=_capacity(capacity),
+                              ring_rows=_dim("ring_rows", ring_rows, 0))
         L = _lib.lib()
         h = c_void_p()
         with client._lock:

@@ -58,7 +58,8 @@ class LayerDesc(ctypes.Structure):
 
 class GroupSizing(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in (
-        "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")]
+        "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")] + [
+        ("capacity", ctypes.c_float), ("ring_rows", ctypes.c_uint32)]
 
 
 class Tensor(ctypes.Structure):
