@@ -468,10 +468,15 @@ int mok_nccl_group_create(const uint8_t id[MOK_NCCL_ID_BYTES], int rank, int wor
                   timeout_ms, rank, world, err, errlen);
   if (st != MOK_OK) goto fail;
   if (!g->win) {
+    /* NCCL 2.28 gives symmetric memory only to a communicator whose ranks all
+     * sit on one node with direct P2P (CUDA VMM): members on several hosts
+     * land here rather than at the LSA check below */
     snprintf(err, errlen,
-             "NCCL group: ncclCommWindowRegister gave no window: this communicator has no "
-             "symmetric memory support (NCCL_CUMEM_ENABLE=0, NCCL_LOCAL_REGISTER=0, or peers "
-             "without CUDA VMM / P2P)");
+             "NCCL group: ncclCommWindowRegister gave no window: NCCL %d has no symmetric memory "
+             "for this communicator (a member on another host or outside this GPU's NVLink "
+             "domain, no direct P2P between the GPUs, or NCCL_CUMEM_ENABLE=0 / "
+             "NCCL_WIN_ENABLE=0); the network path is not built",
+             load_version);
     st = MOK_EUNSUPPORTED;
     goto fail;
   }

@@ -14,12 +14,12 @@
  *                byte checked against the host reference, two jobs in a row
  *       missing  W-1 members of a world of W: creation fails with ETIMEOUT
  *                within the timeout (no hang), CUDA still usable after
- *       lsa1     NCCL_LSA_TEAM_SIZE=1: every peer outside the LSA team,
- *                creation fails with the "outside this GPU's NVLink domain"
- *                error
+ *       split    NCCL_HOSTID differs per member (NCCL sees W hosts): creation
+ *                fails with a clear error (no symmetric window / a peer
+ *                outside the NVLink domain; the network path is not built)
  *     Exit 0 only when every check passed.
  *   test_nccl_group one SCENARIO W [FAKE_OLD_LIB]   one of them (absent, old, group,
- *     lsa1, missing)
+ *     split, missing)
  *   test_nccl_group absent [FAKE_OLD_LIB]   the two that need no GPU and no NCCL
  *
  *   test_nccl_group bench W [T] [H] [K]
@@ -455,8 +455,15 @@ static int m_group(int rank, int world, int gpus, int up, int down, int rounds) 
     EXPECT(st == MOK_OK, "[rank %d] check: %d %s", rank, st, err);
     member_free(&m);
     t0 = now_s();
+    if (round == 1) { /* the watchdog's path: abort, then destroy */
+      CUDA_CHECK(cudaDeviceSynchronize());
+      mok_nccl_group_abort(g);
+      st = mok_nccl_group_check(g, err, sizeof err);
+      EXPECT(st == MOK_ECLOSED, "[rank %d] check after abort: %d %s", rank, st, err);
+    }
     mok_nccl_group_destroy(g);
-    printf("[rank %d] round %d: destroyed in %.1f ms\n", rank, round, (now_s() - t0) * 1e3);
+    printf("[rank %d] round %d: %sdestroyed in %.1f ms\n", rank, round,
+           round == 1 ? "aborted and " : "", (now_s() - t0) * 1e3);
   }
   return bad || failures;
 }
@@ -489,25 +496,34 @@ static int m_missing(int rank, int world, int gpus, int up, int down, int rounds
   return failures;
 }
 
-static int m_lsa1(int rank, int world, int gpus, int up, int down, int rounds) {
-  setenv("NCCL_LSA_TEAM_SIZE", "1", 1);
+/* Each member claims a host of its own (NCCL_HOSTID): to NCCL the group spans
+ * two hosts, as a group across NVLink domains would. Creation must fail with
+ * a clear error (no symmetric window, or a peer outside the LSA team), never
+ * form a group that the kernels cannot reach, never hang. */
+static int m_split(int rank, int world, int gpus, int up, int down, int rounds) {
+  char host[64];
+  snprintf(host, sizeof host, "mok-test-host-%d", rank);
+  setenv("NCCL_HOSTID", host, 1);
   CUDA_CHECK(cudaSetDevice(rank % gpus));
   uint8_t id[MOK_NCCL_ID_BYTES];
   if (get_id(rank, up, down, id)) return 1;
   char err[320] = "";
   mok_nccl_group *g = NULL;
+  double t0 = now_s();
   int st = mok_nccl_group_create(id, rank, world, rank % gpus, 1 << 22, 30000, &g, err,
                                  sizeof err);
-  printf("[rank %d] NCCL_LSA_TEAM_SIZE=1: status %d: %s\n", rank, st, st ? err : "(formed)");
+  printf("[rank %d] NCCL_HOSTID=%s: status %d after %.2f s: %s\n", rank, host, st, now_s() - t0,
+         st ? err : "(formed)");
   if (st == MOK_OK) {
-    printf("[rank %d] SKIP: this NCCL ignores NCCL_LSA_TEAM_SIZE (LSA team %d)\n", rank,
+    printf("[rank %d] FAIL: a group formed across 'hosts' (LSA team %d)\n", rank,
            mok_nccl_group_lsa_size(g));
     mok_nccl_group_destroy(g);
-    return 0;
+    return 1;
   }
-  EXPECT(st == MOK_EUNSUPPORTED && strstr(err, "outside this GPU's NVLink domain") &&
+  EXPECT(st == MOK_EUNSUPPORTED && g == NULL &&
+             (strstr(err, "outside this GPU's NVLink domain") || strstr(err, "gave no window")) &&
              strstr(err, "network path is not built"),
-         "[rank %d] lsa1: status %d '%s'", rank, st, err);
+         "[rank %d] split: status %d '%s'", rank, st, err);
   return failures;
 }
 
@@ -525,8 +541,8 @@ static int run_all(int W, const char *old_lib, const char *only) {
       {"old", "old: a library reporting NCCL 2.27.3 -> 'too old'", m_old, 1, 1, 0, 20},
       {"group", "group: W members, EP kernels over the NCCL window, 2 rounds", m_group, W, W, 2,
        90},
-      {"lsa1", "lsa1: NCCL_LSA_TEAM_SIZE=1 -> 'outside this GPU's NVLink domain'", m_lsa1, W, W, 1,
-       45},
+      {"split", "split: NCCL_HOSTID differs per member (two 'hosts') -> clear error, no group",
+       m_split, W, W, 1, 45},
       {"missing", "missing: W-1 members of W -> ETIMEOUT within the timeout, no hang", m_missing,
        W - 1, W, 1, 25},
   };
