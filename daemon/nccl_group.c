@@ -468,9 +468,9 @@ int mok_nccl_group_create(const uint8_t id[MOK_NCCL_ID_BYTES], int rank, int wor
                   timeout_ms, rank, world, err, errlen);
   if (st != MOK_OK) goto fail;
   if (!g->win) {
-    /* NCCL 2.28 gives symmetric memory only to a communicator whose ranks all
-     * sit on one node with direct P2P (CUDA VMM): members on several hosts
-     * land here rather than at the LSA check below */
+    /* NCCL gives no symmetric memory to some communicators (no direct P2P,
+     * cuMem off, and in some versions members on several nodes): those land
+     * here rather than at the LSA check below */
     snprintf(err, errlen,
              "NCCL group: ncclCommWindowRegister gave no window: NCCL %d has no symmetric memory "
              "for this communicator (a member on another host or outside this GPU's NVLink "
