@@ -185,6 +185,14 @@ $(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
 
+# the ring's device test: macrobatches against one pass, bit for bit
+ifneq ($(HAVE_CUDA),)
+GPU_TEST_BINS += $(BUILD)/tests/gpu/test_ring
+endif
+$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/gpu/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
 gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
 

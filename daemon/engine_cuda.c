@@ -37,6 +37,7 @@
 #include "engine_cuda_internal.h"
 #include "engine.h"
 #include "log.h"
+#include "mok_ep_kernels.h"
 #include "mok_kernels.h"
 #include "mok_slots.h"
 #include "region.h"
@@ -304,6 +305,20 @@ mok_k_dims cuda_group_dims(const mok_layer_config *c) {
   return d;
 }
 
+mok_k_dims cuda_ring_dims(const mok_layer_config *c) {
+  mok_k_dims d = cuda_group_dims(c);
+  d.rows_limit = (int)c->group_ring;
+  return d;
+}
+
+/* Rows of a group layer's ring, 0 when one pass fits (no ring, or a ring
+ * at least the capacity). */
+static int ring_rows_of(const mok_layer_config *c) {
+  if (!c->group_world || !c->group_ring) return 0;
+  mok_k_dims dv = cuda_group_dims(c);
+  return (int64_t)c->group_ring < mok_k_rows_capacity(&dv) ? (int)c->group_ring : 0;
+}
+
 static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
   (void)e;
   if (cfg->dtype != MOK_DTYPE_BF16) {
@@ -330,13 +345,6 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
     return MOK_EENGINE;
   }
   if (cfg->group_world) {
-    if (cfg->group_ring) {
-      snprintf(err, errlen,
-               "the cuda engine does not run a group's ring yet (ring_rows = %u): join with "
-               "ring_rows 0; the capacity multiplier bounds the routed buffers",
-               cfg->group_ring);
-      return MOK_EUNSUPPORTED;
-    }
     /* the routed part runs on the group's virtual batch */
     mok_k_dims dv = cuda_group_dims(cfg);
     if (mok_k_check_dims(&dv, kerr, sizeof kerr) != MOK_OK) {
@@ -356,6 +364,10 @@ void cuda_free_async(void *p, cudaStream_t st) {
 static void layer_free(mok_engine_layer *l, cudaStream_t st) {
   cuda_free_async(l->ws, st);
   cuda_free_async(l->ctx, st);
+  cuda_free_async(l->ring_g, st);
+  cuda_free_async(l->ring_u, st);
+  cuda_free_async(l->ring_sched, st);
+  cuda_free_async(l->ring_plan, st);
   cuda_free_async(l->routed_a, st);
   cuda_free_async(l->routed_b, st);
   cuda_free_async(l->routed_c, st);
@@ -384,6 +396,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
   size_t T = cfg->max_tokens, ws_bytes = mok_k_workspace_bytes(&d);
   uint64_t ctx_bytes = mok_ctx_bytes(&ld);
   size_t TK_v = 0, TK_own = 0, ws_aux = 0; /* a group layer's gathered routing */
+  size_t ring_sched_bytes = 0;
   if (cfg->group_world) {
     /* the routed part runs on the virtual batch of every member's tokens */
     mok_k_dims dv = cuda_group_dims(cfg);
@@ -394,7 +407,20 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
       snprintf(err, errlen, "cuda engine: kernel and wire group capacities disagree (build mismatch)");
       return MOK_EENGINE;
     }
-    if (mok_k_workspace_bytes(&dv) > ws_bytes) ws_bytes = mok_k_workspace_bytes(&dv);
+    size_t ws_group = mok_k_workspace_bytes(&dv);
+    if ((l->ring_rows = ring_rows_of(cfg)) > 0) {
+      /* routed buffers and the GEMMs' workspace for a macrobatch; the
+       * schedule build still needs its histogram of the whole batch (the
+       * workspace of dims with one row of capacity) */
+      mok_k_dims dr = cuda_ring_dims(cfg), hist_only = dv;
+      hist_only.rows_limit = 1;
+      l->ring_batches = mok_k_ring_batches(mok_k_rows_capacity(&dv), l->ring_rows, dv.E_loc);
+      R = (size_t)l->ring_rows;
+      ws_group = mok_k_workspace_bytes(&dr);
+      if (mok_k_workspace_bytes(&hist_only) > ws_group) ws_group = mok_k_workspace_bytes(&hist_only);
+      ring_sched_bytes = (size_t)mok_k_schedule_ints(&dr) * 4;
+    }
+    if (ws_group > ws_bytes) ws_bytes = ws_group;
     ctx_bytes = mok_group_ctx_bytes(cfg, cfg->max_tokens);
     TK_v = (size_t)cfg->group_world * cfg->group_tokens * cfg->topk;
     TK_own = (size_t)cfg->group_tokens * cfg->topk;
@@ -416,6 +442,10 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
       {(void **)&l->ep_drw, TK_v * 4, "group routing"},
       {(void **)&l->ep_own, TK_own * 4, "group routing"},
       {&l->ws_aux, ws_aux, "shared-expert workspace"},
+      {(void **)&l->ring_g, l->ring_rows ? R * I * 2 : 0, "ring activations"},
+      {(void **)&l->ring_u, l->ring_rows ? R * I * 2 : 0, "ring activations"},
+      {(void **)&l->ring_sched, ring_sched_bytes, "ring schedule"},
+      {(void **)&l->ring_plan, (size_t)l->ring_batches * 16, "ring plan"},
   };
   size_t total = 0;
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {

@@ -140,6 +140,12 @@ struct mok_engine_layer {
   float *ep_drw;     /* [W*T_max*K] d_rw of the local experts' slots, before the push */
   int32_t *ep_own;   /* [T_max*K] the own tokens' view of the landing slots */
   void *ws_aux;      /* workspace of the shared expert on the side stream */
+  /* a group's ring (mok_ring.cu): routed_a/b/c and ws then hold ring rows */
+  int ring_rows;     /* 0: one pass over the whole capacity */
+  int ring_batches;  /* macrobatches launched per job (the worst case) */
+  uint16_t *ring_g, *ring_u; /* [ring_rows, I] a macrobatch's acts */
+  int32_t *ring_sched; /* a macrobatch's schedule */
+  int32_t *ring_plan;  /* [ring_batches, 4] */
 };
 
 typedef struct job_ctx {
@@ -167,6 +173,8 @@ bool cuda_context_broken(cudaStream_t stream);
 void cuda_free_async(void *p, cudaStream_t st);
 mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
 mok_k_dims cuda_group_dims(const mok_layer_config *c);
+/* A ring's macrobatch: the group dims with the ring's capacity. */
+mok_k_dims cuda_ring_dims(const mok_layer_config *c);
 __attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status, const char *fmt,
                                                          ...);
 void cuda_launched(job_ctx *c, int st, const char *what);

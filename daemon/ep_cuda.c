@@ -421,19 +421,82 @@ static void device_barrier(ep_job *j, uint32_t phase) {
 }
 
 /* After the expert step: push the result rows (and d_rw) into their owners'
- * slots, wait for every member's pushes, join the side stream, and view the
- * own landing slots through the own routing ids (into l->ep_own). */
+ * slots (rows NULL: a ring pushed each macrobatch already), wait for every
+ * member's pushes, join the side stream, and view the own landing slots
+ * through the own routing ids (into l->ep_own). */
 static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virtual,
                           const int32_t *own_ids) {
   job_ctx *c = j->c;
-  MARK(j, "experts");
-  LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, rows, drw_virtual, c->status, c->st));
+  if (rows) {
+    MARK(j, "experts");
+    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &j->dv, j->sched, rows, drw_virtual, c->status, c->st));
+  }
   MARK(j, "push");
   device_barrier(j, 2);
   MARK(j, "barrier-2");
   side_end(j);
   MARK(j, "shared-join");
   LAUNCH(c, mok_k_ep_own_slots(&c->d, own_ids, c->l->ep_own, c->status, c->st));
+}
+
+/* ---- the ring: the routed part in macrobatches (mok_ring.cu) ----------------
+ *
+ * With a ring the routed buffers hold ring_rows rows. Every macrobatch the
+ * worst case could need is launched; the plan (built on the device from the
+ * schedule) leaves those past the last empty. Each one pulls its rows, runs
+ * the experts on its own schedule and pushes its results; the activations
+ * move between the ring and their rows of the ctx, which keeps them all. */
+static void ring_forward(ep_job *j) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  mok_k_dims dr = cuda_ring_dims(c->a->layer);
+  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
+                            c->status, c->st));
+  for (int m = 0; m < l->ring_batches && !c->failed; m++) {
+    LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, &dr, l->ring_sched, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.x, l->routed_a,
+                                 c->status, c->st));
+    LAUNCH(c, mok_k_expert_forward(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), l->ring_g, l->ring_u, l->routed_b, l->ws,
+                                   c->status, c->st));
+    LAUNCH(c, mok_k_ring_copy_acts(l->ring_plan, m, l->ring_rows, dr.I, j->acts.g, j->acts.u,
+                                   l->ring_g, l->ring_u, 1, c->st));
+    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_b, NULL, c->status,
+                                 c->st));
+  }
+  LAUNCH(c, mok_k_ring_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
+  MARK(j, "ring");
+}
+
+/* Backward's routed part: j->sched is built (recompute) or validated. */
+static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const uint16_t *wu,
+                          const uint16_t *wd) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  mok_k_dims dr = cuda_ring_dims(c->a->layer);
+  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
+                            c->status, c->st));
+  for (int m = 0; m < l->ring_batches && !c->failed; m++) {
+    LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, &dr, l->ring_sched, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.x, l->routed_a,
+                                 c->status, c->st));
+    if (recompute) /* the gate/up GEMM again, bitwise as forward; acts back to the ctx */
+      LAUNCH(c, mok_k_gate_up_swiglu(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                     l->ring_g, l->ring_u, l->routed_c, c->status, c->st));
+    LAUNCH(c, mok_k_ring_copy_acts(l->ring_plan, m, l->ring_rows, dr.I, j->acts.g, j->acts.u,
+                                   l->ring_g, l->ring_u, recompute, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.d_out, l->routed_b,
+                                 c->status, c->st));
+    LAUNCH(c, mok_k_expert_backward_experts(&dr, l->ring_sched, l->ring_g, l->ring_u,
+                                            l->routed_a, l->routed_b, l->ep_rw, wg, wu, wd,
+                                            l->routed_c, l->ep_drw, BF(c, D_W_GATE),
+                                            BF(c, D_W_UP), BF(c, D_W_DOWN), l->ring_plan + 4 * m,
+                                            l->ws, c->status, c->st));
+    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_c, l->ep_drw, c->status,
+                                 c->st));
+  }
+  if (recompute) LAUNCH(c, mok_k_ring_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
+  MARK(j, "ring");
 }
 
 static void ep_forward(ep_job *j) {
@@ -457,13 +520,18 @@ static void ep_forward(ep_job *j) {
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
   LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
   MARK(j, "schedule");
-  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
-                               c->st));
-  MARK(j, "pull");
-  LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                 BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
-                                 c->status, c->st));
-  exchange_back(j, l->routed_b, NULL, ids);
+  if (l->ring_rows) {
+    ring_forward(j);
+    exchange_back(j, NULL, NULL, ids);
+  } else {
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+                                 c->st));
+    MARK(j, "pull");
+    LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
+                                   c->status, c->st));
+    exchange_back(j, l->routed_b, NULL, ids);
+  }
   /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
                           (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
@@ -500,29 +568,33 @@ static void ep_backward(ep_job *j) {
   device_barrier(j, 1);
   MARK(j, "barrier-1");
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
-  if (recompute) {
-    /* dispatch and the gate/up GEMM again, bitwise as forward */
+  if (recompute) { /* dispatch again, bitwise as forward */
     LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
     LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
-                                 c->st));
-    LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                   j->acts.g, j->acts.u, l->routed_c, c->status, c->st));
   } else {
     LAUNCH(c, mok_k_schedule_validate(&j->dv, j->sched, c->status, c->st));
+  }
+  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+  if (l->ring_rows) {
+    cuda_stage_weights(c, &wg, &wu, &wd);
+    ring_backward(j, recompute, wg, wu, wd);
+    exchange_back(j, NULL, l->ep_drw, ids);
+  } else {
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
                                  c->st));
+    if (recompute) /* the gate/up GEMM again, bitwise as forward */
+      LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                     j->acts.g, j->acts.u, l->routed_c, c->status, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
+                                 c->status, c->st));
+    MARK(j, recompute ? "pull+recompute" : "pull");
+    cuda_stage_weights(c, &wg, &wu, &wd);
+    LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, l->routed_a,
+                                    l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
+                                    BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
+                                    c->status, c->st));
+    exchange_back(j, l->routed_c, l->ep_drw, ids);
   }
-  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
-                               c->status, c->st));
-  MARK(j, recompute ? "pull+recompute" : "pull");
-  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
-  cuda_stage_weights(c, &wg, &wu, &wd);
-  LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, l->routed_a,
-                                  l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
-                                  BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
-                                  c->status, c->st));
-  exchange_back(j, l->routed_c, l->ep_drw, ids);
   /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
   LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
                           c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));

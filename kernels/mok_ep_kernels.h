@@ -97,6 +97,38 @@ int mok_k_ep_ksum(const mok_k_dims *d, const int32_t *slot_row, const mok_k_bf16
 int mok_k_ep_own_drw(const mok_k_dims *d, const int32_t *slot_row, const float *drw_land,
                      float *d_rw, int32_t *status, mok_k_stream stream);
 
+/* ---- the ring (mok_ring.cu) --------------------------------------------------
+ *
+ * With a ring of R rows, a member's schedule over the virtual batch (dv,
+ * capacity C) runs in macrobatches of whole local experts that fit R. The
+ * plan is int32 [batches][4] = {e0, e1, base, rows}: local experts
+ * [e0, e1), schedule rows [base, base + rows); macrobatches past the last
+ * are {E_loc, E_loc, 0, 0}. An expert with more padded rows than R raises
+ * MOK_EOVERFLOW and leaves every macrobatch empty. plan + 4*m is also the
+ * expert range for mok_k_expert_backward_experts. */
+
+/* Host: how many macrobatches the worst case needs (1: no ring needed). */
+int mok_k_ring_batches(long long capacity_rows, int ring_rows, int E_loc);
+
+int mok_k_ring_plan(const mok_k_dims *dv, const int32_t *schedule, int ring_rows, int batches,
+                    int32_t *plan, int32_t *status, mok_k_stream stream);
+
+/* Macrobatch m's schedule: dims dr = dv with rows_limit R; its rows are the
+ * macrobatch's rows renumbered from 0; other experts have no rows; slots
+ * of other macrobatches map to -1. */
+int mok_k_ring_schedule(const mok_k_dims *dv, const int32_t *schedule, const int32_t *plan, int m,
+                        const mok_k_dims *dr, int32_t *sub, mok_k_stream stream);
+
+/* Rows [0, rows) of the ring's acts g, u [R, I] <-> rows [base, base+rows)
+ * of the ctx's g, u [C, I] (to_ctx: ring -> ctx). */
+int mok_k_ring_copy_acts(const int32_t *plan, int m, int ring_rows, int I, mok_k_bf16 *ctx_g,
+                         mok_k_bf16 *ctx_u, mok_k_bf16 *ring_g, mok_k_bf16 *ring_u, int to_ctx,
+                         mok_k_stream stream);
+
+/* ctx g, u rows [rows_used, C) = 0 (rows_used from the schedule's header). */
+int mok_k_ring_zero_tail(const mok_k_dims *dv, const int32_t *schedule, mok_k_bf16 *ctx_g,
+                         mok_k_bf16 *ctx_u, mok_k_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -46,6 +46,7 @@ typedef struct gemm_params {
   int c_split; /* WGRAD: output rows >= c_split go to C1 */
   /* schedule (grouped) or one group of M rows (shared expert) */
   int grouped, E_loc, n_slots;
+  const int32_t *e_range; /* WGRAD: device [e0, e1), other experts' blocks return (NULL: all) */
   const int32_t *offsets, *counts, *row_slot;
   /* DOWN_DGRAD */
   const float *rw; /* NULL: rw = 1 (shared expert) */
@@ -256,6 +257,8 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
   int nk;
   if constexpr (MODE == GM_WGRAD) {
     tp.e = blockIdx.z;
+    /* another macrobatch's expert: its gradient is not this launch's to write */
+    if (p.e_range && (tp.e < p.e_range[0] || tp.e >= p.e_range[1])) return;
     tp.m0 = blockIdx.x * BM;
     if (p.grouped) { /* clamped, so even an unchecked schedule stays in bounds */
       const int off = min(max(p.offsets[tp.e], 0), p.K);
@@ -651,6 +654,7 @@ typedef struct ffn_bwd_args {
   const float *rw;
   bf16 *dgu, *h, *d_xr, *d_wg, *d_wu, *d_wd;
   float *partial;
+  const int32_t *e_range; /* device [e0, e1): weight gradients of these experts only */
 } ffn_bwd_args;
 
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
@@ -720,11 +724,12 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   w.c_split = d->H;
   w.ldc = n;
   w.c_expert_stride = (long long)d->H * n;
+  w.e_range = a->e_range;
   const bool wg90 = use_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
   if (wg90)
     st = mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
                           (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
-                          w.c_split, w.ldc, w.c_expert_stride, status, stream);
+                          w.c_split, w.ldc, w.c_expert_stride, a->e_range, status, stream);
   else
     st = launch_gemm<GM_WGRAD>(w, dim3(cdiv(d->H, BM), cdiv(n, BN), a->groups), stream);
   if (st != MOK_OK) return st;
@@ -743,7 +748,7 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   if (wg90)
     return mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
                             (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
-                            w.c_split, w.ldc, w.c_expert_stride, status, stream);
+                            w.c_split, w.ldc, w.c_expert_stride, a->e_range, status, stream);
   return launch_gemm<GM_WGRAD>(w, dim3(cdiv(2LL * n, BM), cdiv(d->H, BN), a->groups), stream);
 }
 
@@ -755,6 +760,19 @@ extern "C" int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedul
                                      mok_k_bf16 *routed_d_x, float *d_rw, mok_k_bf16 *d_w_gate,
                                      mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down, void *workspace,
                                      int32_t *status, mok_k_stream stream) {
+  return mok_k_expert_backward_experts(d, schedule, acts_g, acts_u, routed_x, routed_d_out,
+                                       router_weights, w_gate, w_up, w_down, routed_d_x, d_rw,
+                                       d_w_gate, d_w_up, d_w_down, NULL, workspace, status,
+                                       stream);
+}
+
+extern "C" int mok_k_expert_backward_experts(
+    const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *acts_g,
+    const mok_k_bf16 *acts_u, const mok_k_bf16 *routed_x, const mok_k_bf16 *routed_d_out,
+    const float *router_weights, const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+    const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x, float *d_rw, mok_k_bf16 *d_w_gate,
+    mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down, const int32_t *expert_range, void *workspace,
+    int32_t *status, mok_k_stream stream) {
   if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !acts_g || !acts_u ||
       !routed_x || !routed_d_out || !w_gate || !w_up || !w_down || !routed_d_x || !d_w_gate ||
       !d_w_up || !d_w_down || !workspace || (d->T > 0 && (!router_weights || !d_rw)) ||
@@ -783,6 +801,7 @@ extern "C" int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedul
   a.d_wu = (bf16 *)d_w_up;
   a.d_wd = (bf16 *)d_w_down;
   a.partial = (float *)(ws + L.partial);
+  a.e_range = expert_range;
   /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
   int st = mok_k_scale_rows(d, schedule, (const bf16 *)routed_d_out, router_weights,
                             (bf16 *)(ws + L.dy), status, stream);
@@ -811,6 +830,7 @@ extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
   a.M = d->T;
   a.n_inter = d->I_s;
   a.groups = 1;
+  a.e_range = NULL;
   a.x = (const bf16 *)x;
   a.d_out = (const bf16 *)d_out;
   a.dy = (const bf16 *)d_out; /* rw = 1: dy = d_out exactly */

@@ -98,6 +98,8 @@ typedef struct s9_params {
   float *partial;      /* DOWN_DGRAD: d_rw partials per 128-column tile (NULL: none) */
   int n_partial;
   int wstore;          /* WGRAD: epilogue through TMA stores (maps: map_a2 C0, map_b1 C1) */
+  const int32_t *e_range; /* WGRAD: device [e0, e1); other experts' tiles are skipped and
+                             their gradients left as they are (a ring's macrobatch). NULL: all */
 } s9_params;
 
 /* ---- SwiGLU (must match mok_gemm.cu bit for bit: explicit roundings) -------- */
@@ -115,6 +117,7 @@ __device__ static inline float s9_sigmoid(float v) {
 typedef struct s9_tile {
   int e, row0, used_end, store_end, n0;
   int k_begin, k_end; /* WGRAD: the expert's rows; row0 is the output row */
+  int skip;           /* WGRAD: outside p.e_range: no loads, no stores */
 } s9_tile;
 
 /* WGRAD tile t: expert-major, then M tiles, then N tiles. The expert's
@@ -129,6 +132,7 @@ __device__ static inline s9_tile s9_locate_w(const s9_params &p, int t) {
   tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
   tl.k_begin = 0;
   tl.k_end = p.K;
+  tl.skip = p.e_range && (tl.e < p.e_range[0] || tl.e >= p.e_range[1]);
   if (p.offsets) {
     const int off = min(max(p.offsets[tl.e], 0), p.K);
     tl.k_begin = off;
@@ -160,6 +164,7 @@ __device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
   tl.row0 = mb * S9_BM;
   tl.e = 0;
   tl.k_begin = tl.k_end = 0;
+  tl.skip = 0;
   if (!p.offsets) {
     tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
     return tl;
@@ -208,6 +213,7 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = MODE == S9_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    if (tl.skip) continue; /* the consumers skip it too */
     const int nk = s9_tile_nk(p, tl, MODE);
     const int e = tl.e, slabs = s9_b_slabs(p.N, tl.n0);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
@@ -531,6 +537,7 @@ __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t ba
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = MODE == S9_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    if (tl.skip) continue; /* as the producer */
     const int nk = s9_tile_nk(p, tl, MODE);
     if (MODE == S9_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
       const int kv = tl.k_end - tl.k_begin - (nk - 1) * S9_BK;
@@ -825,9 +832,11 @@ extern "C" int mok_k_sm90_gate_up_dgrad(const mok_k_dims *d, const int32_t *sche
 extern "C" int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows,
                                 int M, int N, const mok_k_bf16 *a, const mok_k_bf16 *b,
                                 mok_k_bf16 *c0, mok_k_bf16 *c1, int c_split, long long ldc,
-                                long long c_expert_stride, int32_t *status, mok_k_stream stream) {
+                                long long c_expert_stride, const int32_t *e_range,
+                                int32_t *status, mok_k_stream stream) {
   if (M <= 0 || N <= 0 || groups <= 0) return MOK_OK;
   s9_params p = s9_base(d, schedule, M, status);
+  p.e_range = e_range;
   p.N = N;
   p.K = rows > 0 ? rows : 0;
   p.groups = groups;

@@ -55,7 +55,7 @@ int mok_k_sm90_gate_up_dgrad(const mok_k_dims *d, const int32_t *schedule, int M
 int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows, int M,
                      int N, const mok_k_bf16 *a, const mok_k_bf16 *b, mok_k_bf16 *c0,
                      mok_k_bf16 *c1, int c_split, long long ldc, long long c_expert_stride,
-                     int32_t *status, mok_k_stream stream);
+                     const int32_t *e_range, int32_t *status, mok_k_stream stream);
 
 /* Which backward modes mok_gemm.cu sends here (bits: MOK_K_SM90_BWD_*;
  * default all). Tests and benches compare them one at a time. */

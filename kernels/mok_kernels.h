@@ -169,6 +169,19 @@ int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedule, const mo
                           const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x, float *d_rw,
                           mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down,
                           void *workspace, int32_t *status, mok_k_stream stream);
+/* The same, writing the weight gradients of the local experts in the
+ * device range expert_range[0] <= e < expert_range[1] only (NULL: all):
+ * a ring's macrobatch, whose schedule gives the other experts no rows,
+ * must leave their gradients (written by other macrobatches) alone. */
+int mok_k_expert_backward_experts(const mok_k_dims *d, const int32_t *schedule,
+                                  const mok_k_bf16 *acts_g, const mok_k_bf16 *acts_u,
+                                  const mok_k_bf16 *routed_x, const mok_k_bf16 *routed_d_out,
+                                  const float *router_weights, const mok_k_bf16 *w_gate,
+                                  const mok_k_bf16 *w_up, const mok_k_bf16 *w_down,
+                                  mok_k_bf16 *routed_d_x, float *d_rw, mok_k_bf16 *d_w_gate,
+                                  mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down,
+                                  const int32_t *expert_range, void *workspace, int32_t *status,
+                                  mok_k_stream stream);
 
 /* shared_backward: the same with rw = 1, rows = tokens, from x, d_out and
  * acts_gs/acts_us: shared_d_x [T,H], d_s_gate, d_s_up [I_s,H],

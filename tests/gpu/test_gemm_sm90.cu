@@ -901,9 +901,10 @@ static void bwd_bench(const char *only, int only_T) {
           CUDA_CHECK(cudaEventRecord(ev[2], 0));
           MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, d.H, n, (uint16_t *)(ws + WL.dy),
                                      (uint16_t *)(ws + WL.h), b.dwd, NULL, d.H, n,
-                                     (long long)d.H * n, L.status, 0));
+                                     (long long)d.H * n, NULL, L.status, 0));
           MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, 2 * n, d.H, (uint16_t *)(ws + WL.dgu),
-                                     L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, L.status, 0));
+                                     L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, NULL, L.status,
+                                     0));
           CUDA_CHECK(cudaEventRecord(ev[3], 0));
           CUDA_CHECK(cudaEventSynchronize(ev[3]));
           float a, bb, cc;
