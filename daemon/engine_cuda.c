@@ -293,6 +293,7 @@ mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
   d.has_limit = c->has_limit ? 1 : 0;
   d.limit = c->has_limit ? c->swiglu_limit : 0.0f;
   d.rows_limit = 0;
+  d.no_tail = 0;
   return d;
 }
 
@@ -302,6 +303,9 @@ mok_k_dims cuda_group_dims(const mok_layer_config *c) {
   mok_k_dims d = cuda_dims_of(c, c->group_world * c->group_tokens);
   d.I_s = 0;
   d.rows_limit = (int)c->group_rows;
+  /* a member's rows in use are a fraction of the capacity: the kernels skip
+   * the rest (the ctx's activation rows past them are zeroed on their own) */
+  d.no_tail = 1;
   return d;
 }
 
@@ -1197,7 +1201,8 @@ static const char *status_text(int st) {
   switch (st) {
   case MOK_EROUTE: return "a routing id is outside [0, experts) and not -1";
   case MOK_EINVAL: return "the schedule (or ctx) given failed validation";
-  case MOK_EOVERFLOW: return "a capacity overflowed";
+  case MOK_EOVERFLOW:
+    return "more routed rows than the group's capacity or ring: raise capacity or ring_rows";
   case MOK_ETIMEOUT:
     return "a group member missed a device barrier (timeout); group broken, re-join";
   default: return "the kernels reported an error";

@@ -464,7 +464,7 @@ static void ring_forward(ep_job *j) {
     LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_b, NULL, c->status,
                                  c->st));
   }
-  LAUNCH(c, mok_k_ring_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
+  LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
   MARK(j, "ring");
 }
 
@@ -495,7 +495,7 @@ static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const u
     LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_c, l->ep_drw, c->status,
                                  c->st));
   }
-  if (recompute) LAUNCH(c, mok_k_ring_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
+  if (recompute) LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
   MARK(j, "ring");
 }
 
@@ -530,6 +530,8 @@ static void ep_forward(ep_job *j) {
     LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                    BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
                                    c->status, c->st));
+    /* the kernels skip the rows past those in use (no_tail): define them */
+    LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
     exchange_back(j, l->routed_b, NULL, ids);
   }
   /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
@@ -582,9 +584,11 @@ static void ep_backward(ep_job *j) {
   } else {
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
                                  c->st));
-    if (recompute) /* the gate/up GEMM again, bitwise as forward */
+    if (recompute) { /* the gate/up GEMM again, bitwise as forward */
       LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                      j->acts.g, j->acts.u, l->routed_c, c->status, c->st));
+      LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
+    }
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
                                  c->status, c->st));
     MARK(j, recompute ? "pull+recompute" : "pull");

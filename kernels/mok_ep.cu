@@ -155,12 +155,19 @@ __device__ static inline const char *owner_base(const mok_k_ep &g, int v, int *t
   return (const char *)g.base[p];
 }
 
-__global__ void ep_pull_rows_kernel(mok_k_ep g, const int32_t *row_slot, int capacity, int K,
-                                    int n_slots, int vecs, uint64_t off, uint4 *dst,
-                                    const int32_t *status) {
+/* The rows a row kernel walks: all (capacity), or with no_tail those in
+ * use (*used: the schedule's offsets[E_loc]). */
+__device__ static inline int rows_walked(const int32_t *used, int capacity) {
+  return used ? min(max(*used, 0), capacity) : capacity;
+}
+
+__global__ void ep_pull_rows_kernel(mok_k_ep g, const int32_t *row_slot, int capacity,
+                                    const int32_t *used, int K, int n_slots, int vecs,
+                                    uint64_t off, uint4 *dst, const int32_t *status) {
   if (job_failed(status)) return;
   const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < capacity; r += gridDim.x * warps) {
+  const int rows = rows_walked(used, capacity);
+  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
     const int s = row_slot[r];
     const uint4 *src = NULL;
     if (s >= 0 && s < n_slots) {
@@ -186,18 +193,20 @@ extern "C" int mok_k_ep_pull_rows(const mok_k_ep *g, const mok_k_dims *dv,
   if (s.capacity == 0) return MOK_OK;
   dim3 grid, block;
   row_launch(g, s.capacity, &grid, &block);
-  ep_pull_rows_kernel<<<grid, block, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
-                                                             s.n_slots, dv->H / 8, off,
-                                                             (uint4 *)dst, status);
+  ep_pull_rows_kernel<<<grid, block, 0, stream>>>(
+      *g, s.row_slot, s.capacity, dv->no_tail ? s.offsets + dv->E_loc : NULL, dv->K, s.n_slots,
+      dv->H / 8, off, (uint4 *)dst, status);
   return mok_k_launch_status();
 }
 
-__global__ void ep_push_rows_kernel(mok_k_ep g, const int32_t *row_slot, int capacity, int K,
-                                    int n_slots, int vecs, const uint4 *rows,
-                                    const float *drw_virtual, const int32_t *status) {
+__global__ void ep_push_rows_kernel(mok_k_ep g, const int32_t *row_slot, int capacity,
+                                    const int32_t *used, int K, int n_slots, int vecs,
+                                    const uint4 *rows, const float *drw_virtual,
+                                    const int32_t *status) {
   if (job_failed(status)) return;
   const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < capacity; r += gridDim.x * warps) {
+  const int n_rows = rows_walked(used, capacity);
+  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < n_rows; r += gridDim.x * warps) {
     const int s = row_slot[r];
     if (s < 0 || s >= n_slots) continue;
     int t;
@@ -217,10 +226,9 @@ extern "C" int mok_k_ep_push_rows(const mok_k_ep *g, const mok_k_dims *dv,
   if (s.capacity == 0) return MOK_OK;
   dim3 grid, block;
   row_launch(g, s.capacity, &grid, &block);
-  ep_push_rows_kernel<<<grid, block, 0, stream>>>(*g, s.row_slot, s.capacity, dv->K,
-                                                             s.n_slots, dv->H / 8,
-                                                             (const uint4 *)rows, drw_virtual,
-                                                             status);
+  ep_push_rows_kernel<<<grid, block, 0, stream>>>(
+      *g, s.row_slot, s.capacity, dv->no_tail ? s.offsets + dv->E_loc : NULL, dv->K, s.n_slots,
+      dv->H / 8, (const uint4 *)rows, drw_virtual, status);
   return mok_k_launch_status();
 }
 

@@ -125,8 +125,9 @@ int mok_k_ring_copy_acts(const int32_t *plan, int m, int ring_rows, int I, mok_k
                          mok_k_bf16 *ctx_u, mok_k_bf16 *ring_g, mok_k_bf16 *ring_u, int to_ctx,
                          mok_k_stream stream);
 
-/* ctx g, u rows [rows_used, C) = 0 (rows_used from the schedule's header). */
-int mok_k_ring_zero_tail(const mok_k_dims *dv, const int32_t *schedule, mok_k_bf16 *ctx_g,
+/* ctx g, u rows [rows_used, C) = 0 (rows_used from the schedule's header):
+ * the rows a ring, or GEMMs on dims with no_tail, leave unwritten. */
+int mok_k_acts_zero_tail(const mok_k_dims *dv, const int32_t *schedule, mok_k_bf16 *ctx_g,
                          mok_k_bf16 *ctx_u, mok_k_stream stream);
 
 #ifdef __cplusplus

@@ -47,6 +47,7 @@ typedef struct gemm_params {
   /* schedule (grouped) or one group of M rows (shared expert) */
   int grouped, E_loc, n_slots;
   const int32_t *e_range; /* WGRAD: device [e0, e1), other experts' blocks return (NULL: all) */
+  int no_tail;            /* row modes: blocks past the last group return instead of zeroing */
   const int32_t *offsets, *counts, *row_slot;
   /* DOWN_DGRAD */
   const float *rw; /* NULL: rw = 1 (shared expert) */
@@ -273,6 +274,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
     if (p.grouped) {
       const int rows_used = min(max(p.offsets[p.E_loc], 0), p.M);
       if (tp.row0 >= rows_used) { /* past the last group: zeros */
+        if (p.no_tail) return;    /* (the whole block: nothing to write) */
         tp.e = -1;
         tp.used_end = tp.row0;
         tp.store_end = min(tp.row0 + BM, p.M);
@@ -511,6 +513,7 @@ static gemm_params params_base(const mok_k_dims *d, const int32_t *status) {
   p.has_limit = d->has_limit;
   p.limit = d->limit;
   p.status = status;
+  p.no_tail = d->no_tail;
   return p;
 }
 

@@ -98,6 +98,7 @@ typedef struct s9_params {
   float *partial;      /* DOWN_DGRAD: d_rw partials per 128-column tile (NULL: none) */
   int n_partial;
   int wstore;          /* WGRAD: epilogue through TMA stores (maps: map_a2 C0, map_b1 C1) */
+  int no_tail;         /* row modes: tiles past the last group are skipped, not zeroed */
   const int32_t *e_range; /* WGRAD: device [e0, e1); other experts' tiles are skipped and
                              their gradients left as they are (a ring's macrobatch). NULL: all */
 } s9_params;
@@ -174,6 +175,7 @@ __device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
     tl.e = -1;
     tl.used_end = tl.row0;
     tl.store_end = min(tl.row0 + S9_BM, p.M);
+    tl.skip = p.no_tail;
     return tl;
   }
   tl.e = find_group(p.offsets, p.E_loc, tl.row0);
@@ -702,6 +704,7 @@ static s9_params s9_base(const mok_k_dims *d, const int32_t *schedule, int M, in
   p.has_limit = d->has_limit;
   p.limit = d->limit;
   p.status = status;
+  p.no_tail = d->no_tail;
   if (schedule) {
     sched_ptrs s = sched_view(d, schedule);
     p.E_loc = d->E_loc;

@@ -55,6 +55,9 @@ typedef struct mok_k_dims {
   int has_limit;
   float limit;   /* SwiGLU clamp L (> 0) when has_limit */
   int rows_limit; /* 0, or a routed-row capacity below the worst case (a group's) */
+  int no_tail;    /* 1: routed rows past the schedule's used rows are neither read nor
+                     written (nobody needs them: a group's rows, where the capacity is
+                     far above the rows in use); 0: they are written as zeros */
 } mok_k_dims;
 
 /* The routed-row group alignment these kernels need (the GEMM M tile). */

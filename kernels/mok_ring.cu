@@ -154,7 +154,7 @@ extern "C" int mok_k_ring_copy_acts(const int32_t *plan, int m, int ring_rows, i
 
 /* rows [rows_used, capacity) of the ctx's g and u: zero, as a pass without
  * a ring leaves them */
-__global__ void ring_zero_tail_kernel(const int32_t *header, int capacity, int vec_per_row,
+__global__ void acts_zero_tail_kernel(const int32_t *header, int capacity, int vec_per_row,
                                       uint4 *g, uint4 *u) {
   int used = header[SCHED_H_ROWS_USED];
   used = used < 0 ? 0 : (used > capacity ? capacity : used);
@@ -165,7 +165,7 @@ __global__ void ring_zero_tail_kernel(const int32_t *header, int capacity, int v
   u[c] = make_uint4(0, 0, 0, 0);
 }
 
-extern "C" int mok_k_ring_zero_tail(const mok_k_dims *dv, const int32_t *schedule,
+extern "C" int mok_k_acts_zero_tail(const mok_k_dims *dv, const int32_t *schedule,
                                     mok_k_bf16 *ctx_g, mok_k_bf16 *ctx_u, mok_k_stream stream) {
   if (mok_k_check_dims(dv, NULL, 0) != MOK_OK || !schedule || !ctx_g || !ctx_u ||
       !mok_k_aligned16(ctx_g) || !mok_k_aligned16(ctx_u))
@@ -173,7 +173,7 @@ extern "C" int mok_k_ring_zero_tail(const mok_k_dims *dv, const int32_t *schedul
   const int capacity = (int)mok_k_rows_capacity(dv), vec = dv->I / 8;
   const long long total = (long long)capacity * vec;
   if (total == 0) return MOK_OK;
-  ring_zero_tail_kernel<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+  acts_zero_tail_kernel<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
       schedule, capacity, vec, (uint4 *)ctx_g, (uint4 *)ctx_u);
   return mok_k_launch_status();
 }

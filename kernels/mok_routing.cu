@@ -58,6 +58,7 @@ extern "C" int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen) {
   if (d->row_align != MOK_K_ROW_ALIGN)
     DIMS_ERR("kernels: row_align %d, the cuda kernels need %d", d->row_align, MOK_K_ROW_ALIGN);
   if (d->rows_limit < 0) DIMS_ERR("kernels: rows_limit %d is negative", d->rows_limit);
+  if (d->no_tail != 0 && d->no_tail != 1) DIMS_ERR("kernels: no_tail %d is not 0 or 1", d->no_tail);
   if (d->E_loc > MAX_E_LOC) DIMS_ERR("kernels: E_loc %d above %d", d->E_loc, MAX_E_LOC);
   if (d->has_limit && !(d->limit > 0.0f && d->limit < 3.0e38f))
     DIMS_ERR("kernels: SwiGLU limit %g must be finite and > 0", (double)d->limit);
@@ -353,11 +354,11 @@ __global__ void gather_rows_kernel(const uint4 *src, const int32_t *row_slot, in
 /* dst[r] = rnd(rw[slot] * src[r]) for used rows, zeros on padding rows
  * (the dy operand of the down-projection weight gradient). */
 __global__ void scale_rows_kernel(const uint4 *src, const int32_t *row_slot, const float *rw,
-                                  int capacity, int n_slots, int vecs, uint4 *dst,
-                                  const int32_t *status) {
+                                  int capacity, const int32_t *rows_used, int n_slots, int vecs,
+                                  uint4 *dst, const int32_t *status) {
   if (job_failed(status)) return;
   const int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= capacity) return;
+  if (r >= capacity || (rows_used && r >= *rows_used)) return; /* no_tail: rows in use only */
   const int s = row_slot[r];
   const bool used = s >= 0 && s < n_slots;
   const float w = used ? rw[s] : 0.0f;
@@ -459,8 +460,9 @@ int mok_k_scale_rows(const mok_k_dims *d, const int32_t *schedule, const bf16 *s
   sched_ptrs s = sched_view(d, schedule);
   if (s.capacity == 0) return MOK_OK;
   scale_rows_kernel<<<(s.capacity + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 32 * ROWS_PER_BLOCK, 0,
-                      stream>>>((const uint4 *)src, s.row_slot, rw, s.capacity, s.n_slots,
-                                d->H / 8, (uint4 *)dst, status);
+                      stream>>>((const uint4 *)src, s.row_slot, rw, s.capacity,
+                                d->no_tail ? s.offsets + d->E_loc : NULL, s.n_slots, d->H / 8,
+                                (uint4 *)dst, status);
   return mok_k_launch_status();
 }
 

@@ -218,6 +218,8 @@ static int bench_kernels(int W, int T, int H, int K, int gpus) {
 
 typedef struct shape2 {
   int W, T, H, I, E, K, gpus;
+  float capacity; /* the group's capacity multiplier (0: all routes) */
+  int ring;       /* the group's ring rows (0: one pass) */
 } shape2;
 
 typedef struct rank_res {
@@ -225,6 +227,7 @@ typedef struct rank_res {
   int n;
   double join_s, layer_s, first_s;
   int rejoined, status;
+  size_t ctx_bytes;
   char msg[200];
 } rank_res;
 
@@ -278,7 +281,7 @@ static void rank_main(const char *sock, const shape2 *s, int rank, int world, co
   double t0 = now_s();
   if (world) {
     mok_group_sizing sz = {(uint32_t)T, (uint32_t)H, (uint32_t)K, (uint32_t)s->E, MOK_DTYPE_BF16,
-                           60000};
+                           60000, s->capacity, (uint32_t)s->ring};
     if ((st = mok_group_join(c, key, (uint32_t)rank, (uint32_t)world, &sz, &g)) != MOK_OK) {
       rank_fail(r, "mok_group_join", st);
       return;
@@ -304,6 +307,7 @@ static void rank_main(const char *sock, const shape2 *s, int rank, int world, co
   }
   double t2 = now_s();
   size_t ctx_bytes = (size_t)mok_layer_ctx_bytes(l, (uint32_t)T);
+  r->ctx_bytes = ctx_bytes;
   void *ctx;
   CUDA_CHECK(cudaMalloc(&ctx, ctx_bytes));
   mok_forward_args fa = {x, wg, wu, wd, sg, su, sd, ids, rw, out, ctx};
@@ -399,9 +403,23 @@ static int bench_daemon(const char *mokd, const shape2 *s) {
   pid_t d[MOK_K_EP_MAX_WORLD + 1];
   for (int i = 0; i <= s->W; i++)
     if ((d[i] = start_mokd(mokd, dir, i, i % s->gpus)) < 0) return 2;
-  rank_res *res = (rank_res *)mmap(NULL, sizeof(rank_res) * (2 * s->W + 1),
-                                   PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  memset(res, 0, sizeof(rank_res) * (2 * s->W + 1));
+  /* MOK_BENCH_SIZINGS="capacity:ring,...": more groups of the same layer,
+   * each timed against the first (e.g. "0.25:0,0.25:16384") */
+  shape2 sizings[8];
+  int n_sizings = 0;
+  const char *env = getenv("MOK_BENCH_SIZINGS");
+  for (const char *p = env; p && *p && n_sizings < 8;) {
+    shape2 z = *s;
+    char *end;
+    z.capacity = strtof(p, &end);
+    z.ring = *end == ':' ? (int)strtol(end + 1, &end, 10) : 0;
+    sizings[n_sizings++] = z;
+    p = *end == ',' ? end + 1 : end + strlen(end);
+  }
+  const size_t n_res = 2 * (size_t)s->W + 1 + (size_t)n_sizings * s->W;
+  rank_res *res = (rank_res *)mmap(NULL, sizeof(rank_res) * n_res, PROT_READ | PROT_WRITE,
+                                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  memset(res, 0, sizeof(rank_res) * n_res);
   char key[64];
   snprintf(key, sizeof key, "bench-ep-%d", (int)getpid());
   double flop_rank = 6.0 * ((double)s->T + (double)s->T * s->K) * s->H * s->I;
@@ -416,6 +434,13 @@ static int bench_daemon(const char *mokd, const shape2 *s) {
   /* restarted clients: the daemons kept the group */
   run_ranks(dir, s, s->W, key, 1, res + s->W, s->W);
   bad |= report_failures(res + s->W, s->W, "re-join");
+  rank_res *zres = res + 2 * s->W + 1;
+  for (int z = 0; z < n_sizings; z++) {
+    char zkey[80];
+    snprintf(zkey, sizeof zkey, "%s-z%d", key, z);
+    run_ranks(dir, &sizings[z], s->W, zkey, 0, zres + z * s->W, s->W);
+    bad |= report_failures(zres + z * s->W, s->W, "sizing");
+  }
   if (!bad) {
     rank_res *b = res + 2 * s->W;
     double bf = median(b->fwd, b->n), bb = median(b->bwd, b->n);
@@ -440,6 +465,26 @@ static int bench_daemon(const char *mokd, const shape2 *s) {
       printf("  restarted client rank %d: re-join %.2f ms (rejoined=%d), layer %.1f ms, first "
              "forward %.1f ms\n",
              r, q->join_s * 1e3, q->rejoined, q->layer_s * 1e3, q->first_s * 1e3);
+    }
+    /* the group's sizing: ctx bytes per rank and the slowest rank's times */
+    printf("  %-26s %12s %10s %10s %12s %12s\n", "group sizing", "ctx MiB/rank", "fwd ms",
+           "bwd ms", "fwd vs first", "bwd vs first");
+    for (int z = -1; z < n_sizings; z++) {
+      const rank_res *q = z < 0 ? res : zres + z * s->W;
+      const shape2 *zs = z < 0 ? s : &sizings[z];
+      double f = 0, g = 0;
+      for (int r = 0; r < s->W; r++) {
+        double a = median((double *)q[r].fwd, q[r].n), b = median((double *)q[r].bwd, q[r].n);
+        f = a > f ? a : f;
+        g = b > g ? b : g;
+      }
+      char name[64];
+      snprintf(name, sizeof name, "capacity %.3g, ring %d", zs->capacity, zs->ring);
+      printf("  %-26s %12.1f %10.3f %10.3f %11.3fx %11.3fx\n", name,
+             (double)q[0].ctx_bytes / (1 << 20), f * 1e3, g * 1e3, wf / f, wb / g);
+      printf("JSON {\"part\": \"sizing\", \"capacity\": %g, \"ring\": %d, \"ctx_bytes\": %zu, "
+             "\"fwd_ms\": %.3f, \"bwd_ms\": %.3f}\n",
+             zs->capacity, zs->ring, q[0].ctx_bytes, f * 1e3, g * 1e3);
     }
     printf("JSON {\"part\": \"daemon\", \"W\": %d, \"gpus\": %d, \"T\": %d, \"H\": %d, \"I\": %d, "
            "\"E\": %d, \"K\": %d, \"ep1_fwd_ms\": %.3f, \"ep1_bwd_ms\": %.3f, \"ep_fwd_ms\": %.3f, "

@@ -7,6 +7,8 @@
  * the plan packs whole experts greedily and never needs more macrobatches
  * than mok_k_ring_batches; an expert larger than the ring fails the job
  * with MOK_EOVERFLOW and leaves every macrobatch empty.
+ * With no_tail (a group's dims), the rows in use and every other result
+ * equal those of a run that writes zeros past them.
  * Usage: test_ring (exit status 0: all passed). */
 #include <stdint.h>
 #include <stdio.h>
@@ -83,12 +85,13 @@ static std::vector<int32_t> skewed_ids(int T, int K, int E, uint32_t seed) {
   return ids;
 }
 
-static void run_case(const char *gemm, int ring_rows_wanted) {
+static void run_case(const char *gemm, int ring_rows_wanted, int no_tail) {
   if (gemm)
     setenv("MOK_GEMM", gemm, 1);
   else
     unsetenv("MOK_GEMM");
-  const char *path = gemm ? gemm : "default";
+  char path[64];
+  snprintf(path, sizeof path, "%s%s", gemm ? gemm : "default", no_tail ? " no_tail" : "");
   mok_k_dims d;
   memset(&d, 0, sizeof d);
   d.T = 1500;
@@ -98,6 +101,7 @@ static void run_case(const char *gemm, int ring_rows_wanted) {
   d.E_loc = 12;
   d.K = 4;
   d.row_align = mok_k_row_align();
+  d.no_tail = no_tail;
   const int T = d.T, H = d.H, I = d.I, K = d.K, E = d.E;
   const long long C = mok_k_rows_capacity(&d);
   std::vector<int32_t> ids = skewed_ids(T, K, E, 7);
@@ -153,6 +157,42 @@ static void run_case(const char *gemm, int ring_rows_wanted) {
   MOK_CHECK(mok_k_expert_backward(&d, sched, g, u, rx, rdo, rw, wg, wu, wd, dx, drw, dwg, dwu,
                                   dwd, ws, status, 0));
   EXPECT(status_of(status) == 0, "%s: one pass failed: status %d", path, status_of(status));
+  if (no_tail) {
+    /* rows past those in use are skipped: the rows in use, d_rw and the
+     * weight gradients are those of a run that zeroes the tail */
+    MOK_CHECK(mok_k_acts_zero_tail(&d, sched, g, u, 0));
+    mok_k_dims z = d;
+    z.no_tail = 0;
+    uint16_t *y0 = (uint16_t *)dev((size_t)C * H * 2), *dx0 = (uint16_t *)dev((size_t)C * H * 2);
+    uint16_t *g0 = (uint16_t *)dev((size_t)C * I * 2), *u0 = (uint16_t *)dev((size_t)C * I * 2);
+    uint16_t *w0 = (uint16_t *)dev((size_t)E * I * H * 2 * 3);
+    float *drw0 = (float *)dev((size_t)T * K * 4);
+    MOK_CHECK(mok_k_expert_forward(&z, sched, rx, wg, wu, wd, g0, u0, y0, ws, status, 0));
+    MOK_CHECK(mok_k_expert_backward(&z, sched, g0, u0, rx, rdo, rw, wg, wu, wd, dx0, drw0, w0,
+                                    w0 + (size_t)E * I * H, w0 + 2 * (size_t)E * I * H, ws,
+                                    status, 0));
+    EXPECT(status_of(status) == 0, "%s: zero-tail pass failed", path);
+    size_t at, n = (size_t)used * H;
+    std::vector<uint16_t> a0 = down16(y0, n), a1 = down16(y, n);
+    EXPECT(same16(a1.data(), a0.data(), n, &at), "%s: y row %zu differs from a zero-tail run",
+           path, at / H);
+    a0 = down16(dx0, n), a1 = down16(dx, n);
+    EXPECT(same16(a1.data(), a0.data(), n, &at), "%s: d_x row %zu differs from a zero-tail run",
+           path, at / H);
+    a0 = down16(g0, (size_t)C * I), a1 = down16(g, (size_t)C * I);
+    EXPECT(same16(a1.data(), a0.data(), a0.size(), &at), "%s: g row %zu differs (tail zeroed)",
+           path, at / I);
+    a0 = down16(w0, (size_t)E * I * H), a1 = down16(dwg, (size_t)E * I * H);
+    EXPECT(same16(a1.data(), a0.data(), a0.size(), &at), "%s: d_w_gate differs", path);
+    a0 = down16(w0 + 2 * (size_t)E * I * H, (size_t)E * I * H), a1 = down16(dwd, (size_t)E * I * H);
+    EXPECT(same16(a1.data(), a0.data(), a0.size(), &at), "%s: d_w_down differs", path);
+    std::vector<float> r0((size_t)T * K), r1((size_t)T * K);
+    CUDA_CHECK(cudaMemcpy(r0.data(), drw0, r0.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(r1.data(), drw, r1.size() * 4, cudaMemcpyDeviceToHost));
+    EXPECT(memcmp(r0.data(), r1.data(), r0.size() * 4) == 0, "%s: d_rw differs", path);
+    void *zs[] = {y0, dx0, g0, u0, w0, drw0};
+    for (void *q : zs) CUDA_CHECK(cudaFree(q));
+  }
 
   /* the ring */
   void *wsr = dev(mok_k_workspace_bytes(&dr));
@@ -196,6 +236,8 @@ static void run_case(const char *gemm, int ring_rows_wanted) {
   printf("# %s: %d macrobatches ran\n", path, real);
 
   std::vector<uint16_t> y_h = down16(y, (size_t)C * H), dx_h = down16(dx, (size_t)C * H);
+  /* with no_tail the ring's rows past each macrobatch's are not written:
+   * compare the rows in use only (below) */
   std::vector<float> drw_ring((size_t)T * K, 0.0f);
   for (int m = 0; m < batches; m++) {
     MOK_CHECK(mok_k_ring_schedule(&d, sched, plan, m, &dr, sub, 0));
@@ -225,7 +267,7 @@ static void run_case(const char *gemm, int ring_rows_wanted) {
     for (size_t i = 0; i < q.size(); i++)
       if (slot_row[i] >= 0) drw_ring[i] = q[i];
   }
-  MOK_CHECK(mok_k_ring_zero_tail(&d, sched, cg, cu, 0));
+  MOK_CHECK(mok_k_acts_zero_tail(&d, sched, cg, cu, 0));
   EXPECT(status_of(status) == 0, "%s: ring failed: status %d", path, status_of(status));
   size_t at;
   std::vector<uint16_t> a = down16(g, (size_t)C * I), b = down16(cg, (size_t)C * I);
@@ -267,9 +309,11 @@ static void run_case(const char *gemm, int ring_rows_wanted) {
 
 int main(void) {
   MOK_CHECK(mok_k_init());
-  run_case(NULL, 0);     /* Hopper kernels; the ring holds the largest expert */
-  run_case("hmma", 0);   /* mma.sync kernels */
-  run_case(NULL, 2048);  /* a larger ring: fewer, fuller macrobatches */
+  run_case(NULL, 0, 0);     /* Hopper kernels; the ring holds the largest expert */
+  run_case("hmma", 0, 0);   /* mma.sync kernels */
+  run_case(NULL, 2048, 0);  /* a larger ring: fewer, fuller macrobatches */
+  run_case(NULL, 0, 1);     /* a group's dims: rows past those in use skipped */
+  run_case("hmma", 2048, 1);
   printf("test_ring: %s (%d failures)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }
