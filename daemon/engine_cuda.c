@@ -1060,6 +1060,7 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
   j->status = MOK_OK;
   j->message[0] = '\0';
   j->n_marks = 0;
+  j->device_posts = false;
   *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
                  .status = s->d_status};
 
@@ -1197,7 +1198,9 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
   return cuda_job_end(&c, res);
 }
 
-static const char *status_text(int st) {
+static const char *status_text(int st, bool device_posts) {
+  if (st == MOK_EINVAL && device_posts)
+    return "members ran different jobs (op, layer tag, sizes or order), or a bad ctx";
   switch (st) {
   case MOK_EROUTE: return "a routing id is outside [0, experts) and not -1";
   case MOK_EINVAL: return "the schedule (or ctx) given failed validation";
@@ -1262,7 +1265,8 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   } else if (j->reads_status && s->h_status[j->slot] != 0) {
     int st = s->h_status[j->slot];
     res->status = st;
-    snprintf(res->message, sizeof res->message, "%s: %s", mok_op_name(j->op), status_text(st));
+    snprintf(res->message, sizeof res->message, "%s: %s", mok_op_name(j->op),
+             status_text(st, j->device_posts));
   }
   if (j->fence_forced) {
     res->status = MOK_ETIMEOUT;

@@ -15,6 +15,7 @@
 #include "job_check.h"
 #include "log.h"
 #include "mok_status.h"
+#include "nccl_group.h"
 #include "region.h"
 
 #define LATENCY_WINDOW 1024u
@@ -354,11 +355,35 @@ static int group_layer_rows(mok_engine_thread *t, esession *s, mok_layer_config 
   return MOK_OK;
 }
 
+/* Groups formed through NCCL keep their buffers on the device: an engine
+ * that attaches device state to groups (cuda) forms them. */
+static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_attach != NULL; }
+
+static void cmd_group_id(mok_engine_thread *t, mok_cmd *c) {
+  if (!forms_nccl_groups(t)) {
+    c->status = MOK_EUNSUPPORTED;
+    snprintf(c->message, sizeof c->message,
+             "the %s engine forms groups through this host's shared memory only; groups "
+             "through NCCL need the cuda engine",
+             t->ops->name);
+    return;
+  }
+  c->status = mok_nccl_unique_id(c->out.nccl_id, c->message, sizeof c->message);
+}
+
 static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   if ((!t->ops->run_group && !t->ops->start_group) || !t->groups) {
     c->status = MOK_EUNSUPPORTED;
     snprintf(c->message, sizeof c->message,
              "the %s engine does not run expert-parallel groups yet", t->ops->name);
+    return;
+  }
+  if (c->in.join.nccl && !forms_nccl_groups(t)) {
+    c->status = MOK_EUNSUPPORTED;
+    snprintf(c->message, sizeof c->message,
+             "the %s engine forms groups through this host's shared memory only (join without "
+             "an nccl_id); groups through NCCL need the cuda engine",
+             t->ops->name);
     return;
   }
   if (s->n_groups == s->cap_groups) {
@@ -379,6 +404,9 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   if (t->ops->group_attach) {
     c->status = t->ops->group_attach(t->engine, g, c->message, sizeof c->message);
     if (c->status != MOK_OK) {
+      /* a group re-formed through NCCL lost its old state: its other
+       * sessions' jobs must fail clearly until a join succeeds */
+      if (mok_ep_group_is_nccl(g)) mok_ep_group_mark_broken(g, c->message);
       mok_ep_group_unref(t->groups, g, true);
       return;
     }
@@ -609,6 +637,7 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
   case MOK_CMD_DETACH: cmd_detach(t, s); break;
   case MOK_CMD_JOIN_GROUP: cmd_join_group(t, s, c); break;
   case MOK_CMD_LEAVE_GROUP: cmd_leave_group(t, s, c); break;
+  case MOK_CMD_GROUP_ID: cmd_group_id(t, c); break;
   default:
     c->status = MOK_EINVAL;
     snprintf(c->message, sizeof c->message, "unknown command %d", (int)c->kind);

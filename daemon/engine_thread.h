@@ -28,7 +28,8 @@ typedef enum mok_cmd_kind {
   MOK_CMD_DETACH,       /* release everything of the session */
   MOK_CMD_SESSION_FAULT, /* engine -> loop only: the session broke its ring */
   MOK_CMD_JOIN_GROUP,    /* join (or re-join) an expert-parallel group (group.h) */
-  MOK_CMD_LEAVE_GROUP
+  MOK_CMD_LEAVE_GROUP,
+  MOK_CMD_GROUP_ID       /* a fresh NCCL unique id for forming a group */
 } mok_cmd_kind;
 
 #define MOK_STATS_GROUPS_MAX 8
@@ -94,6 +95,7 @@ typedef struct mok_cmd {
       uint64_t generation, sequence;
       bool rejoined;
     } group;
+    uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
   } out;
   uint32_t layer_id;
   struct mok_cmd *next;

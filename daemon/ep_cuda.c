@@ -42,6 +42,7 @@
 #include "log.h"
 #include "mok_ep_kernels.h"
 #include "mok_slots.h"
+#include "nccl_group.h"
 
 typedef struct mapping {
   CUmemGenericAllocationHandle handle;
@@ -68,6 +69,7 @@ typedef struct ep_state {
   mok_fdx_server *server;
   peer_map peers[MOK_GROUP_MAX_WORLD];
   mapping *retired; /* peers' old buffers, unmapped when the group goes */
+  mok_nccl_group *nccl; /* a group formed through NCCL: its window holds the buffers */
 } ep_state;
 
 #define FETCH_TIMEOUT_MS 5000u
@@ -111,6 +113,18 @@ static CUresult map_here(mok_engine *e, mapping *m, const char **step) {
 static void state_free(void *arg) {
   ep_state *st = arg;
   mok_engine *e = st->e;
+  if (st->nccl) {
+    /* a member leaves on its own (its clients left, the linger ran out, its
+     * mokd exits): tearing the communicator down collectively would wait
+     * for peers that may go on or be gone, so abort it; then destroy waits
+     * for this GPU's work and frees the buffer (peers that mapped it keep
+     * the memory until they unmap it) */
+    cuda_use_device(e);
+    mok_nccl_group_abort(st->nccl);
+    mok_nccl_group_destroy(st->nccl);
+    free(st);
+    return;
+  }
   mok_fdx_stop(st->server);
   cuda_use_device(e);
   /* nothing of ours may still run against these mappings (a device barrier
@@ -131,6 +145,29 @@ static void state_free(void *arg) {
   unmap(e, &st->own);
   if (st->own_fd >= 0) close(st->own_fd);
   free(st);
+}
+
+/* A group formed through NCCL: every member creates the communicator with
+ * the id and registers its buffer as a window; the peers' buffers come
+ * mapped (NCCL's LSA pointers). Blocks until every rank joined, at most the
+ * group's timeout. */
+static int attach_nccl(mok_engine *e, mok_ep_group *g, ep_state *st, char *err, size_t errlen) {
+  int r = mok_nccl_group_create(mok_ep_group_nccl_id(g), (int)st->rank, (int)st->sz.world,
+                                e->device, st->lay.bytes, mok_ep_group_timeout_ms(g), &st->nccl,
+                                err, errlen);
+  if (r != MOK_OK) {
+    free(st);
+    return r;
+  }
+  st->own.va = (CUdeviceptr)mok_nccl_group_bases(st->nccl)[st->rank];
+  st->own.size = (size_t)mok_nccl_group_bytes(st->nccl);
+  mok_ep_group_set_engine_state(g, st, state_free, 1);
+  double init_ms = 0, reg_ms = 0;
+  mok_nccl_group_timings(st->nccl, &init_ms, &reg_ms);
+  log_info("cuda engine: group rank %u of %u formed through NCCL %d (communicator %.0f ms, "
+           "window %.0f ms, %zu MiB)",
+           st->rank, st->sz.world, mok_nccl_version(), init_ms, reg_ms, st->own.size >> 20);
+  return MOK_OK;
 }
 
 int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
@@ -157,6 +194,7 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
   st->uid = mok_ep_group_uid(g);
   st->own_fd = -1;
   st->lay = mok_k_ep_layout_of((int)sz->max_tokens, (int)sz->hidden, (int)sz->topk);
+  if (mok_ep_group_is_nccl(g)) return attach_nccl(e, g, st, err, errlen);
 
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
@@ -353,8 +391,12 @@ static void copy_in(ep_job *j, const int32_t *ids, bool with_d_out) {
   copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
 }
 
+/* A group formed through NCCL gets a zeroed window and sequence 0 with
+ * every formation, on every member alike: generation 1 names them all
+ * (members' generation counters differ: they count this daemon's forms). */
 static uint64_t barrier_value(const mok_ep_group *g, uint32_t phase) {
-  return mok_ep_group_generation(g) << 40 | mok_ep_group_sequence(g) << 2 | phase;
+  uint64_t gen = mok_ep_group_is_nccl(g) ? 1 : mok_ep_group_generation(g);
+  return gen << 40 | mok_ep_group_sequence(g) << 2 | phase;
 }
 
 /* The host half: signatures and barrier 1 on the host, then the peers'
@@ -381,6 +423,76 @@ static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
     return false;
   }
   return true;
+}
+
+/* A group formed through NCCL: the peers' buffers are the window's, mapped
+ * for the group's life. */
+static void nccl_peers(const ep_state *st, mok_k_ep *kg) {
+  kg->world = (int)st->sz.world;
+  kg->rank = (int)st->rank;
+  kg->T_max = (int)st->sz.max_tokens;
+  kg->off = st->lay;
+  memset(kg->base, 0, sizeof kg->base);
+  const uint64_t *b = mok_nccl_group_bases(st->nccl);
+  for (uint32_t p = 0; p < st->sz.world; p++) kg->base[p] = b[p];
+}
+
+static void device_barrier(ep_job *j, uint32_t phase);
+
+/* The protocol of a group formed through NCCL, on the device (no host
+ * segment: members may be on other hosts): post the job's signature into
+ * the own buffer; after barrier 1 every member compares every post
+ * (mok_k_ep_post_check, in the job's flow). A member whose own checks
+ * failed still takes its turn, both barriers with its status, so that its
+ * peers fail the job with it instead of waiting. */
+static bool device_protocol(ep_job *j, int own_status) {
+  job_ctx *c = j->c;
+  char err[MOK_COMPLETION_MSG];
+  mok_ep_group_post post =
+      mok_ep_group_post_for(c->a->layer, c->a->op, c->a->flags, c->a->tokens);
+  int r = mok_ep_group_job_post(j->g, &post, err, sizeof err); /* usable? the sequence */
+  if (r != MOK_OK) {
+    c->failed = false;
+    cuda_job_fail(c, r, "%s", err);
+    return false;
+  }
+  nccl_peers(j->st, &j->kg);
+  c->j->device_posts = true;
+  log_debug("cuda engine: group rank %u job %llu (%s tag %u): posted on the device%s",
+            j->st->rank, (unsigned long long)post.seq, mok_op_name(post.op), post.tag,
+            own_status == MOK_OK ? "" : ", failed here");
+  mok_k_ep_post kp;
+  memset(&kp, 0, sizeof kp);
+  kp.w[0] = (int32_t)post.seq;
+  kp.w[1] = (int32_t)post.op;
+  kp.w[2] = (int32_t)post.flags;
+  kp.w[3] = (int32_t)post.tag;
+  kp.w[4] = (int32_t)post.intermediate;
+  kp.w[5] = (int32_t)post.shared_intermediate;
+  kp.w[6] = (int32_t)post.has_limit;
+  memcpy(&kp.w[7], &post.swiglu_limit, 4);
+  kp.w[MOK_K_EP_POST_MATCH] = own_status;
+  if (own_status == MOK_OK) {
+    LAUNCH(c, mok_k_ep_post_write(&j->kg, kp, c->status, c->st));
+    return true;
+  }
+  /* the job already failed here (c->failed): launch past LAUNCH's guard */
+  j->timeout_ns = (uint64_t)mok_ep_group_timeout_ms(j->g) * 1000000ull;
+  int a = mok_k_ep_post_write(&j->kg, kp, c->status, c->st);
+  if (a == MOK_OK)
+    a = mok_k_ep_barrier(&j->kg, barrier_value(j->g, 1), j->timeout_ns, 0, c->status, c->st);
+  if (a == MOK_OK)
+    a = mok_k_ep_barrier(&j->kg, barrier_value(j->g, 2), j->timeout_ns, 1, c->status, c->st);
+  if (a != MOK_OK) log_warn("cuda engine: a failed group job could not take its turn (%d)", a);
+  return false;
+}
+
+/* This member's turn in a job's protocol: on the host (a group on this
+ * host's segment) or on the device (formed through NCCL). false: the job
+ * failed (c says why) and nothing more is enqueued. */
+static bool group_turn(ep_job *j, int own_status, const char *own_msg) {
+  if (mok_ep_group_is_nccl(j->g)) return device_protocol(j, own_status);
+  return host_protocol(j, own_status, own_msg);
 }
 
 /* The shared expert needs only the own tokens: it runs on the session's side
@@ -507,7 +619,7 @@ static void ep_forward(ep_job *j) {
   const int32_t *ids = T_(c, MOK_SLOT_TOPK_IDS);
   MARK(j, "start");
   copy_in(j, ids, false);
-  if (!host_protocol(j, MOK_OK, NULL)) return;
+  if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
   if (j->side)
@@ -515,6 +627,7 @@ static void ep_forward(ep_job *j) {
                                    j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
                                    c->s->aux));
   device_barrier(j, 1);
+  if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
   MARK(j, "barrier-1");
   size_t Tm = j->st->sz.max_tokens, K = c->d.K;
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
@@ -554,7 +667,7 @@ static void ep_backward(ep_job *j) {
   MARK(j, "start");
   if (recompute && ctx) copy_async(c, j->ctx_ids, ids, T * K * 4);
   copy_in(j, ids, true);
-  if (!host_protocol(j, MOK_OK, NULL)) return;
+  if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
   if (j->side) {
@@ -568,6 +681,7 @@ static void ep_backward(ep_job *j) {
                                     c->status, c->s->aux));
   }
   device_barrier(j, 1);
+  if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
   MARK(j, "barrier-1");
   LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
   if (recompute) { /* dispatch again, bitwise as forward */
@@ -651,7 +765,10 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
   }
   if (!ok) {
     /* still take the turn, so that every member fails this job with our message */
-    host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
+    if (!mok_ep_group_is_nccl(g))
+      host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
+    else if (j.st && j.st->nccl)
+      device_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL);
     return cuda_job_end(&c, res);
   }
   j.dv = cuda_group_dims(a->layer);

@@ -77,6 +77,13 @@ struct mok_ep_group {
   uint64_t dev_serial;
   void *engine_state; /* the engine's per-group state (device buffers) */
   void (*engine_state_free)(void *);
+  /* a group formed through NCCL: no segment (members may be on other
+   * hosts); membership is the communicator, the job checks run on the
+   * device, and this member's view of the group is local */
+  bool nccl;
+  uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
+  bool broken;
+  char broken_msg[160];
   struct mok_ep_group *next;
 };
 
@@ -453,6 +460,28 @@ static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *
   return fail(err, errlen, MOK_EBUSY, "group segment %s keeps disappearing", g->path);
 }
 
+/* A re-join of a group formed through NCCL: with the id it was formed
+ * with and not broken, cheap (nothing changes); with another id (the
+ * trainer made a new one) or broken, the member re-forms: the engine's
+ * state (communicator, buffer) goes now, and group_attach forms the new
+ * one with every rank. */
+static void rejoin_nccl(mok_ep_group *g, const mok_ep_group_join_args *a, bool *rejoined) {
+  if (!g->broken && memcmp(g->nccl_id, a->nccl_id, sizeof g->nccl_id) == 0) {
+    *rejoined = true;
+    return;
+  }
+  if (g->engine_state && g->engine_state_free) g->engine_state_free(g->engine_state);
+  g->engine_state = NULL;
+  g->engine_state_free = NULL;
+  memcpy(g->nccl_id, a->nccl_id, sizeof g->nccl_id);
+  g->broken = false;
+  g->gen++;
+  g->seq = 0;
+  *rejoined = false;
+  log_info("group '%s': rank %u re-forms it through NCCL (generation %llu)", g->key, g->rank,
+           (unsigned long long)g->gen);
+}
+
 int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mok_ep_group **ret,
                    bool *rejoined, char *err, size_t errlen) {
   int r = check_key(a->key, err, errlen);
@@ -470,6 +499,18 @@ int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mo
                   "a group (two ranks would wait for each other on one engine thread)",
                   g->rank, a->key);
     if ((r = mok_ep_group_check_join(g->uid, &g->sz, g->key, a, err, errlen)) != MOK_OK) return r;
+    if (g->nccl != a->nccl)
+      return fail(err, errlen, MOK_EINVAL,
+                  "group '%s' was formed %s on this mokd; every join must say the same (leave "
+                  "it first to change)",
+                  a->key, g->nccl ? "through NCCL (with an nccl_id)" : "on this host (no nccl_id)");
+    if (g->nccl) {
+      rejoin_nccl(g, a, rejoined);
+      g->refs++;
+      g->timeout_ms = timeout;
+      *ret = g;
+      return MOK_OK;
+    }
     /* a cheap re-join: unless the group broke or was re-formed meanwhile */
     seg_header *h = g->h;
     uint64_t gen = atomic_load(&h->generation);
@@ -494,12 +535,18 @@ int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mo
   g->sz = a->sizing;
   g->timeout_ms = timeout;
   g->table = t;
-  snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(t), (unsigned)a->uid,
-           (unsigned long long)fnv1a(a->key));
-  r = open_segment(g, a, err, errlen);
-  if (r != MOK_OK) {
-    free(g);
-    return r;
+  if (a->nccl) { /* no segment: the engine forms the communicator (group_attach) */
+    g->nccl = true;
+    memcpy(g->nccl_id, a->nccl_id, sizeof g->nccl_id);
+    g->gen = 1;
+  } else {
+    snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(t), (unsigned)a->uid,
+             (unsigned long long)fnv1a(a->key));
+    r = open_segment(g, a, err, errlen);
+    if (r != MOK_OK) {
+      free(g);
+      return r;
+    }
   }
   g->id = ++t->next_id;
   g->refs = 1;
@@ -529,13 +576,17 @@ void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_fr
   g->engine_state = state;
   g->engine_state_free = state_free;
   g->dev_serial = dev_serial;
+  if (!g->h) return;
   atomic_store(&g->h->ranks[g->rank].dev_serial, dev_serial);
   bell_ring(g->h);
 }
 
+bool mok_ep_group_is_nccl(const mok_ep_group *g) { return g->nccl; }
+const uint8_t *mok_ep_group_nccl_id(const mok_ep_group *g) { return g->nccl ? g->nccl_id : NULL; }
+
 mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p) {
   mok_ep_group_peer r = {0};
-  if (p >= g->sz.world) return r;
+  if (p >= g->sz.world || !g->h) return r;
   const seg_rank *o = &g->h->ranks[p];
   r.pid = atomic_load(&o->pid);
   r.dev_serial = atomic_load(&o->dev_serial);
@@ -546,6 +597,7 @@ mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p) {
 void mok_ep_group_mark_broken(mok_ep_group *g, const char *why) { group_break(g, why); }
 
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p) {
+  if (!g->h) return g->sz.max_tokens;
   uint32_t t = g->h->ranks[p].post[g->seq & 1].tokens;
   return t <= g->sz.max_tokens ? t : g->sz.max_tokens;
 }
@@ -554,6 +606,11 @@ uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p) {
 
 /* Mark the group broken (first one wins the message) and wake everyone. */
 static void group_break(mok_ep_group *g, const char *msg) {
+  if (g->nccl) {
+    if (!g->broken) snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
+    g->broken = true;
+    return;
+  }
   seg_header *h = g->h;
   uint64_t prev = atomic_load(&h->broken_claim);
   if (prev < g->gen && atomic_compare_exchange_strong(&h->broken_claim, &prev, g->gen)) {
@@ -566,6 +623,11 @@ static void group_break(mok_ep_group *g, const char *msg) {
 
 /* Why this member may not run group jobs now (MOK_OK: it may). */
 static int check_usable(mok_ep_group *g, char *err, size_t errlen) {
+  if (g->nccl)
+    return g->broken ? fail(err, errlen, MOK_ECLOSED,
+                            "group '%s' is broken (%s): re-join it with a new NCCL id", g->key,
+                            g->broken_msg)
+                     : MOK_OK;
   seg_header *h = g->h;
   uint64_t gen = atomic_load(&h->generation);
   if (gen != g->gen)
@@ -673,6 +735,7 @@ int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, s
   if (r != MOK_OK) return r;
   g->seq++;
   mine->seq = g->seq;
+  if (g->nccl) return MOK_OK; /* the engine compares the posts on the device */
   seg_rank *me = &g->h->ranks[g->rank];
   memcpy(&me->post[g->seq & 1], mine, sizeof *mine);
   r = barrier(g, 1, err, errlen);
@@ -708,6 +771,10 @@ int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, s
 }
 
 int mok_ep_group_job_finish(mok_ep_group *g, int status, const char *msg, char *err, size_t errlen) {
+  if (g->nccl) { /* the engine's device barrier shares the statuses */
+    if (status != MOK_OK) snprintf(err, errlen, "%s", msg ? msg : "");
+    return status;
+  }
   seg_rank *me = &g->h->ranks[g->rank];
   me->fin_seq = g->seq;
   me->fin_status = status;

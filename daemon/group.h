@@ -31,6 +31,7 @@
 #define MOK_GROUP_LINGER_MS 60000u /* a group no session holds is kept this long */
 #define MOK_GROUP_MAX_BYTES (64ull << 30)
 #define MOK_GROUP_MAX_RING_ROWS (1u << 26)
+#define MOK_GROUP_NCCL_ID_BYTES 128u /* an NCCL unique id (nccl_group.h) */
 
 typedef struct mok_ep_group_sizing {
   uint32_t world, max_tokens, hidden, topk, experts, dtype;
@@ -44,6 +45,8 @@ typedef struct mok_ep_group_join_args {
   uint32_t rank;
   uint32_t timeout_ms;
   mok_ep_group_sizing sizing;
+  bool nccl;     /* formed through NCCL with nccl_id (no shared segment) */
+  uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
 } mok_ep_group_join_args;
 
 /* What a member posts for each group job; every member compares every
@@ -108,6 +111,10 @@ uint32_t mok_ep_group_timeout_ms(const mok_ep_group *g);
  * buffer in the segment, so peers notice when a rank's buffer was replaced
  * (its mokd restarted) and map the new one. */
 void *mok_ep_group_engine_state(const mok_ep_group *g);
+/* Formed through NCCL (no segment; the engine forms the communicator with
+ * the id, and compares the job posts on the device). */
+bool mok_ep_group_is_nccl(const mok_ep_group *g);
+const uint8_t *mok_ep_group_nccl_id(const mok_ep_group *g); /* NULL: not NCCL */
 void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_free)(void *),
                                    uint64_t dev_serial);
 

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "group.h"
 #include "layer.h"
 #include "mok_status.h"
 #include "region.h"
@@ -114,8 +115,14 @@ mok_request_verdict mok_request_validate(mok_request *req, size_t nfds, bool hel
     if (n == 0 || n > 128)
       return refuse(req, MOK_REQ_REPLY, MOK_EINVAL, "group key must be 1..128 bytes, got %zu",
                     n);
+    size_t id = pb->join_group->nccl_id.len;
+    if (id != 0 && id != MOK_GROUP_NCCL_ID_BYTES)
+      return refuse(req, MOK_REQ_REPLY, MOK_EINVAL,
+                    "nccl_id must be empty or %u bytes (from GroupId), got %zu",
+                    MOK_GROUP_NCCL_ID_BYTES, id);
     return MOK_REQ_OK;
   }
+  case MOK__REQUEST__BODY_GROUP_ID:
   case MOK__REQUEST__BODY_LEAVE_GROUP:
   case MOK__REQUEST__BODY_UNREGISTER_BUFFER:
   case MOK__REQUEST__BODY_DESTROY_LAYER:

@@ -360,6 +360,8 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
       .dtype = m->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
                : m->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
                                                     : MOK_DTYPE_INVALID};
+  j->nccl = m->nccl_id.len == MOK_GROUP_NCCL_ID_BYTES; /* 0 or 128 bytes (request.c) */
+  if (j->nccl) memcpy(j->nccl_id, m->nccl_id.data, MOK_GROUP_NCCL_ID_BYTES);
   submit_cmd(s, c);
 }
 
@@ -407,6 +409,7 @@ static void handle_request(session *s, mok_frame *f) {
     break;
   case MOK__REQUEST__BODY_STATS: handle_simple_cmd(s, rid, MOK_CMD_STATS, 0); break;
   case MOK__REQUEST__BODY_JOIN_GROUP: handle_join_group(s, rid, req->join_group); break;
+  case MOK__REQUEST__BODY_GROUP_ID: handle_simple_cmd(s, rid, MOK_CMD_GROUP_ID, 0); break;
   case MOK__REQUEST__BODY_LEAVE_GROUP:
     handle_simple_cmd(s, rid, MOK_CMD_LEAVE_GROUP, req->leave_group->group_id);
     break;
@@ -676,7 +679,14 @@ static void reply_from_engine(session *s, mok_cmd *c) {
   Mok__RegisterBufferReply rb = MOK__REGISTER_BUFFER_REPLY__INIT;
   Mok__CreateLayerReply cl = MOK__CREATE_LAYER_REPLY__INIT;
   Mok__JoinGroupReply jg = MOK__JOIN_GROUP_REPLY__INIT;
+  Mok__GroupIdReply gi = MOK__GROUP_ID_REPLY__INIT;
   switch (c->kind) {
+  case MOK_CMD_GROUP_ID:
+    gi.nccl_id.data = (uint8_t *)c->out.nccl_id;
+    gi.nccl_id.len = MOK_GROUP_NCCL_ID_BYTES;
+    reply.body_case = MOK__REPLY__BODY_GROUP_ID;
+    reply.group_id = &gi;
+    break;
   case MOK_CMD_JOIN_GROUP:
     jg.group_id = c->out.group.id;
     jg.generation = c->out.group.generation;

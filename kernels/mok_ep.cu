@@ -25,7 +25,8 @@ extern "C" mok_k_ep_layout mok_k_ep_layout_of(int T_max, int H, int K) {
   uint64_t T = (uint64_t)T_max, rows = T * (uint64_t)H * 2u, slots = T * (uint64_t)K;
   l.arrive = 0;
   l.status = up256(8u * MOK_K_EP_MAX_WORLD);
-  l.x = l.status + up256(4u * MOK_K_EP_MAX_WORLD);
+  l.post = l.status + up256(4u * MOK_K_EP_MAX_WORLD);
+  l.x = l.post + up256(sizeof(mok_k_ep_post));
   l.d_out = l.x + up256(rows);
   l.ids = l.d_out + up256(rows);
   l.rw = l.ids + up256(4u * slots);
@@ -103,6 +104,50 @@ extern "C" int mok_k_ep_barrier(const mok_k_ep *g, uint64_t value, uint64_t time
     return MOK_EINVAL;
   ep_barrier_kernel<<<1, 32 * ((g->world + 31) / 32), 0, stream>>>(*g, value, timeout_ns,
                                                                    share_status, status);
+  return mok_k_launch_status();
+}
+
+/* ---- job signatures (groups formed through NCCL) ------------------------------ */
+
+__global__ void ep_post_write_kernel(mok_k_ep g, mok_k_ep_post post, int32_t *status) {
+  const int i = threadIdx.x;
+  int32_t *own = (int32_t *)((char *)g.base[g.rank] + g.off.post);
+  if (i < MOK_K_EP_POST_WORDS) own[i] = post.w[i];
+  if (i == 0 && post.w[MOK_K_EP_POST_MATCH] > 0) raise_status(status, post.w[MOK_K_EP_POST_MATCH]);
+}
+
+extern "C" int mok_k_ep_post_write(const mok_k_ep *g, mok_k_ep_post post, int32_t *status,
+                                   mok_k_stream stream) {
+  if (!g || !status || g->world < 1 || g->world > MOK_K_EP_MAX_WORLD || g->rank < 0 ||
+      g->rank >= g->world)
+    return MOK_EINVAL;
+  ep_post_write_kernel<<<1, 32, 0, stream>>>(*g, post, status);
+  return mok_k_launch_status();
+}
+
+/* Thread p reads member p's post (barrier 1 ordered it before this). */
+__global__ void ep_post_check_kernel(mok_k_ep g, int32_t *status) {
+  const int p = threadIdx.x;
+  if (p >= g.world) return;
+  const int32_t *mine = (const int32_t *)((const char *)g.base[g.rank] + g.off.post);
+  const volatile int32_t *theirs = (const volatile int32_t *)((const char *)g.base[p] + g.off.post);
+  const int32_t failed = theirs[MOK_K_EP_POST_MATCH];
+  if (failed > 0) {
+    raise_status(status, failed);
+    return;
+  }
+  for (int i = 0; i < MOK_K_EP_POST_MATCH; i++)
+    if (theirs[i] != mine[i]) {
+      raise_status(status, MOK_EINVAL);
+      return;
+    }
+}
+
+extern "C" int mok_k_ep_post_check(const mok_k_ep *g, int32_t *status, mok_k_stream stream) {
+  if (!g || !status || g->world < 1 || g->world > MOK_K_EP_MAX_WORLD || g->rank < 0 ||
+      g->rank >= g->world)
+    return MOK_EINVAL;
+  ep_post_check_kernel<<<1, 32 * ((g->world + 31) / 32), 0, stream>>>(*g, status);
   return mok_k_launch_status();
 }
 

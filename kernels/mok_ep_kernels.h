@@ -41,6 +41,7 @@ extern "C" {
 typedef struct mok_k_ep_layout {
   uint64_t arrive; /* uint64 [MAX_WORLD]: member p's arrival, written by p */
   uint64_t status; /* int32 [MAX_WORLD]: member p's job status at the last barrier */
+  uint64_t post;   /* mok_k_ep_post: this member's signature of the current job */
   uint64_t x;      /* bf16 [T_max, H] */
   uint64_t d_out;  /* bf16 [T_max, H] */
   uint64_t ids;    /* int32 [T_max, K] (tokens past the job's T: -1) */
@@ -58,6 +59,25 @@ typedef struct mok_k_ep {
   mok_k_ep_layout off;
   uint64_t base[MOK_K_EP_MAX_WORLD]; /* member p's buffer as mapped by this one */
 } mok_k_ep;
+
+/* A job's signature, posted by every member into its own buffer before
+ * barrier 1 and compared by every member after it (groups without a host
+ * segment: formed through NCCL). words[0, MOK_K_EP_POST_MATCH) must be
+ * equal on every member (sequence, op, flags, layer tag, I, I_s, clamp);
+ * words[MOK_K_EP_POST_MATCH] is the member's own status before any device
+ * work (0: ok), which every member then fails the job with. */
+#define MOK_K_EP_POST_WORDS 16
+#define MOK_K_EP_POST_MATCH 8
+typedef struct mok_k_ep_post {
+  int32_t w[MOK_K_EP_POST_WORDS];
+} mok_k_ep_post;
+
+/* Write this member's post (and raise its own status into *status). */
+int mok_k_ep_post_write(const mok_k_ep *g, mok_k_ep_post post, int32_t *status,
+                        mok_k_stream stream);
+/* After barrier 1: every member's post against this one's. A member that
+ * failed raises its status here; a different job raises MOK_EINVAL. */
+int mok_k_ep_post_check(const mok_k_ep *g, int32_t *status, mok_k_stream stream);
 
 /* See above. value must grow from one barrier to the next. */
 int mok_k_ep_barrier(const mok_k_ep *g, uint64_t value, uint64_t timeout_ns, int share_status,

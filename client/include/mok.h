@@ -116,7 +116,21 @@ typedef struct mok_group_sizing {
    * use at least world*max_tokens (the most rows distinct top-k ids send to
    * one expert). */
   uint32_t ring_rows;
+  /* NULL: the ranks' mokds share this host (shared memory and VMM fds).
+   * Else the group forms through NCCL (members on distinct GPUs, on one
+   * host or several hosts of one NVLink domain; the cuda engine): the
+   * MOK_NCCL_ID_BYTES id that mok_group_nccl_id gave rank 0, the same on
+   * every rank. Joining then waits until every rank joined (timeout_ms). */
+  const uint8_t *nccl_id;
 } mok_group_sizing;
+
+#define MOK_NCCL_ID_BYTES 128
+
+/* A fresh NCCL unique id for mok_group_sizing.nccl_id, from this client's
+ * mokd (rank 0's: that mokd hosts NCCL's bootstrap until the group formed).
+ * The trainer passes it to every rank by its own means. A new id forms a
+ * new communicator: re-joining a broken group needs one. */
+int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]);
 
 /* Join rank `rank` of the group `key` (scoped to this client's uid) through
  * this client's mokd; each rank joins through its own GPU's mokd. Joining a

@@ -26,6 +26,10 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
   jg.timeout_ms = sz->timeout_ms;
   jg.capacity_ppm = capacity_ppm;
   jg.ring_rows = sz->ring_rows;
+  if (sz->nccl_id) {
+    jg.nccl_id.data = (uint8_t *)sz->nccl_id;
+    jg.nccl_id.len = MOK_NCCL_ID_BYTES;
+  }
   Mok__Request req = MOK__REQUEST__INIT;
   req.body_case = MOK__REQUEST__BODY_JOIN_GROUP;
   req.join_group = &jg;
@@ -61,6 +65,7 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
   g->generation = jr->generation;
   g->rejoined = jr->rejoined;
   g->sizing = *sz;
+  g->sizing.nccl_id = NULL; /* the caller's memory */
   g->capacity_ppm = capacity_ppm;
   mok__reply__free_unpacked(reply, NULL);
   *ret = g;
@@ -95,3 +100,21 @@ uint32_t mok_group_local_experts(const mok_group *g) { return g->local_experts; 
 uint32_t mok_group_first_expert(const mok_group *g) { return g->first_expert; }
 uint64_t mok_group_generation(const mok_group *g) { return g->generation; }
 int mok_group_rejoined(const mok_group *g) { return g->rejoined; }
+
+int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]) {
+  if (!c || !id) return mok_set_error(MOK_EINVAL, "mok_group_nccl_id: NULL argument");
+  Mok__GroupId gi = MOK__GROUP_ID__INIT;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_GROUP_ID;
+  req.group_id = &gi;
+  Mok__Reply *reply = NULL;
+  pthread_mutex_lock(&c->lock);
+  int r = mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL);
+  pthread_mutex_unlock(&c->lock);
+  if (r == MOK_OK && (reply->body_case != MOK__REPLY__BODY_GROUP_ID ||
+                      reply->group_id->nccl_id.len != MOK_NCCL_ID_BYTES))
+    r = mok_set_error(MOK_EPROTO, "group-id reply without a %d-byte id", MOK_NCCL_ID_BYTES);
+  if (r == MOK_OK) memcpy(id, reply->group_id->nccl_id.data, MOK_NCCL_ID_BYTES);
+  if (reply) mok__reply__free_unpacked(reply, NULL);
+  return r;
+}

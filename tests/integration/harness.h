@@ -60,7 +60,10 @@ static inline daemon_proc harness_try_start(const char *config_text) {
   snprintf(cfg, sizeof cfg, "%s/mokd.conf", d.dir);
   FILE *f = fopen(cfg, "w");
   CHECK(f != NULL);
-  fprintf(f, "threads = 2\nlog-level = warn\n%s", config_text ? config_text : "");
+  /* MOK_TEST_LOG_LEVEL: the daemons' log level (default warn), to debug a test */
+  const char *level = getenv("MOK_TEST_LOG_LEVEL");
+  fprintf(f, "threads = 2\nlog-level = %s\n%s", level && *level ? level : "warn",
+          config_text ? config_text : "");
   fclose(f);
   snprintf(bin, sizeof bin, "%s/bin/mokd", harness_build_dir());
   d.pid = fork();

@@ -413,6 +413,37 @@ static void test_unsealed_memfd_and_quota_are_refused(void) {
   CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
+/* JoinGroup's nccl_id is empty or an NCCL unique id (128 bytes), nothing else. */
+static void test_join_group_with_a_malformed_nccl_id(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "nccl-id", &c) == MOK_OK);
+  uint8_t id[200] = {1, 2, 3};
+  Mok__JoinGroup jg = MOK__JOIN_GROUP__INIT;
+  jg.group_key = "bad-id";
+  jg.world = 2;
+  jg.max_tokens = 8, jg.hidden = 8, jg.topk = 1, jg.experts = 2;
+  jg.dtype = MOK__DTYPE__DTYPE_BF16;
+  jg.nccl_id.data = id;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_JOIN_GROUP;
+  req.join_group = &jg;
+  const size_t lens[] = {1, 127, 129, 200};
+  for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+    jg.nccl_id.len = lens[i];
+    Mok__Reply *rep = NULL;
+    CHECK_EQ_INT(mok_rpc(c, &req, NULL, 0, &rep, NULL, NULL), MOK_EINVAL);
+    CHECK_STR_CONTAINS(mok_last_error(), "nccl_id must be empty or 128 bytes");
+  }
+  /* the session is still usable */
+  problem p;
+  problem_init(&p, c, 16, 3);
+  mok_layer *l;
+  CHECK(mok_layer_create(c, &p.desc, &l) == MOK_OK);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static void test_a_killed_client_loses_only_its_session(void) {
   daemon_proc d = harness_start(NULL);
   for (int round = 0; round < 3; round++) {
@@ -564,6 +595,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_handshake_timeout_and_second_hello),
     CHECK_CASE(test_bad_descriptors_fail_only_their_job),
     CHECK_CASE(test_unsealed_memfd_and_quota_are_refused),
+    CHECK_CASE(test_join_group_with_a_malformed_nccl_id),
     CHECK_CASE(test_a_killed_client_loses_only_its_session),
     CHECK_CASE(test_concurrent_clients_each_get_their_results),
     CHECK_CASE(test_shutdown_drains_and_refuses_a_second_daemon),

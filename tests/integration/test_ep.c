@@ -8,7 +8,10 @@
  * On the GPU machine the same tests run on the cuda engine
  * (MOK_TEST_ENGINE=cuda, under MPS; tests/gpu/run_device_tests.sh): bf16
  * only, so the float32 cases run in bf16 there. MOK_TEST_GPUS=n puts rank
- * r's daemon on GPU r % n.
+ * r's daemon on GPU r % n. MOK_TEST_NCCL=1 (cuda engine, one GPU per rank)
+ * forms every group through NCCL (docs/ep_nccl.md): rank 0's mokd makes the
+ * id, the test hands it to every rank; cases needing more ranks than GPUs,
+ * or the host segment's rules, are skipped then.
  */
 #include <dirent.h>
 #include <math.h>
@@ -241,6 +244,7 @@ static mok_layer_desc desc_of(const problem *p, uint32_t max_tokens, mok_group *
 /* One rank's client process: join, create the layer, run. */
 typedef struct rank_job {
   const char *sock, *key;
+  const uint8_t *nccl_id; /* NULL: the group lives in this host's shared memory */
   const problem *p;
   uint32_t rank, timeout_ms, flags, tag;
   int skip_jobs; /* join only */
@@ -254,6 +258,7 @@ static void rank_main(const rank_job *j, result *res) {
   CHECK_STR_CONTAINS(mok_client_engine(c), harness_engine()); /* the engine under test */
   mok_group *g;
   mok_group_sizing sz = sizing_of(p, j->timeout_ms);
+  sz.nccl_id = j->nccl_id;
   double t0 = now_s();
   int r = mok_group_join(c, j->key, j->rank, p->W, &sz, &g);
   res->join_s = now_s() - t0;
@@ -302,9 +307,10 @@ static void reap(pid_t pid) {
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "a rank's client process failed");
 }
 
+static uint32_t test_gpus(void);
+
 static void start_daemons(daemon_proc *d, uint32_t W) {
-  const char *g = getenv("MOK_TEST_GPUS");
-  uint32_t gpus = g && atoi(g) > 0 ? (uint32_t)atoi(g) : 1;
+  uint32_t gpus = test_gpus();
   for (uint32_t r = 0; r < W; r++) {
     char cfg[64];
     snprintf(cfg, sizeof cfg, "threads = 1\ndevice = %u\n", r % gpus);
@@ -323,13 +329,63 @@ static void unique_key(char *buf, size_t n, const char *what) {
   snprintf(buf, n, "test-ep-%s-%d-%ld", what, (int)getpid(), (long)time(NULL));
 }
 
+/* ---- groups through NCCL (MOK_TEST_NCCL=1) ---------------------------------- */
+
+static bool nccl_mode(void) {
+  const char *e = getenv("MOK_TEST_NCCL");
+  return e && atoi(e) > 0;
+}
+
+static uint32_t test_gpus(void) {
+  const char *g = getenv("MOK_TEST_GPUS");
+  return g && atoi(g) > 0 ? (uint32_t)atoi(g) : 1;
+}
+
+/* NCCL puts one rank on one GPU: a case with more ranks is skipped. */
+static bool nccl_skips(uint32_t W, const char *why) {
+  if (!nccl_mode()) return false;
+  if (W <= test_gpus() && !why) return false;
+  printf("# NCCL mode: skipped (%s)\n", why ? why : "more ranks than GPUs");
+  return true;
+}
+
+/* The id of a group key in NCCL mode: made once by rank 0's mokd and kept,
+ * so that later joins of the key (restarted clients) re-join cheaply;
+ * forget_nccl_id makes the next one new (re-forming a broken group). */
+static struct {
+  char key[96];
+  uint8_t id[MOK_NCCL_ID_BYTES];
+} nccl_ids[16];
+
+static const uint8_t *nccl_id_for(const char *sock0, const char *key) {
+  if (!nccl_mode()) return NULL;
+  size_t free_at = 16;
+  for (size_t i = 0; i < 16; i++) {
+    if (!strcmp(nccl_ids[i].key, key)) return nccl_ids[i].id;
+    if (!nccl_ids[i].key[0] && free_at == 16) free_at = i;
+  }
+  CHECK(free_at < 16);
+  mok_client *c;
+  CHECK_MSG(mok_connect(sock0, "nccl-id", &c) == MOK_OK, "%s", mok_last_error());
+  CHECK_MSG(mok_group_nccl_id(c, nccl_ids[free_at].id) == MOK_OK, "%s", mok_last_error());
+  mok_close(c);
+  snprintf(nccl_ids[free_at].key, sizeof nccl_ids[free_at].key, "%s", key);
+  return nccl_ids[free_at].id;
+}
+
+static void forget_nccl_id(const char *key) {
+  for (size_t i = 0; i < 16; i++)
+    if (!strcmp(nccl_ids[i].key, key)) nccl_ids[i].key[0] = '\0';
+}
+
 /* Every rank runs; returns when all are done. */
 static void run_group(daemon_proc *d, const problem *p, const char *key, uint32_t flags,
                       result *res) {
   pid_t pids[MAXW];
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
   for (uint32_t r = 0; r < p->W; r++) {
-    rank_job j = {.sock = d[r].sock, .key = key, .p = p, .rank = r, .timeout_ms = 10000,
-                  .flags = flags};
+    rank_job j = {.sock = d[r].sock, .key = key, .nccl_id = id, .p = p, .rank = r,
+                  .timeout_ms = 10000, .flags = flags};
     pids[r] = spawn_rank(&j, &res[r]);
   }
   for (uint32_t r = 0; r < p->W; r++) reap(pids[r]);
@@ -480,6 +536,7 @@ static float tight_capacity(const problem *p) {
 
 static void ep_case_sized(uint32_t W, uint32_t dtype, const uint32_t *T, uint32_t flags,
                           int limit, int tight, int ring) {
+  if (nccl_skips(W, NULL)) return;
   daemon_proc d[MAXW];
   start_daemons(d, W);
   problem *p = malloc(sizeof *p);
@@ -569,11 +626,12 @@ typedef struct overflow_result {
   uint64_t ctx_small, ctx_full;
 } overflow_result;
 
-static void overflow_rank(const char *sock, const char *key, const problem *p, uint32_t rank,
-                          overflow_result *res) {
+static void overflow_rank(const char *sock, const char *key, const uint8_t *nccl_id,
+                          const problem *p, uint32_t rank, overflow_result *res) {
   mok_client *c;
   CHECK_MSG(mok_connect(sock, "overflow", &c) == MOK_OK, "%s", mok_last_error());
   mok_group_sizing sz = sizing_of(p, 10000);
+  sz.nccl_id = nccl_id;
   mok_group *g;
   CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
   mok_layer_desc ld = desc_of(p, TMAX, g);
@@ -586,6 +644,7 @@ static void overflow_rank(const char *sock, const char *key, const problem *p, u
   mok_group_sizing full = sz;
   full.capacity = 0.0f;
   full.ring_rows = 0;
+  full.nccl_id = NULL; /* (on this host) */
   mok_group *g2;
   mok_layer *l2;
   CHECK_MSG(mok_group_join(c, key2, rank, p->W, &full, &g2) == MOK_OK, "%s", mok_last_error());
@@ -622,12 +681,13 @@ static void overflow_case(float capacity, uint32_t ring_rows, const char *why) {
                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   CHECK(res != MAP_FAILED);
   memset(res, 0, 2 * sizeof *res);
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
   pid_t pids[2];
   for (uint32_t r = 0; r < 2; r++) {
     pids[r] = fork();
     CHECK(pids[r] >= 0);
     if (pids[r] == 0) {
-      overflow_rank(d[r].sock, key, p, r, &res[r]);
+      overflow_rank(d[r].sock, key, id, p, r, &res[r]);
       _exit(0);
     }
   }
@@ -667,6 +727,9 @@ static void test_expert_past_the_ring_fails_every_rank(void) {
 /* A rank that never comes: ETIMEOUT, the group broken, the daemons serve
  * everyone else; then both ranks re-join and the group works again. */
 static void test_missing_peer_times_out_and_group_recovers(void) {
+  if (nccl_skips(2, "a formation with a missing rank times out at join: "
+                    "test_nccl_groups_need_the_cuda_engine"))
+    return;
   daemon_proc d[2];
   start_daemons(d, 2);
   problem *p = malloc(sizeof *p);
@@ -716,13 +779,20 @@ static void test_mismatched_peer_fails_clearly(void) {
   result *res = shared_results(4);
   char key[96];
   unique_key(key, sizeof key, "mismatch");
-  rank_job j0 = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 5000, .tag = 1};
-  rank_job j1 = {.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 5000, .tag = 2};
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
+  rank_job j0 = {.sock = d[0].sock, .key = key, .nccl_id = id, .p = p, .rank = 0,
+                 .timeout_ms = 5000, .tag = 1};
+  rank_job j1 = {.sock = d[1].sock, .key = key, .nccl_id = id, .p = p, .rank = 1,
+                 .timeout_ms = 5000, .tag = 2};
   pid_t a = spawn_rank(&j0, &res[0]), b = spawn_rank(&j1, &res[1]);
   reap(a);
   reap(b);
   for (int r = 0; r < 2; r++) {
     CHECK_EQ_INT(res[r].status_fwd, MOK_EINVAL);
+    if (nccl_mode()) { /* compared on the device: the code, and a generic message */
+      CHECK_STR_CONTAINS(res[r].msg, "different jobs");
+      continue;
+    }
     CHECK_STR_CONTAINS(res[r].msg, "mismatch");
     CHECK_STR_CONTAINS(res[r].msg, "tag 2");
   }
@@ -754,9 +824,11 @@ static void test_stalled_peer_fails_on_the_device(void) {
   result *res = shared_results(4);
   char key[96];
   unique_key(key, sizeof key, "stall");
-  rank_job j0 = {.sock = d[0].sock, .key = key, .p = p, .rank = 0, .timeout_ms = 800};
-  rank_job j1 = {.sock = d[1].sock, .key = key, .p = p, .rank = 1, .timeout_ms = 800,
-                 .stall_ms = 2500};
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
+  rank_job j0 = {.sock = d[0].sock, .key = key, .nccl_id = id, .p = p, .rank = 0,
+                 .timeout_ms = 800};
+  rank_job j1 = {.sock = d[1].sock, .key = key, .nccl_id = id, .p = p, .rank = 1,
+                 .timeout_ms = 800, .stall_ms = 2500};
   double t0 = now_s();
   pid_t a = spawn_rank(&j0, &res[0]), b = spawn_rank(&j1, &res[1]);
   reap(a);
@@ -769,7 +841,8 @@ static void test_stalled_peer_fails_on_the_device(void) {
   }
   CHECK_MSG(took < 15.0, "the stalled job took %.1f s", took);
   for (int r = 0; r < 2; r++) CHECK_MSG(harness_alive(&d[r]), "mokd %d died", r);
-  /* everyone re-joins: jobs run again */
+  /* everyone re-joins (through NCCL: with a new id, a new communicator) */
+  forget_nccl_id(key);
   run_group(d, p, key, 0, &res[2]);
   for (int r = 0; r < 2; r++)
     CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
@@ -908,6 +981,7 @@ static void test_join_rules(void) {
  * own segment, so neither completes the other's group. Needs root (a
  * client process drops to nobody). */
 static void test_two_tenants_never_share_a_group(void) {
+  if (nccl_skips(2, "tenants of groups through NCCL hold distinct ids")) return;
   if (geteuid() != 0) {
     printf("# skipped: needs root to run a client as another uid\n");
     return;
@@ -945,6 +1019,51 @@ static void test_two_tenants_never_share_a_group(void) {
   free(p);
 }
 
+/* Groups through NCCL are the cuda engine's: the cpu engine says so, for
+ * the id and for a join with one, and the session goes on. On the cuda
+ * engine a join with an id nobody else uses times out at formation. */
+static void test_nccl_groups_need_the_cuda_engine(void) {
+  daemon_proc d = harness_start("threads = 1\n");
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "nccl", &c) == MOK_OK);
+  problem *p = calloc(1, sizeof *p);
+  p->dtype = engine_dtype(MOK_DTYPE_BF16);
+  p->W = 2;
+  uint8_t id[MOK_NCCL_ID_BYTES];
+  memset(id, 7, sizeof id);
+  mok_group_sizing sz = sizing_of(p, 1500);
+  sz.nccl_id = id;
+  mok_group *g;
+  char key[96];
+  unique_key(key, sizeof key, "nccl");
+  if (!harness_engine_is_cuda()) {
+    CHECK_EQ_INT(mok_group_nccl_id(c, id), MOK_EUNSUPPORTED);
+    CHECK_STR_CONTAINS(mok_last_error(), "need the cuda engine");
+    CHECK_EQ_INT(mok_group_join(c, key, 0, 2, &sz, &g), MOK_EUNSUPPORTED);
+    CHECK_STR_CONTAINS(mok_last_error(), "need the cuda engine");
+  } else {
+    int r = mok_group_nccl_id(c, id);
+    if (r == MOK_EUNSUPPORTED) { /* no NCCL on this machine: the reason is clear */
+      printf("# NCCL: %s\n", mok_last_error());
+      CHECK_STR_CONTAINS(mok_last_error(), "NCCL");
+    } else {
+      CHECK_MSG(r == MOK_OK, "%s", mok_last_error());
+      double t0 = now_s();
+      CHECK_EQ_INT(mok_group_join(c, key, 0, 2, &sz, &g), MOK_ETIMEOUT);
+      double took = now_s() - t0;
+      printf("# a formation rank 1 never joins: %.2f s, %s\n", took, mok_last_error());
+      CHECK_MSG(took < 1.5 + 5.0, "the join waited %.1f s for a 1.5 s timeout", took);
+    }
+  }
+  /* the session and the daemon go on */
+  mok_group_sizing plain = sizing_of(p, 1500);
+  CHECK_MSG(mok_group_join(c, key, 0, 2, &plain, &g) == MOK_OK, "%s", mok_last_error());
+  CHECK(mok_group_leave(g) == MOK_OK);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+  free(p);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_ep2_f32_matches_ep1_bitwise),
     CHECK_CASE(test_ep4_f32_uneven_tokens_recompute),
@@ -962,6 +1081,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_join_rules),
     CHECK_CASE(test_group_dir_and_linger_from_config),
     CHECK_CASE(test_two_tenants_never_share_a_group),
+    CHECK_CASE(test_nccl_groups_need_the_cuda_engine),
     {0},
 };
 

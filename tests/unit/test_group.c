@@ -1,6 +1,7 @@
 /* group.c in one process: two "daemons" (two tables) join two ranks of a
  * group; the engine-state hook, the peer record, breaking a group, and the
  * state freed exactly once when the daemon leaves. */
+#include <dirent.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -21,7 +22,9 @@ static void count_free(void *p) {
 static char dir[] = "/tmp/mok-test-group-XXXXXX";
 
 static void set_dir(void) {
-  CHECK(mkdtemp(dir) != NULL);
+  static bool made;
+  if (!made) CHECK(mkdtemp(dir) != NULL);
+  made = true;
   setenv("MOK_GROUP_DIR", dir, 1);
 }
 
@@ -82,8 +85,69 @@ static void test_engine_state_and_peers(void) {
   CHECK_MSG(rmdir(dir) == 0, "the last member out did not remove the segment");
 }
 
+/* A group formed through NCCL has no segment: its members' view is local.
+ * The same id re-joins cheaply; a new id (or a broken group) re-forms it:
+ * the engine's state goes, the sequence restarts; the two ways of forming
+ * a group never mix under one key. */
+static void test_nccl_group_rejoin_and_reform(void) {
+  set_dir();
+  static _Atomic bool no_abort;
+  mok_ep_group_table *t = mok_ep_group_table_create(&no_abort);
+  CHECK(t);
+  char err[200], key[64];
+  snprintf(key, sizeof key, "nccl-%d", (int)getpid());
+  mok_ep_group_join_args a = args(1, key);
+  a.nccl = true;
+  memset(a.nccl_id, 0x11, sizeof a.nccl_id);
+  mok_ep_group *g, *again;
+  bool rejoined = true;
+  freed = 0;
+  CHECK_EQ_INT(mok_ep_group_join(t, &a, &g, &rejoined, err, sizeof err), MOK_OK);
+  CHECK(!rejoined && mok_ep_group_is_nccl(g));
+  CHECK(memcmp(mok_ep_group_nccl_id(g), a.nccl_id, MOK_GROUP_NCCL_ID_BYTES) == 0);
+  /* no segment was made for it */
+  char path[512];
+  snprintf(path, sizeof path, "%s", getenv("MOK_GROUP_DIR"));
+  DIR *seg_dir = opendir(path);
+  CHECK(seg_dir);
+  for (struct dirent *e; (e = readdir(seg_dir));) CHECK(strncmp(e->d_name, "mok-ep-", 7) != 0);
+  closedir(seg_dir);
+  mok_ep_group_set_engine_state(g, &freed, count_free, 1);
+  uint64_t gen = mok_ep_group_generation(g);
+  /* jobs: the sequence counts here; the posts are compared on the device */
+  mok_ep_group_post post = mok_ep_group_post_for(NULL, MOK_OP_FORWARD, 0, 4);
+  CHECK_EQ_INT(mok_ep_group_job_start(g, err, sizeof err), MOK_OK);
+  CHECK_EQ_INT(mok_ep_group_job_post(g, &post, err, sizeof err), MOK_OK);
+  CHECK(mok_ep_group_sequence(g) == 1 && post.seq == 1);
+  /* the same id: cheap, nothing changes */
+  CHECK_EQ_INT(mok_ep_group_join(t, &a, &again, &rejoined, err, sizeof err), MOK_OK);
+  CHECK(again == g && rejoined && freed == 0 && mok_ep_group_sequence(g) == 1);
+  mok_ep_group_unref(t, again, false);
+  /* joined the other way under the same key: refused */
+  mok_ep_group_join_args plain = args(1, key);
+  CHECK_EQ_INT(mok_ep_group_join(t, &plain, &again, &rejoined, err, sizeof err), MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "formed through NCCL");
+  /* broken: jobs stop until a re-join with a new id */
+  mok_ep_group_mark_broken(g, "job 1: a device barrier timed out");
+  CHECK_EQ_INT(mok_ep_group_job_start(g, err, sizeof err), MOK_ECLOSED);
+  CHECK_STR_CONTAINS(err, "new NCCL id");
+  memset(a.nccl_id, 0x22, sizeof a.nccl_id);
+  CHECK_EQ_INT(mok_ep_group_join(t, &a, &again, &rejoined, err, sizeof err), MOK_OK);
+  CHECK(again == g && !rejoined && freed == 1 && mok_ep_group_engine_state(g) == NULL);
+  CHECK(mok_ep_group_generation(g) == gen + 1 && mok_ep_group_sequence(g) == 0);
+  CHECK_EQ_INT(mok_ep_group_job_start(g, err, sizeof err), MOK_OK);
+  /* a new id on a healthy group re-forms it too */
+  mok_ep_group_set_engine_state(g, &freed, count_free, 1);
+  memset(a.nccl_id, 0x33, sizeof a.nccl_id);
+  CHECK_EQ_INT(mok_ep_group_join(t, &a, &again, &rejoined, err, sizeof err), MOK_OK);
+  CHECK(!rejoined && freed == 2);
+  mok_ep_group_table_destroy(t);
+  CHECK_EQ_INT(freed, 2); /* no state was attached after the last re-form */
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_engine_state_and_peers),
+    CHECK_CASE(test_nccl_group_rejoin_and_reform),
     {0},
 };
 

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import weakref
+import ctypes
 from ctypes import byref, c_uint64, c_void_p
 
 import numpy as np
@@ -410,16 +411,29 @@ class Client:
                      swiglu_limit, max_tokens, group, group_tag)
 
     # ---- expert-parallel groups ----
+    def nccl_id(self):
+        """A fresh NCCL unique id (128 bytes) for group(..., nccl_id=): ask rank
+        0's mokd (the cuda engine) and hand the bytes to every rank."""
+        buf = ctypes.create_string_buffer(_lib.NCCL_ID_BYTES)
+        with self._lock:
+            self._check_open()
+            st = _lib.lib().mok_group_nccl_id(self._native.ptr, buf)
+        if st:
+            _raise(st)
+        return buf.raw
+
     def group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype="float32",
-              timeout_ms=0, capacity=0.0, ring_rows=0):
+              timeout_ms=0, capacity=0.0, ring_rows=0, nccl_id=None):
         """Join rank `rank` of the expert-parallel group `key` (docs/ep.md).
         Every rank joins through its own mokd with the same sizing; joining a
         group the daemon still holds (a restarted trainer) is cheap.
         capacity: the share of all routes one rank's experts may receive, in
         (0, 1] (0: all; a job needing more fails with EOVERFLOW); ring_rows:
-        rows of the daemon's routed buffers (0: one pass)."""
+        rows of the daemon's routed buffers (0: one pass). nccl_id: the bytes of
+        nccl_id() on rank 0 to form the group through NCCL (ranks on distinct
+        GPUs); None: the ranks' mokds share this host."""
         return Group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype,
-                     timeout_ms, capacity, ring_rows)
+                     timeout_ms, capacity, ring_rows, nccl_id)
 
 
 def _dtype_code(dtype):
@@ -445,6 +459,15 @@ def _dim(name, v, lo=1):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo or v >= 1 << 32:
         raise Error("EINVAL", "%s must be an integer >= %d, got %r" % (name, lo, v))
     return int(v)
+
+
+def _nccl_id(v):
+    if v is None:
+        return None
+    if not isinstance(v, (bytes, bytearray)) or len(v) != _lib.NCCL_ID_BYTES:
+        raise Error("EINVAL", "nccl_id must be the %d bytes of Client.nccl_id(), got %r"
+                    % (_lib.NCCL_ID_BYTES, type(v).__name__))
+    return bytes(v)
 
 
 def _capacity(v):
@@ -535,7 +558,7 @@ class Group:
     """An expert-parallel group this client joined (see Client.group)."""
 
     def __init__(self, client, key, rank, world, max_tokens, hidden, topk, experts, dtype,
-                 timeout_ms, capacity=0.0, ring_rows=0):
+                 timeout_ms, capacity=0.0, ring_rows=0, nccl_id=None):
         self.client = client
         self.key = str(key)
         self.rank = _dim("rank", rank, 0)
@@ -547,7 +570,8 @@ class Group:
                               dtype=_dtype_code(dtype), timeout_ms=_dim("timeout_ms",
                                                                         timeout_ms, 0),
                               capacity=_capacity(capacity),
-                              ring_rows=_dim("ring_rows", ring_rows, 0))
+                              ring_rows=_dim("ring_rows", ring_rows, 0),
+                              nccl_id=_nccl_id(nccl_id))
         L = _lib.lib()
         h = c_void_p()
         with client._lock:

@@ -33,6 +33,7 @@ SLOT = {n: i for i, n in enumerate(SLOTS)}
 SLOT_COUNT = len(SLOTS)
 
 JOB_RECOMPUTE = 0x1
+NCCL_ID_BYTES = 128  # mok.h MOK_NCCL_ID_BYTES
 MAX_DIMS = 4
 DEFAULT_SOCKET = "/run/mok/mokd-0.sock"
 
@@ -59,7 +60,8 @@ class LayerDesc(ctypes.Structure):
 class GroupSizing(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in (
         "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")] + [
-        ("capacity", ctypes.c_float), ("ring_rows", ctypes.c_uint32)]
+        ("capacity", ctypes.c_float), ("ring_rows", ctypes.c_uint32),
+        ("nccl_id", ctypes.c_char_p)]
 
 
 class Tensor(ctypes.Structure):
@@ -121,6 +123,7 @@ def _declare(lib):
         "mok_submit_nop": (c.c_int, [P, c.POINTER(c.c_uint64)]),
         "mok_wait": (c.c_int, [P, c.c_uint64, c.c_int]),
         "mok_job_pending": (c.c_int, [P, c.c_uint64]),
+        "mok_group_nccl_id": (c.c_int, [P, c.c_char_p]),
         "mok_group_join": (c.c_int, [P, c.c_char_p, c.c_uint32, c.c_uint32,
                                      c.POINTER(GroupSizing), c.POINTER(P)]),
         "mok_group_leave": (c.c_int, [P]),
