@@ -220,6 +220,7 @@ typedef struct shape2 {
   int W, T, H, I, E, K, gpus;
   float capacity; /* the group's capacity multiplier (0: all routes) */
   int ring;       /* the group's ring rows (0: one pass) */
+  const uint8_t *nccl_id; /* MOK_BENCH_NCCL=1: the group forms through NCCL */
 } shape2;
 
 typedef struct rank_res {
@@ -281,7 +282,7 @@ static void rank_main(const char *sock, const shape2 *s, int rank, int world, co
   double t0 = now_s();
   if (world) {
     mok_group_sizing sz = {(uint32_t)T, (uint32_t)H, (uint32_t)K, (uint32_t)s->E, MOK_DTYPE_BF16,
-                           60000, s->capacity, (uint32_t)s->ring};
+                           60000, s->capacity, (uint32_t)s->ring, s->nccl_id};
     if ((st = mok_group_join(c, key, (uint32_t)rank, (uint32_t)world, &sz, &g)) != MOK_OK) {
       rank_fail(r, "mok_group_join", st);
       return;
@@ -416,6 +417,26 @@ static int bench_daemon(const char *mokd, const shape2 *s) {
     sizings[n_sizings++] = z;
     p = *end == ',' ? end + 1 : end + strlen(end);
   }
+  /* MOK_BENCH_NCCL=1: every group through NCCL (one GPU per rank), the
+   * id from rank 0's mokd; the sizings' groups each get their own */
+  const bool nccl = getenv("MOK_BENCH_NCCL") && atoi(getenv("MOK_BENCH_NCCL")) > 0;
+  static uint8_t ids[9][MOK_NCCL_ID_BYTES];
+  shape2 s0 = *s;
+  if (nccl) {
+    char sock0[256];
+    snprintf(sock0, sizeof sock0, "%s/mokd0.sock", dir);
+    mok_client *c;
+    if (mok_connect(sock0, "bench-ep-id", &c) != MOK_OK) return 2;
+    for (int i = 0; i <= n_sizings; i++)
+      if (mok_group_nccl_id(c, ids[i]) != MOK_OK) {
+        fprintf(stderr, "mok_group_nccl_id: %s\n", mok_last_error());
+        return 2;
+      }
+    mok_close(c);
+    s0.nccl_id = ids[0];
+    for (int i = 0; i < n_sizings; i++) sizings[i].nccl_id = ids[1 + i];
+    s = &s0;
+  }
   const size_t n_res = 2 * (size_t)s->W + 1 + (size_t)n_sizings * s->W;
   rank_res *res = (rank_res *)mmap(NULL, sizeof(rank_res) * n_res, PROT_READ | PROT_WRITE,
                                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -423,9 +444,10 @@ static int bench_daemon(const char *mokd, const shape2 *s) {
   char key[64];
   snprintf(key, sizeof key, "bench-ep-%d", (int)getpid());
   double flop_rank = 6.0 * ((double)s->T + (double)s->T * s->K) * s->H * s->I;
-  printf("EP=%d through mokd (cuda engine) on %d GPU(s): T=%d tokens/rank, H=%d, I=%d, E=%d "
-         "(%d/rank), K=%d, I_s=%d, bf16, balanced routing; median of 10\n",
-         s->W, s->gpus, s->T, s->H, s->I, s->E, s->E / s->W, s->K, s->I);
+  printf("EP=%d through mokd (cuda engine) on %d GPU(s), group %s: T=%d tokens/rank, H=%d, "
+         "I=%d, E=%d (%d/rank), K=%d, I_s=%d, bf16, balanced routing; median of 10\n",
+         s->W, s->gpus, nccl ? "through NCCL" : "on this host (VMM fds)", s->T, s->H, s->I, s->E,
+         s->E / s->W, s->K, s->I);
   run_ranks(dir, s, s->W, key, 0, res, s->W);
   int bad = report_failures(res, s->W, "EP");
   /* the baseline: one mokd, the per-rank slice of the work */
