@@ -136,6 +136,18 @@ def test_group_errors(daemons):
             c.group("py-ep-bad", 0, 2, max_tokens=TMAX, hidden=H, topk=K, experts=E,
                     capacity=1.5)
         assert e.value.status == "EINVAL" and "capacity" in str(e.value)
+        # groups through NCCL are the cuda engine's; ids are 128 bytes
+        with pytest.raises(mok.Error) as e:
+            c.nccl_id()
+        assert e.value.status == "EUNSUPPORTED" and "cuda engine" in str(e.value)
+        with pytest.raises(mok.Error) as e:
+            c.group("py-ep-bad", 0, 2, max_tokens=TMAX, hidden=H, topk=K, experts=E,
+                    nccl_id=b"short")
+        assert e.value.status == "EINVAL" and "nccl_id" in str(e.value)
+        with pytest.raises(mok.Error) as e:
+            c.group("py-ep-nccl-%d" % os.getpid(), 0, 2, max_tokens=TMAX, hidden=H, topk=K,
+                    experts=E, nccl_id=bytes(128))
+        assert e.value.status == "EUNSUPPORTED" and "cuda engine" in str(e.value)
         g = c.group("py-ep-alone-%d" % os.getpid(), 0, 2, max_tokens=TMAX, hidden=H, topk=K,
                     experts=E, timeout_ms=300)
         layer = c.layer(hidden=H, intermediate=I, experts=E, topk=K, group=g)
