@@ -42,6 +42,10 @@ typedef struct mok_job_args {
   uint64_t fence_wait, fence_signal; /* GPU ordering (cuda engine; docs/cuda.md) */
   mok_engine_session *session;       /* from session_open (NULL without it) */
   mok_engine_layer *layer_state;     /* from layer_open (NULL without it) */
+  /* start_group on a group whose job posts travel on the device (formed
+   * through NCCL): this member's job failed its checks with this status; the
+   * NOP (fences only) still takes the member's turn so its peers fail too */
+  int group_failed;
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;

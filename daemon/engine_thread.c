@@ -468,6 +468,7 @@ static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc 
 static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
                                const mok_layer_config *layer, const mok_engine_result *res) {
   if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
+  if (mok_ep_group_is_nccl(g)) return; /* the engine takes the turn on the device */
   char err[MOK_COMPLETION_MSG];
   if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
   mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
@@ -821,11 +822,17 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                s->uid, in_flight, s->limits.max_jobs_per_uid);
     }
   }
-  mok_ep_group *group = NULL;
+  mok_ep_group *group = NULL, *turn = NULL;
   if (le && le->cfg.group_id && t->ops->start_group) {
     /* asynchronous group job: a failed one posts its failure to the group,
-     * then runs as the fence-only NOP below like any failed job */
+     * then runs as the fence-only NOP below like any failed job; on a group
+     * whose posts travel on the device, that NOP takes the turn there */
     group = job_group(t, s, &desc, &le->cfg, &res);
+    if (!group && res.status != MOK_OK &&
+        (desc.op == MOK_OP_FORWARD || desc.op == MOK_OP_BACKWARD)) {
+      mok_ep_group *g = session_group(t, s, le->cfg.group_id);
+      if (g && mok_ep_group_is_nccl(g)) turn = g;
+    }
   } else if (le && le->cfg.group_id) {
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
@@ -863,6 +870,9 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   if (group) {
     p->group_id = le->cfg.group_id;
     p->job = t->ops->start_group(t->engine, group, &args, &res);
+  } else if (turn) {
+    args.group_failed = p->fail_status;
+    p->job = t->ops->start_group(t->engine, turn, &args, &res);
   } else {
     p->job = t->ops->start(t->engine, &args, &res);
   }

@@ -476,9 +476,13 @@ static bool device_protocol(ep_job *j, int own_status) {
     LAUNCH(c, mok_k_ep_post_write(&j->kg, kp, c->status, c->st));
     return true;
   }
-  /* the job already failed here (c->failed): launch past LAUNCH's guard */
+  /* the job already failed here (c->failed, or a NOP taking the turn):
+   * launch past LAUNCH's guard, from a clean status word (the post raises
+   * this member's status into it, barrier 2 shares it) */
   j->timeout_ns = (uint64_t)mok_ep_group_timeout_ms(j->g) * 1000000ull;
-  int a = mok_k_ep_post_write(&j->kg, kp, c->status, c->st);
+  int a = cudaMemsetAsync(c->status, 0, sizeof(int32_t), c->st) == cudaSuccess ? MOK_OK
+                                                                               : MOK_EENGINE;
+  if (a == MOK_OK) a = mok_k_ep_post_write(&j->kg, kp, c->status, c->st);
   if (a == MOK_OK)
     a = mok_k_ep_barrier(&j->kg, barrier_value(j->g, 1), j->timeout_ns, 0, c->status, c->st);
   if (a == MOK_OK)
@@ -744,6 +748,11 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
   job_ctx c;
   mok_engine_job *job = cuda_job_begin(e, a, &c, res);
   if (!job) return NULL;
+  if (a->group_failed) { /* a NOP: this member's job failed before the engine */
+    ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+    if (mok_ep_group_is_nccl(g) && j.st && j.st->nccl) device_protocol(&j, a->group_failed);
+    return cuda_job_end(&c, res);
+  }
   if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
     cuda_job_fail(&c, MOK_EUNSUPPORTED,
                   "a layer on a group runs forward and backward; single steps need a layer "

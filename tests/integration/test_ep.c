@@ -1064,6 +1064,103 @@ static void test_nccl_groups_need_the_cuda_engine(void) {
   free(p);
 }
 
+/* A job refused before it reaches the engine on one rank (here: over rank
+ * 0's max-jobs-per-uid) still takes that rank's turn, so the other rank
+ * fails the same job at once with its status, and the next job runs: on a
+ * host group the refusal travels as the host post, on a group formed
+ * through NCCL the engine posts it on the device. The cuda engine only (an
+ * engine that runs jobs asynchronously can have two in flight). */
+typedef struct refusal_result {
+  int a, b, c;
+} refusal_result;
+
+static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_id,
+                         const problem *p, uint32_t rank, refusal_result *res) {
+  mok_client *c;
+  CHECK_MSG(mok_connect(sock, "refusal", &c) == MOK_OK, "%s", mok_last_error());
+  mok_group_sizing sz = sizing_of(p, 10000);
+  sz.nccl_id = nccl_id;
+  mok_group *g;
+  CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc ld = desc_of(p, TMAX, g);
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  uint32_t dt = p->dtype, T = p->T[rank], El = E_ / p->W;
+  void *X = put(c, dt, p->x[rank], T * H_);
+  int32_t *ID = mok_host_alloc(c, 4ull * T * K_ + 64);
+  float *RW = mok_host_alloc(c, 4ull * T * K_ + 64);
+  CHECK(ID && RW);
+  memcpy(ID, p->ids[rank], 4ull * T * K_);
+  memcpy(RW, p->rw[rank], 4ull * T * K_);
+  void *WG = put(c, dt, p->wg + (size_t)rank * El * I_ * H_, El * I_ * H_);
+  void *WU = put(c, dt, p->wu + (size_t)rank * El * I_ * H_, El * I_ * H_);
+  void *WD = put(c, dt, p->wd + (size_t)rank * El * H_ * I_, El * H_ * I_);
+  void *SG = put(c, dt, p->sg, IS_ * H_), *SU = put(c, dt, p->su, IS_ * H_);
+  void *SD = put(c, dt, p->sd, H_ * IS_), *OUT = put(c, dt, NULL, T * H_);
+  mok_forward_args fa = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
+                         .s_up = SU, .s_down = SD, .topk_ids = ID, .router_weights = RW,
+                         .out = OUT};
+  /* rank 0: job a is taken and waits at its barrier for rank 1 (asleep),
+   * so job b finds one job of the uid in flight and is refused */
+  if (rank == 1) usleep(400000);
+  uint64_t ta, tb, tc;
+  CHECK_MSG(mok_forward(l, T, &fa, &ta) == MOK_OK, "%s", mok_last_error());
+  if (rank == 0) usleep(150000);
+  CHECK_MSG(mok_forward(l, T, &fa, &tb) == MOK_OK, "%s", mok_last_error());
+  res->a = mok_wait(c, ta, 20000);
+  res->b = mok_wait(c, tb, 20000);
+  CHECK_MSG(mok_forward(l, T, &fa, &tc) == MOK_OK, "%s", mok_last_error());
+  res->c = mok_wait(c, tc, 20000);
+  mok_close(c);
+}
+
+static void test_refused_job_fails_every_rank_at_once(void) {
+  if (!harness_engine_is_cuda()) {
+    printf("# two jobs in flight: cuda engine only; skipped\n");
+    return;
+  }
+  daemon_proc d[2];
+  uint32_t gpus = test_gpus();
+  for (uint32_t r = 0; r < 2; r++) {
+    char cfg[96];
+    snprintf(cfg, sizeof cfg, "threads = 1\ndevice = %u\n%s", r % gpus,
+             r == 0 ? "max-jobs-per-uid = 1\n" : "");
+    d[r] = harness_start(cfg);
+  }
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_BF16, 2, T, 23);
+  char key[96];
+  unique_key(key, sizeof key, "refusal");
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
+  refusal_result *res = mmap(NULL, 2 * sizeof *res, PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  CHECK(res != MAP_FAILED);
+  memset(res, 0, 2 * sizeof *res);
+  double t0 = now_s();
+  pid_t pids[2];
+  for (uint32_t r = 0; r < 2; r++) {
+    pids[r] = fork();
+    CHECK(pids[r] >= 0);
+    if (pids[r] == 0) {
+      refusal_rank(d[r].sock, key, id, p, r, &res[r]);
+      _exit(0);
+    }
+  }
+  for (uint32_t r = 0; r < 2; r++) reap(pids[r]);
+  double took = now_s() - t0;
+  for (uint32_t r = 0; r < 2; r++) {
+    CHECK_MSG(res[r].a == MOK_OK, "rank %u: the first job: %d", r, res[r].a);
+    CHECK_MSG(res[r].b == MOK_ELIMIT, "rank %u: the refused job: %d (want ELIMIT)", r, res[r].b);
+    CHECK_MSG(res[r].c == MOK_OK, "rank %u: the job after it: %d", r, res[r].c);
+  }
+  /* nobody waited out the group's 10 s timeout */
+  CHECK_MSG(took < 8.0, "the ranks took %.1f s", took);
+  stop_daemons(d, 2);
+  munmap(res, 2 * sizeof *res);
+  free(p);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_ep2_f32_matches_ep1_bitwise),
     CHECK_CASE(test_ep4_f32_uneven_tokens_recompute),
@@ -1082,6 +1179,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_group_dir_and_linger_from_config),
     CHECK_CASE(test_two_tenants_never_share_a_group),
     CHECK_CASE(test_nccl_groups_need_the_cuda_engine),
+    CHECK_CASE(test_refused_job_fails_every_rank_at_once),
     {0},
 };
 
