@@ -359,16 +359,20 @@ static int group_layer_rows(mok_engine_thread *t, esession *s, mok_layer_config 
  * that attaches device state to groups (cuda) forms them. */
 static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_attach != NULL; }
 
+/* false: this engine does not (c says so) */
+static bool check_forms_nccl_groups(mok_engine_thread *t, mok_cmd *c) {
+  if (forms_nccl_groups(t)) return true;
+  c->status = MOK_EUNSUPPORTED;
+  snprintf(c->message, sizeof c->message,
+           "the %s engine forms groups through this host's shared memory only (join without "
+           "an nccl_id); groups through NCCL need the cuda engine",
+           t->ops->name);
+  return false;
+}
+
 static void cmd_group_id(mok_engine_thread *t, mok_cmd *c) {
-  if (!forms_nccl_groups(t)) {
-    c->status = MOK_EUNSUPPORTED;
-    snprintf(c->message, sizeof c->message,
-             "the %s engine forms groups through this host's shared memory only; groups "
-             "through NCCL need the cuda engine",
-             t->ops->name);
-    return;
-  }
-  c->status = mok_nccl_unique_id(c->out.nccl_id, c->message, sizeof c->message);
+  if (check_forms_nccl_groups(t, c))
+    c->status = mok_nccl_unique_id(c->out.nccl_id, c->message, sizeof c->message);
 }
 
 static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
@@ -378,14 +382,7 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
              "the %s engine does not run expert-parallel groups yet", t->ops->name);
     return;
   }
-  if (c->in.join.nccl && !forms_nccl_groups(t)) {
-    c->status = MOK_EUNSUPPORTED;
-    snprintf(c->message, sizeof c->message,
-             "the %s engine forms groups through this host's shared memory only (join without "
-             "an nccl_id); groups through NCCL need the cuda engine",
-             t->ops->name);
-    return;
-  }
+  if (c->in.join.nccl && !check_forms_nccl_groups(t, c)) return;
   if (s->n_groups == s->cap_groups) {
     size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
     uint32_t *n = realloc(s->groups, cap * sizeof *n);

@@ -562,16 +562,30 @@ static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virt
  * schedule) leaves those past the last empty. Each one pulls its rows, runs
  * the experts on its own schedule and pushes its results; the activations
  * move between the ring and their rows of the ctx, which keeps them all. */
+/* The plan of the job's macrobatches, from its schedule. */
+static void ring_plan(ep_job *j) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
+                            c->status, c->st));
+}
+
+/* Macrobatch m's schedule, and its x rows pulled into routed_a. */
+static void ring_batch_begin(ep_job *j, int m, const mok_k_dims *dr) {
+  job_ctx *c = j->c;
+  mok_engine_layer *l = c->l;
+  LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, dr, l->ring_sched, c->st));
+  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, dr, l->ring_sched, j->kg.off.x, l->routed_a, c->status,
+                               c->st));
+}
+
 static void ring_forward(ep_job *j) {
   job_ctx *c = j->c;
   mok_engine_layer *l = c->l;
   mok_k_dims dr = cuda_ring_dims(c->a->layer);
-  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
-                            c->status, c->st));
+  ring_plan(j);
   for (int m = 0; m < l->ring_batches && !c->failed; m++) {
-    LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, &dr, l->ring_sched, c->st));
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.x, l->routed_a,
-                                 c->status, c->st));
+    ring_batch_begin(j, m, &dr);
     LAUNCH(c, mok_k_expert_forward(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                    BF(c, W_DOWN), l->ring_g, l->ring_u, l->routed_b, l->ws,
                                    c->status, c->st));
@@ -590,12 +604,9 @@ static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const u
   job_ctx *c = j->c;
   mok_engine_layer *l = c->l;
   mok_k_dims dr = cuda_ring_dims(c->a->layer);
-  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
-                            c->status, c->st));
+  ring_plan(j);
   for (int m = 0; m < l->ring_batches && !c->failed; m++) {
-    LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, &dr, l->ring_sched, c->st));
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.x, l->routed_a,
-                                 c->status, c->st));
+    ring_batch_begin(j, m, &dr);
     if (recompute) /* the gate/up GEMM again, bitwise as forward; acts back to the ctx */
       LAUNCH(c, mok_k_gate_up_swiglu(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
                                      l->ring_g, l->ring_u, l->routed_c, c->status, c->st));

@@ -35,16 +35,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_d(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_d);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* balanced random routing: K distinct experts of E per token, seeded */
 static void routing(int32_t *ids, float *rw, int T, int E, int K, unsigned seed) {
   srand(seed);

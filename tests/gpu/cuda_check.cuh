@@ -1,7 +1,8 @@
 /* What the CUDA test and bench programs share: the CUDA and mok status
  * checks that stop the program, the EXPECT counter of failed checks, and the
  * device fill of random bf16 (hash of the index: the same bits for the same
- * arguments, never zero). Included by one .cu file of each program. */
+ * arguments, never zero), the median of timings. Included by one .cu file of
+ * each program. */
 #ifndef MOK_TESTS_CUDA_CHECK_CUH
 #define MOK_TESTS_CUDA_CHECK_CUH
 
@@ -42,6 +43,16 @@ static int failures __attribute__((unused)) = 0;
       fflush(stdout);                             \
     }                                             \
   } while (0)
+
+/* the median of n samples (sorts v) */
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+static __attribute__((unused)) double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_d);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 /* bf16 uniform in [-scale, scale] from a hash of the index */
 __global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float scale) {

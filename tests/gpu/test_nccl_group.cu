@@ -580,16 +580,6 @@ typedef struct bench_arg {
   int rank;
 } bench_arg;
 
-static int cmp_d(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_d);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static void *bench_thread(void *arg) {
   bench_arg *a = (bench_arg *)arg;
   bench_ctx *c = a->c;

@@ -618,6 +618,24 @@ static void test_ep4_bf16_ring_recompute_tight_capacity(void) {
   ring_case(4, MOK_DTYPE_BF16, T, MOK_JOB_RECOMPUTE, 1);
 }
 
+/* A rank's client, its group (through NCCL with nccl_id) and its layer. */
+static mok_layer *rank_layer(const char *sock, const char *name, const char *key,
+                             const uint8_t *nccl_id, const problem *p, uint32_t rank,
+                             mok_client **ret_c, mok_group_sizing *ret_sz) {
+  mok_client *c;
+  CHECK_MSG(mok_connect(sock, name, &c) == MOK_OK, "%s", mok_last_error());
+  mok_group_sizing sz = sizing_of(p, 10000);
+  sz.nccl_id = nccl_id;
+  mok_group *g;
+  CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc ld = desc_of(p, TMAX, g);
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  *ret_c = c;
+  if (ret_sz) *ret_sz = sz;
+  return l;
+}
+
 /* One rank's client for the overflow test: forward on all tokens (too many
  * for the capacity, or for the ring), then on one token (fits). */
 typedef struct overflow_result {
@@ -629,14 +647,8 @@ typedef struct overflow_result {
 static void overflow_rank(const char *sock, const char *key, const uint8_t *nccl_id,
                           const problem *p, uint32_t rank, overflow_result *res) {
   mok_client *c;
-  CHECK_MSG(mok_connect(sock, "overflow", &c) == MOK_OK, "%s", mok_last_error());
-  mok_group_sizing sz = sizing_of(p, 10000);
-  sz.nccl_id = nccl_id;
-  mok_group *g;
-  CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
-  mok_layer_desc ld = desc_of(p, TMAX, g);
-  mok_layer *l;
-  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  mok_group_sizing sz;
+  mok_layer *l = rank_layer(sock, "overflow", key, nccl_id, p, rank, &c, &sz);
   res->ctx_small = mok_layer_ctx_bytes(l, TMAX);
   /* the same layer on a group of all routes: a larger ctx */
   char key2[160];
@@ -648,7 +660,7 @@ static void overflow_rank(const char *sock, const char *key, const uint8_t *nccl
   mok_group *g2;
   mok_layer *l2;
   CHECK_MSG(mok_group_join(c, key2, rank, p->W, &full, &g2) == MOK_OK, "%s", mok_last_error());
-  ld.group = g2;
+  mok_layer_desc ld = desc_of(p, TMAX, g2);
   CHECK_MSG(mok_layer_create(c, &ld, &l2) == MOK_OK, "%s", mok_last_error());
   res->ctx_full = mok_layer_ctx_bytes(l2, TMAX);
   result *r = calloc(1, sizeof *r);
@@ -1077,14 +1089,7 @@ typedef struct refusal_result {
 static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_id,
                          const problem *p, uint32_t rank, refusal_result *res) {
   mok_client *c;
-  CHECK_MSG(mok_connect(sock, "refusal", &c) == MOK_OK, "%s", mok_last_error());
-  mok_group_sizing sz = sizing_of(p, 10000);
-  sz.nccl_id = nccl_id;
-  mok_group *g;
-  CHECK_MSG(mok_group_join(c, key, rank, p->W, &sz, &g) == MOK_OK, "%s", mok_last_error());
-  mok_layer_desc ld = desc_of(p, TMAX, g);
-  mok_layer *l;
-  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  mok_layer *l = rank_layer(sock, "refusal", key, nccl_id, p, rank, &c, NULL);
   uint32_t dt = p->dtype, T = p->T[rank], El = E_ / p->W;
   void *X = put(c, dt, p->x[rank], T * H_);
   int32_t *ID = mok_host_alloc(c, 4ull * T * K_ + 64);
