@@ -49,7 +49,8 @@ typedef struct mok_job_args {
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
-struct mok_ep_group; /* daemon/group.h */
+struct mok_ep_group;      /* daemon/group.h */
+struct mok_ep_group_form; /* daemon/group.h */
 
 typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
@@ -145,6 +146,17 @@ typedef struct mok_engine_ops {
   int (*group_attach)(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
   mok_engine_job *(*start_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
                                  mok_engine_result *res);
+  /* A group formed through NCCL: forming waits for every rank (at most the
+   * group's timeout), so the engine thread runs group_form on a thread of
+   * its own, with a copy of what it needs (thread-safe: it touches no
+   * group); it returns the engine's state for the group (NULL: *status and
+   * err say why). On the engine thread, group_install hangs a formed state
+   * on its group, or group_discard frees one whose group or session went
+   * meanwhile. */
+  void *(*group_form)(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
+                      size_t errlen);
+  void (*group_install)(mok_engine *e, struct mok_ep_group *g, void *state);
+  void (*group_discard)(mok_engine *e, void *state);
 } mok_engine_ops;
 
 extern const mok_engine_ops mok_engine_cpu;

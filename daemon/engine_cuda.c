@@ -1309,4 +1309,7 @@ const mok_engine_ops mok_engine_cuda = {
     .poll = cuda_poll,
     .group_attach = cuda_group_attach,
     .start_group = cuda_start_group,
+    .group_form = cuda_group_form,
+    .group_install = cuda_group_install,
+    .group_discard = cuda_group_discard,
 };

@@ -205,6 +205,10 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res);
 
 /* ep_cuda.c */
 int cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
+void *cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
+                      size_t errlen);
+void cuda_group_install(mok_engine *e, struct mok_ep_group *g, void *state);
+void cuda_group_discard(mok_engine *e, void *state);
 mok_engine_job *cuda_start_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
                                  mok_engine_result *res);
 

@@ -66,6 +66,23 @@ typedef struct esession {
   struct esession *next;
 } esession;
 
+/* A group being formed through NCCL on a thread of its own (the join waits
+ * for every rank: the engine thread must not). */
+typedef struct former {
+  pthread_t thread;
+  struct mok_engine_thread *t;
+  mok_cmd *cmd;        /* the JoinGroup, answered when the group formed */
+  uint64_t session_id;
+  uint32_t group_id;
+  bool rejoined;
+  mok_ep_group_form form;
+  void *state;         /* the engine's, NULL on failure */
+  int status;
+  char message[256];
+  _Atomic bool done;
+  struct former *next;
+} former;
+
 struct mok_engine_thread {
   const mok_engine_ops *ops;
   mok_engine *engine;
@@ -87,6 +104,7 @@ struct mok_engine_thread {
   char describe[256];
   mok_ep_group_table *groups; /* expert-parallel groups this daemon serves a rank of */
   uint64_t groups_ticked_ns;
+  former *forming;            /* groups being formed through NCCL */
 };
 
 static uint64_t now_ns(void) {
@@ -355,6 +373,101 @@ static int group_layer_rows(mok_engine_thread *t, esession *s, mok_layer_config 
   return MOK_OK;
 }
 
+/* ---- groups formed through NCCL, off the engine thread ------------------- */
+
+static void *former_main(void *arg) {
+  former *f = arg;
+  f->state = f->t->ops->group_form(f->t->engine, &f->form, &f->status, f->message,
+                                   sizeof f->message);
+  atomic_store(&f->done, true);
+  ring_doorbell(f->t->cmd_efd); /* the engine thread finishes the join */
+  return NULL;
+}
+
+static bool group_forming(const mok_engine_thread *t, uint32_t group_id) {
+  for (const former *f = t->forming; f; f = f->next)
+    if (f->group_id == group_id) return true;
+  return false;
+}
+
+/* Start forming g for the join c (deferred: answered by finish_former). */
+static int start_former(mok_engine_thread *t, esession *s, mok_cmd *c, mok_ep_group *g,
+                        bool rejoined) {
+  former *f = calloc(1, sizeof *f);
+  if (!f) {
+    snprintf(c->message, sizeof c->message, "out of memory");
+    return MOK_ENOMEM;
+  }
+  f->t = t;
+  f->cmd = c;
+  f->session_id = s->id;
+  f->group_id = mok_ep_group_id(g);
+  f->rejoined = rejoined;
+  f->form = mok_ep_group_form_of(g);
+  int r = pthread_create(&f->thread, NULL, former_main, f);
+  if (r != 0) {
+    free(f);
+    snprintf(c->message, sizeof c->message, "cannot start a thread to form the group: %s",
+             strerror(r));
+    return MOK_EENGINE;
+  }
+  f->next = t->forming;
+  t->forming = f;
+  c->deferred = true;
+  log_info("group %u: forming through NCCL (waits for every rank, at most %u ms)", f->group_id,
+           f->form.timeout_ms);
+  return MOK_OK;
+}
+
+static void join_reply(mok_cmd *c, mok_ep_group *g, bool rejoined);
+static bool session_add_group(esession *s, uint32_t id);
+
+/* A formation ended: install the state and answer the join, or fail it (the
+ * group then goes, as after a failed attach). The session or the group may
+ * have gone meanwhile. */
+static void finish_former(mok_engine_thread *t, former *f) {
+  pthread_join(f->thread, NULL);
+  mok_cmd *c = f->cmd;
+  esession *s = find_session(t, f->session_id);
+  mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, f->group_id) : NULL;
+  c->status = f->status;
+  snprintf(c->message, sizeof c->message, "%s", f->message);
+  if (c->status == MOK_OK && (!s || !g)) {
+    c->status = MOK_ECLOSED;
+    snprintf(c->message, sizeof c->message, "the session or group went while the group formed");
+  }
+  if (c->status == MOK_OK && !session_add_group(s, f->group_id)) {
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory");
+  }
+  if (c->status == MOK_OK) {
+    t->ops->group_install(t->engine, g, f->state);
+    join_reply(c, g, f->rejoined);
+  } else {
+    if (f->state) t->ops->group_discard(t->engine, f->state);
+    if (g) {
+      mok_ep_group_mark_broken(g, c->message);
+      mok_ep_group_unref(t->groups, g, true);
+    }
+  }
+  c->deferred = false;
+  post_done(t, c);
+  free(f);
+}
+
+/* Joins whose group finished forming (wait: every one, at shutdown). */
+static void poll_formers(mok_engine_thread *t, bool wait) {
+  for (former **p = &t->forming; *p;) {
+    former *f = *p;
+    if (!wait && !atomic_load(&f->done)) {
+      p = &f->next;
+      continue;
+    }
+    *p = f->next;
+    finish_former(t, f);
+  }
+}
+
 /* Groups formed through NCCL keep their buffers on the device: an engine
  * that attaches device state to groups (cuda) forms them. */
 static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_attach != NULL; }
@@ -383,21 +496,35 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
     return;
   }
   if (c->in.join.nccl && !check_forms_nccl_groups(t, c)) return;
-  if (s->n_groups == s->cap_groups) {
-    size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
-    uint32_t *n = realloc(s->groups, cap * sizeof *n);
-    if (!n) {
-      c->status = MOK_ENOMEM;
-      snprintf(c->message, sizeof c->message, "out of memory");
-      return;
-    }
-    s->groups = n, s->cap_groups = cap;
+  mok_ep_group *forming = mok_ep_group_find_key(t->groups, c->in.join.uid, c->in.join.key);
+  if (forming && group_forming(t, mok_ep_group_id(forming))) {
+    c->status = MOK_EBUSY;
+    snprintf(c->message, sizeof c->message,
+             "group '%s' is being formed through another session of this mokd; join again "
+             "once that join returned",
+             c->in.join.key);
+    return;
   }
+  if (!session_add_group(s, 0)) { /* room for the entry (filled below) */
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory");
+    return;
+  }
+  s->n_groups--;
   mok_ep_group *g;
   bool rejoined = false;
   c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
                              sizeof c->message);
   if (c->status != MOK_OK) return;
+  if (t->ops->group_form && mok_ep_group_is_nccl(g) && !mok_ep_group_engine_state(g)) {
+    /* every rank must join before the group forms: not on this thread */
+    c->status = start_former(t, s, c, g, rejoined);
+    if (c->status != MOK_OK) {
+      mok_ep_group_mark_broken(g, c->message);
+      mok_ep_group_unref(t->groups, g, true);
+    }
+    return;
+  }
   if (t->ops->group_attach) {
     c->status = t->ops->group_attach(t->engine, g, c->message, sizeof c->message);
     if (c->status != MOK_OK) {
@@ -408,8 +535,25 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
       return;
     }
   }
-  s->groups[s->n_groups++] = mok_ep_group_id(g);
+  session_add_group(s, mok_ep_group_id(g)); /* room was made above */
+  join_reply(c, g, rejoined);
+}
+
+/* A session's entry for a join (false: out of memory). */
+static bool session_add_group(esession *s, uint32_t id) {
+  if (s->n_groups == s->cap_groups) {
+    size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
+    uint32_t *n = realloc(s->groups, cap * sizeof *n);
+    if (!n) return false;
+    s->groups = n, s->cap_groups = cap;
+  }
+  s->groups[s->n_groups++] = id;
+  return true;
+}
+
+static void join_reply(mok_cmd *c, mok_ep_group *g, bool rejoined) {
   const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
+  c->status = MOK_OK;
   c->out.group.id = mok_ep_group_id(g);
   c->out.group.local_experts = z->experts / z->world;
   c->out.group.first_expert = mok_ep_group_rank(g) * (z->experts / z->world);
@@ -650,7 +794,7 @@ static void run_commands(mok_engine_thread *t) {
   while (c) {
     mok_cmd *next = c->next;
     run_command(t, c);
-    post_done(t, c);
+    if (!c->deferred) post_done(t, c);
     c = next;
   }
 }
@@ -945,6 +1089,7 @@ static void *engine_main(void *arg) {
   uint64_t idle_since = 0;
   for (;;) {
     run_commands(t);
+    if (t->forming) poll_formers(t, false);
     if (atomic_load(&t->stopping)) break;
     if (t->groups && now_ns() - t->groups_ticked_ns > 100000000ull) {
       t->groups_ticked_ns = now_ns();
@@ -966,6 +1111,7 @@ static void *engine_main(void *arg) {
     sleep_until_work(t);
     idle_since = 0;
   }
+  poll_formers(t, true); /* each ends within its group's timeout */
   /* drain: what clients submitted before the stop still runs, within a bound */
   uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
   for (;;) {

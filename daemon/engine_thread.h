@@ -98,6 +98,7 @@ typedef struct mok_cmd {
     uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
   } out;
   uint32_t layer_id;
+  bool deferred; /* the engine thread answers it later (a group forming) */
   struct mok_cmd *next;
 } mok_cmd;
 

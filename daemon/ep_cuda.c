@@ -147,32 +147,8 @@ static void state_free(void *arg) {
   free(st);
 }
 
-/* A group formed through NCCL: every member creates the communicator with
- * the id and registers its buffer as a window; the peers' buffers come
- * mapped (NCCL's LSA pointers). Blocks until every rank joined, at most the
- * group's timeout. */
-static int attach_nccl(mok_engine *e, mok_ep_group *g, ep_state *st, char *err, size_t errlen) {
-  int r = mok_nccl_group_create(mok_ep_group_nccl_id(g), (int)st->rank, (int)st->sz.world,
-                                e->device, st->lay.bytes, mok_ep_group_timeout_ms(g), &st->nccl,
-                                err, errlen);
-  if (r != MOK_OK) {
-    free(st);
-    return r;
-  }
-  st->own.va = (CUdeviceptr)mok_nccl_group_bases(st->nccl)[st->rank];
-  st->own.size = (size_t)mok_nccl_group_bytes(st->nccl);
-  mok_ep_group_set_engine_state(g, st, state_free, 1);
-  double init_ms = 0, reg_ms = 0;
-  mok_nccl_group_timings(st->nccl, &init_ms, &reg_ms);
-  log_info("cuda engine: group rank %u of %u formed through NCCL %d (communicator %.0f ms, "
-           "window %.0f ms, %zu MiB)",
-           st->rank, st->sz.world, mok_nccl_version(), init_ms, reg_ms, st->own.size >> 20);
-  return MOK_OK;
-}
-
-int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
-  if (mok_ep_group_engine_state(g)) return MOK_OK; /* a re-join: the buffer is there */
-  const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
+/* Why the cuda engine cannot run a group of this sizing (MOK_OK: it can). */
+static int group_fits(const mok_ep_group_sizing *sz, char *err, size_t errlen) {
   if (sz->dtype != MOK_DTYPE_BF16) {
     snprintf(err, errlen, "the cuda engine runs bfloat16 groups only");
     return MOK_EUNSUPPORTED;
@@ -182,7 +158,68 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
              "multiple of 8", MOK_K_EP_MAX_WORLD);
     return MOK_EUNSUPPORTED;
   }
+  return MOK_OK;
+}
+
+/* A group formed through NCCL: every member creates the communicator with
+ * the id and registers its buffer as a window; the peers' buffers come
+ * mapped (NCCL's LSA pointers). Blocks until every rank joined, at most the
+ * group's timeout: the engine thread runs it on a thread of its own. */
+void *cuda_group_form(mok_engine *e, const mok_ep_group_form *f, int *status, char *err,
+                      size_t errlen) {
+  if ((*status = group_fits(&f->sizing, err, errlen)) != MOK_OK) return NULL;
+  ep_state *st = calloc(1, sizeof *st);
+  if (!st) {
+    snprintf(err, errlen, "out of memory");
+    *status = MOK_ENOMEM;
+    return NULL;
+  }
+  st->e = e;
+  st->sz = f->sizing;
+  st->rank = f->rank;
+  st->uid = f->uid;
+  st->own_fd = -1;
+  st->lay = mok_k_ep_layout_of((int)st->sz.max_tokens, (int)st->sz.hidden, (int)st->sz.topk);
+  *status = mok_nccl_group_create(f->nccl_id, (int)st->rank, (int)st->sz.world, e->device,
+                                  st->lay.bytes, f->timeout_ms, &st->nccl, err, errlen);
+  if (*status != MOK_OK) {
+    free(st);
+    return NULL;
+  }
+  st->own.va = (CUdeviceptr)mok_nccl_group_bases(st->nccl)[st->rank];
+  st->own.size = (size_t)mok_nccl_group_bytes(st->nccl);
+  double init_ms = 0, reg_ms = 0;
+  mok_nccl_group_timings(st->nccl, &init_ms, &reg_ms);
+  log_info("cuda engine: group rank %u of %u formed through NCCL %d (communicator %.0f ms, "
+           "window %.0f ms, %zu MiB)",
+           st->rank, st->sz.world, mok_nccl_version(), init_ms, reg_ms, st->own.size >> 20);
+  return st;
+}
+
+void cuda_group_install(mok_engine *e, mok_ep_group *g, void *state) {
+  (void)e;
+  mok_ep_group_set_engine_state(g, state, state_free, 1);
+}
+
+void cuda_group_discard(mok_engine *e, void *state) {
+  (void)e;
+  if (state) state_free(state);
+}
+
+int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
+  if (mok_ep_group_engine_state(g)) return MOK_OK; /* a re-join: the buffer is there */
+  const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
+  int fit = group_fits(sz, err, errlen);
+  if (fit != MOK_OK) return fit;
   if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
+  if (mok_ep_group_is_nccl(g)) { /* formed here, on the calling thread */
+    mok_ep_group_form f = mok_ep_group_form_of(g);
+    int st_form;
+    void *state = cuda_group_form(e, &f, &st_form, err, errlen);
+    if (!state) return st_form;
+    cuda_group_install(e, g, state);
+    return MOK_OK;
+  }
   ep_state *st = calloc(1, sizeof *st);
   if (!st) {
     snprintf(err, errlen, "out of memory");
@@ -194,7 +231,6 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
   st->uid = mok_ep_group_uid(g);
   st->own_fd = -1;
   st->lay = mok_k_ep_layout_of((int)sz->max_tokens, (int)sz->hidden, (int)sz->topk);
-  if (mok_ep_group_is_nccl(g)) return attach_nccl(e, g, st, err, errlen);
 
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);

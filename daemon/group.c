@@ -304,6 +304,12 @@ void mok_ep_group_table_destroy(mok_ep_group_table *t) {
   free(t);
 }
 
+mok_ep_group *mok_ep_group_find_key(mok_ep_group_table *t, uid_t uid, const char *key) {
+  for (mok_ep_group *g = t->groups; g; g = g->next)
+    if (g->uid == uid && strcmp(g->key, key) == 0) return g;
+  return NULL;
+}
+
 mok_ep_group *mok_ep_group_find(mok_ep_group_table *t, uint32_t id) {
   for (mok_ep_group *g = t->groups; g; g = g->next)
     if (g->id == id) return g;
@@ -582,6 +588,17 @@ void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_fr
 }
 
 bool mok_ep_group_is_nccl(const mok_ep_group *g) { return g->nccl; }
+
+mok_ep_group_form mok_ep_group_form_of(const mok_ep_group *g) {
+  mok_ep_group_form f;
+  memset(&f, 0, sizeof f);
+  f.uid = g->uid;
+  f.rank = g->rank;
+  f.timeout_ms = g->timeout_ms;
+  f.sizing = g->sz;
+  memcpy(f.nccl_id, g->nccl_id, sizeof f.nccl_id);
+  return f;
+}
 const uint8_t *mok_ep_group_nccl_id(const mok_ep_group *g) { return g->nccl ? g->nccl_id : NULL; }
 
 mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p) {

@@ -83,6 +83,8 @@ void mok_ep_group_table_destroy(mok_ep_group_table *t);
 int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mok_ep_group **ret,
                    bool *rejoined, char *err, size_t errlen);
 mok_ep_group *mok_ep_group_find(mok_ep_group_table *t, uint32_t id);
+/* The group this daemon holds under (uid, key), or NULL. */
+mok_ep_group *mok_ep_group_find_key(mok_ep_group_table *t, uid_t uid, const char *key);
 /* Drop a session's reference. leave: the client left on purpose, so a
  * group nobody holds goes at once; otherwise it lingers for a re-join. */
 void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave);
@@ -111,6 +113,16 @@ uint32_t mok_ep_group_timeout_ms(const mok_ep_group *g);
  * buffer in the segment, so peers notice when a rank's buffer was replaced
  * (its mokd restarted) and map the new one. */
 void *mok_ep_group_engine_state(const mok_ep_group *g);
+
+/* What an engine needs to form a group through NCCL, copied out of the
+ * group so that it can be formed off the engine thread. */
+typedef struct mok_ep_group_form {
+  uid_t uid;
+  uint32_t rank, timeout_ms;
+  mok_ep_group_sizing sizing;
+  uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
+} mok_ep_group_form;
+mok_ep_group_form mok_ep_group_form_of(const mok_ep_group *g);
 /* Formed through NCCL (no segment; the engine forms the communicator with
  * the id, and compares the job posts on the device). */
 bool mok_ep_group_is_nccl(const mok_ep_group *g);

@@ -1166,6 +1166,80 @@ static void test_refused_job_fails_every_rank_at_once(void) {
   free(p);
 }
 
+/* Forming a group through NCCL waits for every rank: it must not hold up
+ * the daemon's other sessions meanwhile (it runs off the engine thread).
+ * Rank 0 joins; while it waits for rank 1 (2 s later), another session of
+ * rank 0's mokd runs forward jobs; then rank 1 joins and both joins return. */
+static void test_forming_does_not_stall_other_sessions(void) {
+  if (!nccl_mode() || test_gpus() < 2) {
+    printf("# NCCL mode with two GPUs only; skipped\n");
+    return;
+  }
+  daemon_proc d[2];
+  start_daemons(d, 2);
+  problem *p = malloc(sizeof *p);
+  uint32_t T[] = {TMAX, TMAX};
+  problem_init(p, MOK_DTYPE_BF16, 2, T, 29);
+  char key[96];
+  unique_key(key, sizeof key, "forming");
+  const uint8_t *id = nccl_id_for(d[0].sock, key);
+  result *res = shared_results(2);
+  double t0 = now_s();
+  rank_job j0 = {.sock = d[0].sock, .key = key, .nccl_id = id, .p = p, .rank = 0,
+                 .timeout_ms = 10000, .skip_jobs = 1};
+  pid_t a = spawn_rank(&j0, &res[0]);
+  /* meanwhile, another session of the same mokd */
+  usleep(300000);
+  mok_client *c;
+  CHECK_MSG(mok_connect(d[0].sock, "bystander", &c) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc ld = desc_of(p, TMAX, NULL);
+  mok_layer *l;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  void *X = put(c, p->dtype, p->x[0], TMAX * H_), *OUT = put(c, p->dtype, NULL, TMAX * H_);
+  void *WG = put(c, p->dtype, p->wg, E_ * I_ * H_), *WU = put(c, p->dtype, p->wu, E_ * I_ * H_);
+  void *WD = put(c, p->dtype, p->wd, E_ * H_ * I_);
+  void *SG = put(c, p->dtype, p->sg, IS_ * H_), *SU = put(c, p->dtype, p->su, IS_ * H_);
+  void *SD = put(c, p->dtype, p->sd, H_ * IS_);
+  int32_t *ID = mok_host_alloc(c, 4ull * TMAX * K_ + 64);
+  float *RW = mok_host_alloc(c, 4ull * TMAX * K_ + 64);
+  CHECK(ID && RW);
+  memcpy(ID, p->ids[0], 4ull * TMAX * K_);
+  memcpy(RW, p->rw[0], 4ull * TMAX * K_);
+  mok_forward_args fa = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
+                         .s_up = SU, .s_down = SD, .topk_ids = ID, .router_weights = RW,
+                         .out = OUT};
+  double worst = 0;
+  for (int i = 0; i < 5; i++) {
+    uint64_t tk;
+    double s0 = now_s();
+    CHECK_MSG(mok_forward(l, TMAX, &fa, &tk) == MOK_OK, "%s", mok_last_error());
+    CHECK_EQ_INT(mok_wait(c, tk, 20000), MOK_OK);
+    double took = now_s() - s0;
+    worst = took > worst ? took : worst;
+  }
+  double bystander_done = now_s() - t0;
+  mok_close(c);
+  /* rank 1 comes late */
+  while (now_s() - t0 < 2.0) usleep(20000);
+  rank_job j1 = {.sock = d[1].sock, .key = key, .nccl_id = id, .p = p, .rank = 1,
+                 .timeout_ms = 10000, .skip_jobs = 1};
+  pid_t b = spawn_rank(&j1, &res[1]);
+  reap(a);
+  reap(b);
+  printf("# rank 0's join took %.2f s; meanwhile 5 forwards of another session, slowest "
+         "%.1f ms, done after %.2f s\n",
+         res[0].join_s, 1e3 * worst, bystander_done);
+  for (int r = 0; r < 2; r++)
+    CHECK_MSG(res[r].status_fwd == MOK_OK, "rank %d's join: %s", r, res[r].msg);
+  CHECK_MSG(res[0].join_s > 1.5, "rank 0's join returned after %.2f s, before rank 1 came",
+            res[0].join_s);
+  CHECK_MSG(bystander_done < 1.5 && worst < 0.5,
+            "the other session waited for the formation (slowest job %.2f s, done at %.2f s)",
+            worst, bystander_done);
+  stop_daemons(d, 2);
+  free(p);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_ep2_f32_matches_ep1_bitwise),
     CHECK_CASE(test_ep4_f32_uneven_tokens_recompute),
@@ -1185,6 +1259,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_two_tenants_never_share_a_group),
     CHECK_CASE(test_nccl_groups_need_the_cuda_engine),
     CHECK_CASE(test_refused_job_fails_every_rank_at_once),
+    CHECK_CASE(test_forming_does_not_stall_other_sessions),
     {0},
 };
 
