@@ -721,6 +721,28 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
           .generation = mok_ep_group_generation(g), .sequence = mok_ep_group_sequence(g)};
     }
   }
+  /* every group of this daemon, lingering ones included */
+  size_t ng = 0;
+  for (mok_ep_group *g = t->groups ? mok_ep_group_next(t->groups, NULL) : NULL; g;
+       g = mok_ep_group_next(t->groups, g))
+    ng++;
+  if (ng > MOK_STATS_DAEMON_GROUPS_MAX) ng = MOK_STATS_DAEMON_GROUPS_MAX;
+  st->groups = ng ? calloc(ng, sizeof *st->groups) : NULL;
+  for (mok_ep_group *g = st->groups ? mok_ep_group_next(t->groups, NULL) : NULL;
+       g && st->n_groups < ng; g = mok_ep_group_next(t->groups, g)) {
+    mok_daemon_group_stats *o = &st->groups[st->n_groups++];
+    o->group_id = mok_ep_group_id(g);
+    o->uid = (uint32_t)mok_ep_group_uid(g);
+    o->rank = mok_ep_group_rank(g);
+    o->world = mok_ep_group_get_sizing(g)->world;
+    o->sessions = mok_ep_group_refs(g);
+    o->generation = mok_ep_group_generation(g);
+    o->sequence = mok_ep_group_sequence(g);
+    o->nccl = mok_ep_group_is_nccl(g);
+    o->broken = mok_ep_group_is_broken(g);
+    o->forming = group_forming(t, o->group_id);
+    snprintf(o->key, sizeof o->key, "%s", mok_ep_group_key(g));
+  }
   c->status = MOK_OK;
 }
 

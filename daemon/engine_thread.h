@@ -49,8 +49,19 @@ typedef struct mok_session_stats {
   uint64_t jobs_done, jobs_failed;
 } mok_session_stats;
 
+/* A group of this daemon (mokctl lists them, lingering ones too). */
+typedef struct mok_daemon_group_stats {
+  uint32_t group_id, uid, rank, world, sessions;
+  uint64_t generation, sequence;
+  bool nccl, broken, forming;
+  char key[MOK_GROUP_KEY_MAX + 1];
+} mok_daemon_group_stats;
+#define MOK_STATS_DAEMON_GROUPS_MAX 64
+
 typedef struct mok_engine_stats {
   uint64_t jobs_done, jobs_failed;
+  mok_daemon_group_stats *groups; /* malloc'd; the receiver frees */
+  size_t n_groups;
   uint64_t latency_p50_ns, latency_p99_ns; /* over the recent jobs */
   mok_session_stats *sessions;             /* malloc'd; the receiver frees */
   size_t n_sessions;

@@ -565,6 +565,16 @@ int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mo
   return MOK_OK;
 }
 
+mok_ep_group *mok_ep_group_next(mok_ep_group_table *t, mok_ep_group *prev) {
+  return prev ? prev->next : t->groups;
+}
+const char *mok_ep_group_key(const mok_ep_group *g) { return g->key; }
+uint32_t mok_ep_group_refs(const mok_ep_group *g) { return g->refs; }
+bool mok_ep_group_is_broken(const mok_ep_group *g) {
+  if (g->nccl) return g->broken;
+  uint64_t gen = atomic_load(&g->h->generation);
+  return gen != g->gen || atomic_load(&g->h->broken_gen) == g->gen;
+}
 uint32_t mok_ep_group_id(const mok_ep_group *g) { return g->id; }
 uid_t mok_ep_group_uid(const mok_ep_group *g) { return g->uid; }
 uint32_t mok_ep_group_rank(const mok_ep_group *g) { return g->rank; }

@@ -95,6 +95,11 @@ void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms);
  * member of a group must use the same directory. */
 void mok_ep_group_set_dir(mok_ep_group_table *t, const char *dir);
 
+/* Walk the table: the first group (prev NULL) or the one after prev. */
+mok_ep_group *mok_ep_group_next(mok_ep_group_table *t, mok_ep_group *prev);
+const char *mok_ep_group_key(const mok_ep_group *g);
+uint32_t mok_ep_group_refs(const mok_ep_group *g); /* joins holding it (0: lingering) */
+bool mok_ep_group_is_broken(const mok_ep_group *g);
 uint32_t mok_ep_group_id(const mok_ep_group *g);
 uid_t mok_ep_group_uid(const mok_ep_group *g);
 uint32_t mok_ep_group_rank(const mok_ep_group *g);

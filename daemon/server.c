@@ -658,6 +658,25 @@ static void reply_stats(session *s, mok_cmd *c) {
   }
   sr.n_sessions = st->n_sessions;
   sr.sessions = ptrs;
+  Mok__GroupSummary gs[MOK_STATS_DAEMON_GROUPS_MAX], *gsp[MOK_STATS_DAEMON_GROUPS_MAX];
+  for (size_t k = 0; k < st->n_groups && k < MOK_STATS_DAEMON_GROUPS_MAX; k++) {
+    const mok_daemon_group_stats *d = &st->groups[k];
+    mok__group_summary__init(&gs[k]);
+    gs[k].group_id = d->group_id;
+    gs[k].key = (char *)d->key;
+    gs[k].uid = d->uid;
+    gs[k].rank = d->rank;
+    gs[k].world = d->world;
+    gs[k].generation = d->generation;
+    gs[k].sequence = d->sequence;
+    gs[k].nccl = d->nccl;
+    gs[k].sessions = d->sessions;
+    gs[k].broken = d->broken;
+    gs[k].forming = d->forming;
+    gsp[k] = &gs[k];
+    sr.n_groups++;
+  }
+  sr.groups = gsp;
   Mok__Reply reply = MOK__REPLY__INIT;
   reply.body_case = MOK__REPLY__BODY_STATS;
   reply.stats = &sr;
@@ -776,7 +795,10 @@ static void on_engine_done(uv_async_t *h) {
       }
       session_maybe_free(s);
     }
-    if (c->kind == MOK_CMD_STATS) free(c->out.stats.sessions);
+    if (c->kind == MOK_CMD_STATS) {
+      free(c->out.stats.sessions);
+      free(c->out.stats.groups);
+    }
     free(c);
     c = next;
   }

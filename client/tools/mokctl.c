@@ -61,6 +61,16 @@ static void print_text(const Mok__StatsReply *s) {
              (unsigned long long)g->sequence);
     }
   }
+  printf("groups:       %zu\n", s->n_groups);
+  for (size_t k = 0; k < s->n_groups; k++) {
+    const Mok__GroupSummary *g = s->groups[k];
+    printf("  group %u '%s' (uid %u): rank %u of %u, %s, generation %llu, %llu jobs, ", g->group_id,
+           g->key, g->uid, g->rank, g->world, g->nccl ? "through NCCL" : "on this host",
+           (unsigned long long)g->generation, (unsigned long long)g->sequence);
+    if (g->forming) printf("forming\n");
+    else if (g->sessions) printf("%u session(s)%s\n", g->sessions, g->broken ? ", broken" : "");
+    else printf("lingering%s\n", g->broken ? ", broken" : "");
+  }
 }
 
 static void print_json(const Mok__StatsReply *s) {
@@ -92,6 +102,17 @@ static void print_json(const Mok__StatsReply *s) {
              (unsigned long long)g->sequence);
     }
     printf("]}");
+  }
+  printf("], \"groups\": [");
+  for (size_t k = 0; k < s->n_groups; k++) {
+    const Mok__GroupSummary *g = s->groups[k];
+    printf("%s{\"id\": %u, \"key\": ", k ? ", " : "", g->group_id);
+    json_str(g->key);
+    printf(", \"uid\": %u, \"rank\": %u, \"world\": %u, \"generation\": %llu, \"jobs\": %llu, "
+           "\"nccl\": %s, \"sessions\": %u, \"broken\": %s, \"forming\": %s}",
+           g->uid, g->rank, g->world, (unsigned long long)g->generation,
+           (unsigned long long)g->sequence, g->nccl ? "true" : "false", g->sessions,
+           g->broken ? "true" : "false", g->forming ? "true" : "false");
   }
   printf("]}\n");
 }
@@ -143,6 +164,16 @@ static void print_metrics(const Mok__StatsReply *s) {
              (unsigned long long)s->sessions[i]->session_id, g->group_id, g->rank, g->world,
              (unsigned long long)g->sequence);
     }
+  metric("mok_groups", "gauge", "Groups this mokd serves a rank of, by state");
+  uint32_t held = 0, lingering = 0, broken = 0;
+  for (size_t k = 0; k < s->n_groups; k++) {
+    broken += s->groups[k]->broken;
+    if (s->groups[k]->sessions) held++;
+    else lingering++;
+  }
+  printf("mok_groups{state=\"held\"} %u\nmok_groups{state=\"lingering\"} %u\n"
+         "mok_groups{state=\"broken\"} %u\n",
+         held, lingering, broken);
   metric("mok_session_jobs_total", "counter", "Jobs completed, by session and result");
   for (size_t i = 0; i < s->n_sessions; i++) {
     const Mok__SessionInfo *x = s->sessions[i];

@@ -215,7 +215,17 @@ def test_mokctl_lists_sessions_and_groups(tmp):
         assert 'mok_group_jobs_total{session="%d",group="1",rank="1",world="2"} 0' % c.session \
             in metrics, metrics
         assert "# TYPE mok_jobs_total counter" in metrics
+        assert st["groups"][0]["key"] == "ctl-demo" and st["groups"][0]["sessions"] == 1, st
+        assert not st["groups"][0]["nccl"] and not st["groups"][0]["forming"], st
         c.close()
+        # closed without leaving: the daemon keeps the group for a re-join
+        text = subprocess.run([ctl, "--socket", sock, "status"], capture_output=True, text=True,
+                              check=True).stdout
+        assert "group 1 'ctl-demo' (uid %d): rank 1 of 2, on this host" % os.getuid() in text, text
+        assert "lingering" in text, text
+        metrics = subprocess.run([ctl, "--socket", sock, "metrics"], capture_output=True,
+                                 text=True, check=True).stdout
+        assert 'mok_groups{state="lingering"} 1' in metrics, metrics
         p.send_signal(signal.SIGTERM)
         assert p.wait(10) == 0
     finally:
