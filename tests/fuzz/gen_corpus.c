@@ -88,6 +88,13 @@ static void gen_requests(void) {
   jg.group_key = "ep-group-a", jg.rank = 1, jg.world = 8;
   req.body_case = MOK__REQUEST__BODY_JOIN_GROUP, req.join_group = &jg;
   put_request("join_group", &req, 1, 0);
+  static uint8_t nccl_id[128] = {1, 2, 3};
+  jg.nccl_id.data = nccl_id, jg.nccl_id.len = sizeof nccl_id;
+  jg.capacity_ppm = 250000, jg.ring_rows = 4096;
+  put_request("join_group_nccl", &req, 1, 0);
+  Mok__GroupId gid = MOK__GROUP_ID__INIT;
+  req.body_case = MOK__REQUEST__BODY_GROUP_ID, req.group_id = &gid;
+  put_request("group_id", &req, 1, 0);
   Mok__Stats st = MOK__STATS__INIT;
   req.body_case = MOK__REQUEST__BODY_STATS, req.stats = &st;
   put_request("stats", &req, 1, 0);
