@@ -420,7 +420,7 @@ static int start_former(mok_engine_thread *t, esession *s, mok_cmd *c, mok_ep_gr
 }
 
 static void join_reply(mok_cmd *c, mok_ep_group *g, bool rejoined);
-static bool session_add_group(esession *s, uint32_t id);
+static bool session_room_for_group(esession *s);
 
 /* A formation ended: install the state and answer the join, or fail it (the
  * group then goes, as after a failed attach). The session or the group may
@@ -436,11 +436,12 @@ static void finish_former(mok_engine_thread *t, former *f) {
     c->status = MOK_ECLOSED;
     snprintf(c->message, sizeof c->message, "the session or group went while the group formed");
   }
-  if (c->status == MOK_OK && !session_add_group(s, f->group_id)) {
+  if (c->status == MOK_OK && !session_room_for_group(s)) {
     c->status = MOK_ENOMEM;
     snprintf(c->message, sizeof c->message, "out of memory");
   }
   if (c->status == MOK_OK) {
+    s->groups[s->n_groups++] = f->group_id;
     t->ops->group_install(t->engine, g, f->state);
     join_reply(c, g, f->rejoined);
   } else {
@@ -505,12 +506,11 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
              c->in.join.key);
     return;
   }
-  if (!session_add_group(s, 0)) { /* room for the entry (filled below) */
+  if (!session_room_for_group(s)) {
     c->status = MOK_ENOMEM;
     snprintf(c->message, sizeof c->message, "out of memory");
     return;
   }
-  s->n_groups--;
   mok_ep_group *g;
   bool rejoined = false;
   c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
@@ -535,19 +535,17 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
       return;
     }
   }
-  session_add_group(s, mok_ep_group_id(g)); /* room was made above */
+  s->groups[s->n_groups++] = mok_ep_group_id(g); /* room was made above */
   join_reply(c, g, rejoined);
 }
 
-/* A session's entry for a join (false: out of memory). */
-static bool session_add_group(esession *s, uint32_t id) {
-  if (s->n_groups == s->cap_groups) {
-    size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
-    uint32_t *n = realloc(s->groups, cap * sizeof *n);
-    if (!n) return false;
-    s->groups = n, s->cap_groups = cap;
-  }
-  s->groups[s->n_groups++] = id;
+/* Room for one more join's entry in the session (false: out of memory). */
+static bool session_room_for_group(esession *s) {
+  if (s->n_groups < s->cap_groups) return true;
+  size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
+  uint32_t *n = realloc(s->groups, cap * sizeof *n);
+  if (!n) return false;
+  s->groups = n, s->cap_groups = cap;
   return true;
 }
 
