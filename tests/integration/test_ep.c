@@ -391,6 +391,15 @@ static void run_group(daemon_proc *d, const problem *p, const char *key, uint32_
   for (uint32_t r = 0; r < p->W; r++) reap(pids[r]);
 }
 
+/* Every rank runs again (after a failure or a restart): all its jobs succeed. */
+static void run_group_ok(daemon_proc *d, const problem *p, const char *key, result *res,
+                         const char *when) {
+  run_group(d, p, key, 0, res);
+  for (uint32_t r = 0; r < p->W; r++)
+    CHECK_MSG(res[r].status_fwd == MOK_OK && res[r].status_bwd == MOK_OK, "rank %u %s: %s", r,
+              when, res[r].msg);
+}
+
 /* EP=1 on the cpu engine: all experts local, tokens [rank ranks) concatenated. */
 static void run_ep1(const char *sock, const problem *p, uint32_t first_rank, uint32_t n_ranks,
                     uint32_t flags, result *res) {
@@ -772,10 +781,7 @@ static void test_missing_peer_times_out_and_group_recovers(void) {
   CHECK(now_s() - t0 < 5.0);
   CHECK_MSG(res[1].status_fwd != MOK_OK, "a job on a broken group ran");
   /* everyone re-joins: a new generation, jobs run again */
-  run_group(d, p, key, 0, &res[2]);
-  for (int r = 0; r < 2; r++)
-    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
-              "rank %d after re-join: %s", r, res[2 + r].msg);
+  run_group_ok(d, p, key, &res[2], "after re-join");
   stop_daemons(d, 2);
   free(p);
 }
@@ -809,10 +815,7 @@ static void test_mismatched_peer_fails_clearly(void) {
     CHECK_STR_CONTAINS(res[r].msg, "tag 2");
   }
   /* the same layers now: the group was not broken by it */
-  run_group(d, p, key, 0, &res[2]);
-  for (int r = 0; r < 2; r++)
-    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
-              "rank %d after the mismatch: %s", r, res[2 + r].msg);
+  run_group_ok(d, p, key, &res[2], "after the mismatch");
   stop_daemons(d, 2);
   free(p);
 }
@@ -855,10 +858,7 @@ static void test_stalled_peer_fails_on_the_device(void) {
   for (int r = 0; r < 2; r++) CHECK_MSG(harness_alive(&d[r]), "mokd %d died", r);
   /* everyone re-joins (through NCCL: with a new id, a new communicator) */
   forget_nccl_id(key);
-  run_group(d, p, key, 0, &res[2]);
-  for (int r = 0; r < 2; r++)
-    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK,
-              "rank %d after re-join: %s", r, res[2 + r].msg);
+  run_group_ok(d, p, key, &res[2], "after re-join");
   stop_daemons(d, 2);
   free(p);
 }
@@ -877,10 +877,8 @@ static void test_restarted_client_rejoins(void) {
   run_group(d, p, key, 0, res);
   CHECK(!res[0].rejoined && !res[1].rejoined);
   /* both clients exited (mok_close without leaving); new processes re-join */
-  run_group(d, p, key, 0, &res[2]);
+  run_group_ok(d, p, key, &res[2], "after the restart");
   for (int r = 0; r < 2; r++) {
-    CHECK_MSG(res[2 + r].status_fwd == MOK_OK && res[2 + r].status_bwd == MOK_OK, "%s",
-              res[2 + r].msg);
     CHECK_MSG(res[2 + r].rejoined, "rank %d: the daemon did not keep the group", r);
     check_bits("out after re-join", (uint32_t)r, res[2 + r].out, res[r].out, p->T[r] * H_);
   }
