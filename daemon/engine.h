@@ -60,7 +60,33 @@ typedef struct mok_engine_config {
   bool group_linger_set;     /* else the default (MOK_GROUP_LINGER_MS) */
   uint32_t group_linger_ms;  /* a group no session holds is kept this long (0: not kept) */
   const char *group_dir;     /* where group segments live; NULL: $MOK_GROUP_DIR or /dev/shm */
+  /* a session's workspace (device scratch, cpu scratch) unused this long is
+   * given back; 0: the default (MOK_WORKSPACE_IDLE_MS) */
+  uint32_t workspace_idle_ms;
+  /* asynchronous engines call wake(wake_arg), from any thread, when a job
+   * they run finished, so the engine thread polls at once instead of on its
+   * next turn; NULL: none (the engine thread polls while jobs run) */
+  void (*wake)(void *arg);
+  void *wake_arg;
 } mok_engine_config;
+
+#define MOK_WORKSPACE_IDLE_MS 30000u
+
+/* What a layer costs the daemon, before it exists (mok_layer_bytes). */
+typedef struct mok_layer_cost {
+  uint64_t layer_bytes;     /* kept for the layer itself as long as it exists */
+  uint64_t workspace_bytes; /* the session workspace a job at max_tokens needs; one
+                               workspace serves every layer of a session */
+  uint64_t ctx_bytes;       /* the ctx a forward at max_tokens saves (client memory) */
+} mok_layer_cost;
+
+/* What a session holds in the engine now (mokctl status, metrics). */
+typedef struct mok_session_memory {
+  uint64_t mapped_device_bytes; /* client device memory mapped (IPC, VMM imports) */
+  uint64_t workspace_bytes;     /* the session's workspace (daemon memory) */
+  uint64_t layer_bytes;         /* per-layer state (daemon memory) */
+  uint64_t scratch_bytes;       /* other daemon memory held for the session */
+} mok_session_memory;
 
 /* Results of run()/poll(): status plus a message a person can act on. */
 typedef struct mok_engine_result {
@@ -81,6 +107,9 @@ struct mok_region;
 
 typedef struct mok_engine_ops {
   const char *name;
+  /* the engine calls cfg->wake when an asynchronous job finishes (so the
+   * engine thread may sleep while jobs run) */
+  bool wakes_when_done;
   /* Create an engine. On failure returns a mok_status and fills err. */
   int (*open)(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen);
   /* Release everything; accepts NULL. */
@@ -157,6 +186,17 @@ typedef struct mok_engine_ops {
                       size_t errlen);
   void (*group_install)(mok_engine *e, struct mok_ep_group *g, void *state);
   void (*group_discard)(mok_engine *e, void *state);
+
+  /* ---- memory (optional) -----------------------------------------------------
+   * layer_cost: what a prepared layer (prepare_layer succeeded on cfg)
+   * would cost; fills ret, returns a mok_status. session_memory: what s
+   * holds now. idle: the engine thread calls it about every 100 ms with
+   * CLOCK_MONOTONIC; the engine gives back workspaces unused for
+   * workspace_idle_ms. */
+  int (*layer_cost)(mok_engine *e, const mok_layer_config *cfg, mok_layer_cost *ret, char *err,
+                    size_t errlen);
+  void (*session_memory)(mok_engine *e, mok_engine_session *s, mok_session_memory *ret);
+  void (*idle)(mok_engine *e, uint64_t now_ns);
 } mok_engine_ops;
 
 extern const mok_engine_ops mok_engine_cpu;

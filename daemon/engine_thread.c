@@ -103,7 +103,7 @@ struct mok_engine_thread {
   uint64_t latency_count;
   char describe[256];
   mok_ep_group_table *groups; /* expert-parallel groups this daemon serves a rank of */
-  uint64_t groups_ticked_ns;
+  uint64_t ticked_ns;         /* the last 100 ms housekeeping turn */
   former *forming;            /* groups being formed through NCCL */
 };
 
@@ -616,6 +616,26 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
   (void)mok_ep_group_job_post(g, &p, err, sizeof err);
 }
 
+/* The layer as the engine would run it (group fields filled, prepared). */
+static int prepared_layer(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
+                          size_t errlen) {
+  int st;
+  if (cfg->group_id && (st = group_layer_config(t, s, cfg, err, errlen)) != MOK_OK) return st;
+  if ((st = t->ops->prepare_layer(t->engine, cfg, err, errlen)) != MOK_OK) return st;
+  if (cfg->group_id && (st = group_layer_rows(t, s, cfg, err, errlen)) != MOK_OK) return st;
+  return MOK_OK;
+}
+
+static void cmd_layer_cost(mok_engine_thread *t, esession *s, mok_cmd *c) {
+  mok_layer_config cfg = c->in.layer;
+  c->status = prepared_layer(t, s, &cfg, c->message, sizeof c->message);
+  if (c->status != MOK_OK) return;
+  memset(&c->out.cost, 0, sizeof c->out.cost);
+  if (t->ops->layer_cost)
+    c->status = t->ops->layer_cost(t->engine, &cfg, &c->out.cost, c->message, sizeof c->message);
+  c->out.layer = cfg;
+}
+
 static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
   if (s->n_layers >= s->limits.max_layers) {
     c->status = MOK_ELIMIT;
@@ -624,16 +644,8 @@ static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
     return;
   }
   mok_layer_config cfg = c->in.layer;
-  if (cfg.group_id) {
-    c->status = group_layer_config(t, s, &cfg, c->message, sizeof c->message);
-    if (c->status != MOK_OK) return;
-  }
-  c->status = t->ops->prepare_layer(t->engine, &cfg, c->message, sizeof c->message);
+  c->status = prepared_layer(t, s, &cfg, c->message, sizeof c->message);
   if (c->status != MOK_OK) return;
-  if (cfg.group_id) {
-    c->status = group_layer_rows(t, s, &cfg, c->message, sizeof c->message);
-    if (c->status != MOK_OK) return;
-  }
   if (s->n_layers == s->cap_layers) {
     size_t cap = s->cap_layers ? 2 * s->cap_layers : 8;
     layer_entry *n = realloc(s->layers, cap * sizeof *n);
@@ -710,6 +722,7 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     o->layers = (uint32_t)s->n_layers;
     o->jobs_done = s->jobs_done;
     o->jobs_failed = s->jobs_failed;
+    if (s->es && t->ops->session_memory) t->ops->session_memory(t->engine, s->es, &o->memory);
     for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
       mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
       if (!g) continue;
@@ -795,6 +808,7 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
     break;
   }
   case MOK_CMD_CREATE_LAYER: cmd_create_layer(t, s, c); break;
+  case MOK_CMD_LAYER_COST: cmd_layer_cost(t, s, c); break;
   case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(t, s, c); break;
   case MOK_CMD_DETACH: cmd_detach(t, s); break;
   case MOK_CMD_JOIN_GROUP: cmd_join_group(t, s, c); break;
@@ -1104,6 +1118,22 @@ static void sleep_until_work(mok_engine_thread *t) {
   set_need_wakeup(t, false);
 }
 
+/* Sleep until a doorbell (a command, a client's job, a finished job) or
+ * ms pass; the doorbells are drained. */
+static void wait_for_wake(mok_engine_thread *t, int ms) {
+  struct epoll_event evs[32];
+  int n = epoll_wait(t->epfd, evs, 32, ms);
+  for (int i = 0; i < n; i++) {
+    esession *s = evs[i].data.ptr;
+    drain_eventfd(s ? s->shm.doorbell_in : t->cmd_efd);
+  }
+}
+
+static void engine_wake(void *arg) {
+  mok_engine_thread *t = arg;
+  ring_doorbell(t->cmd_efd);
+}
+
 static void *engine_main(void *arg) {
   mok_engine_thread *t = arg;
   uint64_t idle_since = 0;
@@ -1111,9 +1141,10 @@ static void *engine_main(void *arg) {
     run_commands(t);
     if (t->forming) poll_formers(t, false);
     if (atomic_load(&t->stopping)) break;
-    if (t->groups && now_ns() - t->groups_ticked_ns > 100000000ull) {
-      t->groups_ticked_ns = now_ns();
-      mok_ep_group_tick(t->groups); /* groups nobody re-joined within the linger time */
+    if (now_ns() - t->ticked_ns > 100000000ull) {
+      t->ticked_ns = now_ns();
+      if (t->groups) mok_ep_group_tick(t->groups); /* groups nobody re-joined in time */
+      if (t->ops->idle) t->ops->idle(t->engine, t->ticked_ns); /* idle workspaces go back */
     }
     bool took = run_jobs_round(t);
     uint64_t now = now_ns();
@@ -1124,8 +1155,9 @@ static void *engine_main(void *arg) {
     }
     if (!idle_since) idle_since = now;
     if (now - idle_since < SPIN_BEFORE_SLEEP_NS) continue;
-    if (running) { /* GPU work in flight: keep polling it, gently */
-      pause_briefly();
+    if (running) { /* work in flight: poll it, gently, or wait for its wake */
+      if (t->ops->wakes_when_done) wait_for_wake(t, 1);
+      else pause_briefly();
       continue;
     }
     sleep_until_work(t);
@@ -1168,7 +1200,10 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   t->epfd = -1;
   t->cmd_efd = -1;
   pthread_mutex_init(&t->lock, NULL);
-  int r = ops->open(cfg, &t->engine, err, errlen);
+  mok_engine_config ecfg = *cfg;
+  ecfg.wake = engine_wake;
+  ecfg.wake_arg = t;
+  int r = ops->open(&ecfg, &t->engine, err, errlen);
   if (r != MOK_OK) goto fail;
   if ((ops->run_group || ops->start_group) && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
     snprintf(err, errlen, "out of memory");

@@ -29,7 +29,8 @@ typedef enum mok_cmd_kind {
   MOK_CMD_SESSION_FAULT, /* engine -> loop only: the session broke its ring */
   MOK_CMD_JOIN_GROUP,    /* join (or re-join) an expert-parallel group (group.h) */
   MOK_CMD_LEAVE_GROUP,
-  MOK_CMD_GROUP_ID       /* a fresh NCCL unique id for forming a group */
+  MOK_CMD_GROUP_ID,      /* a fresh NCCL unique id for forming a group */
+  MOK_CMD_LAYER_COST     /* what a layer would cost (CreateLayer's checks, no layer) */
 } mok_cmd_kind;
 
 #define MOK_STATS_GROUPS_MAX 8
@@ -47,6 +48,7 @@ typedef struct mok_session_stats {
   uint64_t region_bytes;
   uint32_t layers;
   uint64_t jobs_done, jobs_failed;
+  mok_session_memory memory; /* zeros: the engine does not say */
 } mok_session_stats;
 
 /* A group of this daemon (mokctl lists them, lingering ones too). */
@@ -107,6 +109,7 @@ typedef struct mok_cmd {
       bool rejoined;
     } group;
     uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
+    mok_layer_cost cost; /* MOK_CMD_LAYER_COST */
   } out;
   uint32_t layer_id;
   bool deferred; /* the engine thread answers it later (a group forming) */

@@ -16,6 +16,16 @@ typedef enum mok_region_kind {
   MOK_REGION_CUDA_VMM = 3,
 } mok_region_kind;
 
+/* What backs a region, so that two registrations of the same memory are
+ * seen as one (the overlap checks of job_check.c): (object, object2) name
+ * the backing object (a memfd's st_dev and st_ino; the CUDA allocation the
+ * engine imported), offset is where r->base lies in it. object == 0: unknown
+ * (never overlaps another region). */
+typedef struct mok_region_backing {
+  uint64_t object, object2;
+  uint64_t offset;
+} mok_region_backing;
+
 typedef struct mok_region {
   uint32_t id;
   mok_region_kind kind;
@@ -24,6 +34,7 @@ typedef struct mok_region {
   void *map_base; /* what to unmap (host: the mmap) */
   uint64_t map_bytes;
   void *engine_handle; /* engine-private (cuda: the import) */
+  mok_region_backing backing;
 } mok_region;
 
 typedef struct mok_region_table {
