@@ -5,9 +5,38 @@
 
 #include "mok_status.h"
 
-static int ranges_overlap(const mok_tensor_ref *a, const mok_tensor_ref *b) {
-  if (a->region != b->region) return 0;
-  return a->offset < b->offset + b->bytes && b->offset < a->offset + a->bytes;
+/* Where a tensor's bytes lie in the memory behind its region: the region's
+ * backing object (a memfd's identity; region.h) at the backing offset, so
+ * that two registrations of one memfd name the same bytes. A region whose
+ * backing is unknown (object 0) is its own object, named by its id. */
+typedef struct backed_range {
+  uint64_t object, object2;
+  uint64_t start, bytes; /* start may exceed 2^64 - bytes only in a corrupt table */
+  int known;             /* 0: object is the region id */
+} backed_range;
+
+static backed_range backed_range_of(const mok_tensor_ref *ref, const mok_region *r) {
+  backed_range b = {.start = ref->offset, .bytes = ref->bytes};
+  if (r->backing.object != 0) {
+    b.known = 1;
+    b.object = r->backing.object;
+    b.object2 = r->backing.object2;
+    b.start += r->backing.offset;
+  } else {
+    b.object = r->id;
+  }
+  return b;
+}
+
+/* Both refs passed check_ref (inside their regions), so the offsets and
+ * sizes are bounded by the regions' sizes; a backing offset comes from a
+ * file offset (below 2^63). Compared in 128 bits anyway: no wrap-around
+ * can hide an overlap. */
+static int ranges_overlap(const backed_range *a, const backed_range *b) {
+  if (a->known != b->known || a->object != b->object) return 0;
+  if (a->known && a->object2 != b->object2) return 0;
+  unsigned __int128 a0 = a->start, a1 = a0 + a->bytes, b0 = b->start, b1 = b0 + b->bytes;
+  return a0 < b1 && b0 < a1;
 }
 
 static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
@@ -144,14 +173,26 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
       return MOK_EINVAL;
     }
   }
-  /* an output may not share bytes with any other tensor of the job */
+  /* an output may not share bytes with any other tensor of the job, in
+   * whatever region (registration) of the same memory either is named */
+  backed_range where[MOK_MAX_TENSORS];
+  for (uint32_t i = 0; i < desc->n_tensors; i++)
+    where[i] = backed_range_of(&desc->tensors[i],
+                               mok_region_table_find(regions, desc->tensors[i].region));
   for (uint32_t i = 0; i < desc->n_tensors; i++) {
     const mok_tensor_ref *a = &desc->tensors[i];
     if (!mok_job_slot_is_output(desc->op, desc->flags, a->slot)) continue;
     for (uint32_t j = 0; j < desc->n_tensors; j++) {
-      if (j == i || !ranges_overlap(a, &desc->tensors[j])) continue;
-      snprintf(err, errlen, "output %s overlaps %s", mok_slot_name(a->slot),
-               mok_slot_name(desc->tensors[j].slot));
+      if (j == i || !ranges_overlap(&where[i], &where[j])) continue;
+      const mok_tensor_ref *b = &desc->tensors[j];
+      if (a->region == b->region)
+        snprintf(err, errlen, "output %s overlaps %s", mok_slot_name(a->slot),
+                 mok_slot_name(b->slot));
+      else
+        snprintf(err, errlen,
+                 "output %s overlaps %s: regions %u and %u are the same memory (one buffer "
+                 "registered twice)",
+                 mok_slot_name(a->slot), mok_slot_name(b->slot), a->region, b->region);
       return MOK_EINVAL;
     }
   }

@@ -7,9 +7,17 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "mok_status.h"
+
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994 /* linux/magic.h: shmem, which memfd_create uses */
+#endif
+#ifndef HUGETLBFS_MAGIC
+#define HUGETLBFS_MAGIC 0x958458f6
+#endif
 
 int mok_region_map_memfd(int fd, uint64_t offset, uint64_t bytes, mok_region *ret,
                          char *err, size_t errlen) {
@@ -25,6 +33,24 @@ int mok_region_map_memfd(int fd, uint64_t offset, uint64_t bytes, mok_region *re
   }
   if (!S_ISREG(st.st_mode)) {
     snprintf(err, errlen, "the buffer fd is not a memfd or regular file");
+    return MOK_EINVAL;
+  }
+  /* Only shmem's seals pin the pages: on hugetlbfs F_SEAL_SHRINK does not
+   * stop fallocate(PUNCH_HOLE), and a punched page would fault mokd
+   * (SIGBUS) the next time a job touched it. */
+  struct statfs fs;
+  if (fstatfs(fd, &fs) < 0) {
+    snprintf(err, errlen, "fstatfs of the buffer fd failed: %s", strerror(errno));
+    return MOK_EINVAL;
+  }
+  if ((unsigned long)fs.f_type != (unsigned long)TMPFS_MAGIC) {
+    snprintf(err, errlen,
+             "host buffer must be a plain memfd (shmem); this one lives on %s (filesystem "
+             "magic 0x%lx), where sealing does not stop hole punching and a punched page "
+             "would fault mokd: create it with memfd_create without MFD_HUGETLB",
+             (unsigned long)fs.f_type == (unsigned long)HUGETLBFS_MAGIC ? "hugetlbfs"
+                                                                         : "another filesystem",
+             (unsigned long)fs.f_type);
     return MOK_EINVAL;
   }
   int seals = fcntl(fd, F_GET_SEALS);
@@ -53,6 +79,11 @@ int mok_region_map_memfd(int fd, uint64_t offset, uint64_t bytes, mok_region *re
   ret->map_bytes = map_len;
   ret->base = (char *)p + (offset - map_off);
   ret->bytes = bytes;
+  /* the memfd's identity: a second registration of it (any offset) is the
+   * same memory, which job_check.c must see through (the top bit keeps the
+   * object nonzero, i.e. known, whatever st_dev is) */
+  ret->backing = (mok_region_backing){.object = (uint64_t)st.st_dev | (1ull << 63),
+                                      .object2 = (uint64_t)st.st_ino, .offset = offset};
   return MOK_OK;
 }
 

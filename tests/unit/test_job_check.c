@@ -185,6 +185,111 @@ static void test_outputs_may_not_overlap_other_tensors(void) {
   CHECK_MSG(check_job(&g, err) == MOK_OK, "%s", err);
 }
 
+/* Give region 1 a backing and add region 2 of REGION_BYTES on (object,
+ * object2) at backing offset off: a second registration of one memfd
+ * when the object matches region 1's. */
+static void add_aliasing_region(fixture *f, uint64_t object, uint64_t object2, uint64_t off) {
+  f->regions.items[0].backing = (mok_region_backing){.object = 7, .object2 = 99, .offset = 0};
+  mok_region r = {.kind = MOK_REGION_HOST_MEMFD, .base = f->mem, .bytes = REGION_BYTES,
+                  .backing = {.object = object, .object2 = object2, .offset = off}};
+  CHECK(mok_region_table_add(&f->regions, &r) == MOK_OK);
+  CHECK_EQ_INT(r.id, 2);
+}
+
+static void test_one_memfd_registered_twice_is_seen_through(void) {
+  /* region 2 is the same memfd from offset B; region 1's tensors lie below
+   * 8 KiB, so only x (moved up to B) can meet out (moved to region 2) */
+  enum { B = 65536 };
+  fixture f;
+  fixture_init(&f, 0);
+  add_forward(&f);
+  add_aliasing_region(&f, 7, 99, B);
+  mok_tensor_ref *x = find(&f, MOK_SLOT_X), *out = find(&f, MOK_SLOT_OUT);
+  CHECK(f.next_offset < 8192 && x->bytes == out->bytes);
+  out->region = 2;
+  out->offset = 0; /* memfd bytes B .. B + 512 */
+  x->offset = B;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output out overlaps x: regions 2 and 1 are the same memory");
+  /* right after out in the memfd: fine */
+  x->offset = B + out->bytes;
+  char err[256] = "";
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  /* one element over the end of out */
+  x->offset = B + out->bytes - 4;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "same memory");
+  /* x ending where out starts, then one element into it */
+  x->offset = B - x->bytes;
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  x->offset = B - x->bytes + 4;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "same memory");
+  /* deep inside the second registration */
+  out->offset = 8192;
+  x->offset = B + 8192;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "same memory");
+  /* an input read through both registrations is fine */
+  out->offset = 16384;
+  mok_tensor_ref *wg = find(&f, MOK_SLOT_W_GATE), *wu = find(&f, MOK_SLOT_W_UP);
+  wu->offset = B + 4096;
+  wg->region = 2;
+  wg->offset = 4096; /* the same memfd bytes as w_up */
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  /* but an output over an input read through the other registration is not */
+  wg->region = 1;
+  wg->offset = 1024;
+  out->offset = 4096;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output out overlaps w_up: regions 2 and 1 are the same");
+}
+
+static void test_backings_differ_by_either_half_of_their_identity(void) {
+  uint64_t objects[][2] = {{7, 98}, {8, 99}};
+  for (int k = 0; k < 2; k++) {
+    fixture f;
+    fixture_init(&f, 0);
+    add_forward(&f);
+    add_aliasing_region(&f, objects[k][0], objects[k][1], 0);
+    mok_tensor_ref *out = find(&f, MOK_SLOT_OUT);
+    out->region = 2;
+    out->offset = find(&f, MOK_SLOT_X)->offset; /* same offsets, other memory */
+    char err[256] = "";
+    CHECK_MSG(check_job(&f, err) == MOK_OK, "case %d: %s", k, err);
+  }
+}
+
+static void test_unknown_backings_only_alias_themselves(void) {
+  /* object 0: only the region itself (by id) can overlap it */
+  fixture f;
+  fixture_init(&f, 0);
+  add_forward(&f);
+  mok_region r = {.kind = MOK_REGION_HOST_MEMFD, .base = f.mem, .bytes = REGION_BYTES};
+  CHECK(mok_region_table_add(&f.regions, &r) == MOK_OK);
+  mok_tensor_ref *out = find(&f, MOK_SLOT_OUT);
+  out->region = 2;
+  out->offset = find(&f, MOK_SLOT_X)->offset;
+  char err[256] = "";
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  out->region = 1; /* and within one region the offsets decide, as before */
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output out overlaps x");
+  /* a known backing never equals an unknown one, even with equal numbers */
+  f.regions.items[0].backing = (mok_region_backing){.object = 2, .object2 = 0, .offset = 0};
+  out->region = 2;
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+}
+
+static void test_huge_backing_offsets_do_not_wrap(void) {
+  /* backing offsets near 2^64: start + bytes must not wrap into "no overlap" */
+  fixture f;
+  fixture_init(&f, 0);
+  add_forward(&f);
+  uint64_t top = UINT64_MAX - REGION_BYTES / 2;
+  add_aliasing_region(&f, 7, 99, top);
+  f.regions.items[0].backing.offset = top;
+  mok_tensor_ref *x = find(&f, MOK_SLOT_X), *out = find(&f, MOK_SLOT_OUT);
+  out->region = 2;
+  out->offset = REGION_BYTES / 2 - 64; /* straddles 2^64 in backing terms */
+  x->offset = REGION_BYTES / 2 - 32;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "same memory");
+}
+
 static void test_header_fields_are_checked(void) {
   fixture f;
   fixture_init(&f, 0);
@@ -265,6 +370,10 @@ static const check_case cases[] = {
     CHECK_CASE(test_slots_required_forbidden_and_unique),
     CHECK_CASE(test_shared_expert_weights_are_required_when_configured),
     CHECK_CASE(test_outputs_may_not_overlap_other_tensors),
+    CHECK_CASE(test_one_memfd_registered_twice_is_seen_through),
+    CHECK_CASE(test_backings_differ_by_either_half_of_their_identity),
+    CHECK_CASE(test_unknown_backings_only_alias_themselves),
+    CHECK_CASE(test_huge_backing_offsets_do_not_wrap),
     CHECK_CASE(test_header_fields_are_checked),
     CHECK_CASE(test_nop_takes_nothing),
     CHECK_CASE(test_recompute_needs_routing_ids),
