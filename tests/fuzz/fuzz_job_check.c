@@ -4,7 +4,9 @@
  *
  * Beyond "no crash, no UB", every accepted job must resolve to views that
  * lie inside their regions, whose bytes match their shapes, and whose
- * outputs overlap nothing else: the isolation boundary of the engines.
+ * outputs overlap no other tensor's bytes in any backing: regions may be
+ * registrations of one memfd (at any offsets), and an output must not lie
+ * over another tensor through either. The isolation boundary of the engines.
  * Input: struct fuzz_job_input (shorter inputs are zero-padded).
  */
 #include <stdlib.h>
@@ -41,6 +43,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     r.kind = MOK_REGION_HOST_MEMFD;
     r.bytes = in.region_bytes[i] & ((1ull << 47) - 1);
     r.base = (void *)(uintptr_t)((uint64_t)(i + 1) << 48);
+    uint32_t obj = in.region_object[i] % (FUZZ_OBJECTS + 1);
+    if (obj) /* a file offset: below 2^63 */
+      r.backing = (mok_region_backing){.object = obj, .object2 = 1,
+                                       .offset = in.region_backing_offset[i] >> 1};
     if (mok_region_table_add(&t, &r) != MOK_OK) abort();
   }
 
@@ -66,6 +72,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (o == s || !w->ptr) continue;
         uintptr_t q = (uintptr_t)w->ptr;
         if (p < q + w->bytes && q < p + v->bytes) abort(); /* an output overlaps */
+        /* through the memory behind the regions: the same memfd */
+        const mok_region *rw = mok_region_table_find(&t, (uint32_t)(q >> 48));
+        if (!rw || !r->backing.object || rw->backing.object != r->backing.object) continue;
+        unsigned __int128 a0 = (unsigned __int128)r->backing.offset + (p - b);
+        unsigned __int128 b0 = (unsigned __int128)rw->backing.offset + (q - (uintptr_t)rw->base);
+        if (a0 < b0 + w->bytes && b0 < a0 + v->bytes) abort(); /* aliased through a backing */
       }
     }
   } else if (st != MOK_OK && !err[0]) {

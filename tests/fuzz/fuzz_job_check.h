@@ -16,6 +16,14 @@ typedef struct fuzz_job_input {
    * registered them (below 2^47, as an mmap can be) */
   uint64_t region_bytes[FUZZ_REGIONS];
   mok_job_desc desc;
+  /* what backs each region (region.h's mok_region_backing): object 0 is
+   * unknown (the region is only itself), 1..FUZZ_OBJECTS a memfd that
+   * several regions may share (one buffer registered twice), at this
+   * offset in it. Last, so that inputs without them mean what they did. */
+  uint8_t region_object[FUZZ_REGIONS];
+  uint64_t region_backing_offset[FUZZ_REGIONS];
 } fuzz_job_input;
+
+#define FUZZ_OBJECTS 3u
 
 #endif

@@ -103,6 +103,30 @@ static void gen_requests(void) {
   put_request("goodbye", &req, 1, 0);
 }
 
+/* The verdict mokd gives in (regions as fuzz_job_check.c builds them). */
+static void expect_job(const fuzz_job_input *in, const mok_layer_config *l, int want, uint32_t op) {
+  mok_region_table t;
+  memset(&t, 0, sizeof t);
+  for (uint32_t i = 0; i < FUZZ_REGIONS; i++) {
+    mok_region r = {.kind = MOK_REGION_HOST_MEMFD, .bytes = in->region_bytes[i],
+                    .base = (void *)(uintptr_t)((uint64_t)(i + 1) << 40)};
+    uint32_t obj = in->region_object[i] % (FUZZ_OBJECTS + 1);
+    if (obj)
+      r.backing = (mok_region_backing){.object = obj, .object2 = 1,
+                                       .offset = in->region_backing_offset[i] >> 1};
+    mok_region_table_add(&t, &r);
+  }
+  mok_job_args args;
+  char err[256] = "";
+  int st = mok_job_check(&in->desc, &t, l, &args, err, sizeof err);
+  mok_region_table_free(&t);
+  if (st != want) {
+    fprintf(stderr, "gen_corpus: %s seed: status %d, expected %d (%s)\n", mok_op_name(op), st,
+            want, err);
+    exit(1);
+  }
+}
+
 /* ---- job_check: a valid descriptor for every op on a few layers ---- */
 static void gen_jobs(void) {
   static const struct { uint32_t H, I, E, K, Is, T, dtype, lim, align; } layers[] = {
@@ -152,21 +176,32 @@ static void gen_jobs(void) {
         in.region_bytes[0] = in.region_bytes[1] = off;
         in.region_bytes[2] = 4096, in.region_bytes[3] = 1ull << 40;
         /* a seed is only golden if mokd accepts it */
-        mok_region_table t;
-        memset(&t, 0, sizeof t);
-        for (uint32_t i = 0; i < FUZZ_REGIONS; i++) {
-          mok_region r = {.kind = MOK_REGION_HOST_MEMFD, .bytes = in.region_bytes[i],
-                          .base = (void *)(uintptr_t)((uint64_t)(i + 1) << 40)};
-          mok_region_table_add(&t, &r);
-        }
-        mok_job_args args;
-        if (mok_job_check(d, &t, &l, &args, err, sizeof err) != MOK_OK) {
-          fprintf(stderr, "gen_corpus: %s seed refused: %s\n", mok_op_name(op), err);
-          exit(1);
-        }
-        mok_region_table_free(&t);
+        expect_job(&in, &l, MOK_OK, op);
         char name[64];
         snprintf(name, sizeof name, "%s_%s%s", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
+                 mok_op_name(op), flags ? "_recompute" : "");
+        put("job_check", name, &in, sizeof in);
+        if (op == MOK_OP_NOP) continue;
+        /* regions 1 and 2 as two registrations of one memfd, both from its
+         * start: their tensors interleave, so nothing overlaps (accepted) */
+        in.region_object[0] = in.region_object[1] = 1;
+        expect_job(&in, &l, MOK_OK, op);
+        snprintf(name, sizeof name, "%s_%s%s_aliased", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
+                 mok_op_name(op), flags ? "_recompute" : "");
+        put("job_check", name, &in, sizeof in);
+        /* ... then shifted so that an output lies over a tensor of the
+         * other registration (refused) */
+        const mok_tensor_ref *o = NULL, *q = NULL;
+        for (uint32_t i = 0; i < d->n_tensors && !o; i++)
+          if (mok_job_slot_is_output(op, flags, d->tensors[i].slot)) o = &d->tensors[i];
+        for (uint32_t i = 0; o && i < d->n_tensors && !q; i++)
+          if (d->tensors[i].region != o->region) q = &d->tensors[i];
+        if (!o || !q) continue;
+        /* region r's backing offset is the fuzzer's value >> 1 */
+        uint64_t shift = o->offset > q->offset ? o->offset - q->offset : q->offset - o->offset;
+        in.region_backing_offset[(o->offset > q->offset ? q->region : o->region) - 1] = shift << 1;
+        expect_job(&in, &l, MOK_EINVAL, op);
+        snprintf(name, sizeof name, "%s_%s%s_overlap", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
                  mok_op_name(op), flags ? "_recompute" : "");
         put("job_check", name, &in, sizeof in);
       }
