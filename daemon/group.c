@@ -2,8 +2,10 @@
  * generations, job ordering and the two host barriers (docs/ep.md). */
 #include "group.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <libgen.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -24,13 +26,14 @@
 #include "mok_status.h"
 
 #define SEG_MAGIC 0x5045474bu /* "KGEP" */
-#define SEG_VERSION 3u /* 3: capacity and ring in the sizing */
+#define SEG_VERSION 4u /* 3: capacity and ring in the sizing; 4: member incarnations */
 #define SEG_ALIGN 4096u
 #define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
 
 typedef struct seg_rank {
   alignas(64) _Atomic uint64_t joined_gen; /* 0: not a member */
   _Atomic int32_t pid;                     /* the member's mokd */
+  _Atomic uint64_t incarnation; /* ...and which process of that pid (our_incarnation) */
   alignas(64) _Atomic uint64_t arrive;
   _Atomic uint64_t dev_serial; /* names this member's device buffer (0: none yet) */
   /* by sequence parity: an engine without the host's second barrier (cuda)
@@ -240,6 +243,29 @@ static bool pid_dead(int32_t pid) {
   return pid > 0 && kill((pid_t)pid, 0) < 0 && errno == ESRCH;
 }
 
+/* This process among all that had its pid (a restarted mokd in a container
+ * often gets the same one): random, made once, never 0. */
+static uint64_t our_incarnation(void) {
+  static _Atomic uint64_t v;
+  uint64_t x = atomic_load(&v);
+  if (x) return x;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  x = ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^
+      ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&v;
+  x = x ? x : 1;
+  uint64_t zero = 0;
+  return atomic_compare_exchange_strong(&v, &zero, x) ? x : atomic_load(&v);
+}
+
+/* Is the mokd recorded in rank record r gone? */
+static bool member_gone(const seg_rank *r) {
+  int32_t pid = atomic_load(&r->pid);
+  if (pid <= 0) return true;
+  if (pid == (int32_t)getpid()) return atomic_load(&r->incarnation) != our_incarnation();
+  return pid_dead(pid);
+}
+
 /* ---- the table --------------------------------------------------------------- */
 
 mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort) {
@@ -258,10 +284,200 @@ void mok_ep_group_set_dir(mok_ep_group_table *t, const char *dir) {
   snprintf(t->dir, sizeof t->dir, "%s", dir ? dir : "");
 }
 
-static const char *seg_dir(const mok_ep_group_table *t) {
-  if (t->dir[0]) return t->dir;
-  const char *d = getenv("MOK_GROUP_DIR");
-  return d && *d ? d : "/dev/shm";
+const char *mok_ep_group_dir_of(const char *configured) {
+  if (configured && *configured) return configured;
+  const char *d = getenv("MOK_GROUP_DIR"); /* tests only (documented) */
+  return d && *d ? d : MOK_GROUP_DIR_DEFAULT;
+}
+
+static const char *seg_dir(const mok_ep_group_table *t) { return mok_ep_group_dir_of(t->dir); }
+
+/* ---- the segments' directory ------------------------------------------------
+ *
+ * Only the daemons' uid may write it: no tenant can squat a segment's path
+ * (make every join of a key fail) or plant one. Checked at start and
+ * before every segment is made; created 0700 when missing. */
+
+/* A missing directory and, if need be, its missing parent (0755, as the
+ * packaged tmpfiles.d makes /run/mok). */
+static int make_dir(const char *dir, char *err, size_t errlen) {
+  char parent[256];
+  snprintf(parent, sizeof parent, "%s", dir);
+  char *p = dirname(parent);
+  struct stat st;
+  if (stat(p, &st) < 0 && errno == ENOENT && mkdir(p, 0755) < 0 && errno != EEXIST)
+    return fail(err, errlen, MOK_EACCES,
+                "group-dir %s is missing and so is its parent %s, which mokd (uid %u) cannot "
+                "create: %s; create %s owned by uid %u with mode 0700 (the packaged tmpfiles.d "
+                "does), or set group-dir",
+                dir, p, (unsigned)geteuid(), strerror(errno), dir, (unsigned)geteuid());
+  if (mkdir(dir, 0700) < 0 && errno != EEXIST)
+    return fail(err, errlen, MOK_EACCES,
+                "group-dir %s is missing and mokd (uid %u) cannot create it: %s; create it "
+                "owned by uid %u with mode 0700 (the packaged tmpfiles.d does), or set group-dir",
+                dir, (unsigned)geteuid(), strerror(errno), (unsigned)geteuid());
+  return MOK_OK;
+}
+
+int mok_ep_group_dir_check(const char *dir, bool create, char *err, size_t errlen) {
+  const unsigned me = (unsigned)geteuid();
+  if (dir[0] != '/' || strlen(dir) > 200)
+    return fail(err, errlen, MOK_EINVAL, "group-dir %s must be an absolute path of at most 200 "
+                "bytes", dir);
+  struct stat st;
+  if (lstat(dir, &st) < 0) {
+    if (errno != ENOENT || !create)
+      return fail(err, errlen, MOK_EIO, "group-dir %s: %s; create it owned by uid %u with mode "
+                  "0700, or set group-dir", dir, strerror(errno), me);
+    int r = make_dir(dir, err, errlen);
+    if (r != MOK_OK) return r;
+    if (lstat(dir, &st) < 0)
+      return fail(err, errlen, MOK_EIO, "group-dir %s: %s", dir, strerror(errno));
+  }
+  if (S_ISLNK(st.st_mode))
+    return fail(err, errlen, MOK_EACCES,
+                "group-dir %s is a symbolic link; it must be a real directory that only mokd's "
+                "uid %u can write (mode 0700): replace the link or set group-dir",
+                dir, me);
+  if (!S_ISDIR(st.st_mode))
+    return fail(err, errlen, MOK_EACCES, "group-dir %s is not a directory; remove it or set "
+                "group-dir", dir);
+  if (st.st_uid != geteuid() && st.st_uid != 0)
+    return fail(err, errlen, MOK_EACCES,
+                "group-dir %s belongs to uid %u; it must belong to mokd's uid %u (or to root): "
+                "chown %u %s, or set group-dir",
+                dir, (unsigned)st.st_uid, me, me, dir);
+  if (st.st_mode & (S_IWGRP | S_IWOTH))
+    return fail(err, errlen, MOK_EACCES,
+                "group-dir %s is writable by %s (mode %04o): another uid could squat or plant "
+                "group segments there; chmod go-w %s (0700), or set group-dir to a directory "
+                "only uid %u can write",
+                dir, st.st_mode & S_IWOTH ? "everyone" : "its group",
+                (unsigned)(st.st_mode & 07777), dir, me);
+  if (faccessat(AT_FDCWD, dir, W_OK | X_OK, AT_EACCESS) < 0)
+    return fail(err, errlen, MOK_EACCES,
+                "mokd (uid %u) cannot write group-dir %s (owner uid %u, mode %04o): chown %u "
+                "%s, or set group-dir",
+                me, dir, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), me, dir);
+  /* a parent others can write (without the sticky bit) could swap the
+   * directory for another under our feet */
+  char parent[256];
+  snprintf(parent, sizeof parent, "%s", dir);
+  const char *p = dirname(parent);
+  struct stat ps;
+  if (stat(p, &ps) == 0 && (ps.st_mode & (S_IWGRP | S_IWOTH)) && !(ps.st_mode & S_ISVTX))
+    return fail(err, errlen, MOK_EACCES,
+                "the parent of group-dir %s, %s, is writable by others (mode %04o) without the "
+                "sticky bit, so the directory could be replaced: chmod go-w %s, or set group-dir",
+                dir, p, (unsigned)(ps.st_mode & 07777), p);
+  return MOK_OK;
+}
+
+uint64_t mok_ep_group_segment_bytes(const mok_ep_group_sizing *s) {
+  char err[8];
+  if (check_sizing(s, 0, err, sizeof err) != MOK_OK) return 0;
+  return layout_of(s).total;
+}
+
+int mok_ep_group_segment_path(const char *dir, uid_t uid, const char *key, char *buf,
+                              size_t len) {
+  int n = snprintf(buf, len, "%s/mok-ep-%u-%016llx", dir, (unsigned)uid,
+                   (unsigned long long)fnv1a(key));
+  return n > 0 && (size_t)n < len ? MOK_OK : MOK_EINVAL;
+}
+
+/* Why the file fd (st: its fstat), under its flock, is not a segment that
+ * a live mokd uses: NULL when it is one (or may be), else the reason in
+ * why. */
+static const char *segment_dead(int fd, const struct stat *st, char *why, size_t n) {
+  if (!S_ISREG(st->st_mode)) return snprintf(why, n, "not a regular file"), why;
+  if (st->st_uid != geteuid())
+    return snprintf(why, n, "owned by uid %u, not by mokd's uid %u", (unsigned)st->st_uid,
+                    (unsigned)geteuid()), why;
+  if ((st->st_mode & 07777) != 0600)
+    return snprintf(why, n, "mode %04o, where mokd makes 0600", (unsigned)(st->st_mode & 07777)),
+           why;
+  if ((uint64_t)st->st_size < sizeof(seg_header) || (uint64_t)st->st_size > MOK_GROUP_MAX_BYTES)
+    return snprintf(why, n, "%lld bytes, no segment's size", (long long)st->st_size), why;
+  seg_header *h = malloc(sizeof *h);
+  if (!h) return NULL; /* cannot tell: leave it */
+  const char *res = NULL;
+  char sizing_err[8];
+  if (pread(fd, h, sizeof *h, 0) != (ssize_t)sizeof *h) {
+    res = (snprintf(why, n, "unreadable header"), why);
+  } else if (h->magic != SEG_MAGIC) {
+    res = (snprintf(why, n, "not a mok group segment"), why);
+  } else if (h->version != SEG_VERSION) {
+    res = NULL; /* another mokd version's: its layout is not ours to judge (refused) */
+  } else if (check_sizing(&h->sizing, 0, sizing_err, sizeof sizing_err) != MOK_OK ||
+             h->total_bytes != (uint64_t)st->st_size ||
+             layout_of(&h->sizing).total != h->total_bytes) {
+    res = (snprintf(why, n, "its header does not match its size"), why);
+  } else if (atomic_load(&h->attached) == 0) {
+    res = (snprintf(why, n, "no mokd is attached to it"), why);
+  } else {
+    bool live = false;
+    for (uint32_t p = 0; p < h->sizing.world && !live; p++) live = !member_gone(&h->ranks[p]);
+    if (!live) res = (snprintf(why, n, "every member's mokd is gone"), why);
+  }
+  free(h);
+  return res;
+}
+
+/* Remove what lies at path if it is still the file fd refers to (st). */
+static void unlink_if_same(const char *path, const struct stat *st) {
+  struct stat now;
+  if (lstat(path, &now) == 0 && now.st_ino == st->st_ino && now.st_dev == st->st_dev) {
+    if (S_ISDIR(now.st_mode)) rmdir(path);
+    else unlink(path);
+  }
+}
+
+/* path exists but cannot be a segment (a link, a directory, a device...):
+ * remove it, so that a join of its key can make the segment. */
+static int reclaim_non_file(const char *path, const struct stat *st, char *err, size_t errlen) {
+  const char *what = S_ISLNK(st->st_mode) ? "a symbolic link" : S_ISDIR(st->st_mode) ? "a directory"
+                                                                                       : "not a regular file";
+  int r = S_ISDIR(st->st_mode) ? rmdir(path) : unlink(path);
+  if (r < 0 && errno != ENOENT)
+    return fail(err, errlen, MOK_EIO,
+                "group segment %s is %s, and mokd cannot remove it: %s; remove it by hand",
+                path, what, strerror(errno));
+  log_warn("group segment %s was %s, not a segment mokd made; removed it", path, what);
+  return MOK_OK;
+}
+
+int mok_ep_group_dir_sweep(const char *dir, unsigned *removed, char *err, size_t errlen) {
+  *removed = 0;
+  int r = mok_ep_group_dir_check(dir, true, err, errlen);
+  if (r != MOK_OK) return r;
+  DIR *d = opendir(dir);
+  if (!d) return fail(err, errlen, MOK_EIO, "group-dir %s: %s", dir, strerror(errno));
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    if (strncmp(e->d_name, "mok-ep-", 7) != 0) continue;
+    char path[512], why[96];
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    struct stat st;
+    if (lstat(path, &st) < 0) continue;
+    if (!S_ISREG(st.st_mode)) {
+      if (reclaim_non_file(path, &st, err, errlen) == MOK_OK) ++*removed;
+      else log_warn("%s", err);
+      continue;
+    }
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) continue;
+    /* a segment being made or used holds its lock now and then: skip it */
+    struct stat fst;
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0 && fstat(fd, &fst) == 0 && fst.st_nlink > 0 &&
+        fst.st_ino == st.st_ino && segment_dead(fd, &fst, why, sizeof why)) {
+      log_warn("group segment %s: %s; removed it", path, why);
+      unlink_if_same(path, &fst);
+      ++*removed;
+    }
+    close(fd);
+  }
+  closedir(d);
+  return MOK_OK;
 }
 
 /* Leave the segment: our rank is free, and the last daemon out removes it. */
@@ -274,6 +490,7 @@ static void group_release(mok_ep_group *g) {
     if (atomic_load(&me->pid) == (int32_t)getpid()) {
       atomic_store(&me->joined_gen, 0);
       atomic_store(&me->pid, 0);
+      atomic_store(&me->incarnation, 0);
     }
     bell_ring(g->h);
     uint32_t left = atomic_fetch_sub(&g->h->attached, 1u) - 1u;
@@ -367,6 +584,7 @@ static void enter_generation(mok_ep_group *g, bool fresh) {
   }
   seg_rank *me = &h->ranks[g->rank];
   atomic_store(&me->arrive, 0);
+  atomic_store(&me->incarnation, our_incarnation());
   atomic_store(&me->pid, (int32_t)getpid());
   atomic_store(&me->dev_serial, g->dev_serial);
   atomic_store(&me->joined_gen, gen);
@@ -375,10 +593,29 @@ static void enter_generation(mok_ep_group *g, bool fresh) {
   bell_ring(h);
 }
 
+/* Make the segment at g->path, or open the one a peer made: created with
+ * O_EXCL (never through a link, never someone else's file); an existing one
+ * is verified after open and removed when it is stale (every member's mokd
+ * gone) or not a segment mokd made, then made afresh. */
 static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *err, size_t errlen) {
+  int r = mok_ep_group_dir_check(seg_dir(g->table), true, err, errlen);
+  if (r != MOK_OK) return r;
   seg_layout l = layout_of(&a->sizing);
-  for (int attempt = 0; attempt < 8; attempt++) {
-    int fd = open(g->path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  int empty_waits = 0;
+  for (int attempt = 0; attempt < 64; attempt++) {
+    bool create = true;
+    int fd = open(g->path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST) {
+      create = false;
+      struct stat ls;
+      if (lstat(g->path, &ls) < 0) continue; /* gone meanwhile */
+      if (!S_ISREG(ls.st_mode)) {
+        if ((r = reclaim_non_file(g->path, &ls, err, errlen)) != MOK_OK) return r;
+        continue;
+      }
+      fd = open(g->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+      if (fd < 0 && (errno == ENOENT || errno == ELOOP)) continue; /* replaced meanwhile */
+    }
     if (fd < 0)
       return fail(err, errlen, errno == EACCES ? MOK_EACCES : MOK_EIO, "cannot open %s: %s",
                   g->path, strerror(errno));
@@ -391,30 +628,38 @@ static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *
       close(fd);
       return fail(err, errlen, MOK_EIO, "fstat %s: %s", g->path, strerror(errno));
     }
-    if (st.st_nlink == 0) { /* the last member removed it meanwhile: start over */
+    if (st.st_nlink == 0) { /* removed meanwhile (its last member, a reclaim): start over */
       close(fd);
       continue;
     }
-    if (st.st_uid != geteuid()) {
-      close(fd);
-      return fail(err, errlen, MOK_EACCES, "%s belongs to uid %u, not to this mokd (uid %u)",
-                  g->path, (unsigned)st.st_uid, (unsigned)geteuid());
+    if (!create) {
+      /* empty: its maker is between its open and its lock (or died there) */
+      if (st.st_size == 0 && S_ISREG(st.st_mode) && empty_waits++ < 20) {
+        close(fd);
+        usleep(1000);
+        continue;
+      }
+      char why[96];
+      if (segment_dead(fd, &st, why, sizeof why)) {
+        log_warn("group segment %s: %s; removed it and making it afresh", g->path, why);
+        unlink_if_same(g->path, &st);
+        close(fd);
+        continue;
+      }
     }
-    bool create = st.st_size == 0;
-    if (!create && (uint64_t)st.st_size < sizeof(seg_header)) {
+    int fr;
+    if (create && (fr = posix_fallocate(fd, 0, (off_t)l.total)) != 0) {
+      unlink(g->path); /* ours, half made: the next joiner starts afresh */
       close(fd);
-      return fail(err, errlen, MOK_EIO, "%s is not a mok group segment", g->path);
-    }
-    int r = MOK_OK;
-    if (create && (r = posix_fallocate(fd, 0, (off_t)l.total)) != 0) {
-      if (ftruncate(fd, 0) < 0) {} /* leave it empty for the next joiner */
-      close(fd);
-      return fail(err, errlen, MOK_ENOMEM, "cannot size the group segment to %llu bytes: %s",
-                  (unsigned long long)l.total, strerror(r));
+      return fail(err, errlen, MOK_ENOMEM,
+                  "cannot size the group segment %s to %llu bytes: %s (group-dir's filesystem "
+                  "is too small?)",
+                  g->path, (unsigned long long)l.total, strerror(fr));
     }
     size_t bytes = create ? l.total : (size_t)st.st_size;
     seg_header *h = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (h == MAP_FAILED) {
+      if (create) unlink(g->path);
       close(fd);
       return fail(err, errlen, MOK_ENOMEM, "mmap of the group segment: %s", strerror(errno));
     }
@@ -429,8 +674,11 @@ static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *
       h->off_rw = l.off_rw, h->off_land = l.off_land, h->off_drw = l.off_drw;
       atomic_store(&h->generation, 1);
     } else {
-      if (h->magic != SEG_MAGIC || h->version != SEG_VERSION)
-        r = fail(err, errlen, MOK_EIO, "%s is not a mok group segment of this version", g->path);
+      if (h->version != SEG_VERSION)
+        r = fail(err, errlen, MOK_EIO,
+                 "group segment %s was made by a mokd of another version (segment version %u, "
+                 "this mokd makes %u): run one mokd version on every GPU of the group",
+                 g->path, h->version, SEG_VERSION);
       else if ((r = mok_ep_group_check_join(h->uid, &h->sizing, h->key, a, err, errlen)) != MOK_OK)
         ;
       else if (h->total_bytes != l.total || bytes != l.total)
@@ -463,7 +711,8 @@ static int open_segment(mok_ep_group *g, const mok_ep_group_join_args *a, char *
                                   base + h->off_land, (float *)(base + h->off_drw)};
     return MOK_OK;
   }
-  return fail(err, errlen, MOK_EBUSY, "group segment %s keeps disappearing", g->path);
+  return fail(err, errlen, MOK_EBUSY, "group segment %s keeps disappearing or stays empty "
+              "(another mokd making it died?); join again", g->path);
 }
 
 /* A re-join of a group formed through NCCL: with the id it was formed
@@ -546,8 +795,12 @@ int mok_ep_group_join(mok_ep_group_table *t, const mok_ep_group_join_args *a, mo
     memcpy(g->nccl_id, a->nccl_id, sizeof g->nccl_id);
     g->gen = 1;
   } else {
-    snprintf(g->path, sizeof g->path, "%s/mok-ep-%u-%016llx", seg_dir(t), (unsigned)a->uid,
-             (unsigned long long)fnv1a(a->key));
+    if (mok_ep_group_segment_path(seg_dir(t), a->uid, a->key, g->path, sizeof g->path) !=
+        MOK_OK) {
+      free(g);
+      return fail(err, errlen, MOK_EINVAL, "group-dir %s is too long for a segment's path",
+                  seg_dir(t));
+    }
     r = open_segment(g, a, err, errlen);
     if (r != MOK_OK) {
       free(g);

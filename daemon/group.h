@@ -3,7 +3,8 @@
  *
  * A group is W daemons, one rank each, that serve the layers of one
  * training job across W GPUs. On one host its members share one segment
- * (a file under /dev/shm named from the creator's uid and the group key):
+ * (a file in the group directory, which only the daemons' uid can write,
+ * named from the joining client's uid and the group key):
  * a header with the group's sizing, per-rank membership, barrier words and
  * posted job signatures, then the symmetric buffers of every rank, laid out
  * by kind so that all ranks' x rows form one [W*T_max, H] array.
@@ -32,6 +33,7 @@
 #define MOK_GROUP_MAX_BYTES (64ull << 30)
 #define MOK_GROUP_MAX_RING_ROWS (1u << 26)
 #define MOK_GROUP_NCCL_ID_BYTES 128u /* an NCCL unique id (nccl_group.h) */
+#define MOK_GROUP_DIR_DEFAULT "/run/mok/groups" /* where segments live (group-dir) */
 
 typedef struct mok_ep_group_sizing {
   uint32_t world, max_tokens, hidden, topk, experts, dtype;
@@ -91,9 +93,33 @@ void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave);
 /* Release groups that nobody held for MOK_GROUP_LINGER_MS. */
 void mok_ep_group_tick(mok_ep_group_table *t);
 void mok_ep_group_set_linger_ms(mok_ep_group_table *t, uint32_t ms);
-/* Where segments live (NULL or "": $MOK_GROUP_DIR, else /dev/shm). Every
+/* Where segments live (NULL or "": mok_ep_group_dir_of(NULL)). Every
  * member of a group must use the same directory. */
 void mok_ep_group_set_dir(mok_ep_group_table *t, const char *dir);
+
+/* ---- the segments' directory (docs/security.md) ----------------------------
+ *
+ * The directory: configured (group-dir), else $MOK_GROUP_DIR (a fallback
+ * for tests), else MOK_GROUP_DIR_DEFAULT. */
+const char *mok_ep_group_dir_of(const char *configured);
+/* Is dir fit for segments? A real directory (not a link) owned by the
+ * daemon's euid (or root, the euid able to write it), not writable by
+ * group or others, in a parent others cannot write (unless sticky).
+ * create: make it 0700 (and a missing parent 0755) when absent. Returns a
+ * mok_status; err says what is wrong and how to fix it. */
+int mok_ep_group_dir_check(const char *dir, bool create, char *err, size_t errlen);
+/* At start: check (create) dir, then remove the segments nobody can be
+ * using (every member's mokd gone, none attached) and anything under a
+ * segment's name that mokd did not make (links, other modes or owners).
+ * *removed counts them. */
+int mok_ep_group_dir_sweep(const char *dir, unsigned *removed, char *err, size_t errlen);
+/* The bytes of a segment of this sizing (0: the sizing is invalid; the
+ * join would be refused). Groups formed through NCCL have no segment; their
+ * device buffers are of the same size. */
+uint64_t mok_ep_group_segment_bytes(const mok_ep_group_sizing *s);
+/* The segment of (uid, key) in dir. MOK_OK, or MOK_EINVAL if len is short. */
+int mok_ep_group_segment_path(const char *dir, uid_t uid, const char *key, char *buf,
+                              size_t len);
 
 /* Walk the table: the first group (prev NULL) or the one after prev. */
 mok_ep_group *mok_ep_group_next(mok_ep_group_table *t, mok_ep_group *prev);
