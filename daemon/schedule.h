@@ -15,17 +15,7 @@
 
 #include "mok_wire.h"
 
-/* Header field indices */
-enum {
-  MOK_SCHED_H_MAGIC = 0,
-  MOK_SCHED_H_TOKENS = 1,
-  MOK_SCHED_H_TOPK = 2,
-  MOK_SCHED_H_LOCAL_EXPERTS = 3,
-  MOK_SCHED_H_ROW_ALIGN = 4,
-  MOK_SCHED_H_ROWS_CAPACITY = 5,
-  MOK_SCHED_H_ROWS_USED = 6,
-  MOK_SCHED_H_FIRST_EXPERT = 7,
-};
+/* The header field indices (MOK_SCHED_H_*) are in proto/mok_layout.h. */
 
 /* What a schedule must describe: the job's T and the layer's routing. */
 typedef struct mok_sched_shape {

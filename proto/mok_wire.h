@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "mok_enums.h"
+#include "mok_layout.h"
 #include "mok_status.h"
 
 #define MOK_PROTOCOL_VERSION 1u
@@ -159,63 +160,11 @@ static inline mok_completion *mok_shm_cq_entries(mok_shm_header *h) {
 
 /* ---- buffer layouts a job exchanges (schedule, acts, ctx) ------------------
  *
- * Routed rows are grouped by local expert, ascending; within an expert, in
- * ascending flat slot order t*K+k; each expert's group starts at a multiple
- * of row_align (an engine property reported by CreateLayer). Padding rows
- * have row_slot = -1.
- *
- * schedule (int32 array):
- *   [0] magic  [1] T  [2] K  [3] E_loc  [4] row_align  [5] rows_capacity
- *   [6] rows_used (padded end of the last group)  [7] first_expert
- *   counts[E_loc]        rows per local expert
- *   offsets[E_loc + 1]   first row of each group; offsets[E_loc] = rows_used
- *   row_slot[rows_capacity]   t*K+k of each row, -1 for padding
- *   slot_row[T*K]        row of slot t*K+k, -1 when dropped or not local
- *
- * acts (layer dtype; each array starts at a 256-byte boundary):
- *   g_routed[rows_capacity, I], u_routed[rows_capacity, I],
- *   g_shared[T, I_s], u_shared[T, I_s]   (pre-clamp projections)
- *
- * ctx (bytes) = schedule, padded to 256, then acts.
+ * In mok_layout.h (plain arithmetic the CUDA kernels include as well):
+ * MOK_SCHED_MAGIC, the MOK_SCHED_H_* header fields, mok_layout_dims,
+ * mok_rows_capacity, mok_schedule_ints/bytes, mok_acts_*_bytes,
+ * mok_ctx_bytes, mok_align256.
  */
-#define MOK_SCHED_MAGIC 0x5343484bu /* "KHCS" */
-#define MOK_SCHED_HEADER_INTS 8u
-
-typedef struct mok_layout_dims {
-  uint64_t tokens, topk, local_experts, row_align;
-  uint64_t intermediate, shared_intermediate, elem_size;
-  uint64_t rows_limit; /* 0, or fewer rows than the worst case (a group's capacity) */
-} mok_layout_dims;
-
-static inline uint64_t mok_align256(uint64_t v) { return (v + 255u) & ~(uint64_t)255u; }
-
-/* The worst case (every slot routed here, every group padded) unless the
- * dims carry a smaller limit: a group's capacity multiplier. */
-static inline uint64_t mok_rows_capacity(const mok_layout_dims *d) {
-  uint64_t worst = d->tokens * d->topk + d->local_experts * (d->row_align - 1u);
-  return d->rows_limit && d->rows_limit < worst ? d->rows_limit : worst;
-}
-static inline uint64_t mok_schedule_ints(const mok_layout_dims *d) {
-  return MOK_SCHED_HEADER_INTS + d->local_experts + (d->local_experts + 1u) +
-         mok_rows_capacity(d) + d->tokens * d->topk;
-}
-static inline uint64_t mok_schedule_bytes(const mok_layout_dims *d) {
-  return 4u * mok_schedule_ints(d);
-}
-/* Offsets inside acts */
-static inline uint64_t mok_acts_routed_bytes(const mok_layout_dims *d) {
-  return mok_align256(mok_rows_capacity(d) * d->intermediate * d->elem_size);
-}
-static inline uint64_t mok_acts_shared_bytes(const mok_layout_dims *d) {
-  return mok_align256(d->tokens * d->shared_intermediate * d->elem_size);
-}
-static inline uint64_t mok_acts_bytes(const mok_layout_dims *d) {
-  return 2u * mok_acts_routed_bytes(d) + 2u * mok_acts_shared_bytes(d);
-}
-static inline uint64_t mok_ctx_bytes(const mok_layout_dims *d) {
-  return mok_align256(mok_schedule_bytes(d)) + mok_acts_bytes(d);
-}
-
 /* A layer, as daemon and client both describe it (validated by daemon/layer.c). */
 typedef struct mok_layer_config {
   uint32_t hidden;              /* H */
