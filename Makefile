@@ -120,7 +120,7 @@ $(OBJ)/gen/mok.pb-c.o: $(GEN)/mok.pb-c.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Wno-error -c $< -o $@
 
-$(OBJ)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h kernels/*.cuh)
+$(OBJ)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_layout.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 

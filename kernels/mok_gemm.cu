@@ -1,30 +1,31 @@
-/* The expert GEMMs: one tiled bf16 GEMM (mma.sync m16n8k16, f32
+/* The expert GEMMs on mma.sync: one tiled bf16 GEMM (mma.sync m16n8k16, f32
  * accumulation, cp.async multi-stage pipeline) instantiated for the five
- * products of the layer, each with its own operand layout and epilogue:
- *
- *   GATE_UP        rows x I,  K=H    A routed_x (K-major), B W_g|W_u (K-major)  -> g, u, h
- *   DOWN           rows x H,  K=I    A h,                  B W_d (K-major)      -> y
- *   DOWN_DGRAD     rows x I,  K=H    A routed_d_out,       B W_d (N-major)      -> dg|du, h, d_rw partials
- *   GATE_UP_DGRAD  rows x H,  K=2I   A dg|du,              B W_g;W_u (N-major)  -> routed_d_x
- *   WGRAD          M x N,  K=rows    A dy or dg|du (M-major), B h or x (N-major) -> d_W (per expert)
+ * products of the layer (common/gemm_params.cuh), each with its own
+ * operand layout and epilogue; and the launchers of the C API, which build
+ * each product's parameters once and run it on the GEMM backend chosen at
+ * mok_k_init: the wgmma/TMA kernels of mok_gemm_sm90.cu (bitwise equal to
+ * these) when the device allows it (GU_DGRAD when I is a multiple of 16),
+ * or these kernels for all (MOK_GEMM=hmma in the environment at init).
  *
  * Row modes walk M tiles of 128 rows over the routed buffer; since groups
  * start at multiples of 128 (the row_align), a tile belongs to one expert,
- * found from the schedule's offsets on the device. Tiles past the last
- * group write zeros. WGRAD gives each (expert, M tile, N tile) to one block
- * that reduces over all the expert's rows in order: no split-K, no atomics.
- * This is the simple, correct version. All five products run on the
- * wgmma/TMA kernels of mok_gemm_sm90.cu (bitwise equal to these) when the
- * device allows it (GATE_UP_DGRAD when I is a multiple of 16);
- * MOK_GEMM=hmma in the environment keeps them all here.
+ * found from the schedule's offsets on the device (common/tile_locator.cuh).
+ * Tiles past the last group write zeros. WGRAD gives each (expert, M tile,
+ * N tile) to one block that reduces over all the expert's rows in order:
+ * no split-K, no atomics. This is the simple, correct version.
  */
+#include <atomic>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/gemm_params.cuh"
+#include "common/ptx_mma_sync.cuh"
+#include "common/swiglu.cuh"
+#include "common/tile_locator.cuh"
 #include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
 
-#define BM 128
+#define BM MOK_TILE_M
 #define BN 128
 #define BK 32
 #define STAGES 3
@@ -32,36 +33,11 @@
 #define KM_LD (BK + 8) /* K-major tile row pitch (elements): 80 B, ldmatrix conflict-free */
 #define MN_LD (BM + 8) /* MN-major tile row pitch: 272 B */
 
-enum gemm_mode { GM_GATE_UP = 0, GM_DOWN, GM_DOWN_DGRAD, GM_GATE_UP_DGRAD, GM_WGRAD };
-
-typedef struct gemm_params {
-  int M, N, K;
-  const bf16 *A;
-  long long lda;
-  const bf16 *B0, *B1; /* B1: W_u half of GATE_UP (n) or GATE_UP_DGRAD (k >= b_split) */
-  long long ldb, b_expert_stride;
-  int b_split;
-  bf16 *C0, *C1, *C2;
-  long long ldc, c_expert_stride;
-  int c_split; /* WGRAD: output rows >= c_split go to C1 */
-  /* schedule (grouped) or one group of M rows (shared expert) */
-  int grouped, E_loc, n_slots;
-  const int32_t *e_range; /* WGRAD: device [e0, e1), other experts' blocks return (NULL: all) */
-  int no_tail;            /* row modes: blocks past the last group return instead of zeroing */
-  const int32_t *offsets, *counts, *row_slot;
-  /* DOWN_DGRAD */
-  const float *rw; /* NULL: rw = 1 (shared expert) */
-  const bf16 *G, *U;
-  float *partial; /* NULL: no d_rw */
-  int n_partial;
-  int has_limit;
-  float limit;
-  const int32_t *status;
-} gemm_params;
+typedef mok_gemm_params gemm_params;
 
 template <int MODE> struct mode_traits {
-  static constexpr bool a_kmajor = MODE != GM_WGRAD;
-  static constexpr bool b_kmajor = MODE == GM_GATE_UP || MODE == GM_DOWN;
+  static constexpr bool a_kmajor = MODE != MOK_GM_WGRAD;
+  static constexpr bool b_kmajor = MODE == MOK_GM_GATE_UP || MODE == MOK_GM_DOWN;
   static constexpr int a_elems = a_kmajor ? BM * KM_LD : BK * MN_LD;
   static constexpr int b_elems = b_kmajor ? BN * KM_LD : BK * MN_LD;
   static constexpr int stage_elems = a_elems + b_elems;
@@ -69,50 +45,6 @@ template <int MODE> struct mode_traits {
 };
 
 int mok_k_partial_tiles(const mok_k_dims *d) { return (d->I + BN - 1) / BN; }
-
-/* ---- PTX wrappers ------------------------------------------------------------ */
-
-__device__ static inline uint32_t smem_addr(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16-byte async copy; with valid == false the destination is zero-filled
- * and nothing is read. */
-__device__ static inline void cp_async16(bf16 *dst, const bf16 *src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ static inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ static inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ static inline void ldmatrix_x4(uint32_t (&r)[4], const bf16 *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ static inline void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16 *p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ static inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* ---- SwiGLU pieces (docs/math.md; explicit roundings, no contraction) ------- */
-
-__device__ static inline float sigmoid_f(float v) {
-  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
-}
-__device__ static inline float silu_f(float v) { return __fdiv_rn(v, __fadd_rn(1.0f, expf(-v))); }
 
 /* ---- tile loads ---------------------------------------------------------------- */
 
@@ -158,7 +90,7 @@ __device__ static inline void load_stage(const gemm_params &p, const tile_pos &t
       const int gk = k0 + kc;
       const bf16 *base;
       int n;
-      if constexpr (MODE == GM_GATE_UP) { /* rows 0..63 gate, 64..127 up, same columns */
+      if constexpr (MODE == MOK_GM_GATE_UP) { /* rows 0..63 gate, 64..127 up, same columns */
         base = nr < 64 ? p.B0 : p.B1;
         n = tp.n_blk * (BN / 2) + (nr & 63);
       } else {
@@ -170,8 +102,8 @@ __device__ static inline void load_stage(const gemm_params &p, const tile_pos &t
                  v ? base + e * p.b_expert_stride + (long long)n * p.ldb + gk : p.B0, v);
     }
   } else { /* N-major B(k, n) = W[k * ldb + n] */
-    const int k0 = MODE == GM_WGRAD ? tp.k_begin + kt * BK : kt * BK;
-    const int k_lim = MODE == GM_WGRAD ? tp.k_end : p.K;
+    const int k0 = MODE == MOK_GM_WGRAD ? tp.k_begin + kt * BK : kt * BK;
+    const int k_lim = MODE == MOK_GM_WGRAD ? tp.k_end : p.K;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int id = tid + i * NTHREADS, kr = id >> 4, nc = (id & 15) * 8;
@@ -179,10 +111,10 @@ __device__ static inline void load_stage(const gemm_params &p, const tile_pos &t
       const bool v = gk < k_lim && gn < p.N;
       const bf16 *src = p.B0;
       if (v) {
-        if constexpr (MODE == GM_GATE_UP_DGRAD) {
+        if constexpr (MODE == MOK_GM_GU_DGRAD) {
           src = gk < p.b_split ? p.B0 + e * p.b_expert_stride + (long long)gk * p.ldb
                                : p.B1 + e * p.b_expert_stride + (long long)(gk - p.b_split) * p.ldb;
-        } else if constexpr (MODE == GM_WGRAD) {
+        } else if constexpr (MODE == MOK_GM_WGRAD) {
           src = p.B0 + (long long)gk * p.ldb;
         } else {
           src = p.B0 + e * p.b_expert_stride + (long long)gk * p.ldb;
@@ -196,7 +128,7 @@ __device__ static inline void load_stage(const gemm_params &p, const tile_pos &t
 
 /* Column (within the B tile) of the warp's n8 tiles 2*jp and 2*jp+1. */
 template <int MODE> __device__ static inline int warp_ncol(int wn, int jp) {
-  if constexpr (MODE == GM_GATE_UP) return jp * (BN / 2) + wn * 16; /* gate pair, up pair */
+  if constexpr (MODE == MOK_GM_GATE_UP) return jp * (BN / 2) + wn * 16; /* gate pair, up pair */
   return wn * 32 + jp * 16;
 }
 
@@ -237,10 +169,6 @@ __device__ static inline void compute_stage(const bf16 *sA, const bf16 *sB,
   }
 }
 
-__device__ static inline void store_bf16x2(bf16 *dst, float a, float b) {
-  *(__nv_bfloat162 *)dst = __floats2bfloat162_rn(a, b);
-}
-
 /* ---- the kernel ------------------------------------------------------------------ */
 
 template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(const gemm_params p) {
@@ -256,38 +184,20 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
   tp.row0 = tp.used_end = tp.store_end = 0;
   tp.m0 = tp.k_begin = tp.k_end = 0;
   int nk;
-  if constexpr (MODE == GM_WGRAD) {
+  if constexpr (MODE == MOK_GM_WGRAD) {
     tp.e = blockIdx.z;
     /* another macrobatch's expert: its gradient is not this launch's to write */
     if (p.e_range && (tp.e < p.e_range[0] || tp.e >= p.e_range[1])) return;
     tp.m0 = blockIdx.x * BM;
-    if (p.grouped) { /* clamped, so even an unchecked schedule stays in bounds */
-      const int off = min(max(p.offsets[tp.e], 0), p.K);
-      tp.k_begin = off;
-      tp.k_end = off + min(max(p.counts[tp.e], 0), p.K - off);
-    } else {
-      tp.k_end = p.K;
-    }
+    mok_group_rows(p.offsets, p.counts, tp.e, p.K, &tp.k_begin, &tp.k_end);
     nk = (tp.k_end - tp.k_begin + BK - 1) / BK;
   } else {
-    tp.row0 = blockIdx.x * BM;
-    if (p.grouped) {
-      const int rows_used = min(max(p.offsets[p.E_loc], 0), p.M);
-      if (tp.row0 >= rows_used) { /* past the last group: zeros */
-        if (p.no_tail) return;    /* (the whole block: nothing to write) */
-        tp.e = -1;
-        tp.used_end = tp.row0;
-        tp.store_end = min(tp.row0 + BM, p.M);
-      } else {
-        tp.e = find_group(p.offsets, p.E_loc, tp.row0);
-        const int group_end = min(max(p.offsets[tp.e + 1], tp.row0), p.M);
-        tp.store_end = min(tp.row0 + BM, group_end);
-        const long long used = (long long)p.offsets[tp.e] + max(p.counts[tp.e], 0);
-        tp.used_end = (int)min(max(used, (long long)tp.row0), (long long)tp.store_end);
-      }
-    } else {
-      tp.used_end = tp.store_end = min(tp.row0 + BM, p.M);
-    }
+    const mok_row_block b = mok_locate_rows(p.offsets, p.counts, p.E_loc, p.M, blockIdx.x * BM);
+    if (b.e < 0 && p.no_tail) return; /* past the last group: nothing to write */
+    tp.e = b.e;
+    tp.row0 = b.row0;
+    tp.used_end = b.used_end;
+    tp.store_end = b.store_end;
     nk = tp.used_end > tp.row0 ? (p.K + BK - 1) / BK : 0;
   }
 
@@ -323,7 +233,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
   __syncthreads(); /* the epilogue may reuse shared memory */
 
   /* ---- epilogues: thread holds rows (g, g+8) x cols (2q, 2q+1) of each 16x8 tile */
-  if constexpr (MODE == GM_WGRAD) {
+  if constexpr (MODE == MOK_GM_WGRAD) {
     const long long cbase = (long long)tp.e * p.c_expert_stride;
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
@@ -339,7 +249,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
           if (n < p.N) store_bf16x2(row + n, acc[mi][j][2 * hh], acc[mi][j][2 * hh + 1]);
         }
       }
-  } else if constexpr (MODE == GM_GATE_UP) {
+  } else if constexpr (MODE == MOK_GM_GATE_UP) {
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -351,29 +261,19 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
         for (int jj = 0; jj < 2; jj++) {
           const int n = tp.n_blk * (BN / 2) + wn * 16 + jj * 8 + 2 * q;
           if (n >= p.N) continue;
-          float gv[2], uv[2], hv[2];
+          float gv[2] = {0.0f, 0.0f}, uv[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
+          if (used)
 #pragma unroll
-          for (int c = 0; c < 2; c++) {
-            if (!used) {
-              gv[c] = uv[c] = hv[c] = 0.0f;
-              continue;
-            }
-            gv[c] = bf2f(f2bf(acc[mi][jj][2 * hh + c]));
-            uv[c] = bf2f(f2bf(acc[mi][jj + 2][2 * hh + c]));
-            float gc = gv[c], uc = uv[c];
-            if (p.has_limit) {
-              gc = fminf(gc, p.limit);
-              uc = fminf(fmaxf(uc, -p.limit), p.limit);
-            }
-            hv[c] = __fmul_rn(silu_f(gc), uc);
-          }
+            for (int c = 0; c < 2; c++)
+              swiglu_forward(acc[mi][jj][2 * hh + c], acc[mi][jj + 2][2 * hh + c], p.has_limit,
+                             p.limit, &gv[c], &uv[c], &hv[c]);
           const long long at = (long long)r * p.ldc + n;
           store_bf16x2(p.C0 + at, gv[0], gv[1]);
           store_bf16x2(p.C1 + at, uv[0], uv[1]);
           store_bf16x2(p.C2 + at, hv[0], hv[1]);
         }
       }
-  } else if constexpr (MODE == GM_DOWN || MODE == GM_GATE_UP_DGRAD) {
+  } else if constexpr (MODE == MOK_GM_DOWN || MODE == MOK_GM_GU_DGRAD) {
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -389,7 +289,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
                        used ? acc[mi][j][2 * hh + 1] : 0.0f);
         }
       }
-  } else { /* GM_DOWN_DGRAD: a = acc; SwiGLU backward; dg|du to C0 (ldc = 2N), h to C1 (N) */
+  } else { /* MOK_GM_DOWN_DGRAD: a = acc; SwiGLU backward; dg|du to C0 (ldc = 2N), h to C1 (N) */
     float rowsum[4][2];
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
@@ -416,23 +316,12 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
             const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-              float gc = gin[c], uc = uin[c];
-              bool pass_g = true, pass_u = true;
-              if (p.has_limit) {
-                pass_g = gin[c] <= p.limit;
-                pass_u = uin[c] >= -p.limit && uin[c] <= p.limit;
-                gc = fminf(gc, p.limit);
-                uc = fminf(fmaxf(uc, -p.limit), p.limit);
-              }
               const float a = acc[mi][j][2 * hh + c];
-              const float sig = sigmoid_f(gc), silu = silu_f(gc);
-              hv[c] = bf2f(f2bf(__fmul_rn(silu, uc)));
+              const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
+              hv[c] = sg.h;
               rowsum[mi][hh] = __fadd_rn(rowsum[mi][hh], __fmul_rn(a, hv[c]));
-              const float dh = __fmul_rn(w, a);
-              const float dsilu =
-                  __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(gc, __fsub_rn(1.0f, sig))));
-              dg[c] = pass_g ? __fmul_rn(__fmul_rn(dh, uc), dsilu) : 0.0f;
-              du[c] = pass_u ? __fmul_rn(dh, silu) : 0.0f;
+              dg[c] = sg.dg;
+              du[c] = sg.du;
             }
           }
           store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
@@ -466,14 +355,20 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
   }
 }
 
-/* ---- launchers ----------------------------------------------------------------- */
+/* ---- the mma.sync launch of one product -------------------------------------------- */
 
 int mok_k_scale_rows(const mok_k_dims *d, const int32_t *schedule, const bf16 *src,
                      const float *rw, bf16 *dst, int32_t *status, cudaStream_t stream);
 int mok_k_drw_reduce(const mok_k_dims *d, const int32_t *schedule, const float *partial,
                      float *d_rw, int32_t *status, cudaStream_t stream);
 
-template <int MODE> static int launch_gemm(const gemm_params &p, dim3 grid, cudaStream_t stream) {
+static unsigned cdiv(long long a, long long b) { return (unsigned)((a + b - 1) / b); }
+
+/* One block per output tile (GATE_UP: 64 gate + 64 up columns), WGRAD one
+ * per (tile, group). */
+template <int MODE> static int launch_hmma(const gemm_params &p, cudaStream_t stream) {
+  const dim3 grid(cdiv(p.M, BM), cdiv(p.N, MODE == MOK_GM_GATE_UP ? BN / 2 : BN),
+                  MODE == MOK_GM_WGRAD ? (unsigned)p.groups : 1u);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return MOK_OK;
   gemm_kernel<MODE><<<grid, NTHREADS, mode_traits<MODE>::smem_bytes, stream>>>(p);
   return mok_k_launch_status();
@@ -489,17 +384,65 @@ template <int MODE> static int set_smem_limit(void) {
   return MOK_OK;
 }
 
+/* ---- the GEMM backend, chosen once --------------------------------------------------- */
+
+/* MOK_K_GEMM_HMMA or MOK_K_GEMM_SM90; -1 until mok_k_init (or the first
+ * launch without one) decides. */
+static std::atomic<int> gemm_backend{-1};
+
+/* The environment's choice: MOK_GEMM=hmma keeps every product on mma.sync;
+ * otherwise the Hopper kernels where the device has them. */
+static int backend_from_env(void) {
+  const char *v = getenv("MOK_GEMM");
+  if (v && !strcmp(v, "hmma")) return MOK_K_GEMM_HMMA;
+  return mok_k_sm90_usable() ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
+}
+
+extern "C" int mok_k_gemm_backend(void) {
+  int b = gemm_backend.load(std::memory_order_relaxed);
+  if (b < 0) { /* no mok_k_init yet: the same choice it makes (every racer computes the same) */
+    b = backend_from_env();
+    gemm_backend.store(b, std::memory_order_relaxed);
+  }
+  return b;
+}
+
+extern "C" int mok_k_set_gemm_backend(int backend) {
+  int b;
+  if (backend == MOK_K_GEMM_HMMA)
+    b = MOK_K_GEMM_HMMA;
+  else if (backend == MOK_K_GEMM_SM90)
+    b = mok_k_sm90_usable() ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
+  else
+    b = backend_from_env();
+  gemm_backend.store(b, std::memory_order_relaxed);
+  return b;
+}
+
+static bool on_sm90(void) { return mok_k_gemm_backend() == MOK_K_GEMM_SM90; }
+
+/* A backward mode (MOK_K_SM90_BWD_*) on the Hopper kernels */
+static bool on_sm90_bwd(int mode_bit) { return (mok_k_sm90_bwd_modes() & mode_bit) && on_sm90(); }
+
 extern "C" int mok_k_init(void) {
-  int st = set_smem_limit<GM_GATE_UP>();
-  if (st == MOK_OK) st = set_smem_limit<GM_DOWN>();
-  if (st == MOK_OK) st = set_smem_limit<GM_DOWN_DGRAD>();
-  if (st == MOK_OK) st = set_smem_limit<GM_GATE_UP_DGRAD>();
-  if (st == MOK_OK) st = set_smem_limit<GM_WGRAD>();
-  if (st == MOK_OK && mok_k_sm90_usable()) st = mok_k_sm90_init();
+  int st = set_smem_limit<MOK_GM_GATE_UP>();
+  if (st == MOK_OK) st = set_smem_limit<MOK_GM_DOWN>();
+  if (st == MOK_OK) st = set_smem_limit<MOK_GM_DOWN_DGRAD>();
+  if (st == MOK_OK) st = set_smem_limit<MOK_GM_GU_DGRAD>();
+  if (st == MOK_OK) st = set_smem_limit<MOK_GM_WGRAD>();
+  const bool sm90 = mok_k_sm90_usable() != 0;
+  if (st == MOK_OK && sm90) st = mok_k_sm90_init();
+  if (st == MOK_OK) gemm_backend.store(backend_from_env(), std::memory_order_relaxed);
   return st;
 }
 
-static unsigned cdiv(long long a, long long b) { return (unsigned)((a + b - 1) / b); }
+extern "C" int mok_k_backward_on_hopper(const mok_k_dims *d) {
+  const int all = MOK_K_SM90_BWD_DOWN_DGRAD | MOK_K_SM90_BWD_GATE_UP_DGRAD | MOK_K_SM90_BWD_WGRAD;
+  return d && (mok_k_sm90_bwd_modes() & all) == all && on_sm90() && d->I % 16 == 0 &&
+         (d->I_s == 0 || d->I_s % 16 == 0);
+}
+
+/* ---- the products' parameters (one description for both backends) -------------------- */
 
 static bool all_aligned(const void *a, const void *b, const void *c, const void *d,
                         const void *e, const void *f) {
@@ -507,88 +450,208 @@ static bool all_aligned(const void *a, const void *b, const void *c, const void 
          mok_k_aligned16(e) && mok_k_aligned16(f);
 }
 
-static gemm_params params_base(const mok_k_dims *d, const int32_t *status) {
+/* schedule != NULL: the routed rows of its groups; NULL: one group (the
+ * shared expert, or one WGRAD group of all rows). */
+static gemm_params params_base(const mok_k_dims *d, const int32_t *schedule,
+                               const int32_t *status) {
   gemm_params p;
   memset(&p, 0, sizeof p);
   p.has_limit = d->has_limit;
   p.limit = d->limit;
   p.status = status;
   p.no_tail = d->no_tail;
+  p.groups = 1;
+  if (schedule) {
+    const sched_ptrs s = sched_view(d, schedule);
+    p.E_loc = d->E_loc;
+    p.groups = d->E_loc;
+    p.n_slots = s.n_slots;
+    p.offsets = s.offsets;
+    p.counts = s.counts;
+    p.row_slot = s.row_slot;
+  }
   return p;
 }
 
-static void params_grouped(gemm_params *p, const mok_k_dims *d, const int32_t *schedule) {
-  sched_ptrs s = sched_view(d, schedule);
-  p->grouped = 1;
-  p->E_loc = d->E_loc;
-  p->n_slots = s.n_slots;
-  p->offsets = s.offsets;
-  p->counts = s.counts;
-  p->row_slot = s.row_slot;
-}
-
-/* The GEMMs go to the Hopper kernels unless MOK_GEMM=hmma (read at every
- * launch, so a test can compare both paths in one process). */
-static bool use_sm90(void) {
-  const char *v = getenv("MOK_GEMM");
-  if (v && !strcmp(v, "hmma")) return false;
-  return mok_k_sm90_usable() != 0;
-}
-
-/* A backward mode (MOK_K_SM90_BWD_*) on the Hopper kernels */
-static bool use_sm90_bwd(int mode_bit) { return (mok_k_sm90_bwd_modes() & mode_bit) && use_sm90(); }
-
-extern "C" int mok_k_backward_on_hopper(const mok_k_dims *d) {
-  const int all = MOK_K_SM90_BWD_DOWN_DGRAD | MOK_K_SM90_BWD_GATE_UP_DGRAD | MOK_K_SM90_BWD_WGRAD;
-  return d && (mok_k_sm90_bwd_modes() & all) == all && use_sm90() && d->I % 16 == 0 &&
-         (d->I_s == 0 || d->I_s % 16 == 0);
-}
-
-/* One SwiGLU FFN forward over M rows: gate/up then down. grouped: routed
- * (schedule), else the shared expert (one group of T rows). */
-static int ffn_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
-                       const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *g, bf16 *u, bf16 *h,
-                       int32_t *status, cudaStream_t stream) {
-  if (use_sm90())
-    return mok_k_sm90_gate_up(d, schedule, M, n_inter, (const mok_k_bf16 *)x,
-                              (const mok_k_bf16 *)wg, (const mok_k_bf16 *)wu, (mok_k_bf16 *)g,
-                              (mok_k_bf16 *)u, (mok_k_bf16 *)h, status, stream);
-  gemm_params p = params_base(d, status);
-  if (schedule) params_grouped(&p, d, schedule);
+/* g, u [M, n] = x W_g[e]^T, x W_u[e]^T (rounded, pre-clamp), h = silu(g') u' */
+static gemm_params gemm_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n,
+                                const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *g, bf16 *u,
+                                bf16 *h, const int32_t *status) {
+  gemm_params p = params_base(d, schedule, status);
   p.M = M;
-  p.N = n_inter;
+  p.N = n;
   p.K = d->H;
   p.A = x;
   p.lda = d->H;
   p.B0 = wg;
   p.B1 = wu;
   p.ldb = d->H;
-  p.b_expert_stride = (long long)n_inter * d->H;
+  p.b_expert_stride = (long long)n * d->H;
   p.C0 = g;
   p.C1 = u;
   p.C2 = h;
-  p.ldc = n_inter;
-  return launch_gemm<GM_GATE_UP>(p, dim3(cdiv(M, BM), cdiv(n_inter, BN / 2)), stream);
+  p.ldc = n;
+  return p;
+}
+
+/* y [M, H] = h W_d[e]^T */
+static gemm_params gemm_down(const mok_k_dims *d, const int32_t *schedule, int M, int n,
+                             const bf16 *h, const bf16 *wd, bf16 *y, const int32_t *status) {
+  gemm_params p = params_base(d, schedule, status);
+  p.M = M;
+  p.N = d->H;
+  p.K = n;
+  p.A = h;
+  p.lda = n;
+  p.B0 = wd;
+  p.ldb = n;
+  p.b_expert_stride = (long long)d->H * n;
+  p.C0 = y;
+  p.ldc = d->H;
+  return p;
+}
+
+/* a = d_out W_d[e] per row, SwiGLU backward: dgu [M, 2n] (dg | du), h [M, n],
+ * d_rw partials [M, n_partial] (partial NULL: none); rw NULL: rw = 1 */
+static gemm_params gemm_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int n,
+                                   const bf16 *d_out, const bf16 *wd, const bf16 *g,
+                                   const bf16 *u, const float *rw, bf16 *dgu, bf16 *h,
+                                   float *partial, int n_partial, const int32_t *status) {
+  gemm_params p = params_base(d, schedule, status);
+  p.M = M;
+  p.N = n;
+  p.K = d->H;
+  p.A = d_out;
+  p.lda = d->H;
+  p.B0 = wd;
+  p.ldb = n;
+  p.b_expert_stride = (long long)d->H * n;
+  p.C0 = dgu;
+  p.ldc = 2LL * n;
+  p.C1 = h;
+  p.G = g;
+  p.U = u;
+  p.rw = rw;
+  p.partial = partial;
+  p.n_partial = n_partial;
+  return p;
+}
+
+/* d_x [M, H] = dg W_g[e] + du W_u[e] (K = 2n, split at n) */
+static gemm_params gemm_gu_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int n,
+                                 const bf16 *dgu, const bf16 *wg, const bf16 *wu, bf16 *d_x,
+                                 const int32_t *status) {
+  gemm_params p = params_base(d, schedule, status);
+  p.M = M;
+  p.N = d->H;
+  p.K = 2 * n;
+  p.A = dgu;
+  p.lda = 2LL * n;
+  p.B0 = wg;
+  p.B1 = wu;
+  p.ldb = d->H;
+  p.b_expert_stride = (long long)n * d->H;
+  p.b_split = n;
+  p.C0 = d_x;
+  p.ldc = d->H;
+  return p;
+}
+
+/* per group e: C[e] [M, N] = a^T b over the group's rows (a [rows, M],
+ * b [rows, N]); output rows < c_split to c0 + e * c_stride, the rest to c1 */
+static gemm_params gemm_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows,
+                              int M, int N, const bf16 *a, long long lda, const bf16 *b,
+                              long long ldb, bf16 *c0, bf16 *c1, int c_split, long long ldc,
+                              long long c_stride, const int32_t *e_range,
+                              const int32_t *status) {
+  gemm_params p = params_base(d, schedule, status);
+  p.groups = groups;
+  p.M = M;
+  p.N = N;
+  p.K = rows;
+  p.A = a;
+  p.lda = lda;
+  p.B0 = b;
+  p.ldb = ldb;
+  p.C0 = c0;
+  p.C1 = c1;
+  p.c_split = c_split;
+  p.ldc = ldc;
+  p.c_expert_stride = c_stride;
+  p.e_range = e_range;
+  return p;
+}
+
+template <int MODE> static int run_gemm(const gemm_params &p, bool sm90, cudaStream_t stream) {
+  return sm90 ? mok_k_sm90_run(MODE, &p, stream) : launch_hmma<MODE>(p, stream);
+}
+
+/* ---- the Hopper kernels alone, one product each (mok_gemm_sm90.h) ----------------------- */
+
+extern "C" int mok_k_sm90_gate_up(const mok_k_dims *d, const int32_t *schedule, int M,
+                                  int n_inter, const mok_k_bf16 *x, const mok_k_bf16 *wg,
+                                  const mok_k_bf16 *wu, mok_k_bf16 *g, mok_k_bf16 *u,
+                                  mok_k_bf16 *h, int32_t *status, mok_k_stream stream) {
+  const gemm_params p = gemm_gate_up(d, schedule, M, n_inter, (const bf16 *)x, (const bf16 *)wg,
+                                     (const bf16 *)wu, (bf16 *)g, (bf16 *)u, (bf16 *)h, status);
+  return mok_k_sm90_run(MOK_GM_GATE_UP, &p, stream);
+}
+
+extern "C" int mok_k_sm90_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                               const mok_k_bf16 *h, const mok_k_bf16 *wd, mok_k_bf16 *y,
+                               int32_t *status, mok_k_stream stream) {
+  const gemm_params p = gemm_down(d, schedule, M, n_inter, (const bf16 *)h, (const bf16 *)wd,
+                                  (bf16 *)y, status);
+  return mok_k_sm90_run(MOK_GM_DOWN, &p, stream);
+}
+
+extern "C" int mok_k_sm90_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M,
+                                     int n_inter, const mok_k_bf16 *d_out, const mok_k_bf16 *wd,
+                                     const mok_k_bf16 *g, const mok_k_bf16 *u, const float *rw,
+                                     mok_k_bf16 *dgu, mok_k_bf16 *h, float *partial,
+                                     int n_partial, int32_t *status, mok_k_stream stream) {
+  const gemm_params p = gemm_down_dgrad(d, schedule, M, n_inter, (const bf16 *)d_out,
+                                        (const bf16 *)wd, (const bf16 *)g, (const bf16 *)u, rw,
+                                        (bf16 *)dgu, (bf16 *)h, partial, n_partial, status);
+  return mok_k_sm90_run(MOK_GM_DOWN_DGRAD, &p, stream);
+}
+
+extern "C" int mok_k_sm90_gate_up_dgrad(const mok_k_dims *d, const int32_t *schedule, int M,
+                                        int n_inter, const mok_k_bf16 *dgu,
+                                        const mok_k_bf16 *wg, const mok_k_bf16 *wu,
+                                        mok_k_bf16 *d_x, int32_t *status, mok_k_stream stream) {
+  const gemm_params p = gemm_gu_dgrad(d, schedule, M, n_inter, (const bf16 *)dgu,
+                                      (const bf16 *)wg, (const bf16 *)wu, (bf16 *)d_x, status);
+  return mok_k_sm90_run(MOK_GM_GU_DGRAD, &p, stream);
+}
+
+extern "C" int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows,
+                                int M, int N, const mok_k_bf16 *a, const mok_k_bf16 *b,
+                                mok_k_bf16 *c0, mok_k_bf16 *c1, int c_split, long long ldc,
+                                long long c_expert_stride, const int32_t *e_range,
+                                int32_t *status, mok_k_stream stream) {
+  /* a [rows, M] and b [rows, N], rows packed */
+  const gemm_params p = gemm_wgrad(d, schedule, groups, rows, M, N, (const bf16 *)a, M,
+                                   (const bf16 *)b, N, (bf16 *)c0, (bf16 *)c1, c_split, ldc,
+                                   c_expert_stride, e_range, status);
+  return mok_k_sm90_run(MOK_GM_WGRAD, &p, stream);
+}
+
+/* ---- the layer's launchers (C API) --------------------------------------------------------- */
+
+/* One SwiGLU FFN forward over M rows: gate/up then down. schedule: routed,
+ * NULL: the shared expert (one group of T rows). */
+static int ffn_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                       const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *g, bf16 *u, bf16 *h,
+                       int32_t *status, cudaStream_t stream) {
+  return run_gemm<MOK_GM_GATE_UP>(gemm_gate_up(d, schedule, M, n_inter, x, wg, wu, g, u, h, status),
+                                  on_sm90(), stream);
 }
 
 static int ffn_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
                     const bf16 *h, const bf16 *wd, bf16 *y, int32_t *status, cudaStream_t stream) {
-  if (use_sm90())
-    return mok_k_sm90_down(d, schedule, M, n_inter, (const mok_k_bf16 *)h, (const mok_k_bf16 *)wd,
-                           (mok_k_bf16 *)y, status, stream);
-  gemm_params p = params_base(d, status);
-  if (schedule) params_grouped(&p, d, schedule);
-  p.M = M;
-  p.N = d->H;
-  p.K = n_inter;
-  p.A = h;
-  p.lda = n_inter;
-  p.B0 = wd;
-  p.ldb = n_inter;
-  p.b_expert_stride = (long long)d->H * n_inter;
-  p.C0 = y;
-  p.ldc = d->H;
-  return launch_gemm<GM_DOWN>(p, dim3(cdiv(M, BM), cdiv(d->H, BN)), stream);
+  return run_gemm<MOK_GM_DOWN>(gemm_down(d, schedule, M, n_inter, h, wd, y, status), on_sm90(),
+                               stream);
 }
 
 extern "C" int mok_k_gate_up_swiglu(const mok_k_dims *d, const int32_t *schedule,
@@ -663,96 +726,29 @@ typedef struct ffn_bwd_args {
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                         int32_t *status, cudaStream_t stream) {
   const int n = a->n_inter;
-  gemm_params p = params_base(d, status);
-  if (schedule) params_grouped(&p, d, schedule);
   /* a = d_out W_d, SwiGLU backward */
-  p.M = a->M;
-  p.N = n;
-  p.K = d->H;
-  p.A = a->d_out;
-  p.lda = d->H;
-  p.B0 = a->wd;
-  p.ldb = n;
-  p.b_expert_stride = (long long)d->H * n;
-  p.C0 = a->dgu;
-  p.ldc = 2LL * n;
-  p.C1 = a->h;
-  p.G = a->g;
-  p.U = a->u;
-  p.rw = a->rw;
-  p.partial = a->partial;
-  p.n_partial = cdiv(n, BN);
-  int st;
-  if (use_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD))
-    st = mok_k_sm90_down_dgrad(d, schedule, a->M, n, (const mok_k_bf16 *)a->d_out,
-                               (const mok_k_bf16 *)a->wd, (const mok_k_bf16 *)a->g,
-                               (const mok_k_bf16 *)a->u, a->rw, (mok_k_bf16 *)a->dgu,
-                               (mok_k_bf16 *)a->h, a->partial, p.n_partial, status, stream);
-  else
-    st = launch_gemm<GM_DOWN_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(n, BN)), stream);
+  int st = run_gemm<MOK_GM_DOWN_DGRAD>(
+      gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu, a->h,
+                      a->partial, (int)cdiv(n, BN), status),
+      on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD), stream);
   if (st != MOK_OK) return st;
-  /* d_xr = dg W_g + du W_u */
-  p.N = d->H;
-  p.K = 2 * n;
-  p.A = a->dgu;
-  p.lda = 2LL * n;
-  p.B0 = a->wg;
-  p.B1 = a->wu;
-  p.ldb = d->H;
-  p.b_expert_stride = (long long)n * d->H;
-  p.b_split = n;
-  p.C0 = a->d_xr;
-  p.C1 = NULL;
-  p.ldc = d->H;
-  p.rw = NULL;
-  p.partial = NULL;
-  if (use_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0)
-    st = mok_k_sm90_gate_up_dgrad(d, schedule, a->M, n, (const mok_k_bf16 *)a->dgu,
-                                  (const mok_k_bf16 *)a->wg, (const mok_k_bf16 *)a->wu,
-                                  (mok_k_bf16 *)a->d_xr, status, stream);
-  else
-    st = launch_gemm<GM_GATE_UP_DGRAD>(p, dim3(cdiv(a->M, BM), cdiv(d->H, BN)), stream);
+  /* d_xr = dg W_g + du W_u; the Hopper kernel's k16 steps must not straddle dg and du */
+  st = run_gemm<MOK_GM_GU_DGRAD>(gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr,
+                                               status),
+                                 on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0, stream);
   if (st != MOK_OK) return st;
+  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
   /* d_wd[e] = dy^T h over the expert's rows */
-  gemm_params w = params_base(d, status);
-  if (schedule) params_grouped(&w, d, schedule);
-  w.M = d->H;
-  w.N = n;
-  w.K = a->M;
-  w.A = a->dy;
-  w.lda = d->H;
-  w.B0 = a->h;
-  w.ldb = n;
-  w.C0 = a->d_wd;
-  w.c_split = d->H;
-  w.ldc = n;
-  w.c_expert_stride = (long long)d->H * n;
-  w.e_range = a->e_range;
-  const bool wg90 = use_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
-  if (wg90)
-    st = mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
-                          (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
-                          w.c_split, w.ldc, w.c_expert_stride, a->e_range, status, stream);
-  else
-    st = launch_gemm<GM_WGRAD>(w, dim3(cdiv(d->H, BM), cdiv(n, BN), a->groups), stream);
+  st = run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h,
+                                         n, a->d_wd, NULL, d->H, n, (long long)d->H * n,
+                                         a->e_range, status),
+                              wg90, stream);
   if (st != MOK_OK) return st;
   /* [d_wg; d_wu][e] = dgu^T x */
-  w.M = 2 * n;
-  w.N = d->H;
-  w.A = a->dgu;
-  w.lda = 2LL * n;
-  w.B0 = a->x;
-  w.ldb = d->H;
-  w.C0 = a->d_wg;
-  w.C1 = a->d_wu;
-  w.c_split = n;
-  w.ldc = d->H;
-  w.c_expert_stride = (long long)n * d->H;
-  if (wg90)
-    return mok_k_sm90_wgrad(d, schedule, a->groups, w.K, w.M, w.N, (const mok_k_bf16 *)w.A,
-                            (const mok_k_bf16 *)w.B0, (mok_k_bf16 *)w.C0, (mok_k_bf16 *)w.C1,
-                            w.c_split, w.ldc, w.c_expert_stride, a->e_range, status, stream);
-  return launch_gemm<GM_WGRAD>(w, dim3(cdiv(2LL * n, BM), cdiv(d->H, BN), a->groups), stream);
+  return run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu,
+                                           2LL * n, a->x, d->H, a->d_wg, a->d_wu, n, d->H,
+                                           (long long)n * d->H, a->e_range, status),
+                                wg90, stream);
 }
 
 extern "C" int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedule,

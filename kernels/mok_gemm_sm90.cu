@@ -1,12 +1,7 @@
 /* The grouped GEMMs on Hopper (sm_90a): TMA + wgmma, warp specialised,
- * persistent. Forward (v1) and backward (v2):
- *
- *   GATE_UP        rows x I (x2), K=H   A routed_x [M,H],  B W_g|W_u [E,I,H]     -> g, u, h (SwiGLU)
- *   DOWN           rows x H,      K=I   A h [M,I],         B W_d [E,H,I]         -> y
- *   DOWN_DGRAD     rows x I,      K=H   A d_out [M,H],     B W_d [E,H,I] (N-major) -> dg|du, h, d_rw partials
- *   GU_DGRAD       rows x H,      K=2I  A dg|du [M,2I],    B W_g;W_u (N-major)    -> d_x
- *   WGRAD          M x N per expert, K = the expert's rows; A dy or dg|du
- *                  (M-major), B h or x (N-major)                                  -> d_W[e]
+ * persistent. The five products of common/gemm_params.cuh, forward (v1)
+ * and backward (v2), from the parameters mok_gemm.cu builds for both
+ * backends; B multicast in 2-CTA clusters (v3, a variant).
  *
  * One CTA per SM (384 threads): warpgroup 0 is the producer (one thread
  * issues TMA loads of 128x64 A and 256x64 B tiles into a 4-stage ring,
@@ -19,37 +14,55 @@
  * MN elements x 64 k rows and read with the wgmma transpose bit.
  *
  * Row modes: every 128-row block of the routed buffer times every column
- * tile, m-major, walked by CTA c as c, c+G, c+2G, ...; a block's expert
- * comes from the schedule's offsets on the device (groups start at
- * multiples of 128, so a block has one expert), exactly as the mma.sync
- * kernel finds it. Blocks past the last group and padding rows are written
- * as zeros; a consumer whose 64 rows are all padding skips its wgmmas.
+ * tile, walked by CTA c as c, c+G, c+2G, ... in the order of
+ * common/tile_locator.cuh (row blocks, bands, or expert by expert); a
+ * block's expert comes from the schedule's offsets on the device, exactly
+ * as the mma.sync kernel finds it. Blocks past the last group and padding
+ * rows are written as zeros; a consumer whose 64 rows are all padding
+ * skips its wgmmas.
  * WGRAD: every (expert, M tile, N tile), each reducing over all the
  * expert's rows in ascending 64-row blocks (the rows past the expert's
  * count in the last block are zeroed in shared memory, as the mma.sync
  * kernel zero-fills them): no split-K, no atomics. Its tiles have short k
  * loops, so its epilogue goes through shared memory and TMA stores that
  * overlap the next tile (3 stages to make room).
+ *
+ * Cluster variant (GATE_UP, DOWN, GU_DGRAD): CTAs run in pairs (a 2-CTA cluster) on the
+ * row blocks 2p and 2p+1 of the same column tile. When both blocks belong
+ * to one expert, each CTA loads its own A tile and half of the B (weight)
+ * tile, multicast into both CTAs' rings, so B is read from L2 once for two
+ * row blocks; otherwise each loads its own B. A consumer releases a stage
+ * in both CTAs (either producer may write it next), so the two rings move
+ * in lockstep: every pair runs the full k loop in both CTAs, whatever its
+ * rows. Every decision a pair must agree on comes from one copy of the
+ * schedule's offsets that the first CTA takes and the second reads from it
+ * (a client that rewrites its schedule while the kernel runs gets garbage
+ * rows, never a CTA waiting on a peer that decided otherwise).
+ *
  * Each output element is computed by one CTA with K in ascending k16 steps
  * at the same positions as the mma.sync kernel's (plus steps over zeros),
- * and every epilogue repeats the mma.sync epilogue's arithmetic, so results
- * equal that kernel's bit for bit, do not depend on the grid size, and a
- * row's result depends only on its own input row.
+ * and every epilogue repeats the mma.sync epilogue's arithmetic
+ * (common/swiglu.cuh), so results equal that kernel's bit for bit, do not
+ * depend on the grid size, the tile order or the variant, and a row's
+ * result depends only on its own input row.
  *
  * Bench knobs (mok_k_sm90_set_tuning; defaults measured best or equal, see
  * kernels/PERF.md v1): a pipelined consumer loop (one wgmma batch in
- * flight; forward only), banded tile order, L2 eviction hints on the TMA
- * loads.
+ * flight; forward only, not clustered), banded tile order, L2 eviction
+ * hints on the TMA loads.
  */
 #include <cudaTypedefs.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/gemm_params.cuh"
+#include "common/ptx_sm90.cuh"
+#include "common/swiglu.cuh"
+#include "common/tile_locator.cuh"
 #include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
-#include "mok_sm90_ptx.cuh"
 
-#define S9_BM 128
+#define S9_BM MOK_TILE_M
 #define S9_BN 256 /* B rows per tile (GATE_UP: 128 gate + 128 up) */
 #define S9_BK 64  /* one 128-byte swizzle row of bf16 */
 #define S9_STAGES 4
@@ -62,67 +75,42 @@
  * for the TMA-store epilogue (its short k loops leave the epilogue exposed) */
 #define S9_STAGES_W 3
 #define S9_STAGE_OUT (64 * S9_BN * 2)
-#define S9_NST(MODE) ((MODE) == S9_WGRAD ? S9_STAGES_W : S9_STAGES)
+#define S9_NST(MODE) ((MODE) == MOK_GM_WGRAD ? S9_STAGES_W : S9_STAGES)
 #define S9_SMEM_BYTES (S9_STAGES_W * S9_STAGE_BYTES + 2 * S9_STAGE_OUT + 1024 + 2 * S9_STAGES * 8)
+/* cluster kernels: the schedule's offsets after the ring's barriers */
+#define S9_TABLE_AT (S9_STAGES * S9_STAGE_BYTES + 2 * S9_STAGES * 8)
+#define S9_TABLE_INTS ((S9_SMEM_BYTES - 1024 - S9_TABLE_AT) / 4)
+static_assert(S9_TABLE_INTS >= 1024, "room for the offsets of 1023 experts");
 
 #define S9_SLAB 8192 /* one MN-major box: 64 k rows of 128 B */
-
-enum s9_mode { S9_GATE_UP = 0, S9_DOWN, S9_DOWN_DGRAD, S9_GU_DGRAD, S9_WGRAD };
+#define S9_HALF_B (S9_B_BYTES / 2)
 
 /* Operand layouts per mode: A M-major only in WGRAD; B N-major in backward. */
-#define S9_TA(MODE) ((MODE) == S9_WGRAD ? 1 : 0)
-#define S9_TB(MODE) ((MODE) >= S9_DOWN_DGRAD ? 1 : 0)
+#define S9_TA(MODE) ((MODE) == MOK_GM_WGRAD ? 1 : 0)
+#define S9_TB(MODE) ((MODE) >= MOK_GM_DOWN_DGRAD ? 1 : 0)
+/* The cluster variant's modes. Not WGRAD (its tiles reduce over one
+ * expert's rows, not row blocks) nor DOWN_DGRAD (its SwiGLU-backward
+ * epilogue, which dominates that mode, leaves no registers for the pair's
+ * bookkeeping: ptxas spills). */
+#define S9_PAIRS_MODE(MODE) \
+  ((MODE) == MOK_GM_GATE_UP || (MODE) == MOK_GM_DOWN || (MODE) == MOK_GM_GU_DGRAD)
 
-typedef struct s9_params {
-  int M, N, K;         /* output rows (buffer; WGRAD: per expert), output columns, reduction */
-  int tile_n;          /* output columns per tile: 128 (GATE_UP) or 256 */
-  int m_tiles, n_tiles;
-  int band;            /* > 0: bands of this many row blocks, column tiles outer */
-  int pol_a, pol_b;    /* L2 policy of the A and B loads (l2_policy kinds) */
-  int E_loc;           /* grouped: schedule's local experts */
-  const int32_t *offsets, *counts; /* NULL: one group of M rows (WGRAD: of K rows) */
-  bf16 *C0, *C1, *C2;  /* GATE_UP: g, u, h; DOWN, GU_DGRAD: y, d_x; DOWN_DGRAD: dg|du, h;
-                          WGRAD: output rows < c_split, the rest */
-  long long ldc;
-  int has_limit;
-  float limit;
-  const int32_t *status;
-  int nk_split;        /* GU_DGRAD: k blocks from the W_g half (then W_u) */
-  int groups;          /* WGRAD: experts (1: ungrouped) */
-  int c_split;         /* WGRAD */
-  long long c_expert_stride;
-  const bf16 *G, *U;   /* DOWN_DGRAD: saved pre-clamp g, u [M, N] */
-  const float *rw;     /* DOWN_DGRAD: router weights per slot (NULL: 1) */
-  const int32_t *row_slot;
-  int n_slots;
-  float *partial;      /* DOWN_DGRAD: d_rw partials per 128-column tile (NULL: none) */
-  int n_partial;
-  int wstore;          /* WGRAD: epilogue through TMA stores (maps: map_a2 C0, map_b1 C1) */
-  int no_tail;         /* row modes: tiles past the last group are skipped, not zeroed */
-  const int32_t *e_range; /* WGRAD: device [e0, e1); other experts' tiles are skipped and
-                             their gradients left as they are (a ring's macrobatch). NULL: all */
-} s9_params;
-
-/* ---- SwiGLU (must match mok_gemm.cu bit for bit: explicit roundings) -------- */
-
-__device__ static inline float s9_silu(float v) { return __fdiv_rn(v, __fadd_rn(1.0f, expf(-v))); }
-__device__ static inline float s9_sigmoid(float v) {
-  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
-}
+typedef mok_gemm_params s9_params;
 
 /* ---- the device-side tile scheduler ------------------------------------------- */
 
 /* Rows [row0, store_end) of the tile are written; [row0, used_end) hold real
- * rows. e = -1: past the last group (zeros only). Clamped like the mma.sync
- * kernel, so an unchecked schedule still stays in bounds. */
+ * rows. e = -1: past the last group (zeros only). in_use: the block lies
+ * within the groups (from the offsets alone; the producer loads it).
+ * WGRAD: row0 is the output row, [k_begin, k_end) the expert's rows. */
 typedef struct s9_tile {
   int e, row0, used_end, store_end, n0;
-  int k_begin, k_end; /* WGRAD: the expert's rows; row0 is the output row */
-  int skip;           /* WGRAD: outside p.e_range: no loads, no stores */
+  int k_begin, k_end;
+  int in_use;
+  int skip; /* nothing to load or store (no_tail past the end; WGRAD outside e_range) */
 } s9_tile;
 
-/* WGRAD tile t: expert-major, then M tiles, then N tiles. The expert's
- * rows are clamped like the mma.sync kernel's. */
+/* WGRAD tile t: expert-major, then M tiles, then N tiles. */
 __device__ static inline s9_tile s9_locate_w(const s9_params &p, int t) {
   s9_tile tl;
   const int per = p.m_tiles * p.n_tiles;
@@ -131,59 +119,65 @@ __device__ static inline s9_tile s9_locate_w(const s9_params &p, int t) {
   tl.row0 = mb * S9_BM;
   tl.n0 = (idx - mb * p.n_tiles) * p.tile_n;
   tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
-  tl.k_begin = 0;
-  tl.k_end = p.K;
+  tl.in_use = 1;
   tl.skip = p.e_range && (tl.e < p.e_range[0] || tl.e >= p.e_range[1]);
-  if (p.offsets) {
-    const int off = min(max(p.offsets[tl.e], 0), p.K);
-    tl.k_begin = off;
-    tl.k_end = off + min(max(p.counts[tl.e], 0), p.K - off);
-  }
+  mok_group_rows(p.offsets, p.counts, tl.e, p.K, &tl.k_begin, &tl.k_end);
   return tl;
 }
 
-/* k blocks of a tile (0: nothing to load, zeros are written) */
-__device__ static inline int s9_tile_nk(const s9_params &p, const s9_tile &tl, int mode) {
-  if (mode == S9_WGRAD) return (tl.k_end - tl.k_begin + S9_BK - 1) / S9_BK;
-  return tl.used_end > tl.row0 ? (p.K + S9_BK - 1) / S9_BK + (mode == S9_GU_DGRAD ? p.nk_split : 0)
-                               : 0;
+/* Row block mb, column tile nb; offsets: the schedule's (or the cluster's
+ * copy of them), NULL for one group. */
+__device__ static inline s9_tile s9_tile_rows(const s9_params &p, const int32_t *offsets, int mb,
+                                              int nb) {
+  s9_tile tl;
+  const mok_row_block b = mok_locate_rows(offsets, p.counts, p.E_loc, p.M, mb * S9_BM);
+  tl.e = b.e;
+  tl.row0 = b.row0;
+  tl.used_end = b.used_end;
+  tl.store_end = b.store_end;
+  tl.n0 = nb * p.tile_n;
+  tl.k_begin = tl.k_end = 0;
+  tl.in_use = b.e >= 0 && b.row0 < p.M;
+  tl.skip = b.e < 0 && p.no_tail;
+  return tl;
 }
 
 __device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
-  s9_tile tl;
   int mb, nb;
-  if (p.band > 0) { /* the CTAs at work share fewer A and B tiles (L2) */
-    const int per = p.band * p.n_tiles, b = t / per, idx = t - b * per;
-    const int bm = min(p.band, p.m_tiles - b * p.band);
-    nb = idx / bm;
-    mb = b * p.band + (idx - nb * bm);
-  } else {
-    mb = t / p.n_tiles;
-    nb = t - mb * p.n_tiles;
-  }
-  tl.n0 = nb * p.tile_n;
-  tl.row0 = mb * S9_BM;
-  tl.e = 0;
-  tl.k_begin = tl.k_end = 0;
-  tl.skip = 0;
-  if (!p.offsets) {
-    tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
-    return tl;
-  }
-  const int rows_used = min(max(p.offsets[p.E_loc], 0), p.M);
-  if (tl.row0 >= rows_used) {
-    tl.e = -1;
-    tl.used_end = tl.row0;
-    tl.store_end = min(tl.row0 + S9_BM, p.M);
-    tl.skip = p.no_tail;
-    return tl;
-  }
-  tl.e = find_group(p.offsets, p.E_loc, tl.row0);
-  const int group_end = min(max(p.offsets[tl.e + 1], tl.row0), p.M);
-  tl.store_end = min(tl.row0 + S9_BM, group_end);
-  const long long used = (long long)p.offsets[tl.e] + max(p.counts[tl.e], 0);
-  tl.used_end = (int)min(max(used, (long long)tl.row0), (long long)tl.store_end);
-  return tl;
+  mok_tile_at(t, p.order, p.band, p.m_tiles, p.n_tiles, p.offsets, p.E_loc, p.M, &mb, &nb);
+  return s9_tile_rows(p, p.offsets, mb, nb);
+}
+
+/* k blocks of every row-mode tile */
+template <int MODE> __device__ static inline int s9_full_nk(const s9_params &p) {
+  return MODE == MOK_GM_GU_DGRAD ? 2 * p.nk_split : (p.K + S9_BK - 1) / S9_BK;
+}
+
+/* k blocks of a tile (0: nothing to load, zeros are written) */
+template <int MODE> __device__ static inline int s9_tile_nk(const s9_params &p, const s9_tile &tl) {
+  if (MODE == MOK_GM_WGRAD) return (tl.k_end - tl.k_begin + S9_BK - 1) / S9_BK;
+  return tl.used_end > tl.row0 ? s9_full_nk<MODE>(p) : 0;
+}
+
+/* Cluster pair q: row blocks 2*(q / n_tiles) + {0, 1}, column tile
+ * q % n_tiles; `mine` is this CTA's (rank's) block. Both CTAs compute the
+ * same pair from the same offsets. */
+typedef struct s9_pair {
+  s9_tile mine;
+  int multicast; /* both blocks in one expert: B shared */
+  int skip;      /* neither block has anything to store */
+} s9_pair;
+
+__device__ static inline s9_pair s9_locate_pair(const s9_params &p, const int32_t *offsets, int q,
+                                                int rank) {
+  const int pp = q / p.n_tiles, nb = q - pp * p.n_tiles;
+  const s9_tile t0 = s9_tile_rows(p, offsets, 2 * pp, nb);
+  const s9_tile t1 = s9_tile_rows(p, offsets, 2 * pp + 1, nb);
+  s9_pair r;
+  r.mine = rank ? t1 : t0;
+  r.multicast = t0.in_use && t1.in_use && t0.e == t1.e;
+  r.skip = t0.skip && t1.skip;
+  return r;
 }
 
 /* ---- producer: one thread streams A and B tiles into the ring ----------------- */
@@ -193,62 +187,103 @@ __device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
  * stale columns reach only output columns that are never stored). */
 __device__ static inline int s9_b_slabs(int N, int n0) { return min(S9_BN / 64, (N - n0 + 63) / 64); }
 
+/* Slabs [j0, j1) of an N-major B tile; cta_mask != 0: multicast to it. */
 __device__ static inline void s9_load_b_mn(uint32_t sb, const CUtensorMap *m, int n0, int k, int e,
-                                           int rank, int slabs, uint32_t full, uint64_t pol) {
+                                           int rank, int j0, int j1, uint32_t full, uint64_t pol,
+                                           uint16_t cta_mask) {
 #pragma unroll
   for (int j = 0; j < S9_BN / 64; j++) {
-    if (j >= slabs) break;
-    if (rank == 3)
+    if (j < j0 || j >= j1) continue;
+    if (cta_mask)
+      tma_load_3d_mc(sb + j * S9_SLAB, m, n0 + 64 * j, k, e, full, cta_mask, pol);
+    else if (rank == 3)
       tma_load_3d_hint(sb + j * S9_SLAB, m, n0 + 64 * j, k, e, full, pol);
     else
       tma_load_2d_hint(sb + j * S9_SLAB, m, n0 + 64 * j, k, full, pol);
   }
 }
 
+/* One k block of a row-mode tile into stage (sa, sb): A, then the B halves
+ * [h0, h1) of 2 (K-major: the 128-row boxes; N-major: slabs 0-1, 2-3),
+ * multicast to cta_mask when it is nonzero. b_box: rows of mb0's boxes
+ * (DOWN: 256 in one box or 128 in two). */
+template <int MODE>
+__device__ static inline void s9_load_rows(const s9_params &p, const s9_tile &tl, int kb,
+                                           const CUtensorMap *ma, const CUtensorMap *ma2,
+                                           const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                           uint32_t sa, uint32_t full, uint64_t pa, uint64_t pb,
+                                           int h0, int h1, uint16_t cta_mask, int b_box) {
+  const uint32_t sb = sa + S9_A_BYTES;
+  const int e = tl.e;
+  if (MODE == MOK_GM_GATE_UP) { /* half 0: the gate rows, half 1: the up rows */
+    tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+    for (int h = h0; h < h1; h++) {
+      const CUtensorMap *m = h ? mb1 : mb0;
+      if (cta_mask)
+        tma_load_3d_mc(sb + h * S9_HALF_B, m, kb * S9_BK, tl.n0, e, full, cta_mask, pb);
+      else
+        tma_load_3d_hint(sb + h * S9_HALF_B, m, kb * S9_BK, tl.n0, e, full, pb);
+    }
+  } else if (MODE == MOK_GM_DOWN) {
+    tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+    if (b_box == S9_BN) {
+      tma_load_3d_hint(sb, mb0, kb * S9_BK, tl.n0, e, full, pb);
+    } else {
+      for (int h = h0; h < h1; h++) {
+        if (cta_mask)
+          tma_load_3d_mc(sb + h * S9_HALF_B, mb0, kb * S9_BK, tl.n0 + 128 * h, e, full, cta_mask,
+                         pb);
+        else
+          tma_load_3d_hint(sb + h * S9_HALF_B, mb0, kb * S9_BK, tl.n0 + 128 * h, e, full, pb);
+      }
+    }
+  } else {
+    const int slabs = s9_b_slabs(p.N, tl.n0);
+    const int j0 = 2 * h0, j1 = min(2 * h1, slabs);
+    if (MODE == MOK_GM_DOWN_DGRAD) {
+      tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+      s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, e, 3, j0, j1, full, pb, cta_mask);
+    } else { /* GU_DGRAD, k < I: dg with W_g, then du with W_u */
+      const bool up = kb >= p.nk_split;
+      const int k = (up ? kb - p.nk_split : kb) * S9_BK;
+      tma_load_2d_hint(sa, up ? ma2 : ma, k, tl.row0, full, pa);
+      s9_load_b_mn(sb, up ? mb1 : mb0, tl.n0, k, e, 3, j0, j1, full, pb, cta_mask);
+    }
+  }
+}
+
+/* the bytes one k block of a row-mode tile delivers into a stage */
+template <int MODE> __device__ static inline uint32_t s9_row_bytes(const s9_params &p, const s9_tile &tl) {
+  if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_DOWN) return S9_STAGE_BYTES;
+  return S9_A_BYTES + s9_b_slabs(p.N, tl.n0) * S9_SLAB; /* whole boxes, OOB parts zero-filled */
+}
+
 template <int MODE>
 __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, const CUtensorMap *ma2,
                                   const CUtensorMap *mb0, const CUtensorMap *mb1, uint32_t base,
                                   uint32_t bars) {
-  const int total = MODE == S9_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
+  const int total = MODE == MOK_GM_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   constexpr int NST = S9_NST(MODE);
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == S9_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
     if (tl.skip) continue; /* the consumers skip it too */
-    const int nk = s9_tile_nk(p, tl, MODE);
-    const int e = tl.e, slabs = s9_b_slabs(p.N, tl.n0);
+    const int nk = s9_tile_nk<MODE>(p, tl);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
       const uint32_t full = bars + 8 * s, empty = bars + 8 * (NST + s);
       const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1); /* the consumers released this stage */
-      /* whole boxes, out-of-bounds parts zero-filled */
-      if (MODE == S9_GATE_UP || MODE == S9_DOWN)
-        mbar_arrive_expect_tx(full, S9_STAGE_BYTES);
-      else if (MODE == S9_WGRAD) /* the second A slab only when its rows exist */
+      if (MODE == MOK_GM_WGRAD) { /* A M-major, two 64-row slabs (the second when its rows exist) */
+        const int slabs = s9_b_slabs(p.N, tl.n0);
         mbar_arrive_expect_tx(full, (tl.row0 + 64 < p.M ? 2 : 1) * S9_SLAB + slabs * S9_SLAB);
-      else
-        mbar_arrive_expect_tx(full, S9_A_BYTES + slabs * S9_SLAB);
-      if (MODE == S9_GATE_UP) {
-        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-        tma_load_3d_hint(sb, mb0, kb * S9_BK, tl.n0, e, full, pb);
-        tma_load_3d_hint(sb + S9_B_BYTES / 2, mb1, kb * S9_BK, tl.n0, e, full, pb);
-      } else if (MODE == S9_DOWN) {
-        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-        tma_load_3d_hint(sb, mb0, kb * S9_BK, tl.n0, e, full, pb);
-      } else if (MODE == S9_DOWN_DGRAD) {
-        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-        s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, e, 3, slabs, full, pb);
-      } else if (MODE == S9_GU_DGRAD) { /* k < I: dg with W_g, then du with W_u */
-        const bool up = kb >= p.nk_split;
-        const int k = (up ? kb - p.nk_split : kb) * S9_BK;
-        tma_load_2d_hint(sa, up ? ma2 : ma, k, tl.row0, full, pa);
-        s9_load_b_mn(sb, up ? mb1 : mb0, tl.n0, k, e, 3, slabs, full, pb);
-      } else { /* WGRAD: A M-major, two 64-row slabs */
         const int k = tl.k_begin + kb * S9_BK;
         tma_load_2d_hint(sa, ma, tl.row0, k, full, pa);
         if (tl.row0 + 64 < p.M) tma_load_2d_hint(sa + S9_SLAB, ma, tl.row0 + 64, k, full, pa);
-        s9_load_b_mn(sb, mb0, tl.n0, k, 0, 2, slabs, full, pb);
+        s9_load_b_mn(sb, mb0, tl.n0, k, 0, 2, 0, slabs, full, pb, 0);
+      } else {
+        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
+        s9_load_rows<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, 0, 2, 0, S9_BN);
       }
       if (++s == NST) {
         s = 0;
@@ -258,11 +293,44 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
   }
 }
 
-/* ---- consumers: wgmma over the ring, then the epilogue ------------------------ */
-
-__device__ static inline void s9_store2(bf16 *dst, float a, float b) {
-  *(__nv_bfloat162 *)dst = __floats2bfloat162_rn(a, b);
+/* The cluster variant's producer: pair by pair, every pair the
+ * full k loop. A stage is written only after both CTAs' consumers have
+ * released it (the empty barrier counts both). */
+template <int MODE>
+__device__ static void s9_produce_pairs(const s9_params &p, const int32_t *offsets,
+                                        const CUtensorMap *ma, const CUtensorMap *ma2,
+                                        const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                        uint32_t base, uint32_t bars, int rank) {
+  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
+  const int nk = s9_full_nk<MODE>(p);
+  int s = 0, ph = 0;
+  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
+    const s9_pair pr = s9_locate_pair(p, offsets, q, rank);
+    if (pr.skip) continue; /* the peer skips it too */
+    const s9_tile &tl = pr.mine;
+    for (int kb = 0; kb < nk; kb++) {
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
+      const uint32_t sa = base + s * S9_STAGE_BYTES;
+      mbar_wait(empty, ph ^ 1);
+      if (pr.multicast) { /* own A, own half of B to both; the peer sends the other half */
+        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
+        s9_load_rows<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, rank, rank + 1, 3, 128);
+      } else if (tl.in_use) {
+        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
+        s9_load_rows<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, 0, 2, 0, 128);
+      } else { /* nothing to compute: the consumers only follow the ring */
+        mbar_arrive_if(full, true);
+      }
+      if (++s == S9_STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
 }
+
+/* ---- consumers: wgmma over the ring, then the epilogue ------------------------ */
 
 /* DOWN_DGRAD: a = acc; SwiGLU backward as the mma.sync kernel (dg|du to C0
  * with ldc = 2N, h to C1); the d_rw partial of each 128-column half equals
@@ -300,28 +368,17 @@ __device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_til
             const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-              float gc = gin[c], uc = uin[c];
-              bool pass_g = true, pass_u = true;
-              if (p.has_limit) {
-                pass_g = gin[c] <= p.limit;
-                pass_u = uin[c] >= -p.limit && uin[c] <= p.limit;
-                gc = fminf(gc, p.limit);
-                uc = fminf(fmaxf(uc, -p.limit), p.limit);
-              }
               const float a = acc[4 * jj + 2 * hh + c];
-              const float sig = s9_sigmoid(gc), silu = s9_silu(gc);
-              hv[c] = bf2f(f2bf(__fmul_rn(silu, uc)));
+              const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
+              hv[c] = sg.h;
               rowsum = __fadd_rn(rowsum, __fmul_rn(a, hv[c]));
-              const float dh = __fmul_rn(w, a);
-              const float dsilu =
-                  __fmul_rn(sig, __fadd_rn(1.0f, __fmul_rn(gc, __fsub_rn(1.0f, sig))));
-              dg[c] = pass_g ? __fmul_rn(__fmul_rn(dh, uc), dsilu) : 0.0f;
-              du[c] = pass_u ? __fmul_rn(dh, silu) : 0.0f;
+              dg[c] = sg.dg;
+              du[c] = sg.du;
             }
           }
-          s9_store2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
-          s9_store2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
-          s9_store2(p.C1 + at, hv[0], hv[1]);
+          store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
+          store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
+          store_bf16x2(p.C1 + at, hv[0], hv[1]);
         }
         /* every lane reaches the shuffles (skipped columns add nothing) */
         rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
@@ -337,11 +394,11 @@ __device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_til
 
 /* Accumulator register i of m64n256 holds row 16*warp + lane/4 + 8*((i>>1)&1),
  * column 8*(i>>2) + 2*(lane%4) + (i&1) of the warpgroup's 64x256 block.
- * have: the tile had k blocks (else acc is stale and zeros are written). */
+ * have: the tile's accumulators were computed (else zeros are written). */
 template <int MODE>
 __device__ static inline void s9_epilogue(const s9_params &p, const s9_tile &tl, const float (&acc)[128],
                                           int cw, bool have) {
-  if (MODE == S9_DOWN_DGRAD) {
+  if (MODE == MOK_GM_DOWN_DGRAD) {
     s9_epilogue_dgrad(p, tl, acc, cw);
     return;
   }
@@ -352,7 +409,7 @@ __device__ static inline void s9_epilogue(const s9_params &p, const s9_tile &tl,
     const int r = rbase + 8 * hh;
     if (r >= tl.store_end) continue;
     const bool used = r < tl.used_end && have;
-    if (MODE == S9_WGRAD) { /* output row r of expert e's gradient */
+    if (MODE == MOK_GM_WGRAD) { /* output row r of expert e's gradient */
       const long long cb = (long long)tl.e * p.c_expert_stride;
       bf16 *row = r < p.c_split ? p.C0 + cb + (long long)r * p.ldc
                                 : p.C1 + cb + (long long)(r - p.c_split) * p.ldc;
@@ -360,41 +417,33 @@ __device__ static inline void s9_epilogue(const s9_params &p, const s9_tile &tl,
       for (int j = 0; j < 32; j++) {
         const int n = tl.n0 + 8 * j + cq;
         if (n >= p.N) continue;
-        s9_store2(row + n, used ? acc[4 * j + 2 * hh] : 0.0f, used ? acc[4 * j + 2 * hh + 1] : 0.0f);
+        store_bf16x2(row + n, used ? acc[4 * j + 2 * hh] : 0.0f, used ? acc[4 * j + 2 * hh + 1] : 0.0f);
       }
       continue;
     }
     const long long row = (long long)r * p.ldc;
-    if (MODE == S9_GATE_UP) {
+    if (MODE == MOK_GM_GATE_UP) {
 #pragma unroll
       for (int j = 0; j < 16; j++) {
         const int n = tl.n0 + 8 * j + cq;
         if (n >= p.N) continue;
         float gv[2] = {0.0f, 0.0f}, uv[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
-        if (used) {
+        if (used)
 #pragma unroll
-          for (int c = 0; c < 2; c++) {
-            gv[c] = bf2f(f2bf(acc[4 * j + 2 * hh + c]));
-            uv[c] = bf2f(f2bf(acc[64 + 4 * j + 2 * hh + c]));
-            float gc = gv[c], uc = uv[c];
-            if (p.has_limit) {
-              gc = fminf(gc, p.limit);
-              uc = fminf(fmaxf(uc, -p.limit), p.limit);
-            }
-            hv[c] = __fmul_rn(s9_silu(gc), uc);
-          }
-        }
-        s9_store2(p.C0 + row + n, gv[0], gv[1]);
-        s9_store2(p.C1 + row + n, uv[0], uv[1]);
-        s9_store2(p.C2 + row + n, hv[0], hv[1]);
+          for (int c = 0; c < 2; c++)
+            swiglu_forward(acc[4 * j + 2 * hh + c], acc[64 + 4 * j + 2 * hh + c], p.has_limit,
+                           p.limit, &gv[c], &uv[c], &hv[c]);
+        store_bf16x2(p.C0 + row + n, gv[0], gv[1]);
+        store_bf16x2(p.C1 + row + n, uv[0], uv[1]);
+        store_bf16x2(p.C2 + row + n, hv[0], hv[1]);
       }
     } else { /* DOWN, GU_DGRAD */
 #pragma unroll
       for (int j = 0; j < 32; j++) {
         const int n = tl.n0 + 8 * j + cq;
         if (n >= p.N) continue;
-        s9_store2(p.C0 + row + n, used ? acc[4 * j + 2 * hh] : 0.0f,
-                  used ? acc[4 * j + 2 * hh + 1] : 0.0f);
+        store_bf16x2(p.C0 + row + n, used ? acc[4 * j + 2 * hh] : 0.0f,
+                     used ? acc[4 * j + 2 * hh + 1] : 0.0f);
       }
     }
   }
@@ -415,7 +464,7 @@ __device__ static inline void s9_epilogue_wstore(const s9_params &p, const s9_ti
   if (r0 >= p.M) return; /* uniform over the warpgroup */
   const bool to0 = r0 < p.c_split, to1 = r0 + 64 > p.c_split;
   if (!p.wstore || (to0 && to1)) {
-    s9_epilogue<S9_WGRAD>(p, tl, acc, cw, have);
+    s9_epilogue<MOK_GM_WGRAD>(p, tl, acc, cw, have);
     return;
   }
   if (lt == 0) bulk_wait_read0(); /* the previous store has read the staging tile */
@@ -460,11 +509,22 @@ __device__ static inline void s9_zero_tail(uint32_t sa, int cw, int kv) {
   named_bar_sync(1, 256);
 }
 
+/* A consumer warp's release of ring stage `bar` (one arrival a warp): in
+ * this CTA, or (cluster) in both CTAs of the pair. */
+template <int CL> __device__ static inline void s9_release(uint32_t bar, bool lead) {
+  if (CL) {
+    mbar_arrive_cluster_if(bar, 0, lead);
+    mbar_arrive_cluster_if(bar, 1, lead);
+  } else {
+    mbar_arrive_if(bar, lead);
+  }
+}
+
 /* The consumer warpgroup's k loop over one tile. PIPE = 1 keeps one wgmma
  * batch in flight and releases the previous stage once it is known
  * complete; PIPE = 0 waits for each batch. s, ph: the ring position.
  * kv: valid k rows of the last block (WGRAD; 64 when whole). */
-template <int MODE, int PIPE>
+template <int MODE, int PIPE, int CL>
 __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128], uint32_t base,
                                           uint32_t bars, int cw, int nk, int kv, int &s, int &ph) {
   constexpr int TA = S9_TA(MODE), TB = S9_TB(MODE), NST = S9_NST(MODE);
@@ -481,7 +541,7 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   for (int kb = 0; kb < nk; kb++) {
     mbar_wait(bars + 8 * s, ph);
     const uint32_t sa = base + s * S9_STAGE_BYTES;
-    if (MODE == S9_WGRAD && kv < S9_BK && kb == nk - 1) s9_zero_tail(sa, cw, kv);
+    if (MODE == MOK_GM_WGRAD && kv < S9_BK && kb == nk - 1) s9_zero_tail(sa, cw, kv);
     const uint64_t da = TA ? wgmma_desc_mn128(sa + cw * S9_SLAB)
                            : wgmma_desc_k128(sa + cw * 64 * 128);
     const uint64_t db = TB ? wgmma_desc_mn128(sa + S9_A_BYTES)
@@ -500,7 +560,7 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
     } else {
       wgmma_wait<0>();
       acc_fence(acc);
-      mbar_arrive_if(bars + 8 * (NST + s), lead);
+      s9_release<CL>(bars + 8 * (NST + s), lead);
     }
     if (++s == NST) {
       s = 0;
@@ -514,13 +574,13 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   }
 }
 
-/* A warpgroup whose 64 rows are all padding: follow the ring, no math
- * (row modes: S9_STAGES). */
-__device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
+/* A warpgroup with nothing to compute: follow the ring, no math (row
+ * modes: S9_STAGES). */
+template <int CL> __device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
   const bool lead = (threadIdx.x & 31) == 0;
   for (int kb = 0; kb < nk; kb++) {
     mbar_wait(bars + 8 * s, ph);
-    mbar_arrive_if(bars + 8 * (S9_STAGES + s), lead);
+    s9_release<CL>(bars + 8 * (S9_STAGES + s), lead);
     if (++s == S9_STAGES) {
       s = 0;
       ph ^= 1;
@@ -532,31 +592,59 @@ template <int MODE, int PIPE>
 __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t bars,
                                   const CUtensorMap *mc0, const CUtensorMap *mc1) {
   const int cw = threadIdx.x / 128 - 1; /* rows 64*cw .. of the tile */
-  const int total = MODE == S9_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
+  const int total = MODE == MOK_GM_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == S9_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
     if (tl.skip) continue; /* as the producer */
-    const int nk = s9_tile_nk(p, tl, MODE);
-    if (MODE == S9_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
+    const int nk = s9_tile_nk<MODE>(p, tl);
+    if (MODE == MOK_GM_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
       const int kv = tl.k_end - tl.k_begin - (nk - 1) * S9_BK;
-      s9_mma_loop<MODE, PIPE>(p, acc, base, bars, cw, nk, kv, s, ph);
+      s9_mma_loop<MODE, PIPE, 0>(p, acc, base, bars, cw, nk, kv, s, ph);
     } else if (nk > 0) {
       if (tl.row0 + 64 * cw < tl.used_end)
-        s9_mma_loop<MODE, PIPE>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+        s9_mma_loop<MODE, PIPE, 0>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
       else /* all padding: the epilogue writes zeros */
-        s9_skip_loop(bars, nk, s, ph);
+        s9_skip_loop<0>(bars, nk, s, ph);
     }
-    if (MODE == S9_WGRAD)
+    if (MODE == MOK_GM_WGRAD)
       s9_epilogue_wstore(p, tl, acc, cw, nk > 0, base + S9_STAGES_W * S9_STAGE_BYTES + cw * S9_STAGE_OUT,
                          mc0, mc1);
     else
       s9_epilogue<MODE>(p, tl, acc, cw, nk > 0);
   }
-  if (MODE == S9_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
+  if (MODE == MOK_GM_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
+}
+
+/* The cluster variant's consumers: the producer's pairs, the full k loop
+ * each (math only where this CTA's block has rows). */
+template <int MODE>
+__device__ static void s9_consume_pairs(const s9_params &p, const int32_t *offsets, uint32_t base,
+                                        uint32_t bars, int rank) {
+  const int cw = threadIdx.x / 128 - 1;
+  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const int nk = s9_full_nk<MODE>(p);
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+  int s = 0, ph = 0;
+  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
+    s9_tile tl;
+    {
+      const s9_pair pr = s9_locate_pair(p, offsets, q, rank);
+      if (pr.skip) continue;
+      tl = pr.mine;
+    }
+    const bool have = tl.in_use && tl.used_end > tl.row0;
+    if (have && tl.row0 + 64 * cw < tl.used_end)
+      s9_mma_loop<MODE, 0, 1>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+    else
+      s9_skip_loop<1>(bars, nk, s, ph);
+    if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
+  }
 }
 
 template <int MODE, int PIPE>
@@ -567,10 +655,10 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
   __shared__ int s_failed;
   /* the 128-byte swizzle is computed from address bits: stages 1024-aligned */
-  const uint32_t base = (s9_smem(s9_smem_raw) + 1023u) & ~1023u;
+  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
   constexpr int NST = S9_NST(MODE);
   /* the stages, WGRAD's staging tiles, then full[NST] and empty[NST] */
-  const uint32_t bars = base + NST * S9_STAGE_BYTES + (MODE == S9_WGRAD ? 2 * S9_STAGE_OUT : 0);
+  const uint32_t bars = base + NST * S9_STAGE_BYTES + (MODE == MOK_GM_WGRAD ? 2 * S9_STAGE_OUT : 0);
   if (threadIdx.x == 0) {
     s_failed = job_failed(p.status);
     if (!s_failed) {
@@ -581,8 +669,8 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       mbar_fence_init();
       tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b0);
-      if (MODE == S9_GU_DGRAD || MODE == S9_WGRAD) tma_prefetch_map(&map_a2);
-      if (MODE != S9_DOWN && MODE != S9_DOWN_DGRAD) tma_prefetch_map(&map_b1);
+      if (MODE == MOK_GM_GU_DGRAD || MODE == MOK_GM_WGRAD) tma_prefetch_map(&map_a2);
+      if (MODE != MOK_GM_DOWN && MODE != MOK_GM_DOWN_DGRAD) tma_prefetch_map(&map_b1);
     }
   }
   __syncthreads();
@@ -596,10 +684,66 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   }
 }
 
+/* The cluster variant (S9_PAIRS_MODE; launched with 2-CTA clusters). Both CTAs
+ * take every decision from rank 0's reading: the job's status word and the
+ * schedule's offsets (copied into shared memory, rank 1 copies rank 0's). */
+template <int MODE>
+__global__ void __launch_bounds__(S9_THREADS, 1)
+    s9_gemm_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
+                         const __grid_constant__ CUtensorMap map_a2,
+                         const __grid_constant__ CUtensorMap map_b0,
+                         const __grid_constant__ CUtensorMap map_b1, const s9_params p) {
+  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
+  __shared__ int s_failed;
+  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES;
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
+  const int rank = (int)cluster_ctarank();
+  const int n_off = p.offsets ? p.E_loc + 1 : 0; /* the launcher keeps it <= S9_TABLE_INTS */
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S9_STAGES; i++) {
+      mbar_init(bars + 8 * i, 1);
+      mbar_init(bars + 8 * (S9_STAGES + i), 2 * S9_CONSUMER_WARPS); /* both CTAs' warps */
+    }
+    mbar_fence_init();
+    if (rank == 0) s_failed = job_failed(p.status);
+  }
+  if (rank == 0)
+    for (int i = threadIdx.x; i < n_off; i += blockDim.x) table[i] = p.offsets[i];
+  cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
+  if (rank == 1) {
+    const uint32_t t0 = cluster_map(smem_u32(table), 0);
+    for (int i = threadIdx.x; i < n_off; i += blockDim.x)
+      table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
+    if (threadIdx.x == 0) s_failed = (int)ld_cluster_u32(cluster_map(smem_u32(&s_failed), 0));
+  }
+  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  if (s_failed) return; /* the same value in both CTAs */
+  const int32_t *offsets = p.offsets ? table : NULL;
+  if (threadIdx.x < 128) {
+    regs_dec<40>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b0);
+      if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
+      if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
+      s9_produce_pairs<MODE>(p, offsets, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
+    }
+  } else {
+    regs_inc<232>();
+    s9_consume_pairs<MODE>(p, offsets, base, bars, rank);
+  }
+  /* neither CTA leaves while the other may still write into its shared
+   * memory or arrive on its barriers */
+  cluster_sync();
+}
+
 /* ---- host side ------------------------------------------------------------------ */
 
 static int s9_grid_override = 0;
 static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
+static int s9_variant = MOK_K_SM90_ROWS;
+static int s9_pair_clusters = 0; /* co-resident 2-CTA clusters (0: the variant is off) */
 
 extern "C" void mok_k_sm90_set_grid(int ctas) { s9_grid_override = ctas > 0 ? ctas : 0; }
 
@@ -609,6 +753,26 @@ extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) 
   s9_pol_a = pol_a >= 0 && pol_a <= 2 ? pol_a : 0;
   s9_pol_b = pol_b >= 0 && pol_b <= 2 ? pol_b : 0;
 }
+
+static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {"rows", "expert", "cluster"};
+
+extern "C" const char *mok_k_sm90_variant_name(int variant) {
+  return variant >= 0 && variant < MOK_K_SM90_VARIANTS ? s9_variant_names[variant] : "?";
+}
+
+extern "C" int mok_k_sm90_variant_parse(const char *name) {
+  for (int v = 0; name && v < MOK_K_SM90_VARIANTS; v++)
+    if (!strcmp(name, s9_variant_names[v])) return v;
+  return -1;
+}
+
+extern "C" int mok_k_sm90_set_variant(int variant) {
+  if (variant < 0 || variant >= MOK_K_SM90_VARIANTS) return MOK_EINVAL;
+  s9_variant = variant;
+  return MOK_OK;
+}
+
+extern "C" int mok_k_sm90_variant(void) { return s9_variant; }
 
 /* cuTensorMapEncodeTiled through the runtime (the library never links
  * libcuda: machines without a GPU have none). */
@@ -640,18 +804,9 @@ extern "C" int mok_k_sm90_usable(void) {
   return major == 9 && minor == 0 && s9_encode_fn() != NULL;
 }
 
-extern "C" int mok_k_sm90_init(void) {
-  const void *k[8] = {(const void *)s9_gemm_kernel<S9_GATE_UP, 0>,
-                      (const void *)s9_gemm_kernel<S9_GATE_UP, 1>,
-                      (const void *)s9_gemm_kernel<S9_DOWN, 0>,
-                      (const void *)s9_gemm_kernel<S9_DOWN, 1>,
-                      (const void *)s9_gemm_kernel<S9_DOWN_DGRAD, 0>,
-                      (const void *)s9_gemm_kernel<S9_GU_DGRAD, 0>,
-                      (const void *)s9_gemm_kernel<S9_WGRAD, 0>,
-                      NULL};
-  cudaError_t err = cudaSuccess;
-  for (int i = 0; i < 8 && k[i] && err == cudaSuccess; i++)
-    err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize, S9_SMEM_BYTES);
+static int s9_set_smem(const void *k) {
+  const cudaError_t err =
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S9_SMEM_BYTES);
   if (err != cudaSuccess) {
     mok_k_set_cuda_error((int)err);
     return MOK_EENGINE;
@@ -659,15 +814,61 @@ extern "C" int mok_k_sm90_init(void) {
   return MOK_OK;
 }
 
-/* A bf16 tensor [d2][d1][d0] (d0 contiguous, rows of ld elements) as a TMA
- * map with boxes of 64 x box1 (x 1), 128-byte swizzle, zero fill out of
- * bounds (also columns d0..ld-1 of a row). */
-static int s9_map_ld(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
-                     long long d2, long long ld, int box1) {
+/* How many 2-CTA clusters of the pairs kernel fit on the device at once (a
+ * property of the device and the kernel: the same every launch). */
+static int s9_query_pair_clusters(void) {
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.gridDim = dim3(2, 1, 1);
+  cfg.blockDim = dim3(S9_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = S9_SMEM_BYTES;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>, &cfg) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+extern "C" int mok_k_sm90_init(void) {
+  const void *k[11] = {(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
+                       (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 1>,
+                       (const void *)s9_gemm_kernel<MOK_GM_DOWN, 0>,
+                       (const void *)s9_gemm_kernel<MOK_GM_DOWN, 1>,
+                       (const void *)s9_gemm_kernel<MOK_GM_DOWN_DGRAD, 0>,
+                       (const void *)s9_gemm_kernel<MOK_GM_GU_DGRAD, 0>,
+                       (const void *)s9_gemm_kernel<MOK_GM_WGRAD, 0>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD>,
+                       NULL};
+  int st = MOK_OK;
+  for (int i = 0; i < 11 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  if (st != MOK_OK) return st;
+  s9_pair_clusters = s9_query_pair_clusters();
+  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster */
+  const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
+  if (v >= 0) s9_variant = v;
+  return MOK_OK;
+}
+
+/* A bf16 tensor [d2][d1][d0] (d0 contiguous, rows ld elements apart, d2
+ * slices s2 elements apart) as a TMA map with boxes of 64 x box1 (x 1),
+ * 128-byte swizzle, zero fill out of bounds (also columns d0..ld-1). */
+static int s9_map3(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
+                   long long d2, long long ld, long long s2, int box1) {
   PFN_cuTensorMapEncodeTiled_v12000 enc = s9_encode_fn();
   if (!enc) return MOK_EENGINE;
   cuuint64_t dims[3] = {(cuuint64_t)d0, (cuuint64_t)d1, (cuuint64_t)d2};
-  cuuint64_t strides[2] = {(cuuint64_t)ld * 2, (cuuint64_t)(ld * d1) * 2};
+  cuuint64_t strides[2] = {(cuuint64_t)ld * 2, (cuuint64_t)s2 * 2};
   cuuint32_t box[3] = {S9_BK, (cuuint32_t)box1, 1};
   cuuint32_t estr[3] = {1, 1, 1};
   CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)ptr, dims, strides,
@@ -676,19 +877,24 @@ static int s9_map_ld(CUtensorMap *m, const void *ptr, int rank, long long d0, lo
   return r == CUDA_SUCCESS ? MOK_OK : MOK_EENGINE;
 }
 
-static int s9_map(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
-                  long long d2, int box1) {
-  return s9_map_ld(m, ptr, rank, d0, d1, d2, d0, box1);
+/* 2D: d1 rows of d0 elements, ld apart */
+static int s9_map2(CUtensorMap *m, const void *ptr, long long d0, long long d1, long long ld,
+                   int box1) {
+  return s9_map3(m, ptr, 2, d0, d1, 1, ld, ld * d1, box1);
 }
 
-static int s9_grid(int tiles) {
+static int s9_sms(void) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     (void)cudaGetLastError();
     sms = 132;
   }
-  int g = s9_grid_override > 0 ? s9_grid_override : sms;
+  return sms;
+}
+
+static int s9_grid(int tiles) {
+  const int g = s9_grid_override > 0 ? s9_grid_override : s9_sms();
   return g < tiles ? g : tiles;
 }
 
@@ -697,178 +903,130 @@ static int s9_bwd_mask = MOK_K_SM90_BWD_DOWN_DGRAD | MOK_K_SM90_BWD_GATE_UP_DGRA
 extern "C" void mok_k_sm90_set_bwd_modes(int mask) { s9_bwd_mask = mask & 7; }
 extern "C" int mok_k_sm90_bwd_modes(void) { return s9_bwd_mask; }
 
-static s9_params s9_base(const mok_k_dims *d, const int32_t *schedule, int M, int32_t *status) {
-  s9_params p;
-  memset(&p, 0, sizeof p);
-  p.M = M;
-  p.has_limit = d->has_limit;
-  p.limit = d->limit;
-  p.status = status;
-  p.no_tail = d->no_tail;
-  if (schedule) {
-    sched_ptrs s = sched_view(d, schedule);
-    p.E_loc = d->E_loc;
-    p.offsets = s.offsets;
-    p.counts = s.counts;
-    p.row_slot = s.row_slot;
-    p.n_slots = s.n_slots;
-  }
-  return p;
+/* The pairs kernel takes this product: the cluster variant, one of its
+ * modes, the schedule's offsets fit its table, the device runs such
+ * clusters. */
+static bool s9_use_pairs(int mode, const s9_params &p) {
+  return s9_variant == MOK_K_SM90_CLUSTER && S9_PAIRS_MODE(mode) && s9_pair_clusters > 0 &&
+         (!p.offsets || p.E_loc + 1 <= S9_TABLE_INTS);
 }
 
 template <int MODE>
 static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap &a2,
                      const CUtensorMap &b0, const CUtensorMap &b1, cudaStream_t stream) {
-  const int tiles = p.m_tiles * p.n_tiles * (MODE == S9_WGRAD ? p.groups : 1);
+  const int tiles = p.m_tiles * p.n_tiles * (MODE == MOK_GM_WGRAD ? p.groups : 1);
   if (tiles == 0) return MOK_OK;
   s9_params q = p;
-  q.band = MODE == S9_WGRAD ? 0 : s9_band;
-  q.pol_a = s9_pol_a;
-  q.pol_b = s9_pol_b;
-  if (s9_pipe && (MODE == S9_GATE_UP || MODE == S9_DOWN))
-    s9_gemm_kernel<MODE, (MODE == S9_GATE_UP || MODE == S9_DOWN) ? 1 : 0>
+  if (S9_PAIRS_MODE(MODE) && q.cluster) {
+    /* an even grid: one cluster per co-resident pair of SMs, at most one a pair of tiles */
+    const int pairs = (q.m_tiles + 1) / 2 * q.n_tiles;
+    int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
+    if (clusters > pairs) clusters = pairs;
+    if (clusters < 1) clusters = 1;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(2 * clusters, 1, 1);
+    cfg.blockDim = dim3(S9_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = S9_SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err =
+        cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP>,
+                           a, a2, b0, b1, q);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      mok_k_set_cuda_error((int)err);
+      return MOK_EENGINE;
+    }
+    return MOK_OK;
+  }
+  if (s9_pipe && (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_DOWN))
+    s9_gemm_kernel<MODE, (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_DOWN) ? 1 : 0>
         <<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, a2, b0, b1, q);
   else
     s9_gemm_kernel<MODE, 0><<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, a2, b0, b1, q);
   return mok_k_launch_status();
 }
 
-extern "C" int mok_k_sm90_gate_up(const mok_k_dims *d, const int32_t *schedule, int M,
-                                  int n_inter, const mok_k_bf16 *x, const mok_k_bf16 *wg,
-                                  const mok_k_bf16 *wu, mok_k_bf16 *g, mok_k_bf16 *u,
-                                  mok_k_bf16 *h, int32_t *status, mok_k_stream stream) {
-  if (M <= 0 || n_inter <= 0) return MOK_OK;
-  const int groups = schedule ? d->E_loc : 1;
-  s9_params p = s9_base(d, schedule, M, status);
-  p.N = n_inter;
-  p.K = d->H;
-  p.tile_n = S9_BN / 2;
-  p.m_tiles = (M + S9_BM - 1) / S9_BM;
-  p.n_tiles = (n_inter + p.tile_n - 1) / p.tile_n;
-  p.C0 = (bf16 *)g;
-  p.C1 = (bf16 *)u;
-  p.C2 = (bf16 *)h;
-  p.ldc = n_inter;
-  CUtensorMap ma, mg, mu;
-  int st = s9_map(&ma, x, 2, d->H, M, 1, S9_BM);
-  if (st == MOK_OK) st = s9_map(&mg, wg, 3, d->H, n_inter, groups, S9_BN / 2);
-  if (st == MOK_OK) st = s9_map(&mu, wu, 3, d->H, n_inter, groups, S9_BN / 2);
-  if (st != MOK_OK) return st;
-  return s9_launch<S9_GATE_UP>(p, ma, ma, mg, mu, stream);
-}
-
-extern "C" int mok_k_sm90_down(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
-                               const mok_k_bf16 *h, const mok_k_bf16 *wd, mok_k_bf16 *y,
-                               int32_t *status, mok_k_stream stream) {
-  if (M <= 0) return MOK_OK;
-  const int groups = schedule ? d->E_loc : 1;
-  s9_params p = s9_base(d, schedule, M, status);
-  p.N = d->H;
-  p.K = n_inter;
-  p.tile_n = S9_BN;
-  p.m_tiles = (M + S9_BM - 1) / S9_BM;
-  p.n_tiles = (d->H + p.tile_n - 1) / p.tile_n;
-  p.C0 = (bf16 *)y;
-  p.ldc = d->H;
-  CUtensorMap ma, mb;
-  int st = s9_map(&ma, h, 2, n_inter, M, 1, S9_BM);
-  if (st == MOK_OK) st = s9_map(&mb, wd, 3, n_inter, d->H, groups, S9_BN);
-  if (st != MOK_OK) return st;
-  return s9_launch<S9_DOWN>(p, ma, ma, mb, mb, stream);
-}
-
-extern "C" int mok_k_sm90_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M,
-                                     int n_inter, const mok_k_bf16 *d_out, const mok_k_bf16 *wd,
-                                     const mok_k_bf16 *g, const mok_k_bf16 *u, const float *rw,
-                                     mok_k_bf16 *dgu, mok_k_bf16 *h, float *partial,
-                                     int n_partial, int32_t *status, mok_k_stream stream) {
-  if (M <= 0 || n_inter <= 0) return MOK_OK;
-  const int groups = schedule ? d->E_loc : 1;
-  s9_params p = s9_base(d, schedule, M, status);
-  p.N = n_inter;
-  p.K = d->H;
-  p.tile_n = S9_BN;
-  p.m_tiles = (M + S9_BM - 1) / S9_BM;
-  p.n_tiles = (n_inter + p.tile_n - 1) / p.tile_n;
-  p.C0 = (bf16 *)dgu;
-  p.ldc = 2LL * n_inter;
-  p.C1 = (bf16 *)h;
-  p.G = (const bf16 *)g;
-  p.U = (const bf16 *)u;
-  p.rw = rw;
-  p.partial = partial;
-  p.n_partial = n_partial;
-  CUtensorMap ma, mb; /* B(k = h, n = i) = W_d[e][h][i]: i contiguous */
-  int st = s9_map(&ma, d_out, 2, d->H, M, 1, S9_BM);
-  if (st == MOK_OK) st = s9_map(&mb, wd, 3, n_inter, d->H, groups, S9_BK);
-  if (st != MOK_OK) return st;
-  return s9_launch<S9_DOWN_DGRAD>(p, ma, ma, mb, mb, stream);
-}
-
-extern "C" int mok_k_sm90_gate_up_dgrad(const mok_k_dims *d, const int32_t *schedule, int M,
-                                        int n_inter, const mok_k_bf16 *dgu,
-                                        const mok_k_bf16 *wg, const mok_k_bf16 *wu,
-                                        mok_k_bf16 *d_x, int32_t *status, mok_k_stream stream) {
-  if (M <= 0) return MOK_OK;
-  if (n_inter % 16) return MOK_EINVAL; /* k16 steps must not straddle dg and du */
-  const int groups = schedule ? d->E_loc : 1;
-  s9_params p = s9_base(d, schedule, M, status);
-  p.N = d->H;
-  p.K = n_inter; /* per half */
-  p.nk_split = (n_inter + S9_BK - 1) / S9_BK;
-  p.tile_n = S9_BN;
-  p.m_tiles = (M + S9_BM - 1) / S9_BM;
-  p.n_tiles = (d->H + p.tile_n - 1) / p.tile_n;
-  p.C0 = (bf16 *)d_x;
-  p.ldc = d->H;
-  /* A: the dg and du halves of each dgu row as two maps (each zero past
-   * n_inter); B(k, n = h) = W_g/W_u[e][k][h]: h contiguous */
-  CUtensorMap mag, mau, mg, mu;
-  int st = s9_map_ld(&mag, dgu, 2, n_inter, M, 1, 2LL * n_inter, S9_BM);
-  if (st == MOK_OK) st = s9_map_ld(&mau, dgu + n_inter, 2, n_inter, M, 1, 2LL * n_inter, S9_BM);
-  if (st == MOK_OK) st = s9_map(&mg, wg, 3, d->H, n_inter, groups, S9_BK);
-  if (st == MOK_OK) st = s9_map(&mu, wu, 3, d->H, n_inter, groups, S9_BK);
-  if (st != MOK_OK) return st;
-  return s9_launch<S9_GU_DGRAD>(p, mag, mau, mg, mu, stream);
-}
-
-extern "C" int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, int rows,
-                                int M, int N, const mok_k_bf16 *a, const mok_k_bf16 *b,
-                                mok_k_bf16 *c0, mok_k_bf16 *c1, int c_split, long long ldc,
-                                long long c_expert_stride, const int32_t *e_range,
-                                int32_t *status, mok_k_stream stream) {
-  if (M <= 0 || N <= 0 || groups <= 0) return MOK_OK;
-  s9_params p = s9_base(d, schedule, M, status);
-  p.e_range = e_range;
-  p.N = N;
-  p.K = rows > 0 ? rows : 0;
-  p.groups = groups;
-  p.tile_n = S9_BN;
-  p.m_tiles = (M + S9_BM - 1) / S9_BM;
-  p.n_tiles = (N + p.tile_n - 1) / p.tile_n;
-  p.C0 = (bf16 *)c0;
-  p.C1 = (bf16 *)c1;
-  p.c_split = c_split;
-  p.ldc = ldc;
-  p.c_expert_stride = c_expert_stride;
-  /* A(m, k = row) = a[row][m], B(k = row, n) = b[row][n]: boxes of 64 x 64.
-   * No rows: valid maps that are never read (every tile writes zeros). */
-  const int rk = rows > 0 ? rows : 1;
-  CUtensorMap ma, mb, mc0, mc1;
-  int st = s9_map(&ma, a, 2, M, rk, 1, S9_BK);
-  if (st == MOK_OK) st = s9_map(&mb, b, 2, N, rk, 1, S9_BK);
-  if (st != MOK_OK) return st;
-  /* store maps [groups][rows][N] for each output half, where the layout is
-   * that plain (else direct stores) */
-  const int rows0 = c_split < M ? c_split : M, rows1 = M - rows0;
-  p.wstore = c_expert_stride == ldc * rows0 && (rows1 == 0 || (c1 && ldc * rows1 == c_expert_stride)) &&
-             ldc % 8 == 0 &&
-             mok_k_aligned16(c0) && mok_k_aligned16(c1) && rows0 > 0;
-  if (p.wstore) {
-    p.wstore = s9_map_ld(&mc0, c0, 3, N, rows0, groups, ldc, 64) == MOK_OK &&
-               (rows1 == 0 || s9_map_ld(&mc1, c1, 3, N, rows1, groups, ldc, 64) == MOK_OK);
-    if (rows1 == 0) mc1 = mc0;
+/* The product p (mok_gemm.cu's parameters) on the Hopper kernels: the
+ * tiling, the TMA maps of its operands, the launch. */
+int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
+  s9_params p = *prod;
+  if (p.M <= 0 || p.N <= 0 || p.groups <= 0) return MOK_OK;
+  p.order = s9_variant == MOK_K_SM90_EXPERT ? MOK_ORDER_EXPERT : MOK_ORDER_ROWS;
+  p.band = mode == MOK_GM_WGRAD ? 0 : s9_band;
+  p.pol_a = s9_pol_a;
+  p.pol_b = s9_pol_b;
+  p.cluster = s9_use_pairs(mode, p) ? 2 : 0;
+  p.tile_n = mode == MOK_GM_GATE_UP ? S9_BN / 2 : S9_BN;
+  p.m_tiles = (p.M + S9_BM - 1) / S9_BM;
+  p.n_tiles = (p.N + p.tile_n - 1) / p.tile_n;
+  const int groups = p.offsets ? p.E_loc : 1; /* the weights' leading dimension */
+  CUtensorMap ma, ma2, mb0, mb1;
+  int st = MOK_OK;
+  switch (mode) {
+  case MOK_GM_GATE_UP: /* A [M][H]; B W_g, W_u [groups][N][H], 128-row boxes */
+    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
+    if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride, S9_BN / 2);
+    if (st == MOK_OK) st = s9_map3(&mb1, p.B1, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride, S9_BN / 2);
+    if (st != MOK_OK) return st;
+    return s9_launch<MOK_GM_GATE_UP>(p, ma, ma, mb0, mb1, stream);
+  case MOK_GM_DOWN: /* A h [M][I]; B W_d [groups][H][I]: one 256-row box, or two halves (pairs) */
+    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
+    if (st == MOK_OK)
+      st = s9_map3(&mb0, p.B0, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride,
+                   p.cluster ? S9_BN / 2 : S9_BN);
+    if (st != MOK_OK) return st;
+    return s9_launch<MOK_GM_DOWN>(p, ma, ma, mb0, mb0, stream);
+  case MOK_GM_DOWN_DGRAD: /* B(k = h, n = i) = W_d[e][h][i]: i contiguous */
+    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
+    if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.N, p.K, groups, p.ldb, p.b_expert_stride, S9_BK);
+    if (st != MOK_OK) return st;
+    return s9_launch<MOK_GM_DOWN_DGRAD>(p, ma, ma, mb0, mb0, stream);
+  case MOK_GM_GU_DGRAD: {
+    /* K = 2I in two halves from their own maps: the dg and du halves of
+     * each dgu row (each zero past I), with B(k, n = h) = W_g/W_u[e][k][h] */
+    const int half = p.b_split;
+    if (half % 16 || p.K != 2 * half) return MOK_EINVAL; /* k16 steps must not straddle dg and du */
+    p.nk_split = (half + S9_BK - 1) / S9_BK;
+    st = s9_map2(&ma, p.A, half, p.M, p.lda, S9_BM);
+    if (st == MOK_OK) st = s9_map2(&ma2, p.A + half, half, p.M, p.lda, S9_BM);
+    if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.N, half, groups, p.ldb, p.b_expert_stride, S9_BK);
+    if (st == MOK_OK) st = s9_map3(&mb1, p.B1, 3, p.N, half, groups, p.ldb, p.b_expert_stride, S9_BK);
+    if (st != MOK_OK) return st;
+    return s9_launch<MOK_GM_GU_DGRAD>(p, ma, ma2, mb0, mb1, stream);
   }
-  if (!p.wstore) mc0 = mc1 = ma; /* unused */
-  return s9_launch<S9_WGRAD>(p, ma, mc0, mb, mc1, stream);
+  case MOK_GM_WGRAD: {
+    /* A(m, k = row) = a[row][m], B(k = row, n) = b[row][n]: boxes of 64 x 64.
+     * No rows: valid maps that are never read (every tile writes zeros). */
+    const int rk = p.K > 0 ? p.K : 1;
+    if (p.K < 0) p.K = 0;
+    CUtensorMap mc0, mc1;
+    st = s9_map2(&ma, p.A, p.M, rk, p.lda, S9_BK);
+    if (st == MOK_OK) st = s9_map2(&mb0, p.B0, p.N, rk, p.ldb, S9_BK);
+    if (st != MOK_OK) return st;
+    /* store maps [groups][rows][N] for each output half, where the layout
+     * is that plain (else direct stores) */
+    const int rows0 = p.c_split < p.M ? p.c_split : p.M, rows1 = p.M - rows0;
+    p.wstore = p.c_expert_stride == p.ldc * rows0 &&
+               (rows1 == 0 || (p.C1 && p.ldc * rows1 == p.c_expert_stride)) && p.ldc % 8 == 0 &&
+               mok_k_aligned16(p.C0) && mok_k_aligned16(p.C1) && rows0 > 0;
+    if (p.wstore) {
+      p.wstore = s9_map3(&mc0, p.C0, 3, p.N, rows0, p.groups, p.ldc, p.c_expert_stride, 64) == MOK_OK &&
+                 (rows1 == 0 ||
+                  s9_map3(&mc1, p.C1, 3, p.N, rows1, p.groups, p.ldc, p.c_expert_stride, 64) == MOK_OK);
+      if (rows1 == 0) mc1 = mc0;
+    }
+    if (!p.wstore) mc0 = mc1 = ma; /* unused */
+    return s9_launch<MOK_GM_WGRAD>(p, ma, mc0, mb0, mc1, stream);
+  }
+  default:
+    return MOK_EINVAL;
+  }
 }

@@ -1,10 +1,11 @@
-/* The Hopper (sm_90a) grouped GEMMs, forward and backward: TMA loads into
- * a 4-stage shared-memory ring, wgmma from two consumer warpgroups, one
- * producer warpgroup, a persistent grid walking the tiles of the schedule
- * on the device. Internal to the kernel library: mok_gemm.cu routes the
- * products here (MOK_GEMM=hmma keeps the mma.sync kernels for all); tests
- * call these directly to compare the two paths. Results equal the mma.sync
- * kernels' bit for bit. */
+/* The GEMM backends of the kernel library and the Hopper (sm_90a) grouped
+ * GEMMs, forward and backward: TMA loads into a 4-stage shared-memory
+ * ring, wgmma from two consumer warpgroups, one producer warpgroup, a
+ * persistent grid walking the tiles of the schedule on the device.
+ * Internal to the kernel library: mok_gemm.cu routes the products to the
+ * backend chosen at mok_k_init; tests and benches call these to compare
+ * the paths and variants. Results equal the mma.sync kernels' bit for bit
+ * on every backend and variant. */
 #ifndef MOK_GEMM_SM90_H
 #define MOK_GEMM_SM90_H
 
@@ -14,7 +15,22 @@
 extern "C" {
 #endif
 
-/* Raises the kernels' shared-memory limit (from mok_k_init). */
+/* ---- the backend: chosen once -----------------------------------------------
+ * mok_k_init picks it from the environment (MOK_GEMM=hmma: mma.sync for
+ * every product; otherwise the Hopper kernels where the device has them)
+ * and from then on no launch reads the environment. Tests and benches set
+ * it with mok_k_set_gemm_backend (returns the backend in force: SM90 asked
+ * on a device without it gives HMMA; AUTO: the environment's choice). */
+#define MOK_K_GEMM_AUTO (-1)
+#define MOK_K_GEMM_HMMA 0
+#define MOK_K_GEMM_SM90 1
+int mok_k_set_gemm_backend(int backend);
+int mok_k_gemm_backend(void);
+
+/* ---- the Hopper kernels ------------------------------------------------------ */
+
+/* Raises the kernels' shared-memory limit, counts the 2-CTA clusters the
+ * device runs at once and reads MOK_GEMM_VARIANT (from mok_k_init). */
 int mok_k_sm90_init(void);
 
 /* 1 when the current device is sm_90 and the driver offers the TMA
@@ -65,8 +81,26 @@ int mok_k_sm90_wgrad(const mok_k_dims *d, const int32_t *schedule, int groups, i
 void mok_k_sm90_set_bwd_modes(int mask);
 int mok_k_sm90_bwd_modes(void);
 
-/* Tests: persistent CTAs per launch (0: one per SM). Results must not
- * depend on it. */
+/* The tile variant of the row-mode products (v3; results never depend on it):
+ *   ROWS     row block by row block (v1/v2, the default);
+ *   EXPERT   expert by expert, column tile outer, its row blocks inner;
+ *   CLUSTER  2-CTA clusters on row blocks 2p, 2p+1: one expert's weight
+ *            tile loaded once for both (TMA multicast), rows order; for
+ *            GATE_UP, DOWN and the gate/up dgrad (the down dgrad and the
+ *            wgrads run ROWS).
+ * MOK_GEMM_VARIANT=rows|expert|cluster at mok_k_init, or the setter
+ * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
+#define MOK_K_SM90_ROWS 0
+#define MOK_K_SM90_EXPERT 1
+#define MOK_K_SM90_CLUSTER 2
+#define MOK_K_SM90_VARIANTS 3
+int mok_k_sm90_set_variant(int variant);
+int mok_k_sm90_variant(void);
+const char *mok_k_sm90_variant_name(int variant); /* "rows", "expert", "cluster" */
+int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
+
+/* Tests: persistent CTAs per launch (0: one per SM; the cluster variant
+ * rounds up to whole clusters). Results must not depend on it. */
 void mok_k_sm90_set_grid(int ctas);
 
 /* Tuning knobs for the bench (defaults 0): pipe = 1 keeps one wgmma batch

@@ -9,26 +9,29 @@
 #include "../proto/mok_status.h"
 #include "mok_kernels.h"
 
+#include "../proto/mok_layout.h"
+#include "common/tile_locator.cuh"
+
 typedef __nv_bfloat16 bf16;
 
-/* The GEMM M tile; routed groups start at multiples of it, so no tile
- * straddles two experts. */
-#define MOK_K_ROW_ALIGN 128
+/* The routed-row group alignment (the GEMM M tile): groups start at
+ * multiples of it, so no tile straddles two experts. */
+#define MOK_K_ROW_ALIGN MOK_TILE_M
 
-/* Schedule layout (proto/mok_wire.h; mok_wire.h itself is C11-only, so its
- * numbers are repeated here and checked by tests/gpu against it). */
-#define MOK_K_SCHED_MAGIC 0x5343484b
-#define MOK_K_SCHED_HEADER 8
-enum {
-  SCHED_H_MAGIC = 0,
-  SCHED_H_T = 1,
-  SCHED_H_K = 2,
-  SCHED_H_ELOC = 3,
-  SCHED_H_ROW_ALIGN = 4,
-  SCHED_H_CAPACITY = 5,
-  SCHED_H_ROWS_USED = 6,
-  SCHED_H_FIRST_EXPERT = 7,
-};
+/* The layout dims of proto/mok_layout.h for kernel dims (negative fields,
+ * which mok_k_check_dims refuses, count as 0). */
+static inline mok_layout_dims mok_k_layout_dims(const mok_k_dims *d) {
+  mok_layout_dims l;
+  l.tokens = d->T > 0 ? (uint64_t)d->T : 0u;
+  l.topk = d->K > 0 ? (uint64_t)d->K : 0u;
+  l.local_experts = d->E_loc > 0 ? (uint64_t)d->E_loc : 0u;
+  l.row_align = d->row_align > 0 ? (uint64_t)d->row_align : 1u;
+  l.intermediate = d->I > 0 ? (uint64_t)d->I : 0u;
+  l.shared_intermediate = d->I_s > 0 ? (uint64_t)d->I_s : 0u;
+  l.elem_size = 2u;
+  l.rows_limit = d->rows_limit > 0 ? (uint64_t)d->rows_limit : 0u;
+  return l;
+}
 
 /* Pointers into a schedule array, computed on the host from the job's dims
  * (never from the header, which may be a client's). */
@@ -38,18 +41,19 @@ typedef struct sched_ptrs {
 } sched_ptrs;
 
 static inline sched_ptrs sched_view(const mok_k_dims *d, const int32_t *schedule) {
+  const mok_layout_dims l = mok_k_layout_dims(d);
   sched_ptrs s;
   int32_t *base = (int32_t *)schedule;
   s.T = d->T;
   s.K = d->K;
   s.E_loc = d->E_loc;
   s.n_slots = d->T * d->K;
-  s.capacity = (int)mok_k_rows_capacity(d);
+  s.capacity = (int)mok_rows_capacity(&l);
   s.header = base;
-  s.counts = base + MOK_K_SCHED_HEADER;
-  s.offsets = s.counts + d->E_loc;
-  s.row_slot = s.offsets + d->E_loc + 1;
-  s.slot_row = s.row_slot + s.capacity;
+  s.counts = base + mok_sched_counts_at(&l);
+  s.offsets = base + mok_sched_offsets_at(&l);
+  s.row_slot = base + mok_sched_row_slot_at(&l);
+  s.slot_row = base + mok_sched_slot_row_at(&l);
   return s;
 }
 
@@ -63,22 +67,11 @@ __device__ static inline bool job_failed(const int32_t *status) {
   return *(const volatile int32_t *)status != 0;
 }
 
-/* Largest e in [0, n) with offsets[e] <= r (offsets non-decreasing when
- * valid; any array gives an in-range answer). */
-__device__ static inline int find_group(const int32_t *offsets, int n, int r) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 __device__ static inline float bf2f(bf16 v) { return __bfloat162float(v); }
 __device__ static inline bf16 f2bf(float v) { return __float2bfloat16_rn(v); }
+__device__ static inline void store_bf16x2(bf16 *dst, float a, float b) {
+  *(__nv_bfloat162 *)dst = __floats2bfloat162_rn(a, b);
+}
 
 /* Host side: remembering the last launch error, checking arguments. */
 void mok_k_set_cuda_error(int err);

@@ -93,14 +93,14 @@ __global__ void ring_schedule_kernel(sched_ptrs f, sched_ptrs r, const int32_t *
     r.slot_row[i] = row >= base && row < base + n ? row - base : -1;
   }
   if (i == 0) {
-    r.header[SCHED_H_MAGIC] = (int32_t)MOK_K_SCHED_MAGIC;
-    r.header[SCHED_H_T] = r.T;
-    r.header[SCHED_H_K] = r.K;
-    r.header[SCHED_H_ELOC] = r.E_loc;
-    r.header[SCHED_H_ROW_ALIGN] = row_align;
-    r.header[SCHED_H_CAPACITY] = r.capacity;
-    r.header[SCHED_H_ROWS_USED] = n;
-    r.header[SCHED_H_FIRST_EXPERT] = first_expert;
+    r.header[MOK_SCHED_H_MAGIC] = (int32_t)MOK_SCHED_MAGIC;
+    r.header[MOK_SCHED_H_TOKENS] = r.T;
+    r.header[MOK_SCHED_H_TOPK] = r.K;
+    r.header[MOK_SCHED_H_LOCAL_EXPERTS] = r.E_loc;
+    r.header[MOK_SCHED_H_ROW_ALIGN] = row_align;
+    r.header[MOK_SCHED_H_ROWS_CAPACITY] = r.capacity;
+    r.header[MOK_SCHED_H_ROWS_USED] = n;
+    r.header[MOK_SCHED_H_FIRST_EXPERT] = first_expert;
   }
 }
 
@@ -156,7 +156,7 @@ extern "C" int mok_k_ring_copy_acts(const int32_t *plan, int m, int ring_rows, i
  * a ring leaves them */
 __global__ void acts_zero_tail_kernel(const int32_t *header, int capacity, int vec_per_row,
                                       uint4 *g, uint4 *u) {
-  int used = header[SCHED_H_ROWS_USED];
+  int used = header[MOK_SCHED_H_ROWS_USED];
   used = used < 0 ? 0 : (used > capacity ? capacity : used);
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)(capacity - used) * vec_per_row) return;

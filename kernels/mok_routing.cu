@@ -30,14 +30,15 @@ int mok_k_sched_chunk(void) { return SCHED_CHUNK; }
 
 extern "C" int mok_k_row_align(void) { return MOK_K_ROW_ALIGN; }
 
+/* The layout of proto/mok_layout.h, the one the daemon and clients use. */
 extern "C" int64_t mok_k_rows_capacity(const mok_k_dims *d) {
-  int64_t worst = (int64_t)d->T * d->K + (int64_t)d->E_loc * (d->row_align - 1);
-  return d->rows_limit > 0 && d->rows_limit < worst ? d->rows_limit : worst;
+  const mok_layout_dims l = mok_k_layout_dims(d);
+  return (int64_t)mok_rows_capacity(&l);
 }
 
 extern "C" int64_t mok_k_schedule_ints(const mok_k_dims *d) {
-  return MOK_K_SCHED_HEADER + d->E_loc + (d->E_loc + 1) + mok_k_rows_capacity(d) +
-         (int64_t)d->T * d->K;
+  const mok_layout_dims l = mok_k_layout_dims(d);
+  return (int64_t)mok_schedule_ints(&l);
 }
 
 #define DIMS_ERR(...)                                                          \
@@ -199,14 +200,14 @@ __global__ void __launch_bounds__(1024) sched_scan_kernel(int32_t *hist, int n_c
   if (threadIdx.x == 0) {
     if (over) raise_status(status, MOK_EOVERFLOW);
     offsets[E_loc] = over ? 0 : (int32_t)total;
-    header[SCHED_H_MAGIC] = (int32_t)MOK_K_SCHED_MAGIC;
-    header[SCHED_H_T] = T;
-    header[SCHED_H_K] = K;
-    header[SCHED_H_ELOC] = E_loc;
-    header[SCHED_H_ROW_ALIGN] = row_align;
-    header[SCHED_H_CAPACITY] = capacity;
-    header[SCHED_H_ROWS_USED] = over ? 0 : (int32_t)total;
-    header[SCHED_H_FIRST_EXPERT] = first;
+    header[MOK_SCHED_H_MAGIC] = (int32_t)MOK_SCHED_MAGIC;
+    header[MOK_SCHED_H_TOKENS] = T;
+    header[MOK_SCHED_H_TOPK] = K;
+    header[MOK_SCHED_H_LOCAL_EXPERTS] = E_loc;
+    header[MOK_SCHED_H_ROW_ALIGN] = row_align;
+    header[MOK_SCHED_H_ROWS_CAPACITY] = capacity;
+    header[MOK_SCHED_H_ROWS_USED] = over ? 0 : (int32_t)total;
+    header[MOK_SCHED_H_FIRST_EXPERT] = first;
   }
 }
 
@@ -282,15 +283,15 @@ __global__ void sched_validate_kernel(const int32_t *header, const int32_t *coun
   const int n_slots = T * K;
   const int items = max(max(capacity, n_slots), E_loc + 1);
   bool bad = false;
-  const int rows_used = min(max(header[SCHED_H_ROWS_USED], 0), capacity);
+  const int rows_used = min(max(header[MOK_SCHED_H_ROWS_USED], 0), capacity);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += gridDim.x * blockDim.x) {
     if (i == 0) {
-      bad |= header[SCHED_H_MAGIC] != (int32_t)MOK_K_SCHED_MAGIC || header[SCHED_H_T] != T ||
-             header[SCHED_H_K] != K || header[SCHED_H_ELOC] != E_loc ||
-             header[SCHED_H_ROW_ALIGN] != row_align || header[SCHED_H_CAPACITY] != capacity ||
-             header[SCHED_H_FIRST_EXPERT] != first || header[SCHED_H_ROWS_USED] < 0 ||
-             header[SCHED_H_ROWS_USED] > capacity || offsets[0] != 0 ||
-             offsets[E_loc] != header[SCHED_H_ROWS_USED];
+      bad |= header[MOK_SCHED_H_MAGIC] != (int32_t)MOK_SCHED_MAGIC || header[MOK_SCHED_H_TOKENS] != T ||
+             header[MOK_SCHED_H_TOPK] != K || header[MOK_SCHED_H_LOCAL_EXPERTS] != E_loc ||
+             header[MOK_SCHED_H_ROW_ALIGN] != row_align || header[MOK_SCHED_H_ROWS_CAPACITY] != capacity ||
+             header[MOK_SCHED_H_FIRST_EXPERT] != first || header[MOK_SCHED_H_ROWS_USED] < 0 ||
+             header[MOK_SCHED_H_ROWS_USED] > capacity || offsets[0] != 0 ||
+             offsets[E_loc] != header[MOK_SCHED_H_ROWS_USED];
     }
     if (i < E_loc) { /* offsets are the prefix sums of the padded counts */
       long long c = counts[i];

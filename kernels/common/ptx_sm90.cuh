@@ -1,16 +1,14 @@
 /* Hopper (sm_90a) PTX wrappers for the wgmma/TMA GEMMs: mbarriers, TMA tile
- * loads, wgmma with shared-memory descriptors, register reallocation.
- * Inline PTX only (no CUTLASS/CuTe); each wrapper is one instruction or a
- * tight loop around one. */
-#ifndef MOK_SM90_PTX_CUH
-#define MOK_SM90_PTX_CUH
+ * loads (also multicast to a cluster), thread-block clusters, wgmma with
+ * shared-memory descriptors, register reallocation. Inline PTX only (no
+ * CUTLASS/CuTe); each wrapper is one instruction or a tight loop around one. */
+#ifndef MOK_COMMON_PTX_SM90_CUH
+#define MOK_COMMON_PTX_SM90_CUH
 
 #include <cuda.h> /* CUtensorMap (type only; no driver library is linked) */
 #include <stdint.h>
 
-__device__ static inline uint32_t s9_smem(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
+#include "ptx.cuh"
 
 /* ---- mbarriers ------------------------------------------------------------------- */
 
@@ -90,6 +88,74 @@ __device__ static inline void tma_load_3d_hint(uint32_t dst, const CUtensorMap *
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
       "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+/* ---- thread-block clusters (2 CTAs sharing operand tiles) ---------------------- */
+
+/* This CTA's rank in its cluster. */
+__device__ static inline uint32_t cluster_ctarank(void) {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+/* Every thread of every CTA of the cluster arrives, then waits for all:
+ * orders shared-memory writes (barrier inits, DSMEM stores) before the
+ * other CTAs' later accesses. Not .aligned: callers need not be converged. */
+__device__ static inline void cluster_sync(void) {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+/* The address of the same shared-memory location in CTA `rank` of the
+ * cluster (a shared::cluster address). */
+__device__ static inline uint32_t cluster_map(uint32_t saddr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr), "r"(rank));
+  return r;
+}
+
+__device__ static inline void st_cluster_u32(uint32_t caddr, uint32_t v) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(caddr), "r"(v) : "memory");
+}
+
+__device__ static inline uint32_t ld_cluster_u32(uint32_t caddr) {
+  uint32_t v;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(caddr) : "memory");
+  return v;
+}
+
+/* Arrives on the mbarrier at this CTA-relative address in CTA `rank` of the
+ * cluster (this CTA's own rank included) when pred holds; the predicate
+ * stays inside the PTX (see mbar_arrive_if). */
+__device__ static inline void mbar_arrive_cluster_if(uint32_t bar, uint32_t rank, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b32 ra;\nsetp.ne.b32 p, %2, 0;\n"
+      "@p mapa.shared::cluster.u32 ra, %0, %1;\n"
+      "@p mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+      "r"(rank), "r"((int)pred)
+      : "memory");
+}
+
+/* TMA tile loads delivered to the same CTA-relative address (and counted
+ * on the mbarrier at the same address) in every CTA of cta_mask. */
+__device__ static inline void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                             uint32_t bar, uint16_t cta_mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster.L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask), "l"(policy)
+      : "memory");
+}
+
+__device__ static inline void tma_load_3d_mc(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                             int c2, uint32_t bar, uint16_t cta_mask,
+                                             uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster.L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6, %7;\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask), "l"(policy)
       : "memory");
 }
 
@@ -181,11 +247,6 @@ __device__ static inline void fence_proxy_async_smem(void) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-/* Named barrier over `count` threads (barrier 0 is __syncthreads). */
-__device__ static inline void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 __device__ static inline void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
@@ -244,4 +305,4 @@ __device__ static inline void wgmma_m64n256k16(float (&d)[128], uint64_t da, uin
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-#endif /* MOK_SM90_PTX_CUH */
+#endif /* MOK_COMMON_PTX_SM90_CUH */

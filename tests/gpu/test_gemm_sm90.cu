@@ -7,7 +7,9 @@
  *                            K tails, the shared expert: every output
  *                            written (poisoned before), padding rows zero,
  *                            error vs float64, difference vs mma.sync,
- *                            bitwise repeatable over grid sizes, a row's
+ *                            bitwise repeatable over grid sizes, every
+ *                            tile variant (v3) bitwise equal to the
+ *                            default Hopper path and mma.sync, a row's
  *                            result independent of the other rows, NaN in
  *                            padding rows harmless
  *   test_gemm_sm90 bench [SHAPE [T]]
@@ -21,7 +23,12 @@
  *                            each mode alone and all together on the new
  *                            kernels must equal mma.sync bit for bit (all
  *                            outputs poisoned first), also with grids 7 and
- *                            1 and with NaN in the padding rows
+ *                            1, in every tile variant and with NaN in the
+ *                            padding rows
+ *   test_gemm_sm90 profile SHAPE T [VARIANTS]
+ *                            one launch of each GEMM per tile variant
+ *                            (default "rows,cluster") inside a profiler
+ *                            range, for ncu --profile-from-start off
  *   test_gemm_sm90 bwdbench [SHAPE [T]]
  *                            issue 4's shapes: expert_backward with all
  *                            backward GEMMs on mma.sync, each alone on the
@@ -29,6 +36,7 @@
  *                            timed alone; outputs compared bitwise
  * Exit status 0 only when every check passed.
  */
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -92,11 +100,36 @@ static void up16(uint16_t *p, const std::vector<uint16_t> &v) {
   if (!v.empty()) CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * 2, cudaMemcpyHostToDevice));
 }
 
+/* the GEMM backend of the public launchers: mma.sync, or the Hopper kernels */
 static void set_hmma(bool on) {
-  if (on)
-    setenv("MOK_GEMM", "hmma", 1);
-  else
-    unsetenv("MOK_GEMM");
+  const int want = on ? MOK_K_GEMM_HMMA : MOK_K_GEMM_SM90;
+  if (mok_k_set_gemm_backend(want) != want) {
+    fprintf(stderr, "the %s backend is not available\n", on ? "mma.sync" : "Hopper");
+    exit(2);
+  }
+}
+
+/* the Hopper kernels' tile variant (mok_gemm_sm90.h) */
+static void set_variant(int v) {
+  if (mok_k_sm90_set_variant(v) != MOK_OK) {
+    fprintf(stderr, "unknown sm90 variant %d\n", v);
+    exit(2);
+  }
+}
+
+/* where the parts of a schedule of these dims start (proto/mok_layout.h) */
+typedef struct sched_parts {
+  const int32_t *counts, *offsets, *row_slot, *slot_row;
+} sched_parts;
+
+static sched_parts parts_of(const mok_k_dims *d, const std::vector<int32_t> &sched) {
+  const mok_layout_dims l = mok_k_layout_dims(d);
+  sched_parts s;
+  s.counts = sched.data() + mok_sched_counts_at(&l);
+  s.offsets = sched.data() + mok_sched_offsets_at(&l);
+  s.row_slot = sched.data() + mok_sched_row_slot_at(&l);
+  s.slot_row = sched.data() + mok_sched_slot_row_at(&l);
+  return s;
 }
 
 /* ---- one routed layer on the device ------------------------------------------------ */
@@ -317,6 +350,46 @@ static void compare_paths(const char *name, const char *what, const std::vector<
   EXPECT(r < 1e-2, "%s: %s differs from the mma.sync kernel (rel %.3e)", name, what, r);
 }
 
+/* elements whose bits differ over g, u, h, y */
+static size_t outs_ndiff(const outs &a, const outs &b) {
+  size_t n = 0;
+  const std::vector<uint16_t> *x[4] = {&a.g, &a.u, &a.h, &a.y}, *y[4] = {&b.g, &b.u, &b.h, &b.y};
+  for (int k = 0; k < 4; k++) {
+    n += x[k]->size() != y[k]->size();
+    for (size_t i = 0; i < x[k]->size() && i < y[k]->size(); i++) n += (*x[k])[i] != (*y[k])[i];
+  }
+  return n;
+}
+
+/* The forward of every variant but the default, at grids 132 (0), 7 and 1,
+ * outputs poisoned first: each must equal the default Hopper path (o) and
+ * mma.sync (hm) bit for bit. */
+static void test_variants_fwd(const char *name, layer *L, const outs &o, const outs &hm) {
+  const int grids[3] = {0, 7, 1};
+  for (int v = 1; v < MOK_K_SM90_VARIANTS; v++) {
+    size_t worst_o = 0, worst_h = 0;
+    for (int gi = 0; gi < 3; gi++) {
+      set_variant(v);
+      mok_k_sm90_set_grid(grids[gi]);
+      poison(L);
+      layer_forward(L, false);
+      const outs ov = snap(L);
+      mok_k_sm90_set_grid(0);
+      set_variant(MOK_K_SM90_ROWS);
+      const size_t d_o = outs_ndiff(ov, o), d_h = outs_ndiff(ov, hm);
+      worst_o = std::max(worst_o, d_o);
+      worst_h = std::max(worst_h, d_h);
+      EXPECT(d_o == 0 && d_h == 0,
+             "%s: variant %s, grid %d: %zu elements differ from the default path, %zu from "
+             "mma.sync",
+             name, mok_k_sm90_variant_name(v), grids[gi], d_o, d_h);
+    }
+    printf("    variant %-8s (grids 132/7/1): differ from rows %zu, from mma.sync %zu%s\n",
+           mok_k_sm90_variant_name(v), worst_o, worst_h,
+           worst_o | worst_h ? "" : "  (bitwise equal)");
+  }
+}
+
 static void test_case(const tcase *c) {
   mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
   char err[160];
@@ -335,9 +408,9 @@ static void test_case(const tcase *c) {
   layer_route(&L, ids);
   std::vector<int32_t> sched((size_t)L.sched_ints);
   CUDA_CHECK(cudaMemcpy(sched.data(), L.sched, sched.size() * 4, cudaMemcpyDeviceToHost));
-  const int32_t *counts = sched.data() + 8, *offsets = counts + d.E_loc,
-                *row_slot = offsets + d.E_loc + 1;
-  const int32_t *slot_row = row_slot + L.R;
+  const sched_parts sp = parts_of(&d, sched);
+  const int32_t *counts = sp.counts, *offsets = sp.offsets, *row_slot = sp.row_slot;
+  const int32_t *slot_row = sp.slot_row;
 
   /* both paths, outputs poisoned first */
   poison(&L);
@@ -409,16 +482,27 @@ static void test_case(const tcase *c) {
   mok_k_sm90_set_tuning(0, 0, 0, 0);
   EXPECT(rep, "%s: results differ between runs / grid sizes / tile orders", c->name);
 
+  /* the v3 tile variants: bitwise equal to the default Hopper path and to
+   * mma.sync, whatever the grid (the cluster variant rounds it to pairs) */
+  test_variants_fwd(c->name, &L, o, ref_hmma);
+
   /* NaN in the padding rows of routed_x changes nothing */
   std::vector<uint16_t> xn = xr;
   for (long long r = 0; r < L.R; r++)
     if (row_slot[r] < 0)
       for (int j = 0; j < d.H; j++) xn[(size_t)r * d.H + j] = 0xffff;
   up16(L.rx, xn);
-  poison(&L);
-  layer_forward(&L, false);
-  const bool nan_ok = same(snap(&L), o);
-  EXPECT(nan_ok, "%s: NaN padding rows changed results", c->name);
+  bool nan_ok = true;
+  for (int v = 0; v < MOK_K_SM90_VARIANTS; v++) {
+    set_variant(v);
+    poison(&L);
+    layer_forward(&L, false);
+    set_variant(MOK_K_SM90_ROWS);
+    const bool ok = same(snap(&L), o);
+    EXPECT(ok, "%s: NaN padding rows changed results (variant %s)", c->name,
+           mok_k_sm90_variant_name(v));
+    nan_ok = nan_ok && ok;
+  }
 
   /* a row's result does not depend on the other rows: drop every odd token */
   bool indep = true;
@@ -432,7 +516,7 @@ static void test_case(const tcase *c) {
     outs o2 = snap(&L);
     std::vector<int32_t> sched2((size_t)L.sched_ints);
     CUDA_CHECK(cudaMemcpy(sched2.data(), L.sched, sched2.size() * 4, cudaMemcpyDeviceToHost));
-    const int32_t *slot_row2 = sched2.data() + 8 + 2 * d.E_loc + 1 + L.R;
+    const int32_t *slot_row2 = parts_of(&d, sched2).slot_row;
     for (long long s = 0; s < (long long)d.T * d.K; s += 1) {
       if ((s / d.K) % 2 || slot_row[s] < 0) continue;
       const long long r1 = slot_row[s], r2 = slot_row2[s];
@@ -447,7 +531,8 @@ static void test_case(const tcase *c) {
     }
     EXPECT(indep, "%s: a row's result changed with the other rows of the batch", c->name);
   }
-  printf("    repeatable (grids 132/7/1, bands 0/3/16, pipelined or not): %s; NaN padding harmless: %s; row-independent: %s\n",
+  printf("    repeatable (grids 132/7/1, bands 0/3/16, pipelined or not): %s; NaN padding harmless "
+         "(every variant): %s; row-independent: %s\n",
          rep ? "yes" : "NO", nan_ok ? "yes" : "NO", indep ? "yes" : "NO");
   layer_free(&L);
 }
@@ -469,13 +554,17 @@ static void test_shared(void) {
   fill(su, S, 23, 0.15f);
   fill(sd, S, 24, 0.2f);
   CUDA_CHECK(cudaMemset(status, 0, 4));
-  std::vector<uint16_t> res[2][3];
-  for (int path = 0; path < 2; path++) {
+  /* path 0: mma.sync; 1 + v: the Hopper kernels in variant v */
+  std::vector<uint16_t> res[1 + MOK_K_SM90_VARIANTS][3];
+  for (int path = 0; path < 1 + MOK_K_SM90_VARIANTS; path++) {
     CUDA_CHECK(cudaMemset(ag, 0xff, (size_t)d.T * d.I_s * 2));
+    CUDA_CHECK(cudaMemset(au, 0xff, (size_t)d.T * d.I_s * 2));
     CUDA_CHECK(cudaMemset(y, 0xff, TH * 2));
     set_hmma(path == 0);
+    if (path > 0) set_variant(path - 1);
     MOK_CHECK(mok_k_shared_forward(&d, x, sg, su, sd, ag, au, y, ws, status, 0));
     set_hmma(false);
+    set_variant(MOK_K_SM90_ROWS);
     CUDA_CHECK(cudaDeviceSynchronize());
     res[path][0] = down16(ag, (size_t)d.T * d.I_s);
     res[path][1] = down16(au, (size_t)d.T * d.I_s);
@@ -485,6 +574,15 @@ static void test_shared(void) {
   compare_paths("shared", "g", res[1][0], res[0][0]);
   compare_paths("shared", "u", res[1][1], res[0][1]);
   compare_paths("shared", "y", res[1][2], res[0][2]);
+  for (int v = 1; v < MOK_K_SM90_VARIANTS; v++) {
+    size_t n = 0;
+    for (int i = 0; i < 3; i++)
+      for (size_t j = 0; j < res[0][i].size(); j++)
+        n += (res[1 + v][i][j] != res[0][i][j]) + (res[1 + v][i][j] != res[1][i][j]);
+    printf("    variant %-8s: %zu elements differ from mma.sync or the default path\n",
+           mok_k_sm90_variant_name(v), n);
+    EXPECT(n == 0, "shared forward, variant %s: not bitwise equal", mok_k_sm90_variant_name(v));
+  }
   void *p[] = {x, sg, su, sd, ag, au, y, status, ws};
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
 }
@@ -536,10 +634,14 @@ static void time_path(layer *L, bool hmma, int reps, float *ms_gu, float *ms_dn)
   for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
 }
 
-/* variants of the sm90 kernel timed in the bench: (pipelined, band, L2
- * policy of A, of B) */
-static const int VARIANTS[][4] = {{0, 0, 0, 0}, {0, 0, 1, 0}, {0, 0, 1, 2}, {0, 0, 0, 1}, {1, 0, 1, 0}};
+/* variants of the sm90 kernel timed in the bench: (tile variant, pipelined,
+ * band, L2 policy of A, of B) */
+static const int VARIANTS[][5] = {{MOK_K_SM90_ROWS, 0, 0, 0, 0},    {MOK_K_SM90_EXPERT, 0, 0, 0, 0},
+                                  {MOK_K_SM90_CLUSTER, 0, 0, 0, 0}, {MOK_K_SM90_ROWS, 0, 0, 1, 0},
+                                  {MOK_K_SM90_CLUSTER, 0, 0, 1, 0}, {MOK_K_SM90_ROWS, 1, 0, 0, 0}};
 #define NVAR (int)(sizeof VARIANTS / sizeof VARIANTS[0])
+
+static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n);
 
 static void balanced_ids(std::vector<int32_t> &ids, int T, int K, int E) {
   ids.assign((size_t)T * K, 0);
@@ -574,9 +676,10 @@ static mok_k_dims bench_layer(const bshape *s, int T, layer *L) {
 static void bench(const char *only, int only_T) {
   const int Ts[2] = {2048, 8192};
   printf("\nTFLOP/s of gate_up / down / both (median ms of both); sm90 variants "
-         "(pipe,band,L2 A,L2 B):");
+         "(tiles,pipe,band,L2 A,L2 B):");
   for (int v = 0; v < NVAR; v++)
-    printf(" v%d=(%d,%d,%d,%d)", v, VARIANTS[v][0], VARIANTS[v][1], VARIANTS[v][2], VARIANTS[v][3]);
+    printf(" v%d=(%s,%d,%d,%d,%d)", v, mok_k_sm90_variant_name(VARIANTS[v][0]), VARIANTS[v][1],
+           VARIANTS[v][2], VARIANTS[v][3], VARIANTS[v][4]);
   printf("\n");
   for (int ti = 0; ti < 2; ti++)
     for (size_t si = 0; si < sizeof BSHAPES / sizeof BSHAPES[0]; si++) {
@@ -595,10 +698,14 @@ static void bench(const char *only, int only_T) {
       printf("%-16s %5d  hmma %5.1f / %5.1f / %5.1f (%6.3f ms)", s->name, T, f_gu / hg * 1e-9,
              f_dn / hd * 1e-9, (f_gu + f_dn) / (hg + hd) * 1e-9, hg + hd);
       float best = 1e30f;
+      size_t nd_var = 0; /* y of every variant against mma.sync's */
       for (int v = 0; v < NVAR; v++) {
         float ng, nd;
-        mok_k_sm90_set_tuning(VARIANTS[v][0], VARIANTS[v][1], VARIANTS[v][2], VARIANTS[v][3]);
+        set_variant(VARIANTS[v][0]);
+        mok_k_sm90_set_tuning(VARIANTS[v][1], VARIANTS[v][2], VARIANTS[v][3], VARIANTS[v][4]);
         time_path(&L, false, reps, &ng, &nd);
+        set_variant(MOK_K_SM90_ROWS);
+        nd_var += dev_ndiff(L.y, y_h, (size_t)L.R * d.H);
         printf(" | v%d %5.1f / %5.1f / %5.1f", v, f_gu / ng * 1e-9, f_dn / nd * 1e-9,
                (f_gu + f_dn) / (ng + nd) * 1e-9);
         best = std::min(best, ng + nd);
@@ -615,9 +722,11 @@ static void bench(const char *only, int only_T) {
       int32_t st = -1;
       CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
       EXPECT(st == 0, "bench %s: status %d", s->name, st);
-      EXPECT(hd2[0] == 0, "bench %s T=%d: y differs from mma.sync in %llu elements", s->name, T,
-             hd2[0]);
-      printf(" | best %.2fx; y vs hmma: %llu differ\n", (hg + hd) / best, hd2[0]);
+      EXPECT(hd2[0] == 0 && nd_var == 0,
+             "bench %s T=%d: y differs from mma.sync in %llu elements (%zu over all variants)",
+             s->name, T, hd2[0], nd_var);
+      printf(" | best %.2fx; y vs hmma: %llu differ (all variants: %zu)\n", (hg + hd) / best,
+             hd2[0], nd_var);
       fflush(stdout);
       CUDA_CHECK(cudaFree(y_h));
       CUDA_CHECK(cudaFree(nd_d));
@@ -752,10 +861,24 @@ static void test_bwd_case(const tcase *c) {
     bwd_compare(c->name, grids[i] == 7 ? "all on sm90, grid 7" : "all on sm90, grid 1",
                 bwd_snap(&L, &b), ref);
   }
+  /* the v3 tile variants (the cluster one runs the gate/up dgrad in pairs) */
+  for (int v = 1; v < MOK_K_SM90_VARIANTS; v++)
+    for (int gi = 0; gi < 3; gi++) {
+      const int grid = gi == 0 ? 0 : gi == 1 ? 7 : 1;
+      char what[64];
+      snprintf(what, sizeof what, "all on sm90, %s, grid %d", mok_k_sm90_variant_name(v),
+               grid ? grid : 132);
+      set_variant(v);
+      mok_k_sm90_set_grid(grid);
+      bwd_run(&L, &b, 7);
+      mok_k_sm90_set_grid(0);
+      set_variant(MOK_K_SM90_ROWS);
+      bwd_compare(c->name, what, bwd_snap(&L, &b), ref);
+    }
   /* NaN in the padding rows of routed_x and routed_d_out: both paths alike */
   std::vector<int32_t> sched((size_t)L.sched_ints);
   CUDA_CHECK(cudaMemcpy(sched.data(), L.sched, sched.size() * 4, cudaMemcpyDeviceToHost));
-  const int32_t *row_slot = sched.data() + 8 + 2 * d.E_loc + 1;
+  const int32_t *row_slot = parts_of(&d, sched).row_slot;
   std::vector<uint16_t> xr = down16(L.rx, (size_t)L.R * d.H), dr = down16(b.rdout, (size_t)L.R * d.H);
   size_t npad = 0;
   for (long long r = 0; r < L.R; r++)
@@ -769,6 +892,10 @@ static void test_bwd_case(const tcase *c) {
   const bouts ref_nan = bwd_snap(&L, &b);
   bwd_run(&L, &b, 7);
   bwd_compare(c->name, "all on sm90, NaN padding", bwd_snap(&L, &b), ref_nan);
+  set_variant(MOK_K_SM90_CLUSTER);
+  bwd_run(&L, &b, 7);
+  set_variant(MOK_K_SM90_ROWS);
+  bwd_compare(c->name, "all on sm90, cluster, NaN padding", bwd_snap(&L, &b), ref_nan);
   printf("    NaN in %zu padding rows: mma.sync's outputs %s\n", npad,
          ndiff16(ref_nan.dxr, ref.dxr) + ndiff16(ref_nan.dwg, ref.dwg) + ndiff16(ref_nan.dwd, ref.dwd) ==
                  0
@@ -798,22 +925,31 @@ static void test_bwd_shared(int I_s) {
   fill(sd, S, 24, 0.2f);
   CUDA_CHECK(cudaMemset(status, 0, 4));
   MOK_CHECK(mok_k_shared_forward(&d, x, sg, su, sd, ag, au, y, ws, status, 0));
-  std::vector<uint16_t> res[2][4];
-  for (int path = 0; path < 2; path++) {
+  /* path 0: mma.sync; 1 + v: the Hopper kernels in variant v */
+  std::vector<uint16_t> res[1 + MOK_K_SM90_VARIANTS][4];
+  for (int path = 0; path < 1 + MOK_K_SM90_VARIANTS; path++) {
     uint16_t *o[4] = {dx, dg, du, dd};
     for (int i = 0; i < 4; i++) CUDA_CHECK(cudaMemset(o[i], 0xff, (i ? S : TH) * 2));
     mok_k_sm90_set_bwd_modes(path ? 7 : 0);
+    if (path > 0) set_variant(path - 1);
     MOK_CHECK(mok_k_shared_backward(&d, x, dout, ag, au, sg, su, sd, dx, dg, du, dd, ws, status, 0));
     mok_k_sm90_set_bwd_modes(7);
+    set_variant(MOK_K_SM90_ROWS);
     CUDA_CHECK(cudaDeviceSynchronize());
     for (int i = 0; i < 4; i++) res[path][i] = down16(o[i], i ? S : TH);
   }
-  const size_t n[4] = {ndiff16(res[1][0], res[0][0]), ndiff16(res[1][1], res[0][1]),
-                       ndiff16(res[1][2], res[0][2]), ndiff16(res[1][3], res[0][3])};
-  const size_t bad = nbad16(res[1][0]) + nbad16(res[1][1]) + nbad16(res[1][2]) + nbad16(res[1][3]);
-  printf("shared bwd     T=%d H=%d I_s=%d clamp: differ d_x %zu d_sg %zu d_su %zu d_sd %zu; NaN/Inf %zu\n",
-         d.T, d.H, d.I_s, n[0], n[1], n[2], n[3], bad);
-  EXPECT(!(n[0] | n[1] | n[2] | n[3]) && bad == 0, "shared backward I_s=%d differs from mma.sync", I_s);
+  for (int path = 1; path < 1 + MOK_K_SM90_VARIANTS; path++) {
+    const size_t n[4] = {ndiff16(res[path][0], res[0][0]), ndiff16(res[path][1], res[0][1]),
+                         ndiff16(res[path][2], res[0][2]), ndiff16(res[path][3], res[0][3])};
+    const size_t bad = nbad16(res[path][0]) + nbad16(res[path][1]) + nbad16(res[path][2]) +
+                       nbad16(res[path][3]);
+    printf("shared bwd     T=%d H=%d I_s=%d clamp, %-7s: differ d_x %zu d_sg %zu d_su %zu d_sd %zu; "
+           "NaN/Inf %zu\n",
+           d.T, d.H, d.I_s, mok_k_sm90_variant_name(path - 1), n[0], n[1], n[2], n[3], bad);
+    EXPECT(!(n[0] | n[1] | n[2] | n[3]) && bad == 0,
+           "shared backward I_s=%d, variant %s differs from mma.sync", I_s,
+           mok_k_sm90_variant_name(path - 1));
+  }
   void *p[] = {x, dout, sg, su, sd, ag, au, y, dx, dg, du, dd, status, ws};
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) CUDA_CHECK(cudaFree(p[i]));
 }
@@ -946,6 +1082,65 @@ static void bwd_bench(const char *only, int only_T) {
     }
 }
 
+/* One forward and one backward of each variant at one shape, between
+ * cudaProfilerStart and cudaProfilerStop, after a warm-up of each: for
+ * `ncu --profile-from-start off`, which then sees one launch of every GEMM
+ * kernel per variant (gate_up, down, down dgrad, gate/up dgrad, the two
+ * wgrads), in that order. Outputs are checked against mma.sync's. */
+static void profile(const char *name, int T, const char *variants) {
+  const bshape *sh = NULL;
+  for (size_t i = 0; i < sizeof BSHAPES / sizeof BSHAPES[0]; i++)
+    if (name && !strcmp(name, BSHAPES[i].name)) sh = &BSHAPES[i];
+  if (!sh || T <= 0) {
+    EXPECT(0, "profile: unknown shape %s or bad T %d", name ? name : "(none)", T);
+    return;
+  }
+  int vs[8], nv = 0;
+  for (const char *at = variants; at && *at && nv < 8;) {
+    char one[32];
+    size_t len = strcspn(at, ",");
+    snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
+    const int v = mok_k_sm90_variant_parse(one);
+    EXPECT(v >= 0, "profile: unknown variant '%s'", one);
+    if (v >= 0) vs[nv++] = v;
+    at += len + (at[len] == ',');
+  }
+  layer L;
+  mok_k_dims d = bench_layer(sh, T, &L);
+  bwd_bufs b;
+  layer_forward(&L, true); /* mma.sync's y, for the check */
+  bwd_alloc(&b, &L);
+  uint16_t *y_h = (uint16_t *)dmalloc((size_t)L.R * d.H * 2);
+  CUDA_CHECK(cudaMemcpy(y_h, L.y, (size_t)L.R * d.H * 2, cudaMemcpyDeviceToDevice));
+  for (int i = 0; i < nv; i++) { /* warm-up: module loads, clocks */
+    set_variant(vs[i]);
+    layer_forward(&L, false);
+    bwd_run(&L, &b, 7);
+  }
+  printf("profile %s T=%d:", sh->name, T);
+  CUDA_CHECK(cudaProfilerStart());
+  for (int i = 0; i < nv; i++) {
+    set_variant(vs[i]);
+    printf(" %s", mok_k_sm90_variant_name(vs[i]));
+    MOK_CHECK(mok_k_gate_up_swiglu(&d, L.sched, L.rx, L.wg, L.wu, L.g, L.u, L.h, L.status, 0));
+    MOK_CHECK(mok_k_down(&d, L.sched, L.h, L.wd, L.y, L.status, 0));
+    MOK_CHECK(mok_k_expert_backward(&d, L.sched, L.g, L.u, L.rx, b.rdout, b.rw, L.wg, L.wu, L.wd,
+                                    b.dxr, b.drw, b.dwg, b.dwu, b.dwd, L.ws, L.status, 0));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaProfilerStop());
+  set_variant(MOK_K_SM90_ROWS);
+  const size_t nd = dev_ndiff(L.y, y_h, (size_t)L.R * d.H);
+  int32_t st = -1;
+  CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
+  printf("; status %d, y vs mma.sync: %zu differ\n", st, nd);
+  EXPECT(st == 0 && nd == 0, "profile %s T=%d: status %d, %zu elements of y differ", sh->name, T,
+         st, nd);
+  CUDA_CHECK(cudaFree(y_h));
+  bwd_free(&b);
+  layer_free(&L);
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "correct";
   CUDA_CHECK(cudaSetDevice(0));
@@ -978,6 +1173,9 @@ int main(int argc, char **argv) {
     bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (all || !strcmp(mode, "bwdbench"))
     bwd_bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
+  if (!strcmp(mode, "profile"))
+    profile(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0,
+            argc > 4 ? argv[4] : "rows,cluster");
   printf("%s: %s (%d failures)\n", mode, failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../../kernels/mok_kernels.h"
+#include "../../proto/mok_layout.h"
 #include "../../proto/mok_status.h"
 
 extern "C" {
@@ -542,7 +543,13 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
     std::vector<uint16_t> rx((size_t)L.R * d.H), rd((size_t)L.R * d.H);
     CUDA_CHECK(cudaMemcpy(rx.data(), L.routed_x, rx.size() * 2, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(rd.data(), L.routed_d_out, rd.size() * 2, cudaMemcpyDeviceToHost));
-    const int32_t *row_slot = mine.data() + 8 + 2 * d.E_loc + 1;
+    mok_layout_dims l;
+    memset(&l, 0, sizeof l);
+    l.tokens = (uint64_t)d.T;
+    l.topk = (uint64_t)d.K;
+    l.local_experts = (uint64_t)d.E_loc;
+    l.row_align = (uint64_t)d.row_align;
+    const int32_t *row_slot = mine.data() + mok_sched_row_slot_at(&l);
     for (long long r = 0; r < L.R; r++)
       if (row_slot[r] < 0)
         for (int j = 0; j < d.H; j++) rx[(size_t)r * d.H + j] = rd[(size_t)r * d.H + j] = 0xffff;

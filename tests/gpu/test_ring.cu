@@ -1,6 +1,6 @@
 /* The ring (kernels/mok_ring.cu) on the device: running the routed experts
  * macrobatch by macrobatch gives the bits of one pass, forward and backward,
- * on both GEMM paths (Hopper and, with MOK_GEMM=hmma, mma.sync):
+ * on both GEMM backends (Hopper, in each of its tile variants, and mma.sync):
  *   y and d_x rows, the saved activations (ctx rows, zero tail), d_rw, and
  *   every expert's weight gradients (each written by its own macrobatch
  *   only: the buffers start poisoned);
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../../kernels/mok_ep_kernels.h"
+#include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
 #include "../../proto/mok_status.h"
 #include "cuda_check.cuh"
@@ -85,11 +86,16 @@ static std::vector<int32_t> skewed_ids(int T, int K, int E, uint32_t seed) {
   return ids;
 }
 
+/* gemm: NULL (the Hopper kernels, default variant), "hmma" (mma.sync) or
+ * a Hopper variant's name ("expert", "cluster") */
 static void run_case(const char *gemm, int ring_rows_wanted, int no_tail) {
-  if (gemm)
-    setenv("MOK_GEMM", gemm, 1);
-  else
-    unsetenv("MOK_GEMM");
+  const int variant = gemm ? mok_k_sm90_variant_parse(gemm) : MOK_K_SM90_ROWS;
+  const int backend = gemm && !strcmp(gemm, "hmma") ? MOK_K_GEMM_HMMA : MOK_K_GEMM_SM90;
+  if (mok_k_set_gemm_backend(backend) != backend || (backend == MOK_K_GEMM_SM90 && variant < 0) ||
+      (variant >= 0 && mok_k_sm90_set_variant(variant) != MOK_OK)) {
+    EXPECT(0, "GEMM path %s not available", gemm ? gemm : "default");
+    return;
+  }
   char path[64];
   snprintf(path, sizeof path, "%s%s", gemm ? gemm : "default", no_tail ? " no_tail" : "");
   mok_k_dims d;
@@ -305,6 +311,8 @@ static void run_case(const char *gemm, int ring_rows_wanted, int no_tail) {
                  dwg, dwu, dwd, wsr, plan, sub, qx, qdo, qy, qdx, qg, qu, cg, cu, qdrw, rwg, rwu,
                  rwd, plan2};
   for (void *p : all) CUDA_CHECK(cudaFree(p));
+  mok_k_sm90_set_variant(MOK_K_SM90_ROWS);
+  mok_k_set_gemm_backend(MOK_K_GEMM_SM90);
 }
 
 int main(void) {
@@ -314,6 +322,9 @@ int main(void) {
   run_case(NULL, 2048, 0);  /* a larger ring: fewer, fuller macrobatches */
   run_case(NULL, 0, 1);     /* a group's dims: rows past those in use skipped */
   run_case("hmma", 2048, 1);
+  run_case("cluster", 0, 0); /* 2-CTA clusters sharing the weight tiles */
+  run_case("cluster", 0, 1);
+  run_case("expert", 2048, 1); /* expert-major tile order */
   printf("test_ring: %s (%d failures)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }
