@@ -21,10 +21,21 @@ void mok_server_config_defaults(mok_server_config *cfg) {
   cfg->hello_timeout_ms = 5000;
   cfg->max_pending_requests = 64;
   cfg->drain_ms = 10000;
-  cfg->limits.max_regions = 4096;
+  /* The client limits, one table (deploy/mokd.conf documents each key): a
+   * uid's share is a fraction of the daemon, so that one tenant can never
+   * exhaust it for the others. */
+  cfg->session_reserve = 16;          /* of max-sessions, kept for uids with none */
+  cfg->max_regions_total = 32768;     /* mappings; vm.max_map_count is 65530 by default */
+  cfg->limits.max_regions = 4096;     /* per session */
   cfg->limits.max_region_bytes = 64ull << 30;
   cfg->limits.max_layers = 256;
-  cfg->max_sessions_per_uid = 64;
+  cfg->limits.max_jobs_per_uid = 1024;
+  cfg->max_sessions_per_uid = 64;     /* of 256 */
+  cfg->max_regions_per_uid = 8192;    /* a quarter of max-regions-total */
+  cfg->max_region_bytes_per_uid = 256ull << 30;
+  cfg->max_layers_per_uid = 1024;
+  cfg->max_groups_per_uid = 16;
+  cfg->max_group_bytes_per_uid = 32ull << 30;
 }
 
 /* Strings outlive the parse (the config is read once at start-up). Each key
@@ -106,6 +117,16 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
     if (parse_id_list(value, ids, &count)) goto bad;
     memcpy(cfg->allow_gids, ids, count * sizeof ids[0]);
     cfg->n_allow_gids = count;
+  } else if (strcmp(key, "admin-uids") == 0 || strcmp(key, "admin_uids") == 0) {
+    uint32_t ids[MOK_ALLOW_MAX], count;
+    if (parse_id_list(value, ids, &count)) goto bad;
+    memcpy(cfg->admin_uids, ids, count * sizeof ids[0]);
+    cfg->n_admin_uids = count;
+  } else if (strcmp(key, "admin-gids") == 0 || strcmp(key, "admin_gids") == 0) {
+    uint32_t ids[MOK_ALLOW_MAX], count;
+    if (parse_id_list(value, ids, &count)) goto bad;
+    memcpy(cfg->admin_gids, ids, count * sizeof ids[0]);
+    cfg->n_admin_gids = count;
   } else if (strcmp(key, "log-level") == 0 || strcmp(key, "log_level") == 0) {
     int l = mok_log_parse_level(value);
     if (l < 0) goto bad;
@@ -139,6 +160,11 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
       {"max-layers-per-uid", 1u << 24, &cfg->max_layers_per_uid, 4},
       {"max-jobs-per-uid", 1u << 24, &cfg->limits.max_jobs_per_uid, 4},
       {"fence-timeout-ms", 3600000, &cfg->engine_cfg.fence_timeout_ms, 4},
+      {"workspace-idle-ms", 86400000, &cfg->engine_cfg.workspace_idle_ms, 4},
+      {"session-reserve", 65536, &cfg->session_reserve, 4},
+      {"max-regions-total", 1u << 24, &cfg->max_regions_total, 4},
+      {"max-groups-per-uid", 65536, &cfg->max_groups_per_uid, 4},
+      {"max-group-bytes-per-uid", UINT64_MAX, &cfg->max_group_bytes_per_uid, 8},
     };
     for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
       char alt[64];

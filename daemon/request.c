@@ -69,9 +69,10 @@ static mok_request_verdict validate_register(mok_request *req, const Mok__Regist
   return MOK_REQ_OK;
 }
 
-static mok_request_verdict validate_layer(mok_request *req, const Mok__CreateLayer *m) {
-  if (!m->config) return refuse(req, MOK_REQ_REPLY, MOK_EINVAL, "CreateLayer without a config");
-  const Mok__LayerConfig *lc = m->config;
+/* CreateLayer and LayerCost carry the same description, checked alike. */
+static mok_request_verdict validate_layer(mok_request *req, const Mok__LayerConfig *lc,
+                                          const char *what) {
+  if (!lc) return refuse(req, MOK_REQ_REPLY, MOK_EINVAL, "%s without a config", what);
   mok_layer_config cfg = {
       .hidden = lc->hidden,
       .intermediate = lc->intermediate,
@@ -107,7 +108,10 @@ mok_request_verdict mok_request_validate(mok_request *req, size_t nfds, bool hel
                     pb->hello->protocol_version, MOK_PROTOCOL_VERSION);
     return MOK_REQ_OK;
   case MOK__REQUEST__BODY_REGISTER_BUFFER: return validate_register(req, pb->register_buffer, nfds);
-  case MOK__REQUEST__BODY_CREATE_LAYER: return validate_layer(req, pb->create_layer);
+  case MOK__REQUEST__BODY_CREATE_LAYER:
+    return validate_layer(req, pb->create_layer->config, "CreateLayer");
+  case MOK__REQUEST__BODY_LAYER_COST:
+    return validate_layer(req, pb->layer_cost->config, "LayerCost");
   case MOK__REQUEST__BODY_JOIN_GROUP: {
     /* the rest (sizing, rank, world) is checked where the group lives (group.c) */
     const char *key = pb->join_group->group_key;

@@ -29,7 +29,7 @@ typedef struct mok_request {
   /* filled by mok_request_validate, by body: */
   int region_kind;        /* RegisterBuffer: mok_region_kind */
   size_t want_fds;        /* RegisterBuffer */
-  mok_layer_config layer; /* CreateLayer, checked by mok_layer_validate */
+  mok_layer_config layer; /* CreateLayer and LayerCost, checked by mok_layer_validate */
 } mok_request;
 
 /* Unpack payload and apply the envelope rules. nfds: fds that came with the

@@ -18,31 +18,25 @@
 #include <uv.h>
 
 #include "frame.h"
+#include "group.h"
 #include "layer.h"
 #include "log.h"
 #include "mok.pb-c.h"
 #include "mok_status.h"
+#include "quota.h"
 #include "region.h"
 #include "request.h"
-
-/* What one uid holds across all its sessions (the per-uid quotas). Regions
- * and layers are counted when their request is sent to the engine thread
- * (reserved), un-counted when it fails or when they are released; a dead
- * session's share is released once the engine thread has detached it, i.e.
- * once its memory is really unmapped. */
-typedef struct uid_usage {
-  uid_t uid;
-  uint32_t sessions;
-  uint32_t regions;
-  uint64_t region_bytes;
-  uint32_t layers;
-  struct uid_usage *next;
-} uid_usage;
 
 typedef struct region_rec {
   uint32_t id;
   uint64_t bytes;
 } region_rec;
+
+/* A group this session joined (one entry per successful join). */
+typedef struct join_rec {
+  uint32_t group_id;
+  mok_quota_group *quota;
+} join_rec;
 
 /* Loop-side half of a session: the socket, identity, protocol state. The
  * engine-side half (rings, regions, layers) lives on the engine thread. */
@@ -53,17 +47,25 @@ typedef struct session {
   uv_poll_t poll;
   uv_timer_t hello_timer;
   struct ucred cred;
+  bool admin; /* sees every tenant in Stats (root, mokd's uid, admin-uids/-gids) */
   char name[64];
   bool hello_done;
   bool attached;
   bool closing;
   int open_handles;  /* poll and timer; freed when both closed and no cmd pending */
   uint32_t pending;  /* engine commands not yet back */
-  uid_usage *user;   /* this session's uid: what it holds counts there */
+  /* allocated with the session, so that releasing its mappings never
+   * depends on an allocation succeeding when memory is short */
+  mok_cmd *detach;
+  mok_uid_usage *user; /* this session's uid: what it holds counts there */
   uint32_t regions, layers; /* this session's share of user's counts */
   uint64_t region_bytes;
   region_rec *recs;  /* registered regions, for unregister */
   size_t n_recs, cap_recs;
+  uint32_t registering; /* RegisterBuffers in flight (each has room in recs) */
+  join_rec *joins;   /* groups joined, for LeaveGroup and the end */
+  size_t n_joins, cap_joins;
+  uint32_t joining;  /* JoinGroups in flight (each has room in joins) */
   struct session *next;
 } session;
 
@@ -79,7 +81,7 @@ typedef struct server {
   uv_async_t engine_done;
   mok_engine_thread *engine;
   session *sessions;
-  uid_usage *users;
+  mok_quota quota; /* what each uid (and the daemon) holds */
   uint32_t n_sessions;
   uint64_t refused_window_ms; /* rate limit for logging refused connections */
   uint32_t refused_in_window;
@@ -154,20 +156,20 @@ static void session_maybe_free(session *s) {
     break;
   }
   srv->n_sessions--;
-  uid_usage *u = s->user;
+  /* its share goes now: the engine has detached it (nothing is pending) */
+  mok_uid_usage *u = s->user;
   u->sessions--;
   u->regions -= s->regions;
   u->region_bytes -= s->region_bytes;
   u->layers -= s->layers;
-  if (u->sessions == 0) {
-    for (uid_usage **p = &srv->users; *p; p = &(*p)->next) {
-      if (*p != u) continue;
-      *p = u->next;
-      break;
-    }
-    free(u);
-  }
+  srv->quota.regions_total -= s->regions;
+  uint64_t now = now_ms();
+  for (size_t i = 0; i < s->n_joins; i++) /* lingering in the engine now */
+    mok_quota_group_drop(&srv->quota, s->joins[i].quota, false, now);
+  mok_quota_prune(&srv->quota, now);
+  free(s->detach);
   free(s->recs);
+  free(s->joins);
   free(s);
 }
 
@@ -200,9 +202,14 @@ static void session_close(session *s, const char *why) {
   s->closing = true;
   if (why) log_info("session %llu (%s): %s", (unsigned long long)s->id, s->name, why);
   if (s->attached) {
-    mok_cmd *c = new_cmd(s, MOK_CMD_DETACH, 0);
-    if (c) submit_cmd(s, c); /* its mappings go once the engine is done with them */
-    else log_error("out of memory detaching session %llu", (unsigned long long)s->id);
+    /* allocated with the session: the detach is always sent, and its
+     * mappings go once the engine is done with them */
+    mok_cmd *c = s->detach;
+    s->detach = NULL;
+    memset(c, 0, sizeof *c);
+    c->kind = MOK_CMD_DETACH;
+    c->session_id = s->id;
+    submit_cmd(s, c);
   }
   uv_close((uv_handle_t *)&s->poll, on_handle_closed);
   uv_close((uv_handle_t *)&s->hello_timer, on_handle_closed);
@@ -267,58 +274,57 @@ static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m) {
            (int)s->cred.uid, (int)s->cred.pid);
 }
 
-/* Per-uid quotas: refuse (ELIMIT, the session stays) what would exceed one. */
-static bool uid_quota_refuses(session *s, uint32_t rid, uint32_t regions, uint64_t bytes,
-                              uint32_t layers) {
-  const mok_server_config *cfg = &s->srv->cfg;
-  const uid_usage *u = s->user;
-  if (regions && cfg->max_regions_per_uid && u->regions + regions > cfg->max_regions_per_uid) {
-    reply_status(s, rid, MOK_ELIMIT,
-                 "uid %u already has %u regions across its sessions (max-regions-per-uid %u)",
-                 (unsigned)u->uid, u->regions, cfg->max_regions_per_uid);
-    return true;
-  }
-  if (bytes && cfg->max_region_bytes_per_uid &&
-      bytes > cfg->max_region_bytes_per_uid - u->region_bytes) {
-    reply_status(s, rid, MOK_ELIMIT,
-                 "registering %llu bytes would exceed the quota of uid %u: %llu bytes in use "
-                 "across its sessions (max-region-bytes-per-uid %llu)",
-                 (unsigned long long)bytes, (unsigned)u->uid,
-                 (unsigned long long)u->region_bytes,
-                 (unsigned long long)cfg->max_region_bytes_per_uid);
-    return true;
-  }
-  if (layers && cfg->max_layers_per_uid && u->layers + layers > cfg->max_layers_per_uid) {
-    reply_status(s, rid, MOK_ELIMIT,
-                 "uid %u already has %u layers across its sessions (max-layers-per-uid %u)",
-                 (unsigned)u->uid, u->layers, cfg->max_layers_per_uid);
-    return true;
-  }
-  return false;
+/* The client limits: refuse (ELIMIT, the session stays) what would exceed one. */
+static bool quota_refuses(session *s, uint32_t rid, uint32_t regions, uint64_t bytes,
+                          uint32_t layers) {
+  char msg[320];
+  if (mok_quota_check(&s->srv->quota, s->user, regions, bytes, layers, msg, sizeof msg) == MOK_OK)
+    return false;
+  reply_status(s, rid, MOK_ELIMIT, "%s", msg);
+  return true;
 }
 
 static void count_regions(session *s, int sign, uint64_t bytes) {
-  s->regions += (uint32_t)sign, s->user->regions += (uint32_t)sign;
-  if (sign > 0) s->region_bytes += bytes, s->user->region_bytes += bytes;
-  else s->region_bytes -= bytes, s->user->region_bytes -= bytes;
+  mok_quota_region(&s->srv->quota, s->user, sign, bytes);
+  s->regions += (uint32_t)sign;
+  if (sign > 0) s->region_bytes += bytes;
+  else s->region_bytes -= bytes;
 }
 
 static void count_layers(session *s, int sign) {
-  s->layers += (uint32_t)sign, s->user->layers += (uint32_t)sign;
+  mok_quota_layer(s->user, sign);
+  s->layers += (uint32_t)sign;
+}
+
+/* Room in *items (of *cap, elem bytes each) for want entries. */
+static bool make_room(void **items, size_t *cap, size_t want, size_t elem) {
+  if (want <= *cap) return true;
+  size_t n = *cap ? 2 * *cap : 16;
+  while (n < want) n *= 2;
+  void *grown = realloc(*items, n * elem);
+  if (!grown) return false;
+  *items = grown;
+  *cap = n;
+  return true;
 }
 
 static void handle_register(session *s, uint32_t rid, const mok_request *q, mok_frame *f) {
   const Mok__RegisterBuffer *m = q->pb->register_buffer;
-  if (uid_quota_refuses(s, rid, 1, m->bytes, 0)) {
+  if (quota_refuses(s, rid, 1, m->bytes, 0)) {
     mok_frame_close_fds(f);
     return;
   }
+  /* room for its record now: a region the engine mapped is always
+   * recorded, so that unregistering it gives its quota back */
   mok_cmd *c = new_cmd(s, MOK_CMD_REGISTER, rid);
-  if (!c) {
+  if (!c || !make_room((void **)&s->recs, &s->cap_recs, s->n_recs + s->registering + 1,
+                       sizeof *s->recs)) {
+    free(c);
     mok_frame_close_fds(f);
     reply_status(s, rid, MOK_ENOMEM, "out of memory");
     return;
   }
+  s->registering++;
   c->in.reg.kind = q->region_kind;
   c->in.reg.fd = q->want_fds ? f->fds[0] : -1;
   f->nfds = 0; /* the engine owns the fd now */
@@ -330,7 +336,7 @@ static void handle_register(session *s, uint32_t rid, const mok_request *q, mok_
 }
 
 static void handle_create_layer(session *s, uint32_t rid, const mok_request *q) {
-  if (uid_quota_refuses(s, rid, 0, 0, 1)) return;
+  if (quota_refuses(s, rid, 0, 0, 1)) return;
   mok_cmd *c = new_cmd(s, MOK_CMD_CREATE_LAYER, rid);
   if (!c) {
     reply_status(s, rid, MOK_ENOMEM, "out of memory");
@@ -341,11 +347,25 @@ static void handle_create_layer(session *s, uint32_t rid, const mok_request *q) 
   submit_cmd(s, c);
 }
 
+/* What a layer would cost: CreateLayer's checks, nothing kept, no quota. */
+static void handle_layer_cost(session *s, uint32_t rid, const mok_request *q) {
+  mok_cmd *c = new_cmd(s, MOK_CMD_LAYER_COST, rid);
+  if (!c) {
+    reply_status(s, rid, MOK_ENOMEM, "out of memory");
+    return;
+  }
+  c->in.layer = q->layer;
+  submit_cmd(s, c);
+}
+
 /* Expert parallelism: the group is keyed by (the client's uid, key), so two
- * tenants never share one (docs/ep.md). */
+ * tenants never share one (docs/ep.md). Its segment counts toward the uid's
+ * group quotas from the moment the join is sent. */
 static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m) {
   mok_cmd *c = new_cmd(s, MOK_CMD_JOIN_GROUP, rid);
-  if (!c) {
+  if (!c || !make_room((void **)&s->joins, &s->cap_joins, s->n_joins + s->joining + 1,
+                       sizeof *s->joins)) {
+    free(c);
     reply_status(s, rid, MOK_ENOMEM, "out of memory");
     return;
   }
@@ -362,6 +382,20 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
                                                     : MOK_DTYPE_INVALID};
   j->nccl = m->nccl_id.len == MOK_GROUP_NCCL_ID_BYTES; /* 0 or 128 bytes (request.c) */
   if (j->nccl) memcpy(j->nccl_id, m->nccl_id.data, MOK_GROUP_NCCL_ID_BYTES);
+  /* a sizing the engine will refuse costs 0 bytes (the reservation goes
+   * with the refusal); a group through NCCL has no segment, but device
+   * buffers of the same size */
+  char msg[320];
+  mok_quota_group *qg;
+  int r = mok_quota_group_reserve(&s->srv->quota, s->user, j->key,
+                                  mok_ep_group_segment_bytes(&j->sizing), now_ms(), &qg, msg,
+                                  sizeof msg);
+  if (r != MOK_OK) {
+    free(c);
+    reply_status(s, rid, r, "%s", msg);
+    return;
+  }
+  s->joining++;
   submit_cmd(s, c);
 }
 
@@ -404,6 +438,7 @@ static void handle_request(session *s, mok_frame *f) {
     handle_simple_cmd(s, rid, MOK_CMD_UNREGISTER, req->unregister_buffer->region_id);
     break;
   case MOK__REQUEST__BODY_CREATE_LAYER: handle_create_layer(s, rid, &q); break;
+  case MOK__REQUEST__BODY_LAYER_COST: handle_layer_cost(s, rid, &q); break;
   case MOK__REQUEST__BODY_DESTROY_LAYER:
     handle_simple_cmd(s, rid, MOK_CMD_DESTROY_LAYER, req->destroy_layer->layer_id);
     break;
@@ -473,15 +508,13 @@ static bool id_listed(const uint32_t *ids, uint32_t n, uint32_t id) {
   return false;
 }
 
-/* allow-uids / allow-gids against the peer's credentials (its supplementary
- * groups too, through SO_PEERGROUPS). No list: everyone who can open the
- * socket (its mode and group are the outer gate). */
-static bool peer_allowed(const server *srv, int fd, const struct ucred *cr) {
-  const mok_server_config *cfg = &srv->cfg;
-  if (cfg->n_allow_uids == 0 && cfg->n_allow_gids == 0) return true;
-  if (id_listed(cfg->allow_uids, cfg->n_allow_uids, cr->uid)) return true;
-  if (cfg->n_allow_gids == 0) return false;
-  if (id_listed(cfg->allow_gids, cfg->n_allow_gids, cr->gid)) return true;
+/* Is the peer in uids, or is its primary or a supplementary gid (through
+ * SO_PEERGROUPS) in gids? */
+static bool peer_listed(int fd, const struct ucred *cr, const uint32_t *uids, uint32_t n_uids,
+                        const uint32_t *gids, uint32_t n_gids) {
+  if (id_listed(uids, n_uids, cr->uid)) return true;
+  if (n_gids == 0) return false;
+  if (id_listed(gids, n_gids, cr->gid)) return true;
   gid_t small[64], *groups = small;
   socklen_t len = sizeof small;
   bool ok = false;
@@ -489,10 +522,26 @@ static bool peer_allowed(const server *srv, int fd, const struct ucred *cr) {
   if (r < 0 && errno == ERANGE && len > 0 && (groups = malloc(len)) != NULL)
     r = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
   if (r == 0)
-    for (size_t i = 0; i < len / sizeof(gid_t) && !ok; i++)
-      ok = id_listed(cfg->allow_gids, cfg->n_allow_gids, groups[i]);
+    for (size_t i = 0; i < len / sizeof(gid_t) && !ok; i++) ok = id_listed(gids, n_gids, groups[i]);
   if (groups != small) free(groups);
   return ok;
+}
+
+/* allow-uids / allow-gids against the peer's credentials. No list:
+ * everyone who can open the socket (its mode and group are the outer gate). */
+static bool peer_allowed(const server *srv, int fd, const struct ucred *cr) {
+  const mok_server_config *cfg = &srv->cfg;
+  if (cfg->n_allow_uids == 0 && cfg->n_allow_gids == 0) return true;
+  return peer_listed(fd, cr, cfg->allow_uids, cfg->n_allow_uids, cfg->allow_gids,
+                     cfg->n_allow_gids);
+}
+
+/* Who sees every tenant in Stats: root, mokd's own uid, admin-uids/-gids. */
+static bool peer_is_admin(const server *srv, int fd, const struct ucred *cr) {
+  const mok_server_config *cfg = &srv->cfg;
+  if (cr->uid == 0 || cr->uid == geteuid()) return true;
+  return peer_listed(fd, cr, cfg->admin_uids, cfg->n_admin_uids, cfg->admin_gids,
+                     cfg->n_admin_gids);
 }
 
 /* One error reply on a connection that never becomes a session, then close
@@ -528,12 +577,6 @@ static void refuse_connection(server *srv, int fd, const struct ucred *cr, int s
              (int)cr->pid, msg);
 }
 
-static uid_usage *find_user(server *srv, uid_t uid) {
-  for (uid_usage *u = srv->users; u; u = u->next)
-    if (u->uid == uid) return u;
-  return NULL;
-}
-
 static void on_listen_readable(uv_poll_t *h, int status, int events) {
   server *srv = h->data;
   if (status < 0 || srv->stopping) return;
@@ -557,31 +600,45 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
                         (int)cred.uid, (int)cred.gid);
       continue;
     }
-    if (srv->n_sessions >= srv->cfg.max_sessions) {
+    const mok_server_config *cfg = &srv->cfg;
+    if (srv->n_sessions >= cfg->max_sessions) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT, "mokd has %u sessions already (max-sessions)",
                         srv->n_sessions);
       continue;
     }
-    uid_usage *u = find_user(srv, cred.uid);
-    if (u && srv->cfg.max_sessions_per_uid && u->sessions >= srv->cfg.max_sessions_per_uid) {
+    mok_quota_prune(&srv->quota, now_ms());
+    mok_uid_usage *u = mok_quota_user(&srv->quota, cred.uid, false);
+    uint32_t held = u ? u->sessions : 0;
+    if (cfg->max_sessions_per_uid && held >= cfg->max_sessions_per_uid) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
-                        "uid %d has %u sessions already (max-sessions-per-uid)", (int)cred.uid,
-                        u->sessions);
+                        "uid %d has %u sessions already (max-sessions-per-uid %u)",
+                        (int)cred.uid, held, cfg->max_sessions_per_uid);
+      continue;
+    }
+    /* the last free slots are kept for uids that have none yet, so that
+     * one tenant (or a few) can never lock the others out */
+    uint32_t free_slots = cfg->max_sessions - srv->n_sessions;
+    if (held > 0 && free_slots < cfg->session_reserve) {
+      refuse_connection(srv, fd, &cred, MOK_ELIMIT,
+                        "mokd has %u of %u sessions in use; the last %u are kept for uids that "
+                        "have none (session-reserve), and uid %d has %u",
+                        srv->n_sessions, cfg->max_sessions, cfg->session_reserve, (int)cred.uid,
+                        held);
       continue;
     }
     session *s = calloc(1, sizeof *s);
-    if (!u && s && (u = calloc(1, sizeof *u)) != NULL) {
-      u->uid = cred.uid;
-      u->next = srv->users;
-      srv->users = u;
-    }
-    if (!s || !u) {
+    mok_cmd *detach = s ? calloc(1, sizeof *detach) : NULL;
+    if (detach) u = mok_quota_user(&srv->quota, cred.uid, true);
+    if (!s || !detach || !u) {
       free(s);
-      close(fd);
+      free(detach);
+      refuse_connection(srv, fd, &cred, MOK_ENOMEM, "mokd is out of memory");
       continue;
     }
     u->sessions++;
     s->user = u;
+    s->detach = detach;
+    s->admin = peer_is_admin(srv, fd, &cred);
     s->srv = srv;
     s->fd = fd;
     s->id = ++srv->next_session_id;
@@ -602,19 +659,28 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
 
 /* ---- engine results ----------------------------------------------------------- */
 
+/* Stats, as this client may see them: an admin sees every session and
+ * group; anyone else only those of its own uid, with the totals computed
+ * from them (and no daemon-wide latencies). */
 static void reply_stats(session *s, mok_cmd *c) {
   server *srv = s->srv;
   mok_engine_stats *st = &c->out.stats;
+  const bool all = s->admin;
+  const uint32_t viewer = (uint32_t)s->cred.uid;
   Mok__StatsReply sr = MOK__STATS_REPLY__INIT;
   sr.daemon_version = MOK_VERSION;
   sr.device = (char *)mok_engine_thread_describe(srv->engine);
   sr.engine = (char *)mok_engine_thread_engine_name(srv->engine);
   sr.uptime_ms = now_ms() - srv->start_ms;
-  sr.jobs_done = st->jobs_done;
-  sr.jobs_failed = st->jobs_failed;
-  sr.sessions_total = srv->sessions_total;
-  sr.job_latency_p50_ns = st->latency_p50_ns;
-  sr.job_latency_p99_ns = st->latency_p99_ns;
+  sr.own_uid_only = !all;
+  sr.viewer_uid = viewer;
+  if (all) {
+    sr.jobs_done = st->jobs_done;
+    sr.jobs_failed = st->jobs_failed;
+    sr.sessions_total = srv->sessions_total;
+    sr.job_latency_p50_ns = st->latency_p50_ns;
+    sr.job_latency_p99_ns = st->latency_p99_ns;
+  }
   Mok__SessionInfo *infos = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *infos);
   Mok__SessionInfo **ptrs = calloc(st->n_sessions ? st->n_sessions : 1, sizeof *ptrs);
   size_t ng = (st->n_sessions ? st->n_sessions : 1) * MOK_STATS_GROUPS_MAX;
@@ -628,21 +694,29 @@ static void reply_stats(session *s, mok_cmd *c) {
     reply_status(s, c->request_id, MOK_ENOMEM, "out of memory");
     return;
   }
+  size_t n = 0;
   for (size_t i = 0; i < st->n_sessions; i++) {
     const mok_session_stats *ss = &st->sessions[i];
     session *peer = find_session(srv, ss->session_id);
-    mok__session_info__init(&infos[i]);
-    infos[i].session_id = ss->session_id;
-    infos[i].client_name = peer ? peer->name : "";
-    infos[i].uid = peer ? (uint32_t)peer->cred.uid : 0;
-    infos[i].pid = peer ? (uint32_t)peer->cred.pid : 0;
-    infos[i].regions = ss->regions;
-    infos[i].region_bytes = ss->region_bytes;
-    infos[i].layers = ss->layers;
-    infos[i].jobs_done = ss->jobs_done;
-    infos[i].jobs_failed = ss->jobs_failed;
-    Mok__GroupInfo *gi = &ginfos[i * MOK_STATS_GROUPS_MAX];
-    Mok__GroupInfo **gp = &gptrs[i * MOK_STATS_GROUPS_MAX];
+    /* a session the loop no longer knows has no known owner: admins only */
+    if (!all && (!peer || (uint32_t)peer->cred.uid != viewer)) continue;
+    Mok__SessionInfo *x = &infos[n];
+    mok__session_info__init(x);
+    x->session_id = ss->session_id;
+    x->client_name = peer ? peer->name : "";
+    x->uid = peer ? (uint32_t)peer->cred.uid : 0;
+    x->pid = peer ? (uint32_t)peer->cred.pid : 0;
+    x->regions = ss->regions;
+    x->region_bytes = ss->region_bytes;
+    x->layers = ss->layers;
+    x->jobs_done = ss->jobs_done;
+    x->jobs_failed = ss->jobs_failed;
+    x->mapped_device_bytes = ss->memory.mapped_device_bytes;
+    x->workspace_bytes = ss->memory.workspace_bytes;
+    x->layer_bytes = ss->memory.layer_bytes;
+    x->scratch_bytes = ss->memory.scratch_bytes;
+    Mok__GroupInfo *gi = &ginfos[n * MOK_STATS_GROUPS_MAX];
+    Mok__GroupInfo **gp = &gptrs[n * MOK_STATS_GROUPS_MAX];
     for (uint32_t k = 0; k < ss->n_groups; k++) {
       mok__group_info__init(&gi[k]);
       gi[k].group_id = ss->groups[k].group_id;
@@ -652,29 +726,35 @@ static void reply_stats(session *s, mok_cmd *c) {
       gi[k].sequence = ss->groups[k].sequence;
       gp[k] = &gi[k];
     }
-    infos[i].n_groups = ss->n_groups;
-    infos[i].groups = gp;
-    ptrs[i] = &infos[i];
+    x->n_groups = ss->n_groups;
+    x->groups = gp;
+    ptrs[n++] = x;
+    if (!all) {
+      sr.jobs_done += ss->jobs_done;
+      sr.jobs_failed += ss->jobs_failed;
+      sr.sessions_total++;
+    }
   }
-  sr.n_sessions = st->n_sessions;
+  sr.n_sessions = n;
   sr.sessions = ptrs;
   Mok__GroupSummary gs[MOK_STATS_DAEMON_GROUPS_MAX], *gsp[MOK_STATS_DAEMON_GROUPS_MAX];
   for (size_t k = 0; k < st->n_groups && k < MOK_STATS_DAEMON_GROUPS_MAX; k++) {
     const mok_daemon_group_stats *d = &st->groups[k];
-    mok__group_summary__init(&gs[k]);
-    gs[k].group_id = d->group_id;
-    gs[k].key = (char *)d->key;
-    gs[k].uid = d->uid;
-    gs[k].rank = d->rank;
-    gs[k].world = d->world;
-    gs[k].generation = d->generation;
-    gs[k].sequence = d->sequence;
-    gs[k].nccl = d->nccl;
-    gs[k].sessions = d->sessions;
-    gs[k].broken = d->broken;
-    gs[k].forming = d->forming;
-    gsp[k] = &gs[k];
-    sr.n_groups++;
+    if (!all && d->uid != viewer) continue; /* another tenant's key, ranks, activity */
+    Mok__GroupSummary *g = &gs[sr.n_groups];
+    mok__group_summary__init(g);
+    g->group_id = d->group_id;
+    g->key = (char *)d->key;
+    g->uid = d->uid;
+    g->rank = d->rank;
+    g->world = d->world;
+    g->generation = d->generation;
+    g->sequence = d->sequence;
+    g->nccl = d->nccl;
+    g->sessions = d->sessions;
+    g->broken = d->broken;
+    g->forming = d->forming;
+    gsp[sr.n_groups++] = g;
   }
   sr.groups = gsp;
   Mok__Reply reply = MOK__REPLY__INIT;
@@ -685,6 +765,14 @@ static void reply_stats(session *s, mok_cmd *c) {
   free(ptrs);
   free(ginfos);
   free(gptrs);
+}
+
+/* The ctx a forward of the layer at max_tokens saves: the wire formula
+ * (mok_wire.h), for engines that do not say. */
+static uint64_t layer_ctx_bytes(const mok_layer_config *l) {
+  if (l->group_id) return mok_group_ctx_bytes(l, l->max_tokens);
+  mok_layout_dims d = mok_layer_dims(l, l->max_tokens);
+  return mok_ctx_bytes(&d);
 }
 
 static void reply_from_engine(session *s, mok_cmd *c) {
@@ -699,7 +787,18 @@ static void reply_from_engine(session *s, mok_cmd *c) {
   Mok__CreateLayerReply cl = MOK__CREATE_LAYER_REPLY__INIT;
   Mok__JoinGroupReply jg = MOK__JOIN_GROUP_REPLY__INIT;
   Mok__GroupIdReply gi = MOK__GROUP_ID_REPLY__INIT;
+  Mok__LayerCostReply lc = MOK__LAYER_COST_REPLY__INIT;
   switch (c->kind) {
+  case MOK_CMD_LAYER_COST:
+    lc.layer_bytes = c->out.cost.layer_bytes;
+    lc.workspace_bytes = c->out.cost.workspace_bytes;
+    lc.ctx_bytes = c->out.cost.ctx_bytes ? c->out.cost.ctx_bytes : layer_ctx_bytes(&c->out.layer);
+    lc.row_align = c->out.layer.row_align;
+    lc.local_experts = c->out.layer.local_experts;
+    lc.first_expert = c->out.layer.first_expert;
+    reply.body_case = MOK__REPLY__BODY_LAYER_COST;
+    reply.layer_cost = &lc;
+    break;
   case MOK_CMD_GROUP_ID:
     gi.nccl_id.data = (uint8_t *)c->out.nccl_id;
     gi.nccl_id.len = MOK_GROUP_NCCL_ID_BYTES;
@@ -738,21 +837,14 @@ static void reply_from_engine(session *s, mok_cmd *c) {
   send_reply(s, c->request_id, &reply, NULL, 0);
 }
 
-/* Settle the per-uid counts once the engine thread has answered. */
+/* Settle the client limits' counts once the engine thread has answered. */
 static void settle_counts(session *s, const mok_cmd *c) {
   switch (c->kind) {
   case MOK_CMD_REGISTER:
-    if (c->status != MOK_OK) {
-      count_regions(s, -1, c->in.reg.bytes);
-    } else {
-      if (s->n_recs == s->cap_recs) {
-        size_t cap = s->cap_recs ? 2 * s->cap_recs : 16;
-        region_rec *n = realloc(s->recs, cap * sizeof *n);
-        if (!n) break; /* then it stays counted until the session ends */
-        s->recs = n, s->cap_recs = cap;
-      }
+    s->registering--;
+    if (c->status != MOK_OK) count_regions(s, -1, c->in.reg.bytes);
+    else /* room was made when it was sent */
       s->recs[s->n_recs++] = (region_rec){c->out.region_id, c->in.reg.bytes};
-    }
     break;
   case MOK_CMD_UNREGISTER:
     if (c->status != MOK_OK) break;
@@ -768,6 +860,25 @@ static void settle_counts(session *s, const mok_cmd *c) {
     break;
   case MOK_CMD_DESTROY_LAYER:
     if (c->status == MOK_OK) count_layers(s, -1);
+    break;
+  case MOK_CMD_JOIN_GROUP: {
+    s->joining--;
+    mok_quota_group *qg = NULL;
+    for (qg = s->user->groups; qg && strcmp(qg->key, c->in.join.key) != 0; qg = qg->next) {}
+    if (!qg) break; /* cannot be: its reservation keeps it */
+    mok_quota_group_settle(qg, c->status == MOK_OK);
+    if (c->status == MOK_OK) /* room was made when it was sent */
+      s->joins[s->n_joins++] = (join_rec){c->out.group.id, qg};
+    break;
+  }
+  case MOK_CMD_LEAVE_GROUP:
+    if (c->status != MOK_OK) break;
+    for (size_t i = 0; i < s->n_joins; i++) {
+      if (s->joins[i].group_id != c->in.id) continue;
+      mok_quota_group_drop(&s->srv->quota, s->joins[i].quota, true, now_ms());
+      s->joins[i] = s->joins[--s->n_joins];
+      break;
+    }
     break;
   default:
     break;
@@ -933,11 +1044,76 @@ static void on_signal(uv_signal_t *h, int signum) {
   begin_shutdown(h->data, signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
+/* vm.max_map_count (0: unknown). */
+static uint32_t max_map_count(void) {
+  FILE *f = fopen("/proc/sys/vm/max_map_count", "re");
+  unsigned long v = 0;
+  if (f) {
+    if (fscanf(f, "%lu", &v) != 1) v = 0;
+    fclose(f);
+  }
+  return v > UINT32_MAX ? UINT32_MAX : (uint32_t)v;
+}
+
+/* The client limits as the loop enforces them; warn about settings that
+ * let one tenant exhaust the daemon for the others. */
+static void set_up_limits(server *srv) {
+  mok_server_config *cfg = &srv->cfg;
+  /* regions are mappings: keep half of vm.max_map_count for the sessions'
+   * rings, the engine and the libraries, so that a Hello never fails */
+  uint32_t maps = max_map_count();
+  if (maps && (cfg->max_regions_total == 0 || cfg->max_regions_total > maps / 2)) {
+    log_warn("max-regions-total %u is %s half of vm.max_map_count (%u): using %u, so that "
+             "sessions can always map their rings",
+             cfg->max_regions_total, cfg->max_regions_total ? "more than" : "no limit, not",
+             maps, maps / 2);
+    cfg->max_regions_total = maps / 2;
+  }
+  if (cfg->session_reserve >= cfg->max_sessions)
+    log_warn("session-reserve %u leaves none of max-sessions %u for a uid's second session",
+             cfg->session_reserve, cfg->max_sessions);
+  if (!cfg->max_sessions_per_uid || cfg->max_sessions_per_uid > cfg->max_sessions - cfg->session_reserve)
+    log_warn("max-sessions-per-uid %u lets one uid take every session slot but the reserve",
+             cfg->max_sessions_per_uid);
+  if (cfg->max_regions_total &&
+      (!cfg->max_regions_per_uid || cfg->max_regions_per_uid >= cfg->max_regions_total))
+    log_warn("max-regions-per-uid %u lets one uid take every region of max-regions-total %u",
+             cfg->max_regions_per_uid, cfg->max_regions_total);
+  uint32_t linger = MOK_GROUP_LINGER_MS;
+  const char *e = getenv("MOK_GROUP_LINGER_MS"); /* the engine's test override (group.c) */
+  if (e && *e) linger = (uint32_t)strtoul(e, NULL, 10);
+  if (cfg->engine_cfg.group_linger_set) linger = cfg->engine_cfg.group_linger_ms;
+  srv->quota.lim = (mok_quota_limits){
+      .max_regions_total = cfg->max_regions_total,
+      .max_regions_per_uid = cfg->max_regions_per_uid,
+      .max_region_bytes_per_uid = cfg->max_region_bytes_per_uid,
+      .max_layers_per_uid = cfg->max_layers_per_uid,
+      .max_groups_per_uid = cfg->max_groups_per_uid,
+      .max_group_bytes_per_uid = cfg->max_group_bytes_per_uid,
+      .group_linger_ms = linger};
+}
+
+/* The group segments' directory: fit for use, stale segments gone. A
+ * directory that is not fit leaves groups on this host refused (each join
+ * says why), everything else served. */
+static void set_up_group_dir(const server *srv) {
+  const char *dir = mok_ep_group_dir_of(srv->cfg.engine_cfg.group_dir);
+  char err[512];
+  unsigned removed = 0;
+  if (mok_ep_group_dir_sweep(dir, &removed, err, sizeof err) != MOK_OK) {
+    log_warn("%s; expert-parallel groups on this host will be refused until it is fixed", err);
+    return;
+  }
+  if (removed) log_info("group-dir %s: removed %u stale or foreign segment(s)", dir, removed);
+}
+
 int mok_server_run(const mok_server_config *cfg) {
   server srv = {.cfg = *cfg, .listen_fd = -1};
   char err[256];
   int exit_code = 1;
   signal(SIGPIPE, SIG_IGN);
+  set_up_limits(&srv);
+  set_up_group_dir(&srv);
   srv.loop = uv_default_loop();
   srv.start_ms = now_ms();
   srv.epoch = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
@@ -981,6 +1157,7 @@ out:
   uv_walk(srv.loop, close_walk_cb, NULL);
   uv_run(srv.loop, UV_RUN_DEFAULT);
   uv_loop_close(srv.loop);
+  mok_quota_free(&srv.quota); /* groups still lingering (the engine left them) */
   free(srv.rxbuf);
   log_info("mokd stopped");
   return exit_code;

@@ -28,12 +28,27 @@ typedef struct mok_server_config {
   uint32_t n_allow_uids, n_allow_gids;
   uint32_t allow_uids[MOK_ALLOW_MAX];
   uint32_t allow_gids[MOK_ALLOW_MAX];
-  /* Per uid, across all of that uid's sessions (0: no limit beyond the
-   * per-session ones). Counted by the loop, which sees every registration. */
+  /* Stats show a client only its own uid's sessions and groups, unless it
+   * is root, the daemon's own uid, or listed here (like allow-uids/-gids). */
+  uint32_t n_admin_uids, n_admin_gids;
+  uint32_t admin_uids[MOK_ALLOW_MAX];
+  uint32_t admin_gids[MOK_ALLOW_MAX];
+  /* The client limits (deploy/mokd.conf's table): fair shares by default.
+   * Per uid, across all of that uid's sessions (0: no limit beyond the
+   * per-session ones). Counted by the loop, which sees every registration;
+   * jobs in flight (limits.max_jobs_per_uid) are counted by the engine. */
   uint32_t max_sessions_per_uid;
   uint32_t max_regions_per_uid;
   uint64_t max_region_bytes_per_uid;
   uint32_t max_layers_per_uid;
+  uint32_t max_groups_per_uid;       /* groups joined (held or lingering) */
+  uint64_t max_group_bytes_per_uid;  /* their segments' bytes */
+  /* Daemon-wide: when fewer than session_reserve session slots are free,
+   * only a uid that holds no session yet may connect; at most
+   * max_regions_total regions (mappings) across all sessions, well below
+   * vm.max_map_count, so that a Hello never fails for want of one. */
+  uint32_t session_reserve;
+  uint32_t max_regions_total;
 } mok_server_config;
 
 void mok_server_config_defaults(mok_server_config *cfg);

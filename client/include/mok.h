@@ -94,6 +94,25 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *desc, mok_layer **ret)
 /* accepts NULL */
 void mok_layer_destroy(mok_layer *l);
 
+/* What a layer of this description would cost, asked before creating it
+ * (the same checks as mok_layer_create; nothing is created, no quota is
+ * used). Bytes at desc->max_tokens. */
+typedef struct mok_layer_cost_info {
+  uint64_t layer_bytes;     /* daemon memory the layer itself keeps while it exists */
+  uint64_t workspace_bytes; /* the session workspace a job needs (one per session,
+                               shared by its layers; given back when idle) */
+  uint64_t ctx_bytes;       /* the ctx a forward saves: client memory, as
+                               mok_layer_ctx_bytes(layer, max_tokens) */
+  uint32_t row_align;       /* as mok_layer_row_align */
+  uint32_t local_experts;   /* experts this rank holds (all without a group) */
+  uint32_t first_expert;
+} mok_layer_cost_info;
+/* An engine that does not account its memory reports layer_bytes and
+ * workspace_bytes 0 (the cpu engine keeps no per-layer state). */
+#ifndef MOK_ENGINE_H /* mokd's own engine.h (in some of mok's tests) has a type of this name */
+int mok_layer_cost(mok_client *c, const mok_layer_desc *desc, mok_layer_cost_info *ret);
+#endif
+
 /* ---- expert-parallel groups (docs/ep.md) ---- */
 
 /* What every rank of a group must agree on (a join that differs fails). */

@@ -4,7 +4,8 @@
 #include "internal.h"
 #include "mok_slots.h"
 
-int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
+/* The wire form of a layer description (CreateLayer, LayerCost). */
+static Mok__LayerConfig layer_config_of(const mok_layer_desc *d) {
   Mok__LayerConfig lc = MOK__LAYER_CONFIG__INIT;
   lc.hidden = d->hidden;
   lc.intermediate = d->intermediate;
@@ -19,6 +20,41 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
   lc.swiglu_limit = d->swiglu_limit;
   lc.group_id = d->group ? d->group->id : 0;
   lc.group_tag = d->group_tag;
+  return lc;
+}
+
+int mok_layer_cost(mok_client *c, const mok_layer_desc *d, mok_layer_cost_info *ret) {
+  if (!c || !d || !ret) return mok_set_error(MOK_EINVAL, "mok_layer_cost: NULL argument");
+  if (d->group && d->group->client != c)
+    return mok_set_error(MOK_EINVAL, "the layer's group was joined through another client");
+  Mok__LayerConfig lc = layer_config_of(d);
+  Mok__LayerCost cost = MOK__LAYER_COST__INIT;
+  cost.config = &lc;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_LAYER_COST;
+  req.layer_cost = &cost;
+  Mok__Reply *reply = NULL;
+  pthread_mutex_lock(&c->lock);
+  int r = mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL);
+  pthread_mutex_unlock(&c->lock);
+  if (r != MOK_OK) return r;
+  if (reply->body_case != MOK__REPLY__BODY_LAYER_COST) {
+    mok__reply__free_unpacked(reply, NULL);
+    return mok_set_error(MOK_EPROTO, "layer-cost reply without a cost (an older mokd?)");
+  }
+  const Mok__LayerCostReply *lr = reply->layer_cost;
+  *ret = (mok_layer_cost_info){.layer_bytes = lr->layer_bytes,
+                               .workspace_bytes = lr->workspace_bytes,
+                               .ctx_bytes = lr->ctx_bytes,
+                               .row_align = lr->row_align,
+                               .local_experts = lr->local_experts,
+                               .first_expert = lr->first_expert};
+  mok__reply__free_unpacked(reply, NULL);
+  return MOK_OK;
+}
+
+int mok_layer_create(mok_client *c, const mok_layer_desc *d, mok_layer **ret) {
+  Mok__LayerConfig lc = layer_config_of(d);
   Mok__CreateLayer cl = MOK__CREATE_LAYER__INIT;
   cl.config = &lc;
   Mok__Request req = MOK__REQUEST__INIT;

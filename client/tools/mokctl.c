@@ -44,8 +44,14 @@ static void print_text(const Mok__StatsReply *s) {
          (unsigned long long)s->jobs_failed);
   printf("job latency:  p50 %.1f us, p99 %.1f us (engine time, recent jobs)\n",
          (double)s->job_latency_p50_ns / 1e3, (double)s->job_latency_p99_ns / 1e3);
-  printf("sessions:     %zu now (this one included), %llu since start\n", s->n_sessions,
-         (unsigned long long)s->sessions_total);
+  if (s->own_uid_only)
+    printf("shown:        uid %u's sessions and groups only (admins see every tenant)\n",
+           s->viewer_uid);
+  if (s->own_uid_only)
+    printf("sessions:     %zu now (this one included)\n", s->n_sessions);
+  else
+    printf("sessions:     %zu now (this one included), %llu since start\n", s->n_sessions,
+           (unsigned long long)s->sessions_total);
   printf("  %-8s %-20s %6s %8s %8s %12s %7s %10s %8s\n", "session", "client", "uid", "pid",
          "regions", "bytes", "layers", "jobs", "failed");
   for (size_t i = 0; i < s->n_sessions; i++) {
@@ -54,6 +60,10 @@ static void print_text(const Mok__StatsReply *s) {
            (unsigned long long)x->session_id, x->client_name, x->uid, x->pid, x->regions,
            (unsigned long long)x->region_bytes, x->layers, (unsigned long long)x->jobs_done,
            (unsigned long long)x->jobs_failed);
+    printf("           memory: %llu device mapped, %llu workspace, %llu layers, %llu scratch "
+           "(bytes)\n",
+           (unsigned long long)x->mapped_device_bytes, (unsigned long long)x->workspace_bytes,
+           (unsigned long long)x->layer_bytes, (unsigned long long)x->scratch_bytes);
     for (size_t k = 0; k < x->n_groups; k++) {
       const Mok__GroupInfo *g = x->groups[k];
       printf("           group %u: rank %u of %u, generation %llu, %llu jobs\n", g->group_id,
@@ -81,19 +91,24 @@ static void print_json(const Mok__StatsReply *s) {
   printf(", \"device\": ");
   json_str(s->device);
   printf(", \"uptime_ms\": %llu, \"jobs_done\": %llu, \"jobs_failed\": %llu, "
-         "\"latency_p50_ns\": %llu, \"latency_p99_ns\": %llu, \"sessions_total\": %llu, "
-         "\"sessions\": [",
+         "\"latency_p50_ns\": %llu, \"latency_p99_ns\": %llu, \"sessions_total\": %llu, ",
          (unsigned long long)s->uptime_ms, (unsigned long long)s->jobs_done,
          (unsigned long long)s->jobs_failed, (unsigned long long)s->job_latency_p50_ns,
          (unsigned long long)s->job_latency_p99_ns, (unsigned long long)s->sessions_total);
+  printf("\"own_uid_only\": %s, \"viewer_uid\": %u, \"sessions\": [",
+         s->own_uid_only ? "true" : "false", s->viewer_uid);
   for (size_t i = 0; i < s->n_sessions; i++) {
     const Mok__SessionInfo *x = s->sessions[i];
     printf("%s{\"id\": %llu, \"client\": ", i ? ", " : "", (unsigned long long)x->session_id);
     json_str(x->client_name);
     printf(", \"uid\": %u, \"pid\": %u, \"regions\": %u, \"region_bytes\": %llu, "
-           "\"layers\": %u, \"jobs_done\": %llu, \"jobs_failed\": %llu, \"groups\": [",
+           "\"layers\": %u, \"jobs_done\": %llu, \"jobs_failed\": %llu, "
+           "\"memory\": {\"mapped_device_bytes\": %llu, \"workspace_bytes\": %llu, "
+           "\"layer_bytes\": %llu, \"scratch_bytes\": %llu}, \"groups\": [",
            x->uid, x->pid, x->regions, (unsigned long long)x->region_bytes, x->layers,
-           (unsigned long long)x->jobs_done, (unsigned long long)x->jobs_failed);
+           (unsigned long long)x->jobs_done, (unsigned long long)x->jobs_failed,
+           (unsigned long long)x->mapped_device_bytes, (unsigned long long)x->workspace_bytes,
+           (unsigned long long)x->layer_bytes, (unsigned long long)x->scratch_bytes);
     for (size_t k = 0; k < x->n_groups; k++) {
       const Mok__GroupInfo *g = x->groups[k];
       printf("%s{\"id\": %u, \"rank\": %u, \"world\": %u, \"generation\": %llu, "
@@ -137,6 +152,9 @@ static void print_metrics(const Mok__StatsReply *s) {
   printf("\",version=\"");
   label_value(s->daemon_version);
   printf("\"} 1\n");
+  metric("mok_stats_scope_own_uid", "gauge",
+         "1: what follows covers only the asking uid's sessions (not an admin)");
+  printf("mok_stats_scope_own_uid{uid=\"%u\"} %d\n", s->viewer_uid, s->own_uid_only ? 1 : 0);
   metric("mok_uptime_seconds", "gauge", "Seconds since mokd started");
   printf("mok_uptime_seconds %.3f\n", (double)s->uptime_ms / 1000.0);
   metric("mok_jobs_total", "counter", "Jobs completed, by result");
@@ -155,6 +173,17 @@ static void print_metrics(const Mok__StatsReply *s) {
     printf("mok_session_region_bytes{session=\"%llu\",client=\"", (unsigned long long)x->session_id);
     label_value(x->client_name);
     printf("\",uid=\"%u\"} %llu\n", x->uid, (unsigned long long)x->region_bytes);
+  }
+  metric("mok_session_memory_bytes", "gauge",
+         "What a session holds in the engine, by session and kind (0: the engine does not say)");
+  for (size_t i = 0; i < s->n_sessions; i++) {
+    const Mok__SessionInfo *x = s->sessions[i];
+    const struct { const char *kind; uint64_t v; } m[] = {
+        {"mapped_device", x->mapped_device_bytes}, {"workspace", x->workspace_bytes},
+        {"layer", x->layer_bytes}, {"scratch", x->scratch_bytes}};
+    for (size_t k = 0; k < sizeof m / sizeof m[0]; k++)
+      printf("mok_session_memory_bytes{session=\"%llu\",kind=\"%s\"} %llu\n",
+             (unsigned long long)x->session_id, m[k].kind, (unsigned long long)m[k].v);
   }
   metric("mok_group_jobs_total", "counter", "Group jobs run, by session, group and rank");
   for (size_t i = 0; i < s->n_sessions; i++)

@@ -588,6 +588,128 @@ static void test_a_client_that_never_drains_costs_no_cpu(void) {
   waitpid(d.pid, NULL, 0);
 }
 
+/* LayerCost: CreateLayer's description and checks, nothing created, no
+ * quota; the numbers are the wire formulas (ctx at max_tokens) and the
+ * engine's (the cpu engine keeps no per-layer state: 0). */
+static void test_layer_cost_before_creating(void) {
+  char dir[] = "/tmp/mok-test-cost-XXXXXX", conf[256];
+  CHECK(mkdtemp(dir) != NULL);
+  snprintf(conf, sizeof conf, "max-layers = 1\nmax-layers-per-uid = 1\ngroup-dir = %s\n", dir);
+  daemon_proc d = harness_start(conf);
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "cost", &c) == MOK_OK);
+  mok_layer_desc ld = {.hidden = 64, .intermediate = 32, .experts = 8, .topk = 2,
+                       .shared_intermediate = 16, .max_tokens = 40, .dtype = MOK_DTYPE_BF16};
+  mok_layer_cost_info a, b;
+  CHECK_MSG(mok_layer_cost(c, &ld, &a) == MOK_OK, "%s", mok_last_error());
+  CHECK_MSG(mok_layer_cost(c, &ld, &b) == MOK_OK, "%s", mok_last_error()); /* no quota used */
+  CHECK(a.ctx_bytes == b.ctx_bytes && a.layer_bytes == b.layer_bytes &&
+        a.workspace_bytes == b.workspace_bytes && a.row_align == b.row_align);
+  mok_layer *l, *l2;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  CHECK_EQ_INT(a.ctx_bytes, mok_layer_ctx_bytes(l, ld.max_tokens));
+  CHECK_EQ_INT(a.row_align, mok_layer_row_align(l));
+  CHECK_EQ_INT(a.local_experts, 8);
+  CHECK_EQ_INT(a.first_expert, 0);
+  /* the cpu engine keeps no per-layer state and reports no workspace */
+  if (strcmp(mok_client_engine(c), "cpu") == 0) {
+    CHECK_EQ_INT(a.layer_bytes, 0);
+    CHECK_EQ_INT(a.workspace_bytes, 0);
+  }
+  /* still asked with a layer (the quota full): a cost is no layer */
+  CHECK_MSG(mok_layer_cost(c, &ld, &b) == MOK_OK, "%s", mok_last_error());
+  CHECK_EQ_INT(mok_layer_create(c, &ld, &l2), MOK_ELIMIT);
+  /* a larger layer never costs less; ctx follows max_tokens */
+  mok_layer_desc big = ld;
+  big.max_tokens = 4 * ld.max_tokens;
+  CHECK_MSG(mok_layer_cost(c, &big, &b) == MOK_OK, "%s", mok_last_error());
+  CHECK(b.ctx_bytes > a.ctx_bytes && b.layer_bytes >= a.layer_bytes &&
+        b.workspace_bytes >= a.workspace_bytes);
+  /* refused exactly as CreateLayer would be */
+  mok_layer_desc bad = ld;
+  bad.topk = 9;
+  CHECK_EQ_INT(mok_layer_cost(c, &bad, &b), MOK_EINVAL);
+  char why[256];
+  snprintf(why, sizeof why, "%s", mok_last_error());
+  mok_layer_destroy(l);
+  CHECK_EQ_INT(mok_layer_create(c, &bad, &l2), MOK_EINVAL);
+  CHECK(strcmp(why, mok_last_error()) == 0);
+  bad = ld;
+  bad.dtype = 77;
+  CHECK_EQ_INT(mok_layer_cost(c, &bad, &b), MOK_EINVAL);
+  bad = ld;
+  bad.max_tokens = 0;
+  CHECK_EQ_INT(mok_layer_cost(c, &bad, &b), MOK_EINVAL);
+  CHECK_EQ_INT(mok_layer_cost(c, NULL, &b), MOK_EINVAL);
+  /* a raw LayerCost without a config */
+  Mok__LayerCost lc = MOK__LAYER_COST__INIT;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_LAYER_COST;
+  req.layer_cost = &lc;
+  Mok__Reply *rep = NULL;
+  CHECK_EQ_INT(mok_rpc(c, &req, NULL, 0, &rep, NULL, NULL), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "LayerCost without a config");
+  /* on a group: this rank's experts, the group's ctx */
+  mok_group_sizing sz = {.max_tokens = 40, .hidden = 64, .topk = 2, .experts = 8,
+                         .dtype = MOK_DTYPE_BF16, .timeout_ms = 1000};
+  mok_group *g;
+  CHECK_MSG(mok_group_join(c, "cost-group", 0, 2, &sz, &g) == MOK_OK, "%s", mok_last_error());
+  mok_layer_desc gd = ld;
+  gd.group = g;
+  CHECK_MSG(mok_layer_cost(c, &gd, &b) == MOK_OK, "%s", mok_last_error());
+  CHECK_EQ_INT(b.local_experts, 4);
+  CHECK_EQ_INT(b.first_expert, 0);
+  CHECK_MSG(mok_layer_create(c, &gd, &l2) == MOK_OK, "%s", mok_last_error());
+  CHECK_EQ_INT(b.ctx_bytes, mok_layer_ctx_bytes(l2, gd.max_tokens));
+  CHECK(b.ctx_bytes != a.ctx_bytes); /* the group's routed rows, not the local ones */
+  mok_layer_destroy(l2);
+  CHECK(mok_group_leave(g) == MOK_OK);
+  gd.group = NULL;
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+  rmdir(dir);
+}
+
+/* Stats carries each session's memory split (mokctl prints it). */
+static void test_stats_report_session_memory(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "memory", &c) == MOK_OK);
+  problem p;
+  problem_init(&p, c, 16, 5);
+  run_and_check(c, &p);
+  Mok__Stats st = MOK__STATS__INIT;
+  Mok__Request req = MOK__REQUEST__INIT;
+  req.body_case = MOK__REQUEST__BODY_STATS;
+  req.stats = &st;
+  Mok__Reply *rep = NULL;
+  CHECK(mok_rpc(c, &req, NULL, 0, &rep, NULL, NULL) == MOK_OK);
+  CHECK(rep->body_case == MOK__REPLY__BODY_STATS && rep->stats->n_sessions == 1);
+  const Mok__SessionInfo *x = rep->stats->sessions[0];
+  CHECK(!rep->stats->own_uid_only); /* root: an admin */
+  CHECK_EQ_INT(x->mapped_device_bytes, 0); /* host memory only */
+  if (strcmp(mok_client_engine(c), "cpu") == 0) CHECK_EQ_INT(x->layer_bytes, 0);
+  /* whatever the engine holds for it is bounded by what it would say a job needs */
+  CHECK(x->workspace_bytes + x->scratch_bytes < (1ull << 32));
+  mok__reply__free_unpacked(rep, NULL);
+  /* mokctl shows it, in text, JSON and metrics */
+  const char *modes[][2] = {{"status", "memory: "}, {"status --json", "\"memory\": {\"mapped_device_bytes\""},
+                            {"metrics", "mok_session_memory_bytes{session="}};
+  for (int m = 0; m < 3; m++) {
+    char cmd[512], out[8192];
+    snprintf(cmd, sizeof cmd, "%s/bin/mokctl --socket %s %s", harness_build_dir(), d.sock,
+             modes[m][0]);
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL);
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    CHECK_EQ_INT(pclose(f), 0);
+    CHECK_STR_CONTAINS(out, modes[m][1]);
+  }
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_forward_backward_match_the_reference),
     CHECK_CASE(test_many_nops_round_trip),
@@ -596,6 +718,8 @@ static const check_case cases[] = {
     CHECK_CASE(test_bad_descriptors_fail_only_their_job),
     CHECK_CASE(test_unsealed_memfd_and_quota_are_refused),
     CHECK_CASE(test_join_group_with_a_malformed_nccl_id),
+    CHECK_CASE(test_layer_cost_before_creating),
+    CHECK_CASE(test_stats_report_session_memory),
     CHECK_CASE(test_a_killed_client_loses_only_its_session),
     CHECK_CASE(test_concurrent_clients_each_get_their_results),
     CHECK_CASE(test_shutdown_drains_and_refuses_a_second_daemon),

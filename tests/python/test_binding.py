@@ -531,6 +531,36 @@ def test_errors(client):
     check_vs_reference(a, d_out, out, g, F32_TOL)
 
 
+def test_layer_cost(client):
+    """Client.layer_cost: the layer's numbers before it exists (mok_layer_cost)."""
+    H, I, E, K, I_s, T = 48, 24, 6, 2, 8, 40
+    cost = client.layer_cost(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_s,
+                             dtype="bfloat16", max_tokens=T)
+    assert set(cost) == {"layer_bytes", "workspace_bytes", "ctx_bytes", "row_align",
+                         "local_experts", "first_expert"}
+    layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_s,
+                         dtype="bfloat16", max_tokens=T)
+    assert cost["ctx_bytes"] == layer.ctx_bytes(T)
+    assert cost["row_align"] == layer.row_align
+    assert (cost["local_experts"], cost["first_expert"]) == (E, 0)
+    if client.engine == "cpu":  # it keeps no per-layer state, reports no workspace
+        assert cost["layer_bytes"] == 0 and cost["workspace_bytes"] == 0
+    bigger = client.layer_cost(hidden=H, intermediate=I, experts=E, topk=K,
+                               shared_intermediate=I_s, dtype="bfloat16", max_tokens=4 * T)
+    assert bigger["ctx_bytes"] > cost["ctx_bytes"]
+    assert bigger["workspace_bytes"] >= cost["workspace_bytes"]
+    # refused like layer(): the daemon's checks, the daemon's message
+    with pytest.raises(mok.Error) as ei:
+        client.layer_cost(hidden=H, intermediate=I, experts=E, topk=E + 1)
+    assert ei.value.status == "EINVAL" and "topk" in str(ei.value)
+    with pytest.raises(mok.Error) as ei:
+        client.layer_cost(hidden=H, intermediate=I, experts=E, topk=K, dtype="float16")
+    assert ei.value.status == "EINVAL"
+    with pytest.raises(mok.Error):
+        client.layer_cost(hidden=0, intermediate=I, experts=E, topk=K)
+    layer.close()
+
+
 def test_closed_client_and_connect_errors(mokd, tmp_path):
     with pytest.raises(mok.Error) as ei:
         mok.connect(str(tmp_path / "nobody.sock"))

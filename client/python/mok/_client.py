@@ -410,6 +410,44 @@ class Client:
         return Layer(self, hidden, intermediate, experts, topk, shared_intermediate, dtype,
                      swiglu_limit, max_tokens, group, group_tag)
 
+    def layer_cost(self, hidden, intermediate, experts, topk, shared_intermediate=0,
+                   dtype="float32", swiglu_limit=None, max_tokens=DEFAULT_MAX_TOKENS, group=None,
+                   group_tag=0):
+        """What a layer of this description would cost at max_tokens, before
+        creating it (mokd checks it as it would a layer; nothing is created and
+        no quota is used). A dict: layer_bytes (daemon memory the layer keeps),
+        workspace_bytes (the session's workspace a job needs, shared by its
+        layers), ctx_bytes (the client memory a forward's saved context takes:
+        Layer.ctx_bytes(max_tokens)), row_align, local_experts, first_expert.
+        An engine that does not account its memory reports 0 bytes there."""
+        if group is not None and (not isinstance(group, Group) or group.client is not self):
+            raise Error("EINVAL", "group must be a mok.Group joined through this client")
+        if group is not None and not group._ptr:
+            raise Error("ECLOSED", "the group was left")
+        code = _dtype_code(dtype)
+        if swiglu_limit is not None:
+            try:
+                swiglu_limit = float(swiglu_limit)
+            except (TypeError, ValueError):
+                raise Error("EINVAL", "swiglu_limit must be a number or None, got %r" %
+                            (swiglu_limit,))
+        d = _lib.LayerDesc(hidden=_dim("hidden", hidden),
+                           intermediate=_dim("intermediate", intermediate),
+                           experts=_dim("experts", experts), topk=_dim("topk", topk),
+                           shared_intermediate=_dim("shared_intermediate", shared_intermediate, 0),
+                           max_tokens=_dim("max_tokens", max_tokens), dtype=code,
+                           has_swiglu_limit=int(swiglu_limit is not None),
+                           swiglu_limit=swiglu_limit or 0.0,
+                           group=group._ptr if group is not None else None,
+                           group_tag=_dim("group_tag", group_tag, 0))
+        info = _lib.LayerCostInfo()
+        with self._lock:
+            self._check_open()
+            st = _lib.lib().mok_layer_cost(self._native.ptr, byref(d), byref(info))
+        if st:
+            _raise(st)
+        return {f: int(getattr(info, f)) for f, _ in _lib.LayerCostInfo._fields_}
+
     # ---- expert-parallel groups ----
     def nccl_id(self):
         """A fresh NCCL unique id (128 bytes) for group(..., nccl_id=): ask rank

@@ -57,6 +57,11 @@ class LayerDesc(ctypes.Structure):
     ]
 
 
+class LayerCostInfo(ctypes.Structure):  # mok.h mok_layer_cost_info
+    _fields_ = [(n, ctypes.c_uint64) for n in ("layer_bytes", "workspace_bytes", "ctx_bytes")] + [
+        (n, ctypes.c_uint32) for n in ("row_align", "local_experts", "first_expert")]
+
+
 class GroupSizing(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in (
         "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")] + [
@@ -111,6 +116,7 @@ def _declare(lib):
         "mok_host_free": (c.c_int, [P, P]),
         "mok_layer_create": (c.c_int, [P, c.POINTER(LayerDesc), c.POINTER(P)]),
         "mok_layer_destroy": (None, [P]),
+        "mok_layer_cost": (c.c_int, [P, c.POINTER(LayerDesc), c.POINTER(LayerCostInfo)]),
         "mok_layer_row_align": (c.c_uint32, [P]),
         "mok_layer_local_experts": (c.c_uint32, [P]),
         "mok_layer_ctx_bytes": (c.c_uint64, [P, c.c_uint32]),
