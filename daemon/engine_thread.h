@@ -99,17 +99,19 @@ typedef struct mok_cmd {
   /* filled by the engine thread */
   int status;
   char message[256];
-  union {
-    uint32_t region_id;
-    mok_layer_config layer; /* with id in layer_id */
-    mok_engine_stats stats;
-    struct {
-      uint32_t id, local_experts, first_expert;
-      uint64_t generation, sequence;
-      bool rejoined;
-    } group;
-    uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
-    mok_layer_cost cost; /* MOK_CMD_LAYER_COST */
+  struct {
+    union {
+      uint32_t region_id;
+      mok_layer_config layer; /* with id in layer_id; MOK_CMD_LAYER_COST: the prepared layer */
+      mok_engine_stats stats;
+      struct {
+        uint32_t id, local_experts, first_expert;
+        uint64_t generation, sequence;
+        bool rejoined;
+      } group;
+      uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
+    };
+    mok_layer_cost cost; /* MOK_CMD_LAYER_COST, beside its layer (not over it) */
   } out;
   uint32_t layer_id;
   bool deferred; /* the engine thread answers it later (a group forming) */
