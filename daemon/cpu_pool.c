@@ -1,9 +1,12 @@
-/* cpu_pool: fixed worker threads, one generation counter per run.
+/* cpu_pool: fixed worker threads, one generation counter per slice.
  *
  * All shared state is guarded by one mutex; workers sleep on work_cv until
  * the generation changes, the caller sleeps on done_cv until every worker
  * has finished its chunk. Chunks are computed from the worker's index, so no
- * work is ever handed out in arrival order. */
+ * work is ever handed out in arrival order. One caller at a time has the
+ * workers, for one slice of its items; a caller that finds them taken runs
+ * its slice on its own thread instead of waiting, so no caller ever waits
+ * for another's run (the kernel shares the cores among the threads). */
 #include "cpu_pool.h"
 
 #include <errno.h>
@@ -11,23 +14,24 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 struct cpu_pool {
   int n_threads; /* including the caller */
   int n_started; /* worker threads actually running */
   pthread_t *workers;
-  pthread_mutex_t run_lock; /* one cpu_pool_run at a time */
   pthread_mutex_t mu;
   pthread_cond_t work_cv;
   pthread_cond_t done_cv;
   /* guarded by mu */
+  bool busy; /* a caller has the workers (one slice at a time) */
   uint64_t generation;
   int pending;
   bool stopping;
   cpu_pool_fn fn;
   void *arg;
-  size_t n_items;
+  size_t base, n_items; /* the slice being run: items [base, base + n_items) */
   int n_chunks;
 };
 
@@ -58,13 +62,13 @@ static void *worker_main(void *p) {
     seen = pool->generation;
     cpu_pool_fn fn = pool->fn;
     void *arg = pool->arg;
-    size_t n = pool->n_items;
+    size_t base = pool->base, n = pool->n_items;
     int n_chunks = pool->n_chunks;
     pthread_mutex_unlock(&pool->mu);
     if (index < n_chunks) {
       size_t begin, end;
       chunk_bounds(n, n_chunks, index, &begin, &end);
-      if (begin < end) fn(arg, begin, end);
+      if (begin < end) fn(arg, base + begin, base + end);
     }
     pthread_mutex_lock(&pool->mu);
     if (--pool->pending == 0) pthread_cond_signal(&pool->done_cv);
@@ -90,8 +94,6 @@ int cpu_pool_create(int threads, cpu_pool **ret_pool) {
   pool->n_threads = threads;
   int rc = pthread_mutex_init(&pool->mu, NULL);
   if (rc) goto fail_mu;
-  rc = pthread_mutex_init(&pool->run_lock, NULL);
-  if (rc) goto fail_run_lock;
   rc = pthread_cond_init(&pool->work_cv, NULL);
   if (rc) goto fail_work_cv;
   rc = pthread_cond_init(&pool->done_cv, NULL);
@@ -129,8 +131,6 @@ fail_workers:
 fail_done_cv:
   pthread_cond_destroy(&pool->work_cv);
 fail_work_cv:
-  pthread_mutex_destroy(&pool->run_lock);
-fail_run_lock:
   pthread_mutex_destroy(&pool->mu);
 fail_mu:
   free(pool);
@@ -147,26 +147,27 @@ void cpu_pool_destroy(cpu_pool *pool) {
   free(pool->workers);
   pthread_cond_destroy(&pool->done_cv);
   pthread_cond_destroy(&pool->work_cv);
-  pthread_mutex_destroy(&pool->run_lock);
   pthread_mutex_destroy(&pool->mu);
   free(pool);
 }
 
 int cpu_pool_threads(const cpu_pool *pool) { return pool ? pool->n_threads : 1; }
 
-void cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg) {
-  if (n_items == 0) return;
-  int n_chunks = pool ? pool->n_threads : 1;
-  if ((size_t)n_chunks > n_items) n_chunks = (int)n_items;
-  if (n_chunks <= 1) { /* nothing to share: skip the hand-off */
-    fn(arg, 0, n_items);
-    return;
-  }
-  pthread_mutex_lock(&pool->run_lock);
-  pthread_mutex_lock(&pool->mu);
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Items [base, base + n) on the workers and the caller, a chunk each.
+ * Called with mu held and busy set by this caller; returns with mu held. */
+static void run_slice(cpu_pool *pool, size_t base, size_t n, cpu_pool_fn fn, void *arg) {
+  int n_chunks = pool->n_threads;
+  if ((size_t)n_chunks > n) n_chunks = (int)n;
   pool->fn = fn;
   pool->arg = arg;
-  pool->n_items = n_items;
+  pool->base = base;
+  pool->n_items = n;
   pool->n_chunks = n_chunks;
   pool->pending = pool->n_started;
   pool->generation++;
@@ -174,11 +175,43 @@ void cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg) {
   pthread_mutex_unlock(&pool->mu);
 
   size_t begin, end;
-  chunk_bounds(n_items, n_chunks, 0, &begin, &end);
-  fn(arg, begin, end);
+  chunk_bounds(n, n_chunks, 0, &begin, &end);
+  fn(arg, base + begin, base + end);
 
   pthread_mutex_lock(&pool->mu);
   while (pool->pending > 0) pthread_cond_wait(&pool->done_cv, &pool->mu);
+}
+
+void cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg) {
+  if (n_items == 0) return;
+  int threads = pool ? pool->n_threads : 1;
+  if (threads <= 1 || n_items == 1) { /* nothing to share: skip the hand-off */
+    fn(arg, 0, n_items);
+    return;
+  }
+  /* Slice by slice: with the workers when nobody else has them, else on
+   * this thread alone. The slice grows while slices are short and shrinks
+   * when one overran, so that the workers are free again within about
+   * CPU_POOL_SLICE_NS whatever an item costs. */
+  size_t slice = (size_t)threads, done = 0;
+  pthread_mutex_lock(&pool->mu);
+  while (done < n_items) {
+    size_t n = n_items - done < slice ? n_items - done : slice;
+    bool mine = !pool->busy;
+    uint64_t t0 = mono_ns();
+    if (mine) {
+      pool->busy = true;
+      run_slice(pool, done, n, fn, arg);
+      pool->busy = false;
+    } else {
+      pthread_mutex_unlock(&pool->mu);
+      fn(arg, done, done + n);
+      pthread_mutex_lock(&pool->mu);
+    }
+    uint64_t dt = mono_ns() - t0;
+    done += n;
+    if (dt < CPU_POOL_SLICE_NS / 2 && slice < SIZE_MAX / 2) slice *= 2;
+    else if (dt > 2 * CPU_POOL_SLICE_NS && slice / 2 >= (size_t)threads) slice /= 2;
+  }
   pthread_mutex_unlock(&pool->mu);
-  pthread_mutex_unlock(&pool->run_lock);
 }

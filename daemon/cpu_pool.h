@@ -1,15 +1,21 @@
 /* cpu_pool: a small fixed pool of worker threads for data-parallel loops.
  *
- * cpu_pool_run() splits the items [0, n) into one contiguous chunk per
- * thread (the calling thread takes the first chunk), runs fn on each chunk
- * and returns when all chunks are done. Which thread runs which chunk never
- * changes what a chunk computes, so callers that give every output element
- * one owner with a fixed summation order get the same bits at any thread
- * count.
+ * cpu_pool_run() runs fn over the items [0, n) in contiguous chunks, one
+ * per thread (the calling thread takes the first chunk), and returns when
+ * all are done. Items are independent: which thread runs which chunk, and
+ * how the range is cut, never changes what an item computes, so callers
+ * that give every output element one owner with a fixed summation order
+ * get the same bits at any thread count.
  *
- * One pool serves one caller at a time (the engine thread); concurrent
- * cpu_pool_run() calls on the same pool are serialised. fn must not call
- * cpu_pool_run() on the same pool.
+ * Several threads may call cpu_pool_run() at once (the jobs of different
+ * sessions). The range runs in slices sized to take about
+ * CPU_POOL_SLICE_NS; one caller at a time has the workers for a slice, and
+ * a caller that finds them taken runs its slice on its own thread. No
+ * caller ever waits for another's run, however large (mokd: a tenant's
+ * huge job cannot hold up another tenant's small one); the cores are
+ * shared by the kernel's scheduler among the threads that run. A caller
+ * alone takes ever larger slices and pays almost nothing for them.
+ * fn must not call cpu_pool_run() on the same pool.
  */
 #ifndef MOK_CPU_POOL_H
 #define MOK_CPU_POOL_H
@@ -19,6 +25,8 @@
 typedef struct cpu_pool cpu_pool;
 
 typedef void (*cpu_pool_fn)(void *arg, size_t begin, size_t end);
+
+#define CPU_POOL_SLICE_NS 2000000ull /* how long a caller holds the workers at a time */
 
 /* threads: total threads including the caller; 0 = one per online core.
  * Returns 0 or an errno value (EINVAL for threads < 0). */
@@ -31,7 +39,8 @@ void cpu_pool_destroy(cpu_pool *pool);
 int cpu_pool_threads(const cpu_pool *pool);
 
 /* Runs fn over [0, n_items) in contiguous chunks and waits for all of them.
- * Chunks are never empty; with n_items == 0 fn is not called. */
+ * Chunks are never empty and never overlap; every item runs exactly once;
+ * with n_items == 0 fn is not called. */
 void cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg);
 
 #endif /* MOK_CPU_POOL_H */

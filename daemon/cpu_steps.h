@@ -9,6 +9,7 @@
 #ifndef MOK_CPU_STEPS_H
 #define MOK_CPU_STEPS_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,6 +18,11 @@
 
 /* Scratch buffers, cached and grown; one purpose per id within a job. */
 enum scratch_id {
+  /* daemon copies of what the client gave that steers addresses: the
+   * routing ids and the schedule (copied once, checked, then used; the
+   * client's buffers are only ever written after that) */
+  SCR_IDS,
+  SCR_SCHED,
   /* whole-layer buffers (layer dtype or raw bytes) */
   SCR_LAYER_CTX,
   SCR_LAYER_ROUTED_X,
@@ -46,6 +52,7 @@ enum scratch_id {
   SCR_GEMM_JOBS,
   SCR_GEMM_TASKS,
   /* expert-parallel jobs (ep_cpu.c) */
+  SCR_EP_OWN_IDS, /* the daemon's copy of the rank's own routing ids */
   SCR_EP_SLOT_ROW,
   SCR_EP_DRW,
   SCR_EP_RING_ACTS, /* a macrobatch's g and u rows */
@@ -55,9 +62,22 @@ enum scratch_id {
   SCR_COUNT_
 };
 
+typedef struct cpu_scratch_buf {
+  void *ptr;
+  size_t cap;
+} cpu_scratch_buf;
+
+/* The scratch of one job at a time: a session's (its jobs run in order on
+ * its runner), or the engine's own for direct run() calls. */
+typedef struct cpu_scratch_set {
+  cpu_scratch_buf buf[SCR_COUNT_];
+  _Atomic uint64_t bytes; /* held, for stats (read by the engine thread) */
+} cpu_scratch_set;
+
 /* Everything a job's functions need, resolved once. */
 typedef struct job_env {
   mok_engine *eng;
+  cpu_scratch_set *scr;
   const mok_job_args *args;
   const mok_layer_config *cfg;
   mok_engine_result *res;
@@ -114,8 +134,15 @@ mok_status cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *a
                               void *shared_y);
 mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
                                const void *acts_u, const void *d_out, void *shared_dx);
-/* A schedule the engine did not write, validated against env->shape. */
+/* A schedule the engine did not write: copied into scratch once, the copy
+ * validated against env->shape, *ret a view of the copy (the client may
+ * change its buffer meanwhile: nothing reads it again). */
 mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret);
+/* The schedule of ids (copied into scratch first, then read only there),
+ * built in scratch, *ret a view of it; copied out to out (a client buffer,
+ * written, never read back) unless out is NULL. */
+mok_status cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
+                              mok_sched_view *ret);
 
 /* Where the last expert-parallel forward of this process spent its time
  * (benchmarks: tests/bench/bench_ep_cpu.c). rows: routed rows pulled and

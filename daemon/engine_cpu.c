@@ -28,9 +28,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bf16.h"
 #include "cpu_pool.h"
+#include "cpu_runner.h"
 #include "engine.h"
 #include "mok_slots.h"
 #include "schedule.h"
@@ -38,17 +40,25 @@
 
 /* ---- engine state and scratch --------------------------------------------- */
 
-typedef struct scratch_buf {
-  void *ptr;
-  size_t cap;
-} scratch_buf;
-
 struct mok_engine {
-  cpu_pool *pool;
+  cpu_pool *pool; /* shared by every session's runner (cpu_pool.h) */
   char description[64];
-  scratch_buf scratch[SCR_COUNT_];
+  cpu_scratch_set direct; /* run() without a session (tools, tests) */
+  /* scratch of every set together may not pass the limit: a job that would
+   * fails with ENOMEM (only that job) instead of mokd running out of memory */
+  _Atomic uint64_t scratch_total;
+  uint64_t scratch_limit;
+  uint32_t idle_ms; /* a session's scratch unused this long is given back */
+  void (*wake)(void *);
+  void *wake_arg;
 };
 
+/* A client session: its scratch and the runner that runs its jobs in order. */
+struct mok_engine_session {
+  mok_engine *e;
+  cpu_scratch_set scr;
+  cpu_runner *runner;
+};
 
 /* Stands in for a tensor of zero bytes handed over as NULL, so that NULL
  * always means "absent" inside the engine. Never read or written. */
@@ -70,20 +80,50 @@ __attribute__((format(printf, 3, 4))) static mok_status job_fail(job_env *env, m
 /* Returns a buffer of at least `bytes` (64-byte aligned), or NULL after
  * failing the job with MOK_ENOMEM. */
 static void *scratch(job_env *env, int id, size_t bytes) {
-  scratch_buf *b = &env->eng->scratch[id];
+  cpu_scratch_buf *b = &env->scr->buf[id];
   if (bytes == 0) bytes = 64;
   if (b->cap < bytes) {
+    mok_engine *e = env->eng;
     size_t cap = (bytes + 63u) & ~(size_t)63u;
     void *p = NULL;
-    if (cap < bytes || posix_memalign(&p, 64, cap) != 0) {
+    if (cap < bytes) {
+      job_fail(env, MOK_ENOMEM, "scratch of %zu bytes is too large", bytes);
+      return NULL;
+    }
+    uint64_t grow = cap - b->cap;
+    uint64_t total = atomic_fetch_add(&e->scratch_total, grow) + grow;
+    if (total > e->scratch_limit) {
+      atomic_fetch_sub(&e->scratch_total, grow);
+      job_fail(env, MOK_ENOMEM,
+               "%zu MiB more scratch would pass the cpu engine's budget of %llu MiB (held by "
+               "running jobs; retry, or run smaller jobs)",
+               (size_t)(grow >> 20), (unsigned long long)(e->scratch_limit >> 20));
+      return NULL;
+    }
+    if (posix_memalign(&p, 64, cap) != 0) {
+      atomic_fetch_sub(&e->scratch_total, grow);
       job_fail(env, MOK_ENOMEM, "out of memory for %zu bytes of scratch", bytes);
       return NULL;
     }
     free(b->ptr);
     b->ptr = p;
     b->cap = cap;
+    atomic_fetch_add(&env->scr->bytes, grow);
   }
   return b->ptr;
+}
+
+/* Give every buffer of a set back (no job of its owner runs). */
+static void scratch_release(mok_engine *e, cpu_scratch_set *set) {
+  uint64_t held = 0;
+  for (int i = 0; i < SCR_COUNT_; i++) {
+    free(set->buf[i].ptr);
+    held += set->buf[i].cap;
+    set->buf[i].ptr = NULL;
+    set->buf[i].cap = 0;
+  }
+  atomic_fetch_sub(&e->scratch_total, held);
+  atomic_store(&set->bytes, 0);
 }
 
 static float *scratch_f32(job_env *env, int id, size_t n) {
@@ -701,14 +741,48 @@ static void gather_rows(job_env *env, const mok_sched_view *v, const void *src, 
   par_for(env, env->rows_cap, gather_rows_fn, &g);
 }
 
-static mok_status step_dispatch(job_env *env, const void *x, const int32_t *ids, int32_t *sched,
-                                void *routed_x) {
+/* The schedule of ids, as docs/math.md builds it: the ids are copied into
+ * scratch first and read only there (the client may change its buffer at
+ * any moment), the schedule is built in scratch and copied out to out (a
+ * client buffer: written, never read back) when out != NULL. *ret views
+ * the daemon's copy, which is all that later steps read. */
+static mok_status schedule_build(job_env *env, const int32_t *ids, int32_t *out,
+                                 mok_sched_view *ret) {
+  size_t n_ids = (size_t)(env->dims.tokens * env->dims.topk);
+  size_t ints = (size_t)mok_schedule_ints(&env->dims);
+  int32_t *ids_copy = scratch(env, SCR_IDS, n_ids * sizeof(int32_t));
+  int32_t *sched = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
+  if (!ids_copy || !sched) return env->res->status;
+  memcpy(ids_copy, ids, n_ids * sizeof(int32_t));
   char msg[MOK_COMPLETION_MSG];
-  mok_status st = mok_schedule_build(&env->shape, ids, sched, mok_schedule_ints(&env->dims), msg,
-                                     sizeof msg);
+  mok_status st = mok_schedule_build(&env->shape, ids_copy, sched, ints, msg, sizeof msg);
   if (st != MOK_OK) return job_fail(env, st, "%s", msg);
-  mok_sched_view v = mok_schedule_view(&env->shape, sched);
-  gather_rows(env, &v, x, routed_x);
+  if (out) memcpy(out, sched, ints * sizeof(int32_t));
+  *ret = mok_schedule_view(&env->shape, sched);
+  return MOK_OK;
+}
+
+/* A schedule the client brought (a ctx, a single step's input): copied into
+ * scratch once, the copy validated, *ret a view of the copy. */
+static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
+  size_t ints = (size_t)mok_schedule_ints(&env->dims);
+  int32_t *copy = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
+  if (!copy) return env->res->status;
+  memcpy(copy, sched, ints * sizeof(int32_t));
+  char msg[MOK_COMPLETION_MSG];
+  mok_status st = mok_schedule_validate(&env->shape, copy, ints, msg, sizeof msg);
+  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
+  *ret = mok_schedule_view(&env->shape, copy);
+  return MOK_OK;
+}
+
+/* dispatch: the schedule (copied out to sched_out when given) and the
+ * routed rows; *ret views the daemon's schedule. */
+static mok_status step_dispatch(job_env *env, const void *x, const int32_t *ids,
+                                int32_t *sched_out, void *routed_x, mok_sched_view *ret) {
+  mok_status st = schedule_build(env, ids, sched_out, ret);
+  if (st != MOK_OK) return st;
+  gather_rows(env, ret, x, routed_x);
   return MOK_OK;
 }
 
@@ -833,16 +907,6 @@ static mok_status step_compute_bwd(job_env *env, const mok_sched_view *v, const 
                       tensor(env, MOK_SLOT_D_S_DOWN));
 }
 
-/* A schedule the engine did not write: validate before use. */
-static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
-  char msg[MOK_COMPLETION_MSG];
-  mok_status st = mok_schedule_validate(&env->shape, sched, mok_schedule_ints(&env->dims), msg,
-                                        sizeof msg);
-  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
-  *ret = mok_schedule_view(&env->shape, sched);
-  return MOK_OK;
-}
-
 /* ---- the ops ---------------------------------------------------------------- */
 
 static size_t routed_bytes(const job_env *env) { return env->rows_cap * env->H * env->es; }
@@ -858,39 +922,39 @@ static void ctx_split(const job_env *env, void *ctx, int32_t **ret_sched, void *
 
 static mok_status op_forward(job_env *env) {
   void *ctx = tensor(env, MOK_SLOT_CTX), *acts = NULL;
-  int32_t *sched;
-  if (ctx)
-    ctx_split(env, ctx, &sched, &acts);
-  else
-    sched = scratch(env, SCR_LAYER_CTX, mok_schedule_bytes(&env->dims));
+  int32_t *sched_out = NULL;
+  if (ctx) ctx_split(env, ctx, &sched_out, &acts);
   void *routed_x = scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
   void *routed_y = scratch(env, SCR_LAYER_ROUTED_Y, routed_bytes(env));
   void *shared_y = env->Is ? scratch(env, SCR_LAYER_SHARED_Y, token_bytes(env)) : NULL;
-  if (!sched || !routed_x || !routed_y || (env->Is && !shared_y)) return env->res->status;
+  if (!routed_x || !routed_y || (env->Is && !shared_y)) return env->res->status;
   const void *x = tensor(env, MOK_SLOT_X);
-  mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched, routed_x);
+  mok_sched_view v;
+  mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched_out, routed_x, &v);
   if (st != MOK_OK) return st;
-  mok_sched_view v = mok_schedule_view(&env->shape, sched);
   st = step_compute(env, &v, routed_x, x, routed_y, shared_y, acts);
   if (st != MOK_OK) return st;
   return step_combine(env, &v, routed_y, tensor(env, MOK_SLOT_ROUTER_W), shared_y,
                       tensor(env, MOK_SLOT_OUT));
 }
 
-/* The context backward reads: rebuilt (RECOMPUTE) or the client's, checked. */
+/* The context backward reads: rebuilt (RECOMPUTE; written to the client's
+ * ctx when it gave one, else kept in scratch) or the client's, copied in
+ * and checked. *v views the daemon's schedule. */
 static mok_status backward_context(job_env *env, mok_sched_view *v, const void **ret_acts,
                                    void *routed_x) {
   const void *x = tensor(env, MOK_SLOT_X);
   void *ctx = tensor(env, MOK_SLOT_CTX);
   if (env->args->flags & MOK_JOB_RECOMPUTE) {
+    bool client_ctx = ctx != NULL;
     if (!ctx) ctx = scratch(env, SCR_LAYER_CTX, mok_ctx_bytes(&env->dims));
     if (!ctx) return env->res->status;
     int32_t *sched;
     void *acts;
     ctx_split(env, ctx, &sched, &acts);
-    mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched, routed_x);
+    mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS),
+                                  client_ctx ? sched : NULL, routed_x, v);
     if (st != MOK_OK) return st;
-    *v = mok_schedule_view(&env->shape, sched);
     *ret_acts = acts;
     return step_compute(env, v, routed_x, x, NULL, NULL, acts);
   }
@@ -921,8 +985,9 @@ static mok_status op_backward(job_env *env) {
 }
 
 static mok_status op_dispatch(job_env *env) {
+  mok_sched_view v;
   return step_dispatch(env, tensor(env, MOK_SLOT_X), tensor(env, MOK_SLOT_TOPK_IDS),
-                       tensor(env, MOK_SLOT_SCHEDULE), tensor(env, MOK_SLOT_ROUTED_X));
+                       tensor(env, MOK_SLOT_SCHEDULE), tensor(env, MOK_SLOT_ROUTED_X), &v);
 }
 
 static mok_status op_compute(job_env *env) {
@@ -1104,6 +1169,7 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
                                mok_engine_result *res) {
   memset(env, 0, sizeof *env);
   env->eng = e;
+  env->scr = a->session ? &a->session->scr : &e->direct;
   env->args = a;
   env->res = res;
   env->op_name = mok_op_name(a->op);
@@ -1136,6 +1202,13 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
 
 /* ---- the engine table ------------------------------------------------------- */
 
+/* Half of the machine's memory: what every session's scratch together may hold. */
+static uint64_t default_scratch_limit(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 8ull << 30;
+  return (uint64_t)pages * (uint64_t)page / 2;
+}
+
 static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
   *ret = NULL;
   int threads = cfg ? cfg->threads : 0;
@@ -1154,6 +1227,10 @@ static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, s
     free(e);
     return rc == ENOMEM ? MOK_ENOMEM : MOK_EENGINE;
   }
+  e->scratch_limit = default_scratch_limit();
+  e->idle_ms = cfg && cfg->workspace_idle_ms ? cfg->workspace_idle_ms : MOK_WORKSPACE_IDLE_MS;
+  e->wake = cfg ? cfg->wake : NULL;
+  e->wake_arg = cfg ? cfg->wake_arg : NULL;
   int n = cpu_pool_threads(e->pool);
   snprintf(e->description, sizeof e->description, "cpu: %d thread%s", n, n == 1 ? "" : "s");
   *ret = e;
@@ -1163,7 +1240,7 @@ static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, s
 static void cpu_close(mok_engine *e) {
   if (!e) return;
   cpu_pool_destroy(e->pool);
-  for (int i = 0; i < SCR_COUNT_; i++) free(e->scratch[i].ptr);
+  scratch_release(e, &e->direct);
   free(e);
 }
 
@@ -1201,14 +1278,87 @@ static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res
   if (st != MOK_OK && res->status == MOK_OK) job_fail(&env, MOK_EENGINE, "failed (status %d)", st);
 }
 
+/* ---- sessions: jobs on the session's runner (cpu_runner.h) ------------------- */
+
+static void session_run(void *arg, const mok_job_args *a, mok_engine_result *res) {
+  mok_engine_session *s = arg;
+  cpu_run(s->e, a, res);
+}
+
+static void session_idle(void *arg) {
+  mok_engine_session *s = arg;
+  scratch_release(s->e, &s->scr);
+}
+
+static int cpu_session_open(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
+                            size_t errlen) {
+  (void)sync_page; /* no GPU fences on the cpu engine */
+  *ret = NULL;
+  mok_engine_session *s = calloc(1, sizeof *s);
+  if (!s) {
+    snprintf(err, errlen, "cpu engine: out of memory");
+    return MOK_ENOMEM;
+  }
+  s->e = e;
+  cpu_runner_ops ops = {session_run, session_idle, e->wake, e->wake_arg};
+  int rc = cpu_runner_start(&ops, s, e->idle_ms, &s->runner);
+  if (rc) {
+    free(s);
+    snprintf(err, errlen, "cpu engine: cannot start the session's runner thread: %s",
+             strerror(rc));
+    return rc == ENOMEM || rc == EAGAIN ? MOK_ENOMEM : MOK_EENGINE;
+  }
+  *ret = s;
+  return MOK_OK;
+}
+
+static void cpu_session_close(mok_engine *e, mok_engine_session *s) {
+  if (!s) return;
+  cpu_runner_stop(s->runner); /* no job of it is unfinished (the engine thread's rule) */
+  scratch_release(e, &s->scr);
+  free(s);
+}
+
+/* Every job of a session goes through its runner, a NOP too, so that jobs
+ * complete in submission order; without a session, run it here. */
+static mok_engine_job *cpu_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  if (!a->session) {
+    cpu_run(e, a, res);
+    return NULL;
+  }
+  return cpu_runner_submit(a->session->runner, a, res);
+}
+
+/* Jobs of the cpu engine wait for nothing outside: now_ns (and shutdown's
+ * UINT64_MAX) does not change when they end. */
+static int cpu_poll(mok_engine *e, mok_engine_job *j, uint64_t now_ns, mok_engine_result *res) {
+  (void)e;
+  (void)now_ns;
+  return cpu_runner_poll(j, res);
+}
+
+static void cpu_session_memory(mok_engine *e, mok_engine_session *s, mok_session_memory *ret) {
+  (void)e;
+  memset(ret, 0, sizeof *ret);
+  ret->scratch_bytes = atomic_load(&s->scr.bytes);
+}
+
 const mok_engine_ops mok_engine_cpu = {
     .name = "cpu",
+    .wakes_when_done = true,
     .open = cpu_open,
     .close = cpu_close,
     .describe = cpu_describe,
     .prepare_layer = cpu_prepare_layer,
     .run = cpu_run,
     .run_group = cpu_run_group,
+    .session_open = cpu_session_open,
+    .session_close = cpu_session_close,
+    .start = cpu_start,
+    .poll = cpu_poll,
+    .session_memory = cpu_session_memory,
 };
 
 /* ---- exported wrappers for the expert-parallel path (cpu_steps.h) ----------- */
@@ -1282,4 +1432,9 @@ mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
 
 mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
   return schedule_in(env, sched, ret);
+}
+
+mok_status cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
+                              mok_sched_view *ret) {
+  return schedule_build(env, ids, out, ret);
 }

@@ -285,7 +285,8 @@ static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
     return;
   }
   mok_region_source src = {.kind = c->in.reg.kind, .fd = c->in.reg.fd,
-                           .offset = c->in.reg.offset, .bytes = c->in.reg.bytes};
+                           .offset = c->in.reg.offset, .bytes = c->in.reg.bytes,
+                           .session = s->es};
   memcpy(src.ipc_handle, c->in.reg.ipc_handle, sizeof src.ipc_handle);
   if (c->in.reg.kind == MOK_REGION_HOST_MEMFD) {
     c->status = mok_region_map_memfd(c->in.reg.fd, c->in.reg.offset, c->in.reg.bytes, &r,
@@ -1009,6 +1010,11 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
       if (g && mok_ep_group_is_nccl(g)) turn = g;
     }
   } else if (le && le->cfg.group_id) {
+    /* synchronous group job (cpu): after the session's earlier jobs, whose
+     * outputs it may read, and on the session's scratch */
+    while (s->n_pend) poll_session_blocking(t, s);
+    args.session = s->es;
+    args.layer_state = le->state;
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
     finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
     return true;
@@ -1082,6 +1088,8 @@ static bool run_jobs_round(mok_engine_thread *t) {
   return any;
 }
 
+static void wait_for_wake(mok_engine_thread *t, int ms);
+
 /* A job the engine could take now: submitted, and room for its completion.
  * A session whose completion ring is full (a client that does not drain it)
  * does not count, or the engine would spin on it for ever; it is served
@@ -1105,16 +1113,10 @@ static void set_need_wakeup(mok_engine_thread *t, bool on) {
   atomic_thread_fence(memory_order_seq_cst);
 }
 
-static void sleep_until_work(mok_engine_thread *t) {
+/* Sleep until a doorbell or ms pass (clients are asked to ring while we do). */
+static void sleep_until_work(mok_engine_thread *t, int ms) {
   set_need_wakeup(t, true);
-  if (!any_job_pending(t)) {
-    struct epoll_event evs[32];
-    int n = epoll_wait(t->epfd, evs, 32, 1000);
-    for (int i = 0; i < n; i++) {
-      esession *s = evs[i].data.ptr;
-      drain_eventfd(s ? s->shm.doorbell_in : t->cmd_efd);
-    }
-  }
+  if (!any_job_pending(t)) wait_for_wake(t, ms);
   set_need_wakeup(t, false);
 }
 
@@ -1156,11 +1158,11 @@ static void *engine_main(void *arg) {
     if (!idle_since) idle_since = now;
     if (now - idle_since < SPIN_BEFORE_SLEEP_NS) continue;
     if (running) { /* work in flight: poll it, gently, or wait for its wake */
-      if (t->ops->wakes_when_done) wait_for_wake(t, 1);
+      if (t->ops->wakes_when_done) sleep_until_work(t, 100);
       else pause_briefly();
       continue;
     }
-    sleep_until_work(t);
+    sleep_until_work(t, 1000);
     idle_since = 0;
   }
   poll_formers(t, true); /* each ends within its group's timeout */

@@ -242,6 +242,15 @@ static group_ctx ctx_split(const job_env *l, const job_env *v, void *ctx, bool z
   return g;
 }
 
+/* The rank's own routing ids (the job's, or a ctx's), copied once into
+ * scratch: everything after reads the copy, never the client's buffer. */
+static const int32_t *own_ids_in(job_env *l, const int32_t *ids) {
+  size_t bytes = l->T * l->K * sizeof(int32_t);
+  int32_t *copy = cpu_scratch(l, SCR_EP_OWN_IDS, bytes);
+  if (copy) memcpy(copy, ids, bytes);
+  return copy;
+}
+
 /* The rank's own checks before barrier 1, posted so that every member
  * fails the job with the same message. */
 static mok_status own_routing_check(job_env *l, const int32_t *ids, char *msg, size_t len) {
@@ -255,12 +264,13 @@ static void group_fail(job_env *l, int st, const char *err) {
 static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   char err[MOK_COMPLETION_MSG];
   const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
-  const int32_t *ids = slot_tensor(l, MOK_SLOT_TOPK_IDS);
   const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
   const void *x = slot_tensor(l, MOK_SLOT_X);
   mok_ep_cpu_timing *tm = &mok_ep_cpu_last_timing;
   memset(tm, 0, sizeof *tm);
   uint64_t t0 = mono_ns();
+  const int32_t *ids = own_ids_in(l, slot_tensor(l, MOK_SLOT_TOPK_IDS));
+  if (!ids) return;
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
     group_fail(l, st, err);
@@ -284,21 +294,14 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   void *ctx = slot_tensor(l, MOK_SLOT_CTX);
   group_ctx gc = {0};
   if (ctx) gc = ctx_split(l, v, ctx, true);
-  int32_t *sched = ctx ? gc.sched : cpu_scratch(v, SCR_LAYER_CTX, mok_schedule_bytes(&v->dims));
   const size_t ring = ring_rows(v);
   size_t routed_bytes = (ring ? ring : v->rows_cap) * v->H * v->es;
   void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
   void *routed_y = cpu_scratch(v, SCR_LAYER_ROUTED_Y, routed_bytes);
-  mok_status local = (sched && routed_x && routed_y) ? MOK_OK : v->res->status;
+  mok_status local = (routed_x && routed_y) ? MOK_OK : v->res->status;
   mok_sched_view sv;
+  if (local == MOK_OK) local = cpu_schedule_build(v, b->ids, ctx ? gc.sched : NULL, &sv);
   if (local == MOK_OK) {
-    char msg[MOK_COMPLETION_MSG];
-    local = mok_schedule_build(&v->shape, b->ids, sched, mok_schedule_ints(&v->dims), msg,
-                               sizeof msg);
-    if (local != MOK_OK) cpu_job_fail(v, local, "%s", msg);
-  }
-  if (local == MOK_OK) {
-    sv = mok_schedule_view(&v->shape, sched);
     tm->rows = sv.rows_used;
     tm->row_bytes = v->H * v->es;
   }
@@ -379,11 +382,7 @@ static mok_status ring_backward(job_env *v, const mok_ep_group *g, group_ctx *gc
   mok_sched_view sv;
   mok_status local;
   if (recompute) {
-    char msg[MOK_COMPLETION_MSG];
-    local = mok_schedule_build(&v->shape, b->ids, gc->sched, mok_schedule_ints(&v->dims), msg,
-                               sizeof msg);
-    if (local != MOK_OK) return cpu_job_fail(v, local, "%s", msg);
-    sv = mok_schedule_view(&v->shape, gc->sched);
+    if ((local = cpu_schedule_build(v, b->ids, gc->sched, &sv)) != MOK_OK) return local;
   } else if ((local = cpu_schedule_in(v, gc->sched, &sv)) != MOK_OK) {
     return local;
   }
@@ -439,8 +438,9 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
   if (!ctx) return;
   gc = ctx_split(l, v, ctx, recompute);
   /* own routing: the job's topk_ids with recompute, else the forward's
-   * copy in ctx (client memory: checked like any routing) */
-  const int32_t *ids = recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids;
+   * copy in ctx (client memory: copied once, checked like any routing) */
+  const int32_t *ids = own_ids_in(l, recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids);
+  if (!ids) return;
   mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
   post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
   if (recompute && post.status == MOK_OK) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
@@ -464,12 +464,8 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
   if (local == MOK_OK && ring) {
     local = ring_backward(v, g, &gc, recompute, routed_x, routed_dout, routed_dx, drw_v);
   } else if (local == MOK_OK && recompute) {
-    char msg[MOK_COMPLETION_MSG];
-    local = mok_schedule_build(&v->shape, b->ids, gc.sched, mok_schedule_ints(&v->dims), msg,
-                               sizeof msg);
-    if (local != MOK_OK) cpu_job_fail(v, local, "%s", msg);
+    local = cpu_schedule_build(v, b->ids, gc.sched, &sv);
     if (local == MOK_OK) {
-      sv = mok_schedule_view(&v->shape, gc.sched);
       cpu_gather_rows(v, &sv, b->x, routed_x);
       local = cpu_step_compute(v, &sv, routed_x, NULL, NULL, NULL, gc.acts_routed);
     }
