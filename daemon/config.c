@@ -25,7 +25,7 @@ void mok_server_config_defaults(mok_server_config *cfg) {
    * uid's share is a fraction of the daemon, so that one tenant can never
    * exhaust it for the others. */
   cfg->session_reserve = 16;          /* of max-sessions, kept for uids with none */
-  cfg->max_regions_total = 32768;     /* mappings; vm.max_map_count is 65530 by default */
+  cfg->max_regions_total = 32000;     /* mappings; vm.max_map_count is 65530 by default */
   cfg->limits.max_regions = 4096;     /* per session */
   cfg->limits.max_region_bytes = 64ull << 30;
   cfg->limits.max_layers = 256;

@@ -618,7 +618,7 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
     /* the last free slots are kept for uids that have none yet, so that
      * one tenant (or a few) can never lock the others out */
     uint32_t free_slots = cfg->max_sessions - srv->n_sessions;
-    if (held > 0 && free_slots < cfg->session_reserve) {
+    if (held > 0 && free_slots <= cfg->session_reserve) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
                         "mokd has %u of %u sessions in use; the last %u are kept for uids that "
                         "have none (session-reserve), and uid %d has %u",
