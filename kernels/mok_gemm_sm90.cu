@@ -774,6 +774,8 @@ extern "C" int mok_k_sm90_set_variant(int variant) {
 
 extern "C" int mok_k_sm90_variant(void) { return s9_variant; }
 
+extern "C" int mok_k_sm90_pair_clusters(void) { return s9_pair_clusters; }
+
 /* cuTensorMapEncodeTiled through the runtime (the library never links
  * libcuda: machines without a GPU have none). */
 static PFN_cuTensorMapEncodeTiled_v12000 s9_lookup_encode(void) {
@@ -817,9 +819,8 @@ static int s9_set_smem(const void *k) {
 /* How many 2-CTA clusters of the pairs kernel fit on the device at once (a
  * property of the device and the kernel: the same every launch). */
 static int s9_query_pair_clusters(void) {
-  cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = 2;
   attr.val.clusterDim.y = 1;
@@ -923,9 +924,8 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
     int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
     if (clusters > pairs) clusters = pairs;
     if (clusters < 1) clusters = 1;
-    cudaLaunchConfig_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = 2;
     attr.val.clusterDim.y = 1;

@@ -98,6 +98,9 @@ int mok_k_sm90_set_variant(int variant);
 int mok_k_sm90_variant(void);
 const char *mok_k_sm90_variant_name(int variant); /* "rows", "expert", "cluster" */
 int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
+/* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
+ * cluster variant falls back to ROWS order on plain CTAs. */
+int mok_k_sm90_pair_clusters(void);
 
 /* Tests: persistent CTAs per launch (0: one per SM; the cluster variant
  * rounds up to whole clusters). Results must not depend on it. */

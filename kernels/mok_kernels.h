@@ -69,14 +69,18 @@ int mok_k_row_align(void);
 int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen);
 
 /* Once per device (after cudaSetDevice) before any launch: raises the
- * kernels' shared-memory limits. Returns a mok_status. */
+ * kernels' shared-memory limits and chooses the GEMM backend and tile
+ * variant from the environment, read here only (MOK_GEMM=hmma: mma.sync;
+ * MOK_GEMM_VARIANT=rows|expert|cluster: kernels/mok_gemm_sm90.h). Returns
+ * a mok_status. */
 int mok_k_init(void);
 
 /* The cudaError_t of the last failed launch on this thread (0: none). */
 int mok_k_last_cuda_error(void);
 
 /* 1 when every backward GEMM of these dims runs on the Hopper (TMA) kernels
- * (not forced onto mma.sync by MOK_GEMM=hmma, I and I_s multiples of 16):
+ * (not forced onto mma.sync by MOK_GEMM=hmma at mok_k_init, I and I_s
+ * multiples of 16):
  * those read weights through any mapping at full speed, so the engine need
  * not copy a client's weights first. */
 int mok_k_backward_on_hopper(const mok_k_dims *d);

@@ -3,6 +3,14 @@
  *
  *   mok_bench [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N]
  *             [--warmup N] [--deadline S] [--only NAME[,NAME]]
+ *             [--variants rows,expert,cluster] [--routing balanced|skewed|both]
+ *
+ * --variants: each configuration once per Hopper tile variant (mok_gemm_sm90.h,
+ * "hmma" for the mma.sync kernels), on the same buffers one after another;
+ * the JSON then has one result per (configuration, variant) with its
+ * "variant", and every variant's hash of set 0 must equal the first one's
+ * (all paths are bitwise equal). Without it: the backend and variant that
+ * mok_k_init chose (MOK_GEMM, MOK_GEMM_VARIANT), one result each.
  *
  * For each configuration (shape, T, routing; the same priority order as the
  * baseline) it runs the layer as the engine chains it:
@@ -32,6 +40,7 @@
 #include <string.h>
 #include <sys/time.h>
 
+#include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
 #include "../../proto/mok_status.h"
 
@@ -263,6 +272,9 @@ static unsigned long long chain_hash(layer *L, int s, cudaStream_t st) {
 /* ---- one configuration ---------------------------------------------------------------- */
 
 typedef struct result {
+  int variant;           /* -1: the init's choice (no --variants); else index in the list */
+  int same_as_first;     /* --variants: set 0's hash equals the first variant's */
+  unsigned long long hash0;
   int ok, status, deterministic;
   unsigned long long nonfinite;
   double max_over_mean[N_SETS];
@@ -272,8 +284,21 @@ typedef struct result {
   double flops_fwd, mem_gib;
 } result;
 
+/* A path to time: the GEMM backend and, on the Hopper one, the tile variant. */
+typedef struct bench_path {
+  const char *name;
+  int backend, variant;
+} bench_path;
+
+static int select_path(const bench_path *bp) {
+  if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
+  return bp->backend != MOK_K_GEMM_SM90 || mok_k_sm90_set_variant(bp->variant) == MOK_OK;
+}
+
+/* One configuration on each path (n_paths results in res[]; paths NULL:
+ * the init's choice, one result). */
 static void run_config(const config *c, const char *routing_dir, int reps, int warmup,
-                       cudaStream_t st, result *res) {
+                       const bench_path *paths, int n_paths, cudaStream_t st, result *res) {
   const bench_shape *sh = &SHAPES[c->shape];
   mok_k_dims d;
   memset(&d, 0, sizeof d);
@@ -287,26 +312,29 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   d.I_s = sh->I;
   d.row_align = mok_k_row_align();
   char err[256];
-  memset(res, 0, sizeof *res);
+  const int n_res = paths ? n_paths : 1;
+  memset(res, 0, sizeof *res * (size_t)n_res);
+  for (int v = 0; v < n_res; v++) res[v].variant = paths ? v : -1;
   if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
     fprintf(stderr, "%s: %s\n", sh->name, err);
-    res->status = -1;
+    for (int v = 0; v < n_res; v++) res[v].status = -1;
     return;
   }
   layer L;
   layer_alloc(&L, &d);
-  res->mem_gib = L.bytes / 1073741824.0;
 
   const size_t TK = (size_t)d.T * d.K;
   int32_t *ids = (int32_t *)malloc(TK * 4);
   float *rw = (float *)malloc(TK * 4);
-  res->routing_from_file = 1;
+  int from_file = 1;
+  double mom[N_SETS];
+  int min_rows[N_SETS], max_rows[N_SETS];
   rng_state = 0x1234567ull + (uint64_t)c->shape * 1000003ull + (uint64_t)c->T * 7ull +
               (uint64_t)c->skewed;
   for (int s = 0; s < N_SETS; s++) {
-    if (!load_routing(routing_dir, c, s, d.T, d.E_loc, d.K, ids, rw, &res->max_over_mean[s],
-                      &res->min_rows[s], &res->max_rows[s]))
-      res->routing_from_file = 0;
+    if (!load_routing(routing_dir, c, s, d.T, d.E_loc, d.K, ids, rw, &mom[s], &min_rows[s],
+                      &max_rows[s]))
+      from_file = 0;
     CUDA_CHECK(cudaMemcpy(L.ids[s], ids, TK * 4, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(L.rw[s], rw, TK * 4, cudaMemcpyHostToDevice));
   }
@@ -318,67 +346,100 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   for (int i = 0; i <= FWD_STEPS; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
   float *tf = (float *)malloc(sizeof(float) * reps * (FWD_STEPS + 1));
   float *tb = (float *)malloc(sizeof(float) * reps * (BWD_STEPS + 1));
-
-  for (int i = 0; i < warmup + reps; i++) {
-    enqueue_forward(&L, i % N_SETS, ev, st);
-    CUDA_CHECK(cudaEventSynchronize(ev[FWD_STEPS]));
-    if (i < warmup) continue;
-    float *row = tf + (size_t)(i - warmup) * (FWD_STEPS + 1);
-    CUDA_CHECK(cudaEventElapsedTime(&row[FWD_STEPS], ev[0], ev[FWD_STEPS]));
-    for (int k = 0; k < FWD_STEPS; k++) CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
-  }
-  for (int i = 0; i < warmup + reps; i++) {
-    enqueue_forward(&L, i % N_SETS, NULL, st);
-    enqueue_backward(&L, i % N_SETS, ev, st);
-    CUDA_CHECK(cudaEventSynchronize(ev[BWD_STEPS]));
-    if (i < warmup) continue;
-    float *row = tb + (size_t)(i - warmup) * (BWD_STEPS + 1);
-    CUDA_CHECK(cudaEventElapsedTime(&row[BWD_STEPS], ev[0], ev[BWD_STEPS]));
-    for (int k = 0; k < BWD_STEPS; k++) CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
-  }
   float *col = (float *)malloc(sizeof(float) * reps);
-  for (int k = 0; k <= FWD_STEPS; k++) {
-    for (int i = 0; i < reps; i++) col[i] = tf[(size_t)i * (FWD_STEPS + 1) + k];
-    float m = median_of(col, reps);
-    if (k == FWD_STEPS) res->fwd_ms = m;
-    else res->fwd_part[k] = m;
+
+  for (int v = 0; v < n_res; v++) {
+    result *r = &res[v];
+    r->mem_gib = L.bytes / 1073741824.0;
+    r->routing_from_file = from_file;
+    for (int s = 0; s < N_SETS; s++) {
+      r->max_over_mean[s] = mom[s];
+      r->min_rows[s] = min_rows[s];
+      r->max_rows[s] = max_rows[s];
+    }
+    r->flops_fwd = 6.0 * (double)d.T * d.K * d.H * d.I + 6.0 * (double)d.T * d.H * d.I_s;
+    if (paths && !select_path(&paths[v])) {
+      fprintf(stderr, "%s: path %s not available on this device\n", sh->name, paths[v].name);
+      r->status = -2;
+      continue;
+    }
+    for (int i = 0; i < warmup + reps; i++) {
+      enqueue_forward(&L, i % N_SETS, ev, st);
+      CUDA_CHECK(cudaEventSynchronize(ev[FWD_STEPS]));
+      if (i < warmup) continue;
+      float *row = tf + (size_t)(i - warmup) * (FWD_STEPS + 1);
+      CUDA_CHECK(cudaEventElapsedTime(&row[FWD_STEPS], ev[0], ev[FWD_STEPS]));
+      for (int k = 0; k < FWD_STEPS; k++)
+        CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
+    }
+    for (int i = 0; i < warmup + reps; i++) {
+      enqueue_forward(&L, i % N_SETS, NULL, st);
+      enqueue_backward(&L, i % N_SETS, ev, st);
+      CUDA_CHECK(cudaEventSynchronize(ev[BWD_STEPS]));
+      if (i < warmup) continue;
+      float *row = tb + (size_t)(i - warmup) * (BWD_STEPS + 1);
+      CUDA_CHECK(cudaEventElapsedTime(&row[BWD_STEPS], ev[0], ev[BWD_STEPS]));
+      for (int k = 0; k < BWD_STEPS; k++)
+        CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
+    }
+    for (int k = 0; k <= FWD_STEPS; k++) {
+      for (int i = 0; i < reps; i++) col[i] = tf[(size_t)i * (FWD_STEPS + 1) + k];
+      float m = median_of(col, reps);
+      if (k == FWD_STEPS) r->fwd_ms = m;
+      else r->fwd_part[k] = m;
+    }
+    for (int k = 0; k <= BWD_STEPS; k++) {
+      for (int i = 0; i < reps; i++) col[i] = tb[(size_t)i * (BWD_STEPS + 1) + k];
+      float m = median_of(col, reps);
+      if (k == BWD_STEPS) r->bwd_ms = m;
+      else r->bwd_part[k] = m;
+    }
+    r->status = read_status(&L, st);
+    r->nonfinite = dev_nonfinite(&L, L.out, (size_t)d.T * d.H, st) +
+                   dev_nonfinite(&L, L.d_x, (size_t)d.T * d.H, st);
+    unsigned long long h0 = chain_hash(&L, 0, st);
+    (void)chain_hash(&L, 1, st);
+    unsigned long long h2 = chain_hash(&L, 0, st);
+    r->hash0 = h0;
+    r->deterministic = h0 == h2;
+    r->same_as_first = v == 0 || h0 == res[0].hash0;
+    if (r->status == 0) r->status = read_status(&L, st);
+    r->ok = r->status == 0 && r->nonfinite == 0 && r->deterministic && r->same_as_first;
   }
-  for (int k = 0; k <= BWD_STEPS; k++) {
-    for (int i = 0; i < reps; i++) col[i] = tb[(size_t)i * (BWD_STEPS + 1) + k];
-    float m = median_of(col, reps);
-    if (k == BWD_STEPS) res->bwd_ms = m;
-    else res->bwd_part[k] = m;
+  if (paths) { /* back to the defaults */
+    mok_k_set_gemm_backend(MOK_K_GEMM_AUTO);
+    mok_k_sm90_set_variant(MOK_K_SM90_ROWS);
   }
   free(col);
   free(tf);
   free(tb);
   for (int i = 0; i <= FWD_STEPS; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
-
-  res->status = read_status(&L, st);
-  res->nonfinite = dev_nonfinite(&L, L.out, (size_t)d.T * d.H, st) +
-                   dev_nonfinite(&L, L.d_x, (size_t)d.T * d.H, st);
-  unsigned long long h0 = chain_hash(&L, 0, st);
-  (void)chain_hash(&L, 1, st);
-  unsigned long long h2 = chain_hash(&L, 0, st);
-  res->deterministic = h0 == h2;
-  if (res->status == 0) res->status = read_status(&L, st);
-  res->flops_fwd = 6.0 * (double)d.T * d.K * d.H * d.I + 6.0 * (double)d.T * d.H * d.I_s;
-  res->ok = res->status == 0 && res->nonfinite == 0 && res->deterministic;
   layer_free(&L);
 }
 
 /* ---- output ------------------------------------------------------------------------------- */
+
+#define MAX_PATHS 6
 
 typedef struct run_doc {
   const char *path;
   char device[256];
   int sms, reps, warmup;
   config cfg[64];
-  result res[64];
+  result res[64][MAX_PATHS];
   int done[64];
   int n;
   int skipped[64];
+  bench_path paths[MAX_PATHS]; /* --variants */
+  int n_paths;                 /* 0: the init's choice */
 } run_doc;
+
+/* what ran: the --variants path, or the backend and variant mok_k_init chose */
+static const char *path_name(const run_doc *D, const result *r) {
+  if (r->variant >= 0) return D->paths[r->variant].name;
+  return mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "hmma"
+                                                 : mok_k_sm90_variant_name(mok_k_sm90_variant());
+}
 
 static void write_json(const run_doc *D) {
   if (!D->path) return;
@@ -395,37 +456,42 @@ static void write_json(const run_doc *D) {
           mok_k_row_align());
   fprintf(f, " \"daemon_note\": \"in-process; the through-the-daemon column comes from "
              "mok_bench_daemon (run_bench.sh)\",\n");
-  fprintf(f, " \"kernels\": \"version 0: mma.sync m16n8k16 (HMMA) 128x128x32 tiles, cp.async, "
-             "3 stages\",\n \"results\": [");
+  fprintf(f, " \"kernels\": \"backend %s (mma.sync, or the Hopper wgmma/TMA kernels in the tile "
+             "variant of each result)\",\n \"results\": [",
+          mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "hmma" : "sm90");
   int first = 1;
   for (int i = 0; i < D->n; i++) {
     if (!D->done[i]) continue;
-    const config *c = &D->cfg[i];
-    const result *r = &D->res[i];
-    const bench_shape *sh = &SHAPES[c->shape];
-    fprintf(f, "%s\n  {\"shape\": \"%s\", \"T\": %d, \"routing\": \"%s\", \"E\": %d, \"E_loc\": %d, "
-               "\"H\": %d, \"I\": %d, \"K\": %d, \"I_s\": %d,\n",
-            first ? "" : ",", sh->name, c->T, c->skewed ? "skewed" : "balanced", sh->E, sh->E / EP,
-            sh->H, sh->I, sh->K, sh->I);
-    first = 0;
-    fprintf(f, "   \"ok\": %s, \"status\": %d, \"deterministic\": %s, \"nonfinite\": %llu, "
-               "\"routing_from_file\": %s, \"mem_gib\": %.2f,\n",
-            r->ok ? "true" : "false", r->status, r->deterministic ? "true" : "false", r->nonfinite,
-            r->routing_from_file ? "true" : "false", r->mem_gib);
-    fprintf(f, "   \"max_over_mean\": [%.3f, %.3f], \"min_max_rows\": [[%d, %d], [%d, %d]],\n",
-            r->max_over_mean[0], r->max_over_mean[1], r->min_rows[0], r->max_rows[0],
-            r->min_rows[1], r->max_rows[1]);
-    fprintf(f, "   \"flops_fwd\": %.6e, \"flops_bwd\": %.6e, \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, "
-               "\"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f,\n",
-            r->flops_fwd, 2 * r->flops_fwd, r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
-            2 * r->flops_fwd / r->bwd_ms * 1e-9);
-    fprintf(f, "   \"fwd_parts_ms\": {");
-    for (int k = 0; k < FWD_STEPS; k++)
-      fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", FWD_NAMES[k], r->fwd_part[k]);
-    fprintf(f, "},\n   \"bwd_parts_ms\": {");
-    for (int k = 0; k < BWD_STEPS; k++)
-      fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", BWD_NAMES[k], r->bwd_part[k]);
-    fprintf(f, "}}");
+    for (int v = 0; v < (D->n_paths ? D->n_paths : 1); v++) {
+      const config *c = &D->cfg[i];
+      const result *r = &D->res[i][v];
+      const bench_shape *sh = &SHAPES[c->shape];
+      fprintf(f, "%s\n  {\"shape\": \"%s\", \"T\": %d, \"routing\": \"%s\", \"E\": %d, \"E_loc\": %d, "
+                 "\"H\": %d, \"I\": %d, \"K\": %d, \"I_s\": %d, \"variant\": \"%s\",\n",
+              first ? "" : ",", sh->name, c->T, c->skewed ? "skewed" : "balanced", sh->E, sh->E / EP,
+              sh->H, sh->I, sh->K, sh->I, path_name(D, r));
+      first = 0;
+      fprintf(f, "   \"ok\": %s, \"status\": %d, \"deterministic\": %s, \"same_as_first_variant\": %s, "
+                 "\"nonfinite\": %llu, \"hash0\": \"%016llx\", \"routing_from_file\": %s, "
+                 "\"mem_gib\": %.2f,\n",
+              r->ok ? "true" : "false", r->status, r->deterministic ? "true" : "false",
+              r->same_as_first ? "true" : "false", r->nonfinite, r->hash0,
+              r->routing_from_file ? "true" : "false", r->mem_gib);
+      fprintf(f, "   \"max_over_mean\": [%.3f, %.3f], \"min_max_rows\": [[%d, %d], [%d, %d]],\n",
+              r->max_over_mean[0], r->max_over_mean[1], r->min_rows[0], r->max_rows[0],
+              r->min_rows[1], r->max_rows[1]);
+      fprintf(f, "   \"flops_fwd\": %.6e, \"flops_bwd\": %.6e, \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, "
+                 "\"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f,\n",
+              r->flops_fwd, 2 * r->flops_fwd, r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
+              2 * r->flops_fwd / r->bwd_ms * 1e-9);
+      fprintf(f, "   \"fwd_parts_ms\": {");
+      for (int k = 0; k < FWD_STEPS; k++)
+        fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", FWD_NAMES[k], r->fwd_part[k]);
+      fprintf(f, "},\n   \"bwd_parts_ms\": {");
+      for (int k = 0; k < BWD_STEPS; k++)
+        fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", BWD_NAMES[k], r->bwd_part[k]);
+      fprintf(f, "}}");
+    }
   }
   fprintf(f, "\n ],\n \"skipped\": [");
   first = 1;
@@ -443,20 +509,22 @@ static void write_json(const run_doc *D) {
 static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
-          "[--warmup N] [--deadline S] [--only NAME[,NAME]]\n",
+          "[--warmup N] [--deadline S] [--only NAME[,NAME]] [--variants rows,expert,cluster,hmma] "
+          "[--routing balanced|skewed|both]\n",
           a0);
 }
 
 int main(int argc, char **argv) {
   static run_doc D;
-  const char *routing_dir = NULL, *only = NULL, *tlist = "2048,8192";
+  const char *routing_dir = NULL, *only = NULL, *tlist = "2048,8192", *variants = NULL;
+  const char *routing = "both";
   double deadline = 1e9;
   D.reps = 10;
   D.warmup = 3;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--version")) {
-      printf("mok_bench 1\n");
+      printf("mok_bench 2\n");
       return 0;
     } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       usage(argv[0]);
@@ -471,15 +539,34 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--warmup")) D.warmup = atoi(v);
     else if (!strcmp(a, "--deadline")) deadline = atof(v);
     else if (!strcmp(a, "--only")) only = v;
+    else if (!strcmp(a, "--variants")) variants = v;
+    else if (!strcmp(a, "--routing")) routing = v;
     else {
       usage(argv[0]);
       return 2;
     }
     i++;
   }
-  if (D.reps < 1 || D.warmup < 0) {
+  if (D.reps < 1 || D.warmup < 0 ||
+      (strcmp(routing, "both") && strcmp(routing, "balanced") && strcmp(routing, "skewed"))) {
     usage(argv[0]);
     return 2;
+  }
+  for (const char *at = variants; at && *at;) { /* names: the Hopper variants, or hmma */
+    const size_t len = strcspn(at, ",");
+    char one[32];
+    snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
+    const int sv = mok_k_sm90_variant_parse(one);
+    if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, hmma; at most %d)\n",
+              one, MAX_PATHS);
+      return 2;
+    }
+    bench_path *bp = &D.paths[D.n_paths++];
+    bp->name = sv >= 0 ? mok_k_sm90_variant_name(sv) : "hmma";
+    bp->backend = sv >= 0 ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
+    bp->variant = sv >= 0 ? sv : MOK_K_SM90_ROWS;
+    at += len + (at[len] == ',');
   }
   int ts[8], nts = 0;
   for (const char *p = tlist; *p && nts < 8;) {
@@ -495,9 +582,12 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   snprintf(D.device, sizeof D.device, "%s", prop.name);
   D.sms = prop.multiProcessorCount;
-  printf("mok_bench: %s, sm_%d%d, %d SMs; kernels: mma.sync version 0\n", prop.name, prop.major,
-         prop.minor, prop.multiProcessorCount);
   MOK_CHECK(mok_k_init());
+  printf("mok_bench: %s, sm_%d%d, %d SMs; GEMM backend %s, variant %s, %d 2-CTA clusters%s%s\n",
+         prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+         mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "mma.sync" : "sm90",
+         mok_k_sm90_variant_name(mok_k_sm90_variant()), mok_k_sm90_pair_clusters(),
+         variants ? "; sweeping " : "", variants ? variants : "");
   cudaStream_t st;
   CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 
@@ -510,27 +600,33 @@ int main(int argc, char **argv) {
       const char *hit = strstr(only, sh->name);
       if (!hit) continue;
     }
+    if ((!strcmp(routing, "balanced") && c->skewed) || (!strcmp(routing, "skewed") && !c->skewed))
+      continue;
     if (now_s() - t0 > deadline) {
       D.skipped[i] = 1;
       printf("skip %s T=%d %s (deadline)\n", sh->name, c->T, c->skewed ? "skewed" : "balanced");
       write_json(&D);
       continue;
     }
-    result *r = &D.res[i];
-    run_config(c, routing_dir, D.reps, D.warmup, st, r);
+    run_config(c, routing_dir, D.reps, D.warmup, D.n_paths ? D.paths : NULL, D.n_paths, st,
+               D.res[i]);
     D.done[i] = 1;
-    failures += !r->ok;
-    printf("%-16s T=%-5d %-8s max/mean %.2f/%.2f  fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f "
-           "TF/s  status %d det %s nonfinite %llu%s\n",
-           sh->name, c->T, c->skewed ? "skewed" : "balanced", r->max_over_mean[0],
-           r->max_over_mean[1], r->fwd_ms, r->flops_fwd / r->fwd_ms * 1e-9, r->bwd_ms,
-           2 * r->flops_fwd / r->bwd_ms * 1e-9, r->status, r->deterministic ? "yes" : "NO",
-           r->nonfinite, r->routing_from_file ? "" : " (own routing)");
-    printf("    fwd parts:");
-    for (int k = 0; k < FWD_STEPS; k++) printf(" %s %.3f", FWD_NAMES[k], r->fwd_part[k]);
-    printf("\n    bwd parts:");
-    for (int k = 0; k < BWD_STEPS; k++) printf(" %s %.3f", BWD_NAMES[k], r->bwd_part[k]);
-    printf("\n");
+    for (int v = 0; v < (D.n_paths ? D.n_paths : 1); v++) {
+      const result *r = &D.res[i][v];
+      failures += !r->ok;
+      printf("%-16s T=%-5d %-8s %-7s max/mean %.2f/%.2f  fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms "
+             "%6.1f TF/s  status %d det %s same %s nonfinite %llu%s\n",
+             sh->name, c->T, c->skewed ? "skewed" : "balanced", path_name(&D, r),
+             r->max_over_mean[0], r->max_over_mean[1], r->fwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
+             r->bwd_ms, 2 * r->flops_fwd / r->bwd_ms * 1e-9, r->status,
+             r->deterministic ? "yes" : "NO", r->same_as_first ? "yes" : "NO", r->nonfinite,
+             r->routing_from_file ? "" : " (own routing)");
+      printf("    fwd parts:");
+      for (int k = 0; k < FWD_STEPS; k++) printf(" %s %.3f", FWD_NAMES[k], r->fwd_part[k]);
+      printf("\n    bwd parts:");
+      for (int k = 0; k < BWD_STEPS; k++) printf(" %s %.3f", BWD_NAMES[k], r->bwd_part[k]);
+      printf("\n");
+    }
     fflush(stdout);
     write_json(&D);
   }

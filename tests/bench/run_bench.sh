@@ -55,7 +55,7 @@ note() { printf '== %s\n' "$*"; }
 
 # ---- build -------------------------------------------------------------------------
 KERNELS=$(ls kernels/*.cu | sed 's/\.cu$//')
-SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh) proto/mok_status.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/gpu/cuda_check.cuh"
+SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/gpu/cuda_check.cuh"
 srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
 {
   if [ -x "$BIN" ] && [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && "$BIN" --version >/dev/null 2>&1; then

@@ -1149,6 +1149,8 @@ int main(int argc, char **argv) {
   printf("device: %s, sm_%d%d, %d SMs; sm90 path usable: %d\n", prop.name, prop.major,
          prop.minor, prop.multiProcessorCount, mok_k_sm90_usable());
   MOK_CHECK(mok_k_init());
+  printf("2-CTA clusters at once: %d%s\n", mok_k_sm90_pair_clusters(),
+         mok_k_sm90_pair_clusters() ? "" : " (the cluster variant runs as rows)");
   if (!mok_k_sm90_usable()) {
     printf("the sm90 path is not usable on this device\n");
     return 1;
