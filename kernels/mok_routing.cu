@@ -286,9 +286,11 @@ __global__ void sched_validate_kernel(const int32_t *header, const int32_t *coun
   const int rows_used = min(max(header[MOK_SCHED_H_ROWS_USED], 0), capacity);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += gridDim.x * blockDim.x) {
     if (i == 0) {
-      bad |= header[MOK_SCHED_H_MAGIC] != (int32_t)MOK_SCHED_MAGIC || header[MOK_SCHED_H_TOKENS] != T ||
-             header[MOK_SCHED_H_TOPK] != K || header[MOK_SCHED_H_LOCAL_EXPERTS] != E_loc ||
-             header[MOK_SCHED_H_ROW_ALIGN] != row_align || header[MOK_SCHED_H_ROWS_CAPACITY] != capacity ||
+      bad |= header[MOK_SCHED_H_MAGIC] != (int32_t)MOK_SCHED_MAGIC ||
+             header[MOK_SCHED_H_TOKENS] != T || header[MOK_SCHED_H_TOPK] != K ||
+             header[MOK_SCHED_H_LOCAL_EXPERTS] != E_loc ||
+             header[MOK_SCHED_H_ROW_ALIGN] != row_align ||
+             header[MOK_SCHED_H_ROWS_CAPACITY] != capacity ||
              header[MOK_SCHED_H_FIRST_EXPERT] != first || header[MOK_SCHED_H_ROWS_USED] < 0 ||
              header[MOK_SCHED_H_ROWS_USED] > capacity || offsets[0] != 0 ||
              offsets[E_loc] != header[MOK_SCHED_H_ROWS_USED];
