@@ -55,6 +55,7 @@ typedef struct esession {
   mok_engine_session *es; /* the engine's (session_open), or NULL */
   pend *pend_head, *pend_tail;
   uint32_t n_pend;
+  uint32_t n_pend_refused; /* of those, jobs that failed their checks (fence-only NOPs) */
   bool detaching; /* the client is gone: freed once its jobs finished */
   /* released once no job of the session runs any more */
   mok_region *dead_regions;
@@ -892,6 +893,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
     s->pend_head = p->next;
     if (!s->pend_head) s->pend_tail = NULL;
     s->n_pend--;
+    if (p->fail_status != MOK_OK) s->n_pend_refused--;
     if (p->fail_status != MOK_OK) { /* the fence-only NOP of a job that failed validation */
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
@@ -948,7 +950,8 @@ static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
     if (q->uid != uid || q->faulted) continue;
     uint32_t tail = atomic_load_explicit(&q->shm.hdr->sq_tail.value, memory_order_acquire);
     uint32_t queued = tail - q->sq_head;
-    n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + (uint32_t)q->n_pend;
+    /* a refused job still waiting for its turn to complete holds nothing */
+    n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + q->n_pend - q->n_pend_refused;
   }
   return n;
 }
@@ -1071,6 +1074,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   else s->pend_head = p;
   s->pend_tail = p;
   s->n_pend++;
+  if (p->fail_status != MOK_OK) s->n_pend_refused++;
   return true;
 }
 
