@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "bf16.h"
@@ -77,6 +78,26 @@ __attribute__((format(printf, 3, 4))) static mok_status job_fail(job_env *env, m
   return st;
 }
 
+/* Scratch memory: large buffers straight from mmap, so that giving them
+ * back really returns them to the system (malloc keeps freed heap memory,
+ * and raises its mmap threshold after large frees). */
+#define SCRATCH_MMAP_BYTES (256u << 10)
+
+static void *scratch_alloc(size_t cap) {
+  if (cap >= SCRATCH_MMAP_BYTES) {
+    void *p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+  }
+  void *p = NULL;
+  return posix_memalign(&p, 64, cap) == 0 ? p : NULL;
+}
+
+static void scratch_free(void *p, size_t cap) {
+  if (!p) return;
+  if (cap >= SCRATCH_MMAP_BYTES) munmap(p, cap);
+  else free(p);
+}
+
 /* Returns a buffer of at least `bytes` (64-byte aligned), or NULL after
  * failing the job with MOK_ENOMEM. */
 static void *scratch(job_env *env, int id, size_t bytes) {
@@ -85,7 +106,6 @@ static void *scratch(job_env *env, int id, size_t bytes) {
   if (b->cap < bytes) {
     mok_engine *e = env->eng;
     size_t cap = (bytes + 63u) & ~(size_t)63u;
-    void *p = NULL;
     if (cap < bytes) {
       job_fail(env, MOK_ENOMEM, "scratch of %zu bytes is too large", bytes);
       return NULL;
@@ -100,12 +120,13 @@ static void *scratch(job_env *env, int id, size_t bytes) {
                (size_t)(grow >> 20), (unsigned long long)(e->scratch_limit >> 20));
       return NULL;
     }
-    if (posix_memalign(&p, 64, cap) != 0) {
+    void *p = scratch_alloc(cap);
+    if (!p) {
       atomic_fetch_sub(&e->scratch_total, grow);
       job_fail(env, MOK_ENOMEM, "out of memory for %zu bytes of scratch", bytes);
       return NULL;
     }
-    free(b->ptr);
+    scratch_free(b->ptr, b->cap);
     b->ptr = p;
     b->cap = cap;
     atomic_fetch_add(&env->scr->bytes, grow);
@@ -117,7 +138,7 @@ static void *scratch(job_env *env, int id, size_t bytes) {
 static void scratch_release(mok_engine *e, cpu_scratch_set *set) {
   uint64_t held = 0;
   for (int i = 0; i < SCR_COUNT_; i++) {
-    free(set->buf[i].ptr);
+    scratch_free(set->buf[i].ptr, set->buf[i].cap);
     held += set->buf[i].cap;
     set->buf[i].ptr = NULL;
     set->buf[i].cap = 0;

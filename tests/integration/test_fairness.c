@@ -1,4 +1,5 @@
-/* A tenant's huge job beside another tenant's small ones (docs/security.md).
+/* A tenant's huge job beside another tenant's small ones, and scratch given
+ * back after its session idles (docs/security.md).
  *
  * Each session's jobs run on a runner of their own and share the engine's
  * worker pool, where no caller waits for another's run (daemon/cpu_pool.h).
@@ -94,8 +95,55 @@ static void test_small_jobs_beside_a_huge_one_wait_little(void) {
   CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
+/* The daemon's private resident memory in KiB (RssAnon: without the
+ * clients' shared buffers it maps). */
+static long rss_anon_kib(pid_t pid) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  long kib = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "RssAnon: %ld kB", &kib) == 1) break;
+  if (f) fclose(f);
+  return kib;
+}
+
+/* A session's scratch goes back once it idled for workspace-idle-ms, while
+ * the session stays open: the daemon's resident memory returns near where
+ * it was before the job. */
+static void test_idle_scratch_is_given_back(void) {
+  daemon_proc d = harness_start("workspace-idle-ms = 300\n");
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "idler", &c) == MOK_OK);
+  job_bufs j = make_job(c, 512, 512, 8, 2, 1024);
+  usleep(100000);
+  long before = rss_anon_kib(d.pid);
+  uint64_t tk;
+  CHECK(mok_forward(j.l, 1024, &j.fa, &tk) == MOK_OK);
+  CHECK_EQ_INT(mok_wait(c, tk, 60000), MOK_OK);
+  long after_job = rss_anon_kib(d.pid);
+  long idle = after_job;
+  long slack = harness_rss_slack_kib(); /* the sanitizers' allocators keep more */
+  for (int i = 0; i < 100 && idle > before + slack; i++) {
+    usleep(20000);
+    idle = rss_anon_kib(d.pid);
+  }
+  printf("# mokd private RSS: %ld KiB before the job, %ld after it, %ld once idle\n", before, after_job,
+         idle);
+  /* the job's scratch (the widened weights alone are 24 MiB) was held ... */
+  CHECK_MSG(after_job > before + 16384, "RSS %ld -> %ld KiB: no scratch seen", before, after_job);
+  /* ... and given back while the session is still open */
+  CHECK_MSG(idle <= before + slack && idle < after_job - 16384,
+            "RSS %ld KiB after idling, %ld before the job", idle, before);
+  CHECK(mok_forward(j.l, 1024, &j.fa, &tk) == MOK_OK); /* and grown again on demand */
+  CHECK_EQ_INT(mok_wait(c, tk, 60000), MOK_OK);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_small_jobs_beside_a_huge_one_wait_little),
+    CHECK_CASE(test_idle_scratch_is_given_back),
     {0},
 };
 
