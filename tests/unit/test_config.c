@@ -93,7 +93,85 @@ static void test_access_settings(void) {
   expect_error(many, "bad value"); /* more than MOK_ALLOW_MAX */
 }
 
+/* The client limits are fair shares by default: nothing unlimited, one
+ * uid's share a fraction of the daemon's, the region cap well below
+ * vm.max_map_count's default (65530). */
+static void test_client_limits_default_to_fair_shares(void) {
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  CHECK(cfg.max_sessions_per_uid > 0 && cfg.max_sessions_per_uid < cfg.max_sessions);
+  CHECK(cfg.session_reserve > 0 &&
+        cfg.max_sessions_per_uid <= cfg.max_sessions - cfg.session_reserve);
+  CHECK(cfg.max_regions_total > 0 && cfg.max_regions_total <= 65530 / 2);
+  CHECK(cfg.max_regions_per_uid > 0 && cfg.max_regions_per_uid <= cfg.max_regions_total / 2);
+  CHECK(cfg.max_region_bytes_per_uid > 0 && cfg.max_layers_per_uid > 0);
+  CHECK(cfg.limits.max_jobs_per_uid > 0);
+  CHECK(cfg.max_groups_per_uid > 0 && cfg.max_group_bytes_per_uid > 0);
+  CHECK(cfg.limits.max_regions <= cfg.max_regions_per_uid);
+  CHECK_EQ_INT(cfg.n_admin_uids + cfg.n_admin_gids, 0);
+  CHECK_EQ_INT(cfg.engine_cfg.workspace_idle_ms, 0); /* 0: the engine's default */
+  char err[256] = "";
+  const char *text = "session-reserve = 8\nmax-regions-total = 1000\nmax-groups-per-uid = 4\n"
+                     "max_group_bytes_per_uid = 1073741824\nmax-jobs-per-uid = 0\n"
+                     "admin-uids = 0, 1500\nadmin_gids = 27\nworkspace-idle-ms = 86400000\n";
+  CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "%s", err);
+  CHECK_EQ_INT(cfg.session_reserve, 8);
+  CHECK_EQ_INT(cfg.max_regions_total, 1000);
+  CHECK_EQ_INT(cfg.max_groups_per_uid, 4);
+  CHECK_EQ_INT(cfg.max_group_bytes_per_uid, 1ull << 30);
+  CHECK_EQ_INT(cfg.limits.max_jobs_per_uid, 0); /* an explicit 0: no limit */
+  CHECK(cfg.n_admin_uids == 2 && cfg.admin_uids[1] == 1500);
+  CHECK(cfg.n_admin_gids == 1 && cfg.admin_gids[0] == 27);
+  CHECK_EQ_INT(cfg.engine_cfg.workspace_idle_ms, 86400000);
+  CHECK(mok_config_parse(&cfg, "workspace-idle-ms = 0\n", err, sizeof err) == 0);
+  CHECK_EQ_INT(cfg.engine_cfg.workspace_idle_ms, 0);
+  expect_error("workspace-idle-ms = 86400001\n", "bad value");
+  expect_error("workspace-idle-ms = -5\n", "bad value");
+  expect_error("workspace-idle-ms = 10s\n", "bad value");
+  expect_error("session-reserve = 65537\n", "bad value");
+  expect_error("max-regions-total = 16777217\n", "bad value");
+  expect_error("max-groups-per-uid = lots\n", "bad value");
+  expect_error("max-group-bytes-per-uid = 18446744073709551616\n", "bad value");
+  expect_error("admin-uids = 1,,2\n", "bad value");
+  expect_error("admin-gids = 4294967295\n", "bad value");
+  expect_error("admin-uids = root\n", "bad value");
+  CHECK(mok_config_parse(&cfg, "admin-uids =\n", err, sizeof err) == 0);
+  CHECK_EQ_INT(cfg.n_admin_uids, 0);
+}
+
+/* deploy/mokd.conf parses, and documents every key the parser knows. */
+static void test_the_shipped_config_documents_every_key(void) {
+  FILE *f = fopen("deploy/mokd.conf", "r");
+  if (!f) {
+    printf("# skipped: run from the repository root to read deploy/mokd.conf\n");
+    return;
+  }
+  static char text[1 << 16];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  char err[256] = "";
+  CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "deploy/mokd.conf: %s", err);
+  const char *keys[] = {"max-sessions", "session-reserve", "hello-timeout-ms",
+                        "max-pending-requests", "drain-ms", "max-regions", "max-region-bytes",
+                        "max-layers", "max-regions-total", "max-sessions-per-uid",
+                        "max-regions-per-uid", "max-region-bytes-per-uid", "max-layers-per-uid",
+                        "max-jobs-per-uid", "max-groups-per-uid", "max-group-bytes-per-uid",
+                        "socket-mode", "socket-group", "allow-uids", "allow-gids", "admin-uids",
+                        "admin-gids", "group-dir", "group-linger-ms", "workspace-idle-ms",
+                        "fence-timeout-ms", "threads", "device", "engine", "log-level"};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+    char want[64];
+    snprintf(want, sizeof want, "%s =", keys[i]);
+    CHECK_MSG(strstr(text, want) != NULL, "deploy/mokd.conf does not document %s", keys[i]);
+  }
+}
+
 static const check_case cases[] = {CHECK_CASE(test_parses_settings_comments_and_blank_lines),
+                                   CHECK_CASE(test_client_limits_default_to_fair_shares),
+                                   CHECK_CASE(test_the_shipped_config_documents_every_key),
                                    CHECK_CASE(test_rejects_bad_lines_with_their_number),
                                    CHECK_CASE(test_group_settings),
                                    CHECK_CASE(test_access_settings), {0}};
