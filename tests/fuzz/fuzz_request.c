@@ -33,9 +33,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (v == MOK_REQ_OK && q.pb->body_case == MOK__REQUEST__BODY_REGISTER_BUFFER &&
         q.want_fds != nfds)
       abort(); /* a RegisterBuffer goes on only with its fds */
-    if (v == MOK_REQ_OK && q.pb->body_case == MOK__REQUEST__BODY_CREATE_LAYER &&
+    if (v == MOK_REQ_OK &&
+        (q.pb->body_case == MOK__REQUEST__BODY_CREATE_LAYER ||
+         q.pb->body_case == MOK__REQUEST__BODY_LAYER_COST) &&
         (q.layer.topk > q.layer.experts || q.layer.hidden == 0 || q.layer.max_tokens == 0))
-      abort(); /* a layer that goes on is a valid one */
+      abort(); /* a layer that goes on (to be made, or costed) is a valid one */
   }
   if (v != MOK_REQ_OK && (q.status == 0 || !q.message[0])) abort(); /* refusals say why */
   mok_request_free(&q);

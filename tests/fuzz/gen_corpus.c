@@ -80,6 +80,13 @@ static void gen_requests(void) {
   lc.dtype = MOK__DTYPE__DTYPE_F32, lc.shared_intermediate = 0, lc.has_swiglu_limit = 0;
   lc.hidden = 32, lc.intermediate = 16, lc.experts = 6, lc.topk = 2, lc.max_tokens = 64;
   put_request("create_layer_f32", &req, 1, 0);
+  Mok__LayerCost lcost = MOK__LAYER_COST__INIT;
+  lcost.config = &lc;
+  req.body_case = MOK__REQUEST__BODY_LAYER_COST, req.layer_cost = &lcost;
+  put_request("layer_cost", &req, 1, 0);
+  lc.group_id = 2, lc.group_tag = 5;
+  put_request("layer_cost_group", &req, 1, 0);
+  lc.group_id = 0, lc.group_tag = 0;
   Mok__DestroyLayer dl = MOK__DESTROY_LAYER__INIT;
   dl.layer_id = 1;
   req.body_case = MOK__REQUEST__BODY_DESTROY_LAYER, req.destroy_layer = &dl;
