@@ -7,6 +7,13 @@ set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 export MOK_BUILD="$BUILD"
+# the test daemons' expert-parallel group segments: a private directory
+# (mokd's default, /run/mok/groups, needs root or the packaged tmpfiles.d)
+if [ -z "${MOK_GROUP_DIR:-}" ]; then
+  MOK_GROUP_DIR=$(mktemp -d /tmp/mok-test-groups-XXXXXX) || exit 1
+  export MOK_GROUP_DIR
+  trap 'rm -rf "$MOK_GROUP_DIR"' EXIT
+fi
 PYTHON=${PYTHON:-}
 passed=0
 failed=0

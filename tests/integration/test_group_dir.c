@@ -7,6 +7,7 @@
  * that no live mokd uses (a planted file, a link, a dead daemon's segment)
  * is reclaimed, at start-up or by the next join.
  */
+#include <ftw.h>
 #include <grp.h>
 #include <sys/stat.h>
 
@@ -18,6 +19,13 @@
 #define OTHER_UID 4321u
 
 enum { T = 8, H = 32, K = 2, E = 4 };
+
+/* Remove dir and all in it (never following links). */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  return remove(path) < 0 && errno != ENOENT ? -1 : 0;
+}
+static void remove_dir(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 static int join(mok_client *c, const char *key, uint32_t max_tokens, mok_group **g) {
   mok_group_sizing sz = {.max_tokens = max_tokens, .hidden = H, .topk = K, .experts = E,
@@ -83,6 +91,7 @@ static void test_the_directory_is_made_private(void) {
   }
   mok_close(c);
   CHECK_EQ_INT(harness_stop(&d), 0);
+  remove_dir(base);
 }
 
 /* The old place (/dev/shm: anyone may write it) is refused, with the fix;
@@ -121,6 +130,8 @@ static void test_a_directory_others_can_write_is_refused(void) {
   CHECK_STR_CONTAINS(mok_last_error(), "is a symbolic link");
   mok_close(c);
   CHECK_EQ_INT(harness_stop(&d), 0);
+  remove_dir(base);
+  remove_dir(dir);
 }
 
 static void plant(const char *path, mode_t mode) {
@@ -167,6 +178,7 @@ static void test_planted_files_are_reclaimed(void) {
   CHECK_STR_CONTAINS(harness_log(&d), "mode 0644, where mokd makes 0600; removed it");
   CHECK_EQ_INT(harness_stop(&d), 0);
   unlink(target);
+  remove_dir(dir);
 }
 
 /* A mokd killed with SIGKILL leaves its segment behind; the next mokd's
@@ -212,6 +224,7 @@ static void test_a_killed_daemons_segment_is_reclaimed(void) {
     }
   }
   CHECK_EQ_INT(harness_stop(&survivor), 0);
+  remove_dir(dir);
 }
 
 static const check_case cases[] = {

@@ -10,6 +10,7 @@
  * passwd entry needed: SO_PEERCRED reports the number), so every case
  * needs root and is skipped otherwise.
  */
+#include <ftw.h>
 #include <grp.h>
 #include <sys/mman.h>
 
@@ -36,6 +37,13 @@ typedef struct report {
 } report;
 
 static report *reports; /* [4]: A, B, C, spare */
+
+/* Remove dir and all in it (never following links). */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  return remove(path) < 0 && errno != ENOENT ? -1 : 0;
+}
+static void remove_dir(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 static bool need_root(void) {
   if (geteuid() == 0) return true;
@@ -413,6 +421,7 @@ static void test_groups_per_uid_count_lingering_ones(void) {
   CHECK_EQ_INT(a->status, MOK_ELIMIT);
   CHECK_STR_CONTAINS(a->msg, "max-groups-per-uid 3");
   CHECK(run_as(UID_B, GID_TENANT, join_one, d.sock, b) == 0);
+  victim_ok(d.sock, UID_B);
   /* the attacker goes without leaving: its groups linger, and still count */
   release(&h);
   memset(a, 0, sizeof *a);
@@ -430,6 +439,7 @@ static void test_groups_per_uid_count_lingering_ones(void) {
   CHECK_EQ_INT(a->count, 100);
   release(&h2);
   CHECK_EQ_INT(harness_stop(&d), 0);
+  remove_dir(gdir);
 }
 
 static void test_group_bytes_per_uid(void) {
@@ -451,8 +461,10 @@ static void test_group_bytes_per_uid(void) {
   CHECK_EQ_INT(a->count, 2);
   CHECK_STR_CONTAINS(a->msg, "max-group-bytes-per-uid");
   CHECK(run_as(UID_B, GID_TENANT, join_one, d.sock, b) == 0);
+  victim_ok(d.sock, UID_B);
   release(&h);
   CHECK_EQ_INT(harness_stop(&d), 0);
+  remove_dir(gdir);
 }
 
 /* ---- what Stats show ---- */
@@ -582,6 +594,7 @@ static void test_stats_show_a_tenant_only_itself(void) {
   check_private_view(b, a);
   release(&h);
   CHECK_EQ_INT(harness_stop(&d), 0);
+  remove_dir(gdir);
 }
 
 static const check_case cases[] = {

@@ -5,6 +5,7 @@
  * what lies at a segment's path that no live mokd uses is reclaimed. */
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -148,9 +149,17 @@ static void test_nccl_group_rejoin_and_reform(void) {
   CHECK(!rejoined && freed == 2);
   mok_ep_group_table_destroy(t);
   CHECK_EQ_INT(freed, 2); /* no state was attached after the last re-form */
+  CHECK(rmdir(dir) == 0);
 }
 
 /* ---- the segments' directory ---------------------------------------------- */
+
+/* Remove dir and all in it (never following links). */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  return remove(path) < 0 && errno != ENOENT ? -1 : 0;
+}
+static void remove_dir(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 static _Atomic bool never;
 
@@ -213,6 +222,7 @@ static void test_the_group_dir_must_be_the_daemons_alone(void) {
   }
   char rel[] = "relative/dir";
   CHECK(mok_ep_group_dir_check(rel, true, err, sizeof err) == MOK_EINVAL);
+  remove_dir(base);
 }
 
 static mok_ep_group_join_args args_world(uint32_t world, uint32_t rank, const char *key) {
@@ -315,6 +325,8 @@ static void test_planted_paths_are_reclaimed_and_never_followed(void) {
   CHECK(lstat(path, &st) < 0 && errno == ENOENT);
   CHECK(chmod(d, 0700) == 0);
   mok_ep_group_table_destroy(t);
+  unlink(target);
+  remove_dir(d);
 }
 
 /* In a child: join key (world 2, rank 0) in d and exit without leaving,
@@ -361,6 +373,7 @@ static void test_a_dead_daemons_segment_is_reclaimed(void) {
   mok_ep_group_table_destroy(t2);
   mok_ep_group_table_destroy(t);
   CHECK(lstat(path, &after) < 0 && errno == ENOENT); /* the last member out removed it */
+  remove_dir(d);
 }
 
 static void test_another_versions_segment_is_refused_not_removed(void) {
@@ -381,6 +394,7 @@ static void test_another_versions_segment_is_refused_not_removed(void) {
   struct stat st;
   CHECK(lstat(path, &st) == 0);
   mok_ep_group_table_destroy(t);
+  remove_dir(d);
 }
 
 static void test_the_sweep_removes_only_what_nobody_uses(void) {
@@ -413,6 +427,7 @@ static void test_the_sweep_removes_only_what_nobody_uses(void) {
   CHECK_EQ_INT(mok_ep_group_dir_sweep(d, &removed, err, sizeof err), MOK_EACCES);
   CHECK(chmod(d, 0700) == 0);
   mok_ep_group_table_destroy(t);
+  remove_dir(d);
 }
 
 static void test_segment_bytes_follow_the_sizing(void) {
