@@ -56,6 +56,10 @@ typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
   int threads;     /* worker threads (cpu); 0: one per online core */
   uint32_t fence_timeout_ms; /* cuda: a client fence unwritten this long fails its job; 0: default */
+  /* cuda: a job whose kernels run this long after its client fence was
+   * released is reported and its session's later jobs fail at once until it
+   * ends (a running kernel cannot be stopped); 0: the default (120 s) */
+  uint32_t job_timeout_ms;
   /* expert-parallel groups (the engine thread's table; docs/ep.md) */
   bool group_linger_set;     /* else the default (MOK_GROUP_LINGER_MS) */
   uint32_t group_linger_ms;  /* a group no session holds is kept this long (0: not kept) */
@@ -101,6 +105,7 @@ typedef struct mok_region_source {
   int fd;                   /* HOST_MEMFD, CUDA_VMM: the fd (the caller keeps it) */
   uint64_t offset, bytes;   /* usable bytes [offset, offset+bytes) of the allocation */
   uint8_t ipc_handle[64];   /* CUDA_IPC: cudaIpcMemHandle_t */
+  mok_engine_session *session; /* the registering session's engine state (NULL: none) */
 } mok_region_source;
 
 struct mok_region;
