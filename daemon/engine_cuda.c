@@ -7,9 +7,18 @@
  *   word to pinned host memory -> [write the job's done value] -> event1
  * and returns at once; poll() asks event1 (cudaEventQuery) and only then
  * reads the job's status word. No host read of a device value happens
- * before the job completed, and nothing is allocated on the hot path: each
- * layer owns its scratch and workspace, sized for max_tokens when the layer
- * is created; each session owns its stream, status word and job records.
+ * before the job completed. Each session owns its stream, status word, job
+ * records and one workspace (everything a job needs that is not the
+ * client's, for every layer of the session), sized by the jobs it runs and
+ * grown stream-ordered at the start of a job that needs more, so a steady
+ * loop allocates nothing; idle workspaces go back to the device. A layer
+ * keeps only its config.
+ *
+ * Client memory is never trusted to steer the kernels (docs/cuda.md, "Copy,
+ * check, use"): the job's routing ids are copied into the workspace and the
+ * schedule is built there from the copy, then copied out to the client's
+ * ctx or schedule tensor; a schedule the client brings is copied in and
+ * validated there. Every kernel indexes only with the workspace's copies.
  *
  * Linking: only libcudart_static (which loads the driver lazily), never
  * -lcuda; the driver functions the runtime lacks (stream memory operations,
@@ -23,6 +32,7 @@
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -31,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -174,6 +185,81 @@ static bool watch_disarm(mok_engine *e, mok_engine_job *j) {
   }
 }
 
+/* A setting in ms as ns: the environment's value, else the config's, else
+ * the default (0 means "the default" in both). */
+static uint64_t ms_setting(const char *env, uint32_t configured, uint32_t dflt) {
+  const char *v = getenv(env);
+  unsigned long ms = v && *v ? strtoul(v, NULL, 10) : configured;
+  return (uint64_t)(ms ? ms : dflt) * 1000000ull;
+}
+
+/* The pool session workspaces come from. Its memory is kept across frees
+ * (a workspace that grows frees the old one and takes a new one) and given
+ * back to the device by idle()'s trims. No reuse that inserts a dependency
+ * on another stream: a session parked on its client's fence must never
+ * hold another session's allocation. */
+static int ws_pool_create(mok_engine *e, char *err, size_t errlen) {
+  struct cudaMemPoolProps pp;
+  memset(&pp, 0, sizeof pp);
+  pp.allocType = cudaMemAllocationTypePinned;
+  pp.handleTypes = cudaMemHandleTypeNone;
+  pp.location.type = cudaMemLocationTypeDevice;
+  pp.location.id = e->device;
+  uint64_t keep = UINT64_MAX;
+  int no = 0;
+  cudaError_t r = cudaMemPoolCreate(&e->ws_pool, &pp);
+  if (r == cudaSuccess)
+    r = cudaMemPoolSetAttribute(e->ws_pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  if (r == cudaSuccess)
+    r = cudaMemPoolSetAttribute(e->ws_pool, cudaMemPoolReuseAllowInternalDependencies, &no);
+  if (r != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e->ws_pool) cudaMemPoolDestroy(e->ws_pool);
+    e->ws_pool = NULL;
+    snprintf(err, errlen, "cuda engine: cannot create the workspace memory pool: %s",
+             cudaGetErrorString(r));
+    return MOK_EENGINE;
+  }
+  return MOK_OK;
+}
+
+/* Does a VMM export's file name its allocation? Two exports of one
+ * allocation (the first closed before the second is made) must give the
+ * same (st_dev, st_ino), another allocation's export another one. Checked
+ * on this driver with two small allocations; false: VMM regions get a
+ * backing of their own import (aliasing between them is not seen). */
+static bool vmm_fds_name_allocations(mok_engine *e) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = e->device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  if (e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS)
+    return false;
+  CUmemGenericAllocationHandle h[2] = {0, 0};
+  struct stat st[3];
+  bool ok = true;
+  for (int i = 0; i < 3 && ok; i++) {
+    int a = i < 2 ? 0 : 1, fd = -1; /* exports: A, A again, B */
+    if (!h[a]) ok = e->drv.mem_create(&h[a], gran, &prop, 0) == CUDA_SUCCESS;
+    ok = ok && e->drv.export_handle(&fd, h[a], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) ==
+                   CUDA_SUCCESS;
+    ok = ok && fstat(fd, &st[i]) == 0;
+    if (fd >= 0) close(fd);
+  }
+  for (int a = 0; a < 2; a++)
+    if (h[a]) e->drv.release(h[a]);
+  (void)cudaGetLastError();
+  bool same = ok && st[0].st_dev == st[1].st_dev && st[0].st_ino == st[1].st_ino;
+  bool other = ok && (st[0].st_dev != st[2].st_dev || st[0].st_ino != st[2].st_ino);
+  log_info("cuda engine: VMM exports %s their allocation (one allocation twice: %s; another: %s)",
+           same && other ? "name" : "do not name", !ok ? "?" : same ? "same file" : "other files",
+           !ok ? "?" : other ? "another file" : "the same file");
+  return same && other;
+}
+
 static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen) {
   *ret = NULL;
   /* Load every kernel now, before the first CUDA call initialises the driver:
@@ -232,16 +318,23 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     return MOK_EENGINE;
   }
   st = mok_k_init();
-  if (st != MOK_OK) {
+  if (st == MOK_OK) st = ws_pool_create(e, err, errlen);
+  else
     snprintf(err, errlen, "cuda engine: kernel set-up failed (CUDA error %d: %s)",
              mok_k_last_cuda_error(), cudaGetErrorString((cudaError_t)mok_k_last_cuda_error()));
+  if (st != MOK_OK) {
+    cudaStreamDestroy(e->mem_stream);
     free(e);
     return st;
   }
-  /* mokd.conf's fence-timeout-ms; the environment still wins (tests use it) */
-  const char *to = getenv("MOK_FENCE_TIMEOUT_MS");
-  unsigned long ms = to && *to ? strtoul(to, NULL, 10) : (cfg ? cfg->fence_timeout_ms : 0);
-  e->fence_timeout_ns = (uint64_t)(ms ? ms : DEFAULT_FENCE_TIMEOUT_MS) * 1000000ull;
+  e->vmm_fd_identity = vmm_fds_name_allocations(e);
+  /* mokd.conf's keys; the environment still wins (tests use it) */
+  e->fence_timeout_ns =
+      ms_setting("MOK_FENCE_TIMEOUT_MS", cfg ? cfg->fence_timeout_ms : 0, DEFAULT_FENCE_TIMEOUT_MS);
+  e->job_timeout_ns =
+      ms_setting("MOK_JOB_TIMEOUT_MS", cfg ? cfg->job_timeout_ms : 0, DEFAULT_JOB_TIMEOUT_MS);
+  e->workspace_idle_ns = ms_setting("MOK_WORKSPACE_IDLE_MS", cfg ? cfg->workspace_idle_ms : 0,
+                                    MOK_WORKSPACE_IDLE_MS);
   char bus[32] = "";
   cudaDeviceGetPCIBusId(bus, sizeof bus, dev);
   snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",
@@ -272,6 +365,7 @@ static void cuda_close(mok_engine *e) {
     cudaStreamSynchronize(e->mem_stream);
     cudaStreamDestroy(e->mem_stream);
   }
+  if (e->ws_pool) cudaMemPoolDestroy(e->ws_pool);
   free(e);
 }
 
@@ -365,125 +459,146 @@ void cuda_free_async(void *p, cudaStream_t st) {
   if (p) cudaFreeAsync(p, st);
 }
 
-static void layer_free(mok_engine_layer *l, cudaStream_t st) {
-  cuda_free_async(l->ws, st);
-  cuda_free_async(l->ctx, st);
-  cuda_free_async(l->ring_g, st);
-  cuda_free_async(l->ring_u, st);
-  cuda_free_async(l->ring_sched, st);
-  cuda_free_async(l->ring_plan, st);
-  cuda_free_async(l->routed_a, st);
-  cuda_free_async(l->routed_b, st);
-  cuda_free_async(l->routed_c, st);
-  cuda_free_async(l->shared, st);
-  cuda_free_async(l->ep_ids, st);
-  cuda_free_async(l->ep_rw, st);
-  cuda_free_async(l->ep_drw, st);
-  cuda_free_async(l->ep_own, st);
-  cuda_free_async(l->ws_aux, st);
-  free(l);
-}
-
+/* A layer keeps its config and the ring's sizes: nothing on the device. */
 static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer **ret,
                            char *err, size_t errlen) {
+  (void)e;
   *ret = NULL;
-  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   mok_engine_layer *l = calloc(1, sizeof *l);
   if (!l) {
     snprintf(err, errlen, "out of memory");
     return MOK_ENOMEM;
   }
   l->cfg = *cfg;
-  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
-  mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
-  size_t R = (size_t)mok_rows_capacity(&ld), H = cfg->hidden, I = cfg->intermediate;
-  size_t T = cfg->max_tokens, ws_bytes = mok_k_workspace_bytes(&d);
-  uint64_t ctx_bytes = mok_ctx_bytes(&ld);
-  size_t TK_v = 0, TK_own = 0, ws_aux = 0; /* a group layer's gathered routing */
-  size_t ring_sched_bytes = 0;
-  if (cfg->group_world) {
-    /* the routed part runs on the virtual batch of every member's tokens */
+  if (cfg->group_world && (l->ring_rows = ring_rows_of(cfg)) > 0) {
     mok_k_dims dv = cuda_group_dims(cfg);
-    mok_layout_dims lv = mok_group_routed_dims(cfg);
-    R = (size_t)mok_rows_capacity(&lv);
-    if ((uint64_t)mok_k_rows_capacity(&dv) != R) {
-      free(l);
-      snprintf(err, errlen, "cuda engine: kernel and wire group capacities disagree (build mismatch)");
-      return MOK_EENGINE;
-    }
-    size_t ws_group = mok_k_workspace_bytes(&dv);
-    if ((l->ring_rows = ring_rows_of(cfg)) > 0) {
-      /* routed buffers and the GEMMs' workspace for a macrobatch; the
-       * schedule build still needs its histogram of the whole batch (the
-       * workspace of dims with one row of capacity) */
-      mok_k_dims dr = cuda_ring_dims(cfg), hist_only = dv;
-      hist_only.rows_limit = 1;
-      l->ring_batches = mok_k_ring_batches(mok_k_rows_capacity(&dv), l->ring_rows, dv.E_loc);
-      R = (size_t)l->ring_rows;
-      ws_group = mok_k_workspace_bytes(&dr);
-      if (mok_k_workspace_bytes(&hist_only) > ws_group) ws_group = mok_k_workspace_bytes(&hist_only);
-      ring_sched_bytes = (size_t)mok_k_schedule_ints(&dr) * 4;
-    }
-    if (ws_group > ws_bytes) ws_bytes = ws_group;
-    ctx_bytes = mok_group_ctx_bytes(cfg, cfg->max_tokens);
-    TK_v = (size_t)cfg->group_world * cfg->group_tokens * cfg->topk;
-    TK_own = (size_t)cfg->group_tokens * cfg->topk;
-    if (cfg->shared_intermediate) ws_aux = mok_k_workspace_bytes(&d); /* the shared expert's */
+    l->ring_batches = mok_k_ring_batches(mok_k_rows_capacity(&dv), l->ring_rows, dv.E_loc);
   }
-  struct {
-    void **p;
-    size_t bytes;
-    const char *what;
-  } bufs[] = {
-      {&l->ws, ws_bytes, "workspace"},
-      {&l->ctx, (size_t)ctx_bytes, "context scratch"},
-      {(void **)&l->routed_a, R * H * 2, "routed rows"},
-      {(void **)&l->routed_b, R * H * 2, "routed rows"},
-      {(void **)&l->routed_c, R * (H > I ? H : I) * 2, "routed rows"},
-      {(void **)&l->shared, cfg->shared_intermediate ? T * H * 2 : 0, "shared rows"},
-      {(void **)&l->ep_ids, TK_v * 4, "group routing"},
-      {(void **)&l->ep_rw, TK_v * 4, "group routing"},
-      {(void **)&l->ep_drw, TK_v * 4, "group routing"},
-      {(void **)&l->ep_own, TK_own * 4, "group routing"},
-      {&l->ws_aux, ws_aux, "shared-expert workspace"},
-      {(void **)&l->ring_g, l->ring_rows ? R * I * 2 : 0, "ring activations"},
-      {(void **)&l->ring_u, l->ring_rows ? R * I * 2 : 0, "ring activations"},
-      {(void **)&l->ring_sched, ring_sched_bytes, "ring schedule"},
-      {(void **)&l->ring_plan, (size_t)l->ring_batches * 16, "ring plan"},
-  };
-  size_t total = 0;
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
-    if (!bufs[i].bytes) continue;
-    cudaError_t r = cudaMallocAsync(bufs[i].p, bufs[i].bytes, e->mem_stream);
-    if (r == cudaSuccess) r = cudaStreamSynchronize(e->mem_stream);
-    if (r != cudaSuccess) {
-      (void)cudaGetLastError();
-      snprintf(err, errlen,
-               "cuda engine: cannot allocate the layer's %s (%zu MiB; %zu MiB so far) for "
-               "max_tokens %u: %s",
-               bufs[i].what, bufs[i].bytes >> 20, total >> 20, cfg->max_tokens,
-               cudaGetErrorString(r));
-      layer_free(l, e->mem_stream);
-      return MOK_ENOMEM;
-    }
-    total += bufs[i].bytes;
-  }
-  log_debug("cuda engine: layer H=%u I=%u E_loc=%u K=%u I_s=%u max_tokens=%u: %zu MiB of scratch",
-            cfg->hidden, cfg->intermediate, cfg->local_experts, cfg->topk,
-            cfg->shared_intermediate, cfg->max_tokens, total >> 20);
   *ret = l;
   return MOK_OK;
 }
 
 static void cuda_layer_close(mok_engine *e, mok_engine_layer *l) {
+  (void)e;
   if (!l) return;
-  cuda_use_device(e);
-  layer_free(l, e->mem_stream);
+  if (l->owner) l->owner->layer_bytes -= sizeof *l;
+  free(l);
+}
+
+/* ---- the session workspace's layout ----------------------------------------------------- */
+
+static void take(size_t *at, size_t bytes, char *base, void **p) {
+  if (!bytes) return; /* *p stays NULL */
+  size_t off = (*at + 255u) & ~(size_t)255u;
+  *at = off + bytes;
+  if (base) *p = base + off;
+}
+#define TAKE(at, bytes, base, field) take((at), (bytes), (base), (void **)&(field))
+
+static bool stage_weights_enabled(const mok_k_dims *d);
+
+size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
+                      bool brings_acts, bool staging, char *base, job_ws *w) {
+  job_ws none;
+  if (!w) w = &none;
+  memset(w, 0, sizeof *w);
+  const bool fwd = op == MOK_OP_FORWARD, bwd = op == MOK_OP_BACKWARD, whole = fwd || bwd;
+  const bool builds = fwd || (bwd && (flags & MOK_JOB_RECOMPUTE)) || op == MOK_OP_DISPATCH;
+  const bool group = cfg->group_world != 0 && whole;
+  mok_k_dims d = cuda_dims_of(cfg, T);
+  mok_layout_dims ld = mok_layer_dims(cfg, T);
+  size_t H = cfg->hidden, I = cfg->intermediate, K = cfg->topk, I_s = cfg->shared_intermediate;
+  size_t R = (size_t)mok_rows_capacity(&ld), sched = (size_t)mok_schedule_bytes(&ld);
+  size_t kernels = mok_k_workspace_bytes(&d), acts = (size_t)mok_acts_bytes(&ld);
+  size_t kernels_aux = 0, ids = builds ? T * K * 4 : 0, ep = 0, ep_own = 0;
+  size_t ring_acts = 0, ring_sched = 0, ring_plan = 0;
+  if (group) {
+    /* the routed part runs on the group's virtual batch (or a ring of it);
+     * the own routing ids are copied into the group's buffer instead */
+    mok_k_dims dv = cuda_group_dims(cfg);
+    mok_layout_dims lv = mok_group_routed_dims(cfg);
+    R = (size_t)mok_rows_capacity(&lv);
+    sched = (size_t)mok_schedule_bytes(&lv);
+    kernels = mok_k_workspace_bytes(&dv);
+    int ring = ring_rows_of(cfg);
+    if (ring > 0) {
+      /* the GEMMs' workspace for a macrobatch; the schedule build still
+       * needs its histogram of the whole batch (dims of one row of capacity) */
+      mok_k_dims dr = cuda_ring_dims(cfg), hist_only = dv;
+      hist_only.rows_limit = 1;
+      R = (size_t)ring;
+      kernels = mok_k_workspace_bytes(&dr);
+      if (mok_k_workspace_bytes(&hist_only) > kernels) kernels = mok_k_workspace_bytes(&hist_only);
+      ring_acts = R * I * 2;
+      ring_sched = (size_t)mok_k_schedule_ints(&dr) * 4;
+      ring_plan = (size_t)mok_k_ring_batches(mok_k_rows_capacity(&dv), ring, dv.E_loc) * 16;
+    }
+    acts = (size_t)(2 * mok_acts_routed_bytes(&lv) + 2 * mok_acts_shared_bytes(&ld));
+    ids = 0;
+    ep = (size_t)cfg->group_world * cfg->group_tokens * K * 4;
+    ep_own = (size_t)T * K * 4;
+    if (I_s) kernels_aux = mok_k_workspace_bytes(&d);
+  }
+  const bool uses_kernels = whole || op == MOK_OP_DISPATCH || op == MOK_OP_COMPUTE ||
+                            op == MOK_OP_COMPUTE_BWD;
+  const bool needs_acts = !brings_acts && (whole || op == MOK_OP_COMPUTE);
+  size_t at = 0;
+  TAKE(&at, op == MOK_OP_NOP ? 0 : sched, base, w->sched);
+  TAKE(&at, ids, base, w->ids);
+  TAKE(&at, uses_kernels ? kernels : 0, base, w->kernels);
+  TAKE(&at, kernels_aux, base, w->kernels_aux);
+  TAKE(&at, needs_acts ? acts : 0, base, w->acts);
+  TAKE(&at, whole ? R * H * 2 : 0, base, w->routed_a);
+  TAKE(&at, whole ? R * H * 2 : 0, base, w->routed_b);
+  TAKE(&at, bwd ? R * (H > I ? H : I) * 2 : 0, base, w->routed_c);
+  TAKE(&at, whole && I_s ? (size_t)T * H * 2 : 0, base, w->shared);
+  TAKE(&at, ep, base, w->ep_ids);
+  TAKE(&at, ep, base, w->ep_rw);
+  TAKE(&at, ep, base, w->ep_drw);
+  TAKE(&at, ep_own, base, w->ep_own);
+  TAKE(&at, ring_acts, base, w->ring_g);
+  TAKE(&at, ring_acts, base, w->ring_u);
+  TAKE(&at, ring_sched, base, w->ring_sched);
+  TAKE(&at, ring_plan, base, w->ring_plan);
+  const bool stages = staging && (bwd || op == MOK_OP_COMPUTE_BWD);
+  TAKE(&at, stages ? 3 * (size_t)cfg->local_experts * I * H * 2 : 0, base, w->wstage);
+  return (at + 255u) & ~(size_t)255u;
+}
+
+/* What a layer costs: nothing on the device for itself; the largest job
+ * (a recomputing backward without a ctx, at max_tokens) sets the session
+ * workspace it needs. */
+static int cuda_layer_cost(mok_engine *e, const mok_layer_config *cfg, mok_layer_cost *ret,
+                           char *err, size_t errlen) {
+  (void)e, (void)err, (void)errlen;
+  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
+  mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
+  ret->layer_bytes = sizeof(mok_engine_layer);
+  ret->workspace_bytes = cuda_job_space(cfg, cfg->max_tokens, MOK_OP_BACKWARD, MOK_JOB_RECOMPUTE,
+                                        false, stage_weights_enabled(&d), NULL, NULL);
+  ret->ctx_bytes = cfg->group_world ? mok_group_ctx_bytes(cfg, cfg->max_tokens)
+                                    : mok_ctx_bytes(&ld);
+  return MOK_OK;
 }
 
 /* ---- sessions ------------------------------------------------------------------------ */
 
-static void session_free(mok_engine_session *s) {
+/* The session's workspace goes back (no job of it runs or is queued). */
+static void ws_release(mok_engine *e, mok_engine_session *s, cudaStream_t st) {
+  if (!s->ws) return;
+  cuda_free_async(s->ws, st);
+  s->ws = NULL;
+  s->ws_bytes = 0;
+  e->trim_until_ns = mono_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
+}
+
+static void session_free(mok_engine *e, mok_engine_session *s) {
+  for (mok_engine_session **p = &e->sessions; *p; p = &(*p)->next)
+    if (*p == s) {
+      *p = s->next;
+      break;
+    }
+  ws_release(e, s, e->mem_stream);
   for (int i = 0; i < MAX_JOBS; i++) {
     if (s->jobs[i].ev_start) cudaEventDestroy(s->jobs[i].ev_start);
     if (s->jobs[i].ev_done) cudaEventDestroy(s->jobs[i].ev_done);
@@ -496,7 +611,10 @@ static void session_free(mok_engine_session *s) {
   if (s->join_ev) cudaEventDestroy(s->join_ev);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
   cuda_free_async(s->d_status, s->mem_stream);
-  cuda_free_async(s->wstage, s->mem_stream);
+  /* the pool counts a stream-ordered free as done only once its stream was
+   * synchronised; the memory stream carries nothing but frees */
+  cudaStreamSynchronize(s->mem_stream);
+  (void)cudaGetLastError();
   if (s->h_status_own) cudaFreeHost((void *)s->h_status);
   free(s);
 }
@@ -512,6 +630,9 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
   }
   s->sync_host = sync_page;
   s->mem_stream = e->mem_stream;
+  s->serial = ++e->next_session;
+  s->next = e->sessions;
+  e->sessions = s;
   cudaError_t r = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
   if (r == cudaSuccess) r = cudaStreamCreateWithFlags(&s->aux, cudaStreamNonBlocking);
   if (r == cudaSuccess) r = cudaEventCreateWithFlags(&s->fork_ev, cudaEventDisableTiming);
@@ -528,7 +649,7 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
     (void)cudaGetLastError();
     snprintf(err, errlen, "cuda engine: cannot set up the session's stream: %s",
              cudaGetErrorString(r));
-    session_free(s);
+    session_free(e, s);
     return MOK_EENGINE;
   }
   /* the GPU sync words: device-mapped host memory both processes see */
@@ -553,7 +674,7 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
       (void)cudaGetLastError();
       snprintf(err, errlen, "cuda engine: cannot allocate pinned memory: %s",
                cudaGetErrorString(r));
-      session_free(s);
+      session_free(e, s);
       return MOK_ENOMEM;
     }
     s->h_status_own = true;
@@ -566,31 +687,117 @@ static void cuda_session_close(mok_engine *e, mok_engine_session *s) {
   if (!s) return;
   cuda_use_device(e);
   cudaStreamSynchronize(s->stream); /* nothing should be left; never free under running work */
-  session_free(s);
+  session_free(e, s);
+}
+
+static void cuda_session_memory(mok_engine *e, mok_engine_session *s, mok_session_memory *ret) {
+  (void)e;
+  memset(ret, 0, sizeof *ret);
+  if (!s) return;
+  ret->mapped_device_bytes = s->mapped_bytes;
+  ret->workspace_bytes = s->ws_bytes;
+  ret->layer_bytes = s->layer_bytes;
+  ret->scratch_bytes = sizeof(int32_t); /* the job status word */
+}
+
+/* The pool's unused memory back to the device. A stream-ordered free counts
+ * as done for the pool only once its stream was synchronised (H200, CUDA 13:
+ * a trim left such a block held), and this runs about once a second for a
+ * while after the last free. */
+static void ws_pool_trim(mok_engine *e, uint64_t now) {
+  if (now >= e->trim_until_ns || now < e->next_trim_ns) return;
+  e->next_trim_ns = now + 1000000000ull;
+  uint64_t reserved = 0, used = 0, after = 0;
+  if (cudaMemPoolGetAttribute(e->ws_pool, cudaMemPoolAttrReservedMemCurrent, &reserved) !=
+          cudaSuccess ||
+      cudaMemPoolGetAttribute(e->ws_pool, cudaMemPoolAttrUsedMemCurrent, &used) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  if (reserved <= used) return;
+  cudaError_t r = cudaMemPoolTrimTo(e->ws_pool, 0);
+  if (r == cudaSuccess)
+    r = cudaMemPoolGetAttribute(e->ws_pool, cudaMemPoolAttrReservedMemCurrent, &after);
+  if (r != cudaSuccess) {
+    log_warn("cuda engine: trimming the workspace pool: %s", cudaGetErrorString(r));
+    (void)cudaGetLastError();
+    return;
+  }
+  if (after < reserved)
+    log_info("cuda engine: %llu MiB of workspace memory back to the device (%llu MiB held, %llu "
+             "in use)",
+             (unsigned long long)((reserved - after) >> 20), (unsigned long long)(after >> 20),
+             (unsigned long long)(used >> 20));
+}
+
+/* The engine thread's housekeeping turn: workspaces of sessions with no job
+ * running that were not used for workspace_idle_ms go back, and the pool
+ * returns what it no longer holds for anyone to the device. */
+static void cuda_idle(mok_engine *e, uint64_t now) {
+  if (cuda_use_device(e) != MOK_OK) return;
+  bool freed = false;
+  for (mok_engine_session *s = e->sessions; s; s = s->next) {
+    bool running = false;
+    for (int i = 0; i < MAX_JOBS && !running; i++) running = s->jobs[i].used;
+    if (running) continue;
+    if (s->free_pending) { /* a grown workspace's old one: its stream has nothing left */
+      cudaStreamSynchronize(s->stream);
+      (void)cudaGetLastError();
+      s->free_pending = false;
+      freed = true;
+    }
+    if (!s->ws || now < s->ws_used_ns || now - s->ws_used_ns < e->workspace_idle_ns) continue;
+    log_info("cuda engine: session #%u: workspace of %zu MiB unused for %llu ms, given back",
+             s->serial, s->ws_bytes >> 20, (unsigned long long)(e->workspace_idle_ns / 1000000));
+    /* its last job completed: no stream still uses it, so the engine's
+     * memory stream frees it and is waited for (it carries only frees of
+     * memory nothing uses, never a fence) */
+    ws_release(e, s, e->mem_stream);
+    freed = true;
+  }
+  if (freed) {
+    cudaStreamSynchronize(e->mem_stream);
+    (void)cudaGetLastError();
+    e->next_trim_ns = 0;
+    if (e->trim_until_ns < now + 10000000000ull) e->trim_until_ns = now + 10000000000ull;
+  }
+  ws_pool_trim(e, now);
 }
 
 /* ---- regions --------------------------------------------------------------------------- */
 
+/* r->backing.object2 of the CUDA kinds (object: the allocation; host
+ * memfds and VMM fds whose files name their allocation use (st_dev, st_ino)) */
+#define BACKING_CUDA_IPC 0x6d6f6b2d69706300ull /* "mok-ipc" */
+#define BACKING_CUDA_VMM 0x6d6f6b2d766d6d00ull /* "mok-vmm": object is the import's mapping */
+
 static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r, char *err,
                       size_t errlen) {
+  cuda_region *cr = calloc(1, sizeof *cr);
+  if (!cr) {
+    snprintf(err, errlen, "out of memory");
+    return MOK_ENOMEM;
+  }
   ipc_entry *en = e->ipc;
   while (en && memcmp(en->handle, src->ipc_handle, 64) != 0) en = en->next;
   if (!en) {
     en = calloc(1, sizeof *en);
     if (!en) {
+      free(cr);
       snprintf(err, errlen, "out of memory");
       return MOK_ENOMEM;
     }
     cudaIpcMemHandle_t h;
     memcpy(&h, src->ipc_handle, sizeof h);
-    cudaError_t cr = cudaIpcOpenMemHandle(&en->ptr, h, cudaIpcMemLazyEnablePeerAccess);
-    if (cr != cudaSuccess) {
+    cudaError_t ce = cudaIpcOpenMemHandle(&en->ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (ce != cudaSuccess) {
       (void)cudaGetLastError();
       free(en);
+      free(cr);
       snprintf(err, errlen,
                "cannot open the CUDA IPC handle: %s (is the client on this machine, and its "
                "memory from cudaMalloc?)",
-               cudaGetErrorString(cr));
+               cudaGetErrorString(ce));
       return MOK_EINVAL;
     }
     CUdeviceptr base = 0;
@@ -599,10 +806,12 @@ static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r
     if (dr != CUDA_SUCCESS) {
       cudaIpcCloseMemHandle(en->ptr);
       free(en);
+      free(cr);
       snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s", cuda_drv_error(e, dr));
       return MOK_EENGINE;
     }
-    en->size = size - (size_t)(base - (CUdeviceptr)(uintptr_t)en->ptr);
+    en->alloc_base = base;
+    en->size = size - (size_t)((CUdeviceptr)(uintptr_t)en->ptr - base);
     memcpy(en->handle, src->ipc_handle, 64);
     en->next = e->ipc;
     e->ipc = en;
@@ -620,21 +829,36 @@ static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r
       cudaIpcCloseMemHandle(en->ptr);
       free(en);
     }
+    free(cr);
     return MOK_EBOUNDS;
   }
   en->refs++;
+  cr->ipc = en;
   r->kind = MOK_REGION_CUDA_IPC;
   r->base = (char *)en->ptr + src->offset;
   r->bytes = src->bytes;
-  r->engine_handle = en;
+  r->engine_handle = cr;
+  /* one mapping per allocation in this process (handles are cached), so its
+   * base names the allocation for as long as any region of it lives */
+  r->backing.object = (uint64_t)en->alloc_base;
+  r->backing.object2 = BACKING_CUDA_IPC;
+  r->backing.offset = (uint64_t)((CUdeviceptr)(uintptr_t)r->base - en->alloc_base);
   return MOK_OK;
 }
 
 static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r, char *err,
                       size_t errlen) {
   const drv_api *d = &e->drv;
+  struct stat fst;
+  if (e->vmm_fd_identity && fstat(src->fd, &fst) != 0) {
+    snprintf(err, errlen, "fstat of the VMM fd: %s", strerror(errno));
+    return MOK_EINVAL;
+  }
+  cuda_region *rec = calloc(1, sizeof *rec);
   vmm_import *v = calloc(1, sizeof *v);
-  if (!v) {
+  if (!v || !rec) {
+    free(v);
+    free(rec);
     snprintf(err, errlen, "out of memory");
     return MOK_ENOMEM;
   }
@@ -642,6 +866,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (cr != CUDA_SUCCESS) {
     free(v);
+    free(rec);
     snprintf(err, errlen, "cannot import the VMM fd: %s", cuda_drv_error(e, cr));
     return MOK_EINVAL;
   }
@@ -657,6 +882,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
   if (cr == CUDA_SUCCESS && (src->bytes == 0 || src->offset + src->bytes < src->offset)) {
     d->release(v->handle);
     free(v);
+    free(rec);
     snprintf(err, errlen, "bad VMM buffer range");
     return MOK_EINVAL;
   }
@@ -690,21 +916,33 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
   if (cr != CUDA_SUCCESS) {
     d->release(v->handle);
     free(v);
+    free(rec);
     snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, cuda_drv_error(e, cr));
     return cr == CUDA_ERROR_INVALID_VALUE ? MOK_EBOUNDS : MOK_EINVAL;
   }
+  rec->vmm = v;
   r->kind = MOK_REGION_CUDA_VMM;
   r->base = (void *)(uintptr_t)(v->va + src->offset);
   r->bytes = src->bytes;
-  r->engine_handle = v;
+  r->engine_handle = rec;
+  if (e->vmm_fd_identity) { /* the fd's file names the allocation (checked at open) */
+    r->backing.object = (uint64_t)fst.st_dev;
+    r->backing.object2 = (uint64_t)fst.st_ino;
+  } else { /* only this import: aliasing with another registration is not seen */
+    r->backing.object = (uint64_t)v->va;
+    r->backing.object2 = BACKING_CUDA_VMM;
+  }
+  r->backing.offset = src->offset;
   return MOK_OK;
 }
 
 static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_region *r,
                               char *err, size_t errlen) {
   if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
+  int st;
   switch (src->kind) {
   case MOK_REGION_HOST_MEMFD: {
+    /* the backing (the memfd's file) was filled when the engine thread mapped it */
     cudaError_t cr = cudaHostRegister(r->map_base, r->map_bytes,
                                       cudaHostRegisterMapped | cudaHostRegisterPortable);
     void *dp = NULL;
@@ -722,22 +960,34 @@ static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_r
     r->engine_handle = r->map_base; /* registered */
     return MOK_OK;
   }
-  case MOK_REGION_CUDA_IPC: return import_ipc(e, src, r, err, errlen);
-  case MOK_REGION_CUDA_VMM: return import_vmm(e, src, r, err, errlen);
+  case MOK_REGION_CUDA_IPC: st = import_ipc(e, src, r, err, errlen); break;
+  case MOK_REGION_CUDA_VMM: st = import_vmm(e, src, r, err, errlen); break;
   default:
     snprintf(err, errlen, "unknown buffer kind %d", src->kind);
     return MOK_EINVAL;
   }
+  if (st == MOK_OK) {
+    cuda_region *rec = r->engine_handle;
+    rec->s = src->session;
+    rec->bytes = r->bytes;
+    if (rec->s) rec->s->mapped_bytes += rec->bytes;
+  }
+  return st;
 }
 
 static void cuda_region_release(mok_engine *e, mok_region *r) {
   if (!r->engine_handle) return;
   cuda_use_device(e);
-  switch (r->kind) {
-  case MOK_REGION_HOST_MEMFD: cudaHostUnregister(r->map_base); break;
-  case MOK_REGION_CUDA_IPC: {
-    ipc_entry *en = r->engine_handle;
-    if (--en->refs > 0) break;
+  if (r->kind == MOK_REGION_HOST_MEMFD) {
+    cudaHostUnregister(r->map_base);
+    (void)cudaGetLastError();
+    r->engine_handle = NULL;
+    return;
+  }
+  cuda_region *rec = r->engine_handle;
+  if (rec->s) rec->s->mapped_bytes -= rec->bytes;
+  if (rec->ipc && --rec->ipc->refs == 0) {
+    ipc_entry *en = rec->ipc;
     for (ipc_entry **p = &e->ipc; *p; p = &(*p)->next)
       if (*p == en) {
         *p = en->next;
@@ -745,17 +995,15 @@ static void cuda_region_release(mok_engine *e, mok_region *r) {
       }
     cudaIpcCloseMemHandle(en->ptr);
     free(en);
-    break;
   }
-  case MOK_REGION_CUDA_VMM: {
-    vmm_import *v = r->engine_handle;
+  if (rec->vmm) {
+    vmm_import *v = rec->vmm;
     e->drv.unmap(v->va, v->size);
     e->drv.address_free(v->va, v->size);
     e->drv.release(v->handle);
     free(v);
-    break;
   }
-  }
+  free(rec);
   (void)cudaGetLastError();
   r->engine_handle = NULL;
 }
@@ -796,6 +1044,14 @@ void cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
 }
 
+/* On the job's stream, between any of the client's memory (device or
+ * device-mapped host) and the workspace. */
+void cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
+  if (c->failed || !bytes) return;
+  cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
+  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+}
+
 /* acts at T (mok_wire.h); the bytes between each array's end and its
  * 256-byte boundary are zeroed as the cpu engine does */
 acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
@@ -817,21 +1073,45 @@ acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   return p;
 }
 
-/* ctx = schedule, zeros to 256, acts */
-static void ctx_split(job_ctx *c, void *ctx, bool writing, int32_t **sched, acts_ptrs *acts) {
+/* The acts of a ctx (= schedule, zeros to 256, acts); writing: the
+ * zeros between the schedule and the acts too. */
+static acts_ptrs ctx_acts(job_ctx *c, void *ctx, bool writing) {
   uint64_t sb = mok_schedule_bytes(&c->ld);
-  *sched = ctx;
   if (writing) cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
-  *acts = cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
+  return cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
+}
+
+/* ---- copy, check, use (docs/cuda.md) ----------------------------------------------------
+ * The schedule every kernel reads is the workspace's: built there from the
+ * workspace's copy of the routing ids, or copied there from the client and
+ * validated there. The client's copies are written, never read back. */
+
+/* The job's topk_ids into the workspace; the schedule built from that copy. */
+static void sched_build(job_ctx *c) {
+  cuda_copy_async(c, c->w.ids, T_(c, MOK_SLOT_TOPK_IDS), (size_t)c->d.T * c->d.K * 4);
+  LAUNCH(c, mok_k_schedule_build(&c->d, c->w.ids, c->w.sched, c->w.kernels, c->status, c->st));
+}
+
+/* The workspace's schedule out to the client's (ctx or schedule tensor). */
+static void sched_out(job_ctx *c, void *dst) {
+  cuda_copy_async(c, dst, c->w.sched, (size_t)mok_schedule_bytes(&c->ld));
+}
+
+/* A schedule the client brings: copied in, validated, and only the copy used. */
+static const int32_t *sched_in(job_ctx *c, const void *src) {
+  cuda_copy_async(c, c->w.sched, src, (size_t)mok_schedule_bytes(&c->ld));
+  LAUNCH(c, mok_k_schedule_validate(&c->d, c->w.sched, c->status, c->st));
+  return c->w.sched;
 }
 
 static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *routed_x,
                          const acts_ptrs *a, uint16_t *routed_y, uint16_t *shared_y) {
   LAUNCH(c, mok_k_expert_forward(&c->d, sched, routed_x, BF(c, W_GATE), BF(c, W_UP),
-                                 BF(c, W_DOWN), a->g, a->u, routed_y, c->l->ws, c->status, c->st));
+                                 BF(c, W_DOWN), a->g, a->u, routed_y, c->w.kernels, c->status,
+                                 c->st));
   if (c->d.I_s)
     LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                   a->gs, a->us, shared_y, c->l->ws, c->status, c->st));
+                                   a->gs, a->us, shared_y, c->w.kernels, c->status, c->st));
 }
 
 /* The mma.sync dgrad GEMMs read the routed weights in column stripes
@@ -842,9 +1122,8 @@ static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *route
  * these shapes). The Hopper kernels' TMA boxes read the mapping at full
  * speed (H200, kimi T=2048 through mokd: +11 % over in-process without the
  * copy, +40 % with it), so by default only the mma.sync path stages. The
- * buffer is the size of the session's largest layer's routed weights; jobs
- * of a session run in order on its stream, so one buffer serves all its
- * layers. MOK_CUDA_STAGE_WEIGHTS=1 / 0 forces staging on / off. */
+ * staged weights are a piece of the session's workspace (cuda_job_space).
+ * MOK_CUDA_STAGE_WEIGHTS=1 / 0 forces staging on / off. */
 static bool stage_weights_enabled(const mok_k_dims *d) {
   static int forced = -2; /* -1: not forced */
   if (forced == -2) {
@@ -856,30 +1135,15 @@ static bool stage_weights_enabled(const mok_k_dims *d) {
 }
 
 void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
-                          const uint16_t **wd) {
+                        const uint16_t **wd) {
   size_t n = (size_t)c->d.E_loc * c->d.I * c->d.H * 2; /* bytes of one of the three */
-  if (c->failed || !stage_weights_enabled(&c->d) || n == 0) return;
-  mok_engine_session *s = c->s;
-  if (s->wstage_bytes < 3 * n) {
-    /* stream-ordered: earlier jobs of this session still using the old one finish first */
-    cuda_free_async(s->wstage, c->st);
-    s->wstage = NULL;
-    s->wstage_bytes = 0;
-    if (cudaMallocAsync((void **)&s->wstage, 3 * n, c->st) != cudaSuccess) {
-      (void)cudaGetLastError();
-      s->wstage = NULL;
-      return; /* no room: run on the client's memory, slower but right */
-    }
-    s->wstage_bytes = 3 * n;
-  }
-  uint16_t *dst[3] = {s->wstage, s->wstage + n / 2, s->wstage + n};
+  /* no staging piece: not enabled, or no room for it (the client's memory
+   * then, slower but right) */
+  if (c->failed || !c->w.wstage || n == 0) return;
+  uint16_t *dst[3] = {c->w.wstage, c->w.wstage + n / 2, c->w.wstage + n};
   const uint16_t **src[3] = {wg, wu, wd};
   for (int i = 0; i < 3; i++) {
-    cudaError_t r = cudaMemcpyAsync(dst[i], *src[i], n, cudaMemcpyDeviceToDevice, c->st);
-    if (r != cudaSuccess) {
-      cuda_job_fail(c, MOK_EENGINE, "staging weights: %s", cudaGetErrorString(r));
-      return;
-    }
+    cuda_copy_async(c, dst[i], *src[i], n);
     *src[i] = dst[i];
   }
 }
@@ -892,100 +1156,92 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
   LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
                                   (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
                                   (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
-                                  BF(c, D_W_DOWN), c->l->ws, c->status, c->st));
+                                  BF(c, D_W_DOWN), c->w.kernels, c->status, c->st));
   if (c->d.I_s)
     LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), a->gs, a->us, BF(c, S_GATE),
                                     BF(c, S_UP), BF(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
-                                    BF(c, D_S_UP), BF(c, D_S_DOWN), c->l->ws, c->status, c->st));
+                                    BF(c, D_S_UP), BF(c, D_S_DOWN), c->w.kernels, c->status,
+                                    c->st));
 }
 
 static void op_forward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
-  int32_t *sched;
-  acts_ptrs a;
-  ctx_split(c, ctx ? ctx : c->l->ctx, ctx != NULL, &sched, &a);
-  LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), sched,
-                                 c->l->ws, c->status, c->st));
-  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
-  step_compute(c, sched, c->l->routed_a, &a, c->l->routed_b, c->l->shared);
-  LAUNCH(c, mok_k_combine(&c->d, sched, c->l->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
-                          c->d.I_s ? c->l->shared : NULL, BF(c, OUT), c->status, c->st));
+  const job_ws *w = &c->w;
+  acts_ptrs a = ctx ? ctx_acts(c, ctx, true) : cuda_acts_split(c, w->acts, false);
+  sched_build(c);
+  if (ctx) sched_out(c, ctx);
+  LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF(c, X), w->routed_a, c->status, c->st));
+  step_compute(c, w->sched, w->routed_a, &a, w->routed_b, w->shared);
+  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
+                          c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
 }
 
 static void op_backward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
-  int32_t *sched;
+  const job_ws *w = &c->w;
+  const int32_t *sched = w->sched;
   acts_ptrs a;
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
     /* dispatch + compute again, bitwise as forward: acts from the same kernel */
-    ctx_split(c, ctx ? ctx : c->l->ctx, ctx != NULL, &sched, &a);
-    LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), sched,
-                                   c->l->ws, c->status, c->st));
-    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
-    LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, c->l->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
-                                   a.u, c->l->routed_c, c->status, c->st));
+    a = ctx ? ctx_acts(c, ctx, true) : cuda_acts_split(c, w->acts, false);
+    sched_build(c);
+    if (ctx) sched_out(c, ctx);
+    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
+    LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
+                                   a.u, w->routed_c, c->status, c->st));
     if (c->d.I_s)
       LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                     a.gs, a.us, c->l->shared, c->l->ws, c->status, c->st));
+                                     a.gs, a.us, w->shared, w->kernels, c->status, c->st));
+  } else if (!ctx) {
+    cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
+    return;
   } else {
-    ctx_split(c, ctx, false, &sched, &a);
-    LAUNCH(c, mok_k_schedule_validate(&c->d, sched, c->status, c->st));
-    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), c->l->routed_a, c->status, c->st));
+    a = ctx_acts(c, ctx, false);
+    sched = sched_in(c, ctx);
+    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
   }
-  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), c->l->routed_b, c->status, c->st));
-  step_compute_bwd(c, sched, &a, c->l->routed_a, c->l->routed_b, c->l->routed_c, c->l->shared);
-  LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, c->l->routed_c,
-                                    c->d.I_s ? c->l->shared : NULL, BF(c, D_X), c->status, c->st));
-}
-
-static const int32_t *sched_in(job_ctx *c) {
-  const int32_t *s = T_(c, MOK_SLOT_SCHEDULE);
-  LAUNCH(c, mok_k_schedule_validate(&c->d, s, c->status, c->st));
-  return s;
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_b, c->status, c->st));
+  step_compute_bwd(c, sched, &a, w->routed_a, w->routed_b, w->routed_c, w->shared);
+  LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
+                                    BF(c, D_X), c->status, c->st));
 }
 
 static void op_step(job_ctx *c) {
+  const void *client_sched = T_(c, MOK_SLOT_SCHEDULE);
   switch (c->a->op) {
   case MOK_OP_DISPATCH: {
-    int32_t *s = T_(c, MOK_SLOT_SCHEDULE);
-    LAUNCH(c, mok_k_schedule_build(&c->d, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), s, c->l->ws,
-                                   c->status, c->st));
-    LAUNCH(c, mok_k_gather_rows(&c->d, s, BF(c, X), BF(c, ROUTED_X), c->status, c->st));
+    sched_build(c);
+    sched_out(c, T_(c, MOK_SLOT_SCHEDULE));
+    LAUNCH(c, mok_k_gather_rows(&c->d, c->w.sched, BF(c, X), BF(c, ROUTED_X), c->status, c->st));
     break;
   }
   case MOK_OP_COMPUTE: {
-    const int32_t *s = sched_in(c);
+    const int32_t *s = sched_in(c, client_sched);
     void *acts = T_(c, MOK_SLOT_ACTS);
-    acts_ptrs a;
-    if (acts) {
-      a = cuda_acts_split(c, acts, true);
-    } else {
-      int32_t *unused;
-      ctx_split(c, c->l->ctx, false, &unused, &a);
-    }
+    acts_ptrs a = cuda_acts_split(c, acts ? acts : c->w.acts, acts != NULL);
     step_compute(c, s, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
     break;
   }
   case MOK_OP_COMBINE: {
-    const int32_t *s = sched_in(c);
+    const int32_t *s = sched_in(c, client_sched);
     LAUNCH(c, mok_k_combine(&c->d, s, BF(c, ROUTED_Y), (const float *)T_(c, MOK_SLOT_ROUTER_W),
                             BF(c, SHARED_Y), BF(c, OUT), c->status, c->st));
     break;
   }
   case MOK_OP_COMBINE_BWD: {
-    const int32_t *s = sched_in(c);
+    const int32_t *s = sched_in(c, client_sched);
     LAUNCH(c, mok_k_gather_rows(&c->d, s, BF(c, D_OUT), BF(c, ROUTED_DOUT), c->status, c->st));
     break;
   }
   case MOK_OP_COMPUTE_BWD: {
-    const int32_t *s = sched_in(c);
+    const int32_t *s = sched_in(c, client_sched);
     acts_ptrs a = cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
     step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
                      BF(c, SHARED_DX));
     break;
   }
   case MOK_OP_DISPATCH_BWD: {
-    const int32_t *s = sched_in(c);
+    const int32_t *s = sched_in(c, client_sched);
     LAUNCH(c, mok_k_dispatch_backward(&c->d, s, BF(c, ROUTED_DX), BF(c, SHARED_DX), BF(c, D_X),
                                       c->status, c->st));
     break;
@@ -994,9 +1250,68 @@ static void op_step(job_ctx *c) {
   }
 }
 
+/* ---- the job watchdog ------------------------------------------------------------------
+ * A kernel cannot be stopped without ending the context (and every
+ * tenant's work with it), so a job that runs far past its client fence is
+ * reported, and its session's later jobs fail at once instead of queuing
+ * behind it on the session's stream. Their done values are owed to the
+ * client's stream and written, in stream order, once the job ends. */
+static void stuck_message(const mok_engine *e, const mok_engine_session *s, char *m, size_t n) {
+  snprintf(m, n, "the session's %s job is past job-timeout-ms (%llu ms): jobs fail until it ends",
+           mok_op_name(s->stuck->op), (unsigned long long)(e->job_timeout_ns / 1000000ull));
+}
+
+static void watch_job_time(mok_engine *e, mok_engine_job *j, uint64_t now) {
+  mok_engine_session *s = j->s;
+  if (now == UINT64_MAX || j->overdue) return;
+  if (!j->started_ns) { /* ev_start follows the fence wait: done once the fence is released */
+    cudaError_t q = cudaEventQuery(j->ev_start);
+    if (q == cudaSuccess) j->started_ns = now;
+    else if (q != cudaErrorNotReady) (void)cudaGetLastError();
+    return;
+  }
+  if (now - j->started_ns <= e->job_timeout_ns) return;
+  j->overdue = true;
+  if (!s->stuck) s->stuck = j;
+  log_error("cuda engine: session #%u: a %s job has run %.3f s since its client fence was "
+            "released (job-timeout-ms %llu); its kernels cannot be stopped, the session's "
+            "later jobs fail until it ends",
+            s->serial, mok_op_name(j->op), (double)(now - j->started_ns) / 1e9,
+            (unsigned long long)(e->job_timeout_ns / 1000000ull));
+}
+
+/* The overdue job j ended: the session takes jobs again, and the done
+ * values its failed jobs owed go out after the jobs still on the stream. */
+static void unstick(mok_engine *e, mok_engine_session *s, mok_engine_job *j, uint64_t now) {
+  log_warn("cuda engine: session #%u: the overdue %s job ended after %.3f s; the session runs "
+           "jobs again",
+           s->serial, mok_op_name(j->op),
+           now == UINT64_MAX || now < j->started_ns ? 0.0 : (double)(now - j->started_ns) / 1e9);
+  s->stuck = NULL;
+  if (!s->owed_signal) return;
+  CUresult cr = e->drv.write64(s->stream, s->sync_dev + MOK_SHM_SYNC_DONE_OFFSET, s->owed_signal,
+                               CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (cr != CUDA_SUCCESS) {
+    /* in order from the host instead: after everything on the stream */
+    log_warn("cuda engine: session #%u: writing the owed done value on the stream: %s",
+             s->serial, cuda_drv_error(e, cr));
+    cudaStreamSynchronize(s->stream);
+    volatile uint64_t *w = mok_shm_sync_done(s->sync_host);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (*w < s->owed_signal) *w = s->owed_signal;
+  }
+  s->owed_signal = 0;
+}
+
 /* Host-side checks the daemon's generic validation does not make. */
 bool cuda_check_job(job_ctx *c) {
   const mok_job_args *a = c->a;
+  if (c->s->stuck) {
+    char m[MOK_COMPLETION_MSG];
+    stuck_message(c->e, c->s, m, sizeof m);
+    cuda_job_fail(c, MOK_EBUSY, "%s", m);
+    return false;
+  }
   if (!c->l) {
     cuda_job_fail(c, MOK_EINVAL, "the layer has no device state");
     return false;
@@ -1056,6 +1371,8 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
   j->fence_forced = false;
   j->watch = -1;
   j->head_since = 0;
+  j->started_ns = 0;
+  j->overdue = false;
   j->reads_status = false;
   j->status = MOK_OK;
   j->message[0] = '\0';
@@ -1127,11 +1444,98 @@ static void log_marks(mok_engine_job *j) {
            (double)total);
 }
 
+/* What a fresh workspace is filled with: 0, or MOK_CUDA_WS_FILL (a byte; for
+ * tests: results must not change with it, so no kernel reads a workspace
+ * byte its job did not write first). */
+static int ws_fill_byte(void) {
+  static int fill = -1;
+  if (fill < 0) {
+    const char *v = getenv("MOK_CUDA_WS_FILL");
+    fill = v && *v ? (int)(strtoul(v, NULL, 0) & 0xffu) : 0;
+  }
+  return fill;
+}
+
+/* The session's workspace holds at least need bytes, stream-ordered on its
+ * stream: the old one is freed after the jobs before this one, the new one
+ * is taken (with headroom, so that a loop of similar jobs never grows it
+ * again) and zeroed, so no byte another tenant used before is ever seen. */
+static cudaError_t ws_reserve(job_ctx *c, size_t need) {
+  mok_engine_session *s = c->s;
+  if (s->ws_bytes >= need) return cudaSuccess;
+  const size_t round = (size_t)2 << 20;
+  size_t tries[2] = {(need + need / 8 + round - 1) / round * round, need};
+  if (s->ws) s->free_pending = true; /* freed after the jobs before this one: idle() syncs */
+  ws_release(c->e, s, c->st);
+  cudaError_t r = cudaSuccess;
+  for (int i = 0; i < 2; i++) {
+    void *p = NULL;
+    r = cudaMallocFromPoolAsync(&p, tries[i], c->e->ws_pool, c->st);
+    if (r != cudaSuccess) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    r = cudaMemsetAsync(p, ws_fill_byte(), tries[i], c->st);
+    if (r != cudaSuccess) {
+      cudaFreeAsync(p, c->st);
+      return r;
+    }
+    s->ws = p;
+    s->ws_bytes = tries[i];
+    s->ws_grows++;
+    log_debug("cuda engine: session #%u: workspace %zu MiB for a %s job of %u tokens (grown %u "
+              "times)",
+              s->serial, s->ws_bytes >> 20, mok_op_name(c->a->op), c->a->tokens, s->ws_grows);
+    return cudaSuccess;
+  }
+  return r;
+}
+
+/* The job's pieces of the session's workspace (grown when it needs more). */
+static bool job_workspace(job_ctx *c) {
+  const mok_job_args *a = c->a;
+  const bool whole = a->op == MOK_OP_FORWARD || a->op == MOK_OP_BACKWARD;
+  const bool brings_acts = whole ? T_(c, MOK_SLOT_CTX) != NULL
+                                 : a->op != MOK_OP_COMPUTE || T_(c, MOK_SLOT_ACTS) != NULL;
+  bool staging = (a->op == MOK_OP_BACKWARD || a->op == MOK_OP_COMPUTE_BWD) &&
+                 stage_weights_enabled(&c->d);
+  size_t need = cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, NULL,
+                               NULL);
+  if (a->op == MOK_OP_FORWARD && brings_acts) {
+    /* training: the backward from this ctx follows; take its room now rather
+     * than grow (a growth holds both sizes until the session next idles) */
+    size_t bwd = cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true,
+                                stage_weights_enabled(&c->d), NULL, NULL);
+    if (bwd > need) need = bwd;
+  }
+  cudaError_t r = ws_reserve(c, need);
+  if (r != cudaSuccess && staging) { /* without the staged weights: slower, but it runs */
+    staging = false;
+    need = cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, false, NULL, NULL);
+    r = ws_reserve(c, need);
+  }
+  if (r != cudaSuccess) {
+    cuda_job_fail(c, r == cudaErrorMemoryAllocation ? MOK_ENOMEM : MOK_EENGINE,
+                  "the session's workspace cannot grow to %zu MiB for this job (%u tokens): %s",
+                  need >> 20, a->tokens, cudaGetErrorString(r));
+    return false;
+  }
+  cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
+  c->s->ws_used_ns = mono_ns();
+  if (c->l->owner != c->s) { /* the session whose jobs run the layer holds it */
+    if (c->l->owner) c->l->owner->layer_bytes -= sizeof *c->l;
+    c->l->owner = c->s;
+    c->s->layer_bytes += sizeof *c->l;
+  }
+  return true;
+}
+
 bool cuda_job_prepare(job_ctx *c) {
   const mok_job_args *a = c->a;
   if (a->op == MOK_OP_NOP || c->failed || !cuda_check_job(c)) return false;
   c->d = cuda_dims_of(a->layer, a->tokens);
   c->ld = mok_layer_dims(a->layer, a->tokens);
+  if (!job_workspace(c)) return false;
   cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
   if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
   /* read back at completion only: the word lands in pinned memory before ev_done */
@@ -1187,6 +1591,17 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
 }
 
 static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+  mok_engine_session *s = a->session;
+  if (s && s->stuck) { /* fail at once; the done value goes out once the stuck job ends */
+    res->status = MOK_EBUSY;
+    res->fatal = 0;
+    stuck_message(e, s, res->message, sizeof res->message);
+    if (a->fence_signal && s->sync_dev && a->fence_signal > s->owed_signal)
+      s->owed_signal = a->fence_signal;
+    else if (a->fence_signal && !s->sync_dev && *mok_shm_sync_done(s->sync_host) < a->fence_signal)
+      *mok_shm_sync_done(s->sync_host) = a->fence_signal; /* no GPU fences: nothing waits */
+    return NULL;
+  }
   job_ctx c;
   mok_engine_job *j = cuda_job_begin(e, a, &c, res);
   if (!j) return NULL;
@@ -1217,6 +1632,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   cuda_use_device(e);
   cudaError_t q = cudaEventQuery(j->ev_done);
   if (q == cudaErrorNotReady) {
+    watch_job_time(e, j, now);
     if (j->fence_wait && !j->fence_forced && s->sync_dev) {
       if (!j->head_since) {
         j->head_since = now == UINT64_MAX ? 1 : now;
@@ -1242,6 +1658,8 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
     return 0;
   }
   if (watch_disarm(e, j)) j->fence_forced = true; /* the watchdog released the wait */
+  if (s->stuck == j) unstick(e, s, j, now);
+  s->ws_used_ns = mono_ns();
   res->fatal = 0;
   if (q != cudaSuccess) {
     res->status = MOK_EENGINE;
@@ -1305,6 +1723,9 @@ const mok_engine_ops mok_engine_cuda = {
     .layer_close = cuda_layer_close,
     .region_import = cuda_region_import,
     .region_release = cuda_region_release,
+    .layer_cost = cuda_layer_cost,
+    .session_memory = cuda_session_memory,
+    .idle = cuda_idle,
     .start = cuda_start,
     .poll = cuda_poll,
     .group_attach = cuda_group_attach,

@@ -16,6 +16,7 @@
 
 #define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
 #define DEFAULT_FENCE_TIMEOUT_MS 30000u
+#define DEFAULT_JOB_TIMEOUT_MS 120000u
 #define CUDA_MAX_MARKS 12
 
 /* ---- driver entry points ---------------------------------------------------- */
@@ -46,7 +47,8 @@ typedef struct drv_api {
 typedef struct ipc_entry {
   uint8_t handle[64];
   void *ptr;      /* cudaIpcOpenMemHandle's mapping */
-  size_t size;    /* the allocation's size (cuMemGetAddressRange) */
+  CUdeviceptr alloc_base; /* the allocation's first byte in that mapping (its identity) */
+  size_t size;    /* bytes from ptr to the allocation's end (cuMemGetAddressRange) */
   int refs;
   struct ipc_entry *next;
 } ipc_entry;
@@ -56,6 +58,14 @@ typedef struct vmm_import {
   size_t size;
   CUmemGenericAllocationHandle handle;
 } vmm_import;
+
+/* r->engine_handle of a CUDA region: the import and who registered it */
+typedef struct cuda_region {
+  mok_engine_session *s; /* counted in s->mapped_bytes (NULL: no session said) */
+  uint64_t bytes;
+  ipc_entry *ipc;        /* MOK_REGION_CUDA_IPC */
+  vmm_import *vmm;       /* MOK_REGION_CUDA_VMM */
+} cuda_region;
 
 /* Fence watches: a job parked on a client fence is watched by a thread that
  * makes no CUDA calls. The engine thread's own timeout check cannot be
@@ -78,6 +88,18 @@ struct mok_engine {
   char description[192];
   drv_api drv;
   uint64_t fence_timeout_ns;
+  uint64_t job_timeout_ns;       /* a job running this long past its fence is reported */
+  uint64_t workspace_idle_ns;    /* a session's workspace unused this long goes back */
+  /* session workspaces come from this pool (stream-ordered; no reuse that
+   * would make one session's stream wait for another's) */
+  cudaMemPool_t ws_pool;
+  uint64_t trim_until_ns;        /* idle() trims the pool until then (after frees) */
+  uint64_t next_trim_ns;         /* ... at most once a second */
+  /* two exports of one VMM allocation name one file, and other allocations
+   * other files (checked at open): a VMM region's backing is its fd's file */
+  bool vmm_fd_identity;
+  mok_engine_session *sessions;  /* every open session (idle() walks them) */
+  uint32_t next_session;         /* the engine's session numbers (logs) */
   /* allocations and frees of device scratch go through this stream (stream-
    * ordered: cudaFree would wait for the whole device, and a session parked
    * on a client fence would then hold the engine thread) */
@@ -100,6 +122,8 @@ struct mok_engine_job {
   bool fence_forced;  /* the fence timed out and the engine released the wait itself */
   int watch;          /* index in e->watches, -1: none */
   uint64_t head_since;
+  uint64_t started_ns; /* when poll() first saw ev_start done (the fence released) */
+  bool overdue;       /* ran past the job timeout: reported, the session fails fast */
   bool reads_status;  /* the status word was copied back */
   int status;         /* a host-side failure found while enqueueing */
   bool device_posts;  /* a group job whose members' posts are compared on the device */
@@ -121,33 +145,66 @@ struct mok_engine_session {
   cudaStream_t mem_stream;
   cudaStream_t aux;      /* side stream: a group job's shared expert runs beside the exchange */
   cudaEvent_t fork_ev, join_ev;
-  uint16_t *wstage;      /* daemon-local copy of a backward's routed weights */
-  size_t wstage_bytes;
+  /* the workspace: one device allocation for everything a job needs that
+   * is not the client's (cuda_job_space); jobs of a session run in order on
+   * its stream, so one serves every layer of the session */
+  char *ws;
+  size_t ws_bytes;
+  uint64_t ws_used_ns;   /* the last job that used it started or ended then */
+  uint32_t ws_grows;     /* times it grew (a steady loop: once per larger job kind) */
+  bool free_pending;     /* the grown one's predecessor was freed on the stream (idle() syncs) */
+  /* accounting (session_memory) */
+  uint64_t mapped_bytes; /* the session's CUDA IPC / VMM regions */
+  uint64_t layer_bytes;  /* the layers it ran jobs of */
+  /* the job watchdog: a job past the job timeout; until it ends, the
+   * session's new jobs fail at once (owed_signal: the highest done value
+   * they owe the client's stream, written in order once it ends) */
+  mok_engine_job *stuck;
+  uint64_t owed_signal;
+  uint32_t serial;       /* the engine's number for the session (logs) */
+  mok_engine_session *next;
   mok_engine_job jobs[MAX_JOBS];
 };
 
+/* Per-layer state: the layer's config and what is derived from it; every
+ * buffer a job needs is in its session's workspace. */
 struct mok_engine_layer {
   mok_layer_config cfg;
-  void *ws;          /* mok_k_workspace_bytes at max_tokens */
-  void *ctx;         /* schedule + acts when the job brings no ctx / acts */
+  /* a group's ring (mok_ring.cu): the routed buffers then hold ring rows */
+  int ring_rows;     /* 0: one pass over the whole capacity */
+  int ring_batches;  /* macrobatches launched per job (the worst case) */
+  mok_engine_session *owner; /* the session whose jobs ran it (layer_bytes) */
+};
+
+/* A job's pieces of its session's workspace (NULL: the job needs none).
+ * For a layer on a group the routed buffers are sized for the virtual
+ * batch of W*T_max tokens (or the ring's rows). */
+typedef struct job_ws {
+  void *kernels;      /* mok_k_workspace_bytes of the job's (routed) dims */
+  void *kernels_aux;  /* the shared expert's, on the side stream (group layers) */
+  int32_t *ids;       /* [T, K] the daemon's copy of the job's topk_ids */
+  int32_t *sched;     /* the schedule every kernel reads: built here, or a validated copy */
+  void *acts;         /* acts (layout of mok_wire.h) when the job brings none */
   uint16_t *routed_a; /* routed_x */
   uint16_t *routed_b; /* routed_y / routed_d_out */
   uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] */
-  uint16_t *shared;  /* shared_y / shared_d_x [T, H] */
-  /* a layer on a group (docs/ep.md): routed buffers above are sized for the
-   * virtual batch of W*T_max tokens; these hold its gathered routing */
-  int32_t *ep_ids;   /* [W*T_max, K] every member's ids */
-  float *ep_rw;      /* [W*T_max, K] every member's router weights */
-  float *ep_drw;     /* [W*T_max*K] d_rw of the local experts' slots, before the push */
-  int32_t *ep_own;   /* [T_max*K] the own tokens' view of the landing slots */
-  void *ws_aux;      /* workspace of the shared expert on the side stream */
-  /* a group's ring (mok_ring.cu): routed_a/b/c and ws then hold ring rows */
-  int ring_rows;     /* 0: one pass over the whole capacity */
-  int ring_batches;  /* macrobatches launched per job (the worst case) */
+  uint16_t *shared;   /* shared_y / shared_d_x [T, H] */
+  int32_t *ep_ids;    /* [W*T_max, K] every member's ids */
+  float *ep_rw;       /* [W*T_max, K] every member's router weights */
+  float *ep_drw;      /* [W*T_max*K] d_rw of the local experts' slots, before the push */
+  int32_t *ep_own;    /* [T*K] the own tokens' view of the landing slots */
   uint16_t *ring_g, *ring_u; /* [ring_rows, I] a macrobatch's acts */
   int32_t *ring_sched; /* a macrobatch's schedule */
   int32_t *ring_plan;  /* [ring_batches, 4] */
-};
+  uint16_t *wstage;   /* the routed weights, staged for the mma.sync backward */
+} job_ws;
+
+/* The workspace layout of a job (op, flags, T of layer cfg; brings_acts:
+ * the job brings its ctx or acts; staging: a backward stages the routed
+ * weights). Returns its bytes; with base, fills w with pointers into
+ * [base, base + bytes). The one function that both sizes and carves. */
+size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
+                      bool brings_acts, bool staging, char *base, job_ws *w);
 
 typedef struct job_ctx {
   mok_engine *e;
@@ -159,6 +216,7 @@ typedef struct job_ctx {
   mok_layout_dims ld;
   cudaStream_t st;
   int32_t *status;
+  job_ws w;    /* the job's pieces of the session's workspace (cuda_job_prepare) */
   bool failed; /* stop enqueueing kernels */
 } job_ctx;
 
@@ -185,6 +243,7 @@ void cuda_launched(job_ctx *c, int st, const char *what);
   } while (0)
 
 void cuda_memset_async(job_ctx *c, void *p, size_t bytes);
+void cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes);
 acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps);
 void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu, const uint16_t **wd);
 bool cuda_check_job(job_ctx *c);
@@ -196,7 +255,9 @@ bool cuda_check_job(job_ctx *c);
  * returning the job for poll() (NULL: it finished, res filled). */
 mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
                                mok_engine_result *res);
-bool cuda_job_prepare(job_ctx *c); /* checks the job and resets the status word */
+/* checks the job, carves its workspace (growing the session's) and resets
+ * the status word; false: the job failed (c says why) */
+bool cuda_job_prepare(job_ctx *c);
 /* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
  * far, named; the intervals are logged when the job completes. */
 bool cuda_profiling(void);

@@ -366,20 +366,17 @@ typedef struct ep_job {
   ep_state *st;
   mok_k_ep kg;
   mok_k_dims dv;      /* the virtual batch's routed part */
+  mok_layout_dims lv; /* its layout */
   char *own;          /* this member's buffer */
-  int32_t *sched;     /* the virtual schedule (ctx) */
-  int32_t *ctx_ids;   /* the own ids kept in ctx */
+  int32_t *own_ids;   /* the own routing ids, copied into it: what this job routes by */
+  int32_t *sched;     /* the virtual schedule every kernel reads (the workspace's) */
+  int32_t *ctx_sched; /* the client's ctx: the schedule's copy (written, or copied in) */
+  int32_t *ctx_ids;   /* the client's ctx: the own ids' copy */
   acts_ptrs acts;     /* routed acts of the virtual batch, shared acts of the own tokens */
   uint64_t timeout_ns;
   bool side; /* work is on the side stream: join before the job ends */
   bool profile; /* MOK_EP_PROFILE=1: phase marks */
 } ep_job;
-
-static void copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
-  if (c->failed || !bytes) return;
-  cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
-}
 
 static void fill_async(job_ctx *c, void *dst, int byte, size_t bytes) {
   if (c->failed || !bytes) return;
@@ -387,23 +384,28 @@ static void fill_async(job_ctx *c, void *dst, int byte, size_t bytes) {
   if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
 }
 
-/* ctx of a group layer (mok_wire.h): virtual schedule | own ids | acts */
+/* ctx of a group layer (mok_wire.h): virtual schedule | own ids | acts.
+ * The kernels read the schedule from the workspace only; ctx (NULL: the
+ * job brings none, its acts go to the workspace) keeps copies. */
 static void group_ctx(ep_job *j, void *ctx, bool writing) {
   job_ctx *c = j->c;
   const mok_layer_config *cfg = c->a->layer;
   uint32_t T = c->a->tokens;
-  mok_layout_dims lv = mok_group_routed_dims(cfg);
-  char *b = ctx;
+  const mok_layout_dims lv = j->lv;
   uint64_t sched_bytes = mok_schedule_bytes(&lv), ids_off = mok_group_ctx_ids_offset(cfg),
            ids_bytes = 4ull * T * cfg->topk, acts_off = mok_group_ctx_acts_offset(cfg, T);
   uint64_t routed = mok_acts_routed_bytes(&lv), shared = mok_acts_shared_bytes(&c->ld);
-  j->sched = (int32_t *)b;
-  j->ctx_ids = (int32_t *)(b + ids_off);
-  j->acts.g = (uint16_t *)(b + acts_off);
-  j->acts.u = (uint16_t *)(b + acts_off + routed);
-  j->acts.gs = (uint16_t *)(b + acts_off + 2 * routed);
-  j->acts.us = (uint16_t *)(b + acts_off + 2 * routed + shared);
-  if (writing) { /* the padding is part of the bytes a client keeps: define it */
+  char *b = ctx ? (char *)ctx : NULL;
+  char *acts = ctx ? b + acts_off : (char *)c->w.acts;
+  j->sched = c->w.sched;
+  j->ctx_sched = ctx ? (int32_t *)b : NULL;
+  j->ctx_ids = ctx ? (int32_t *)(b + ids_off) : NULL;
+  j->own_ids = (int32_t *)(j->own + j->kg.off.ids);
+  j->acts.g = (uint16_t *)acts;
+  j->acts.u = (uint16_t *)(acts + routed);
+  j->acts.gs = (uint16_t *)(acts + 2 * routed);
+  j->acts.us = (uint16_t *)(acts + 2 * routed + shared);
+  if (writing && ctx) { /* the padding is part of the bytes a client keeps: define it */
     size_t routed_used = (size_t)mok_rows_capacity(&lv) * cfg->intermediate * 2;
     size_t shared_used = (size_t)T * cfg->shared_intermediate * 2;
     cuda_memset_async(c, b + sched_bytes, ids_off - sched_bytes);
@@ -416,15 +418,25 @@ static void group_ctx(ep_job *j, void *ctx, bool writing) {
 }
 
 /* This member's tokens into its buffer: rows, routing (tokens past T route
- * nowhere: ids -1, every byte 0xff) and router weights. */
+ * nowhere: ids -1, every byte 0xff) and router weights. From here on the
+ * job routes by the buffer's ids (j->own_ids), never by the client's. */
 static void copy_in(ep_job *j, const int32_t *ids, bool with_d_out) {
   job_ctx *c = j->c;
   size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, H = c->d.H, K = c->d.K;
-  copy_async(c, j->own + j->kg.off.x, BF(c, X), T * H * 2);
-  if (with_d_out) copy_async(c, j->own + j->kg.off.d_out, BF(c, D_OUT), T * H * 2);
-  copy_async(c, j->own + j->kg.off.ids, ids, T * K * 4);
+  cuda_copy_async(c, j->own + j->kg.off.x, BF(c, X), T * H * 2);
+  if (with_d_out) cuda_copy_async(c, j->own + j->kg.off.d_out, BF(c, D_OUT), T * H * 2);
+  cuda_copy_async(c, j->own + j->kg.off.ids, ids, T * K * 4);
   fill_async(c, j->own + j->kg.off.ids + T * K * 4, 0xff, (Tm - T) * K * 4);
-  copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
+  cuda_copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
+}
+
+/* After the virtual schedule was built in the workspace: the client's ctx
+ * gets copies of it and of the own ids. */
+static void ctx_out(ep_job *j) {
+  job_ctx *c = j->c;
+  if (!j->ctx_sched) return;
+  cuda_copy_async(c, j->ctx_sched, j->sched, (size_t)mok_schedule_bytes(&j->lv));
+  cuda_copy_async(c, j->ctx_ids, j->own_ids, (size_t)c->a->tokens * c->d.K * 4);
 }
 
 /* A group formed through NCCL gets a zeroed window and sequence 0 with
@@ -575,9 +587,8 @@ static void device_barrier(ep_job *j, uint32_t phase) {
 /* After the expert step: push the result rows (and d_rw) into their owners'
  * slots (rows NULL: a ring pushed each macrobatch already), wait for every
  * member's pushes, join the side stream, and view the own landing slots
- * through the own routing ids (into l->ep_own). */
-static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virtual,
-                          const int32_t *own_ids) {
+ * through the own routing ids (into the workspace's ep_own). */
+static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virtual) {
   job_ctx *c = j->c;
   if (rows) {
     MARK(j, "experts");
@@ -588,7 +599,7 @@ static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virt
   MARK(j, "barrier-2");
   side_end(j);
   MARK(j, "shared-join");
-  LAUNCH(c, mok_k_ep_own_slots(&c->d, own_ids, c->l->ep_own, c->status, c->st));
+  LAUNCH(c, mok_k_ep_own_slots(&c->d, j->own_ids, c->w.ep_own, c->status, c->st));
 }
 
 /* ---- the ring: the routed part in macrobatches (mok_ring.cu) ----------------
@@ -601,33 +612,32 @@ static void exchange_back(ep_job *j, const uint16_t *rows, const float *drw_virt
 /* The plan of the job's macrobatches, from its schedule. */
 static void ring_plan(ep_job *j) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
-  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, l->ring_rows, l->ring_batches, l->ring_plan,
-                            c->status, c->st));
+  LAUNCH(c, mok_k_ring_plan(&j->dv, j->sched, c->l->ring_rows, c->l->ring_batches,
+                            c->w.ring_plan, c->status, c->st));
 }
 
 /* Macrobatch m's schedule, and its x rows pulled into routed_a. */
 static void ring_batch_begin(ep_job *j, int m, const mok_k_dims *dr) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
-  LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, l->ring_plan, m, dr, l->ring_sched, c->st));
-  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, dr, l->ring_sched, j->kg.off.x, l->routed_a, c->status,
+  const job_ws *w = &c->w;
+  LAUNCH(c, mok_k_ring_schedule(&j->dv, j->sched, w->ring_plan, m, dr, w->ring_sched, c->st));
+  LAUNCH(c, mok_k_ep_pull_rows(&j->kg, dr, w->ring_sched, j->kg.off.x, w->routed_a, c->status,
                                c->st));
 }
 
 static void ring_forward(ep_job *j) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
+  const job_ws *w = &c->w;
   mok_k_dims dr = cuda_ring_dims(c->a->layer);
   ring_plan(j);
-  for (int m = 0; m < l->ring_batches && !c->failed; m++) {
+  for (int m = 0; m < c->l->ring_batches && !c->failed; m++) {
     ring_batch_begin(j, m, &dr);
-    LAUNCH(c, mok_k_expert_forward(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                   BF(c, W_DOWN), l->ring_g, l->ring_u, l->routed_b, l->ws,
+    LAUNCH(c, mok_k_expert_forward(&dr, w->ring_sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), w->ring_g, w->ring_u, w->routed_b, w->kernels,
                                    c->status, c->st));
-    LAUNCH(c, mok_k_ring_copy_acts(l->ring_plan, m, l->ring_rows, dr.I, j->acts.g, j->acts.u,
-                                   l->ring_g, l->ring_u, 1, c->st));
-    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_b, NULL, c->status,
+    LAUNCH(c, mok_k_ring_copy_acts(w->ring_plan, m, c->l->ring_rows, dr.I, j->acts.g, j->acts.u,
+                                   w->ring_g, w->ring_u, 1, c->st));
+    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, w->ring_sched, w->routed_b, NULL, c->status,
                                  c->st));
   }
   LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
@@ -638,24 +648,24 @@ static void ring_forward(ep_job *j) {
 static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const uint16_t *wu,
                           const uint16_t *wd) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
+  const job_ws *w = &c->w;
   mok_k_dims dr = cuda_ring_dims(c->a->layer);
   ring_plan(j);
-  for (int m = 0; m < l->ring_batches && !c->failed; m++) {
+  for (int m = 0; m < c->l->ring_batches && !c->failed; m++) {
     ring_batch_begin(j, m, &dr);
     if (recompute) /* the gate/up GEMM again, bitwise as forward; acts back to the ctx */
-      LAUNCH(c, mok_k_gate_up_swiglu(&dr, l->ring_sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                     l->ring_g, l->ring_u, l->routed_c, c->status, c->st));
-    LAUNCH(c, mok_k_ring_copy_acts(l->ring_plan, m, l->ring_rows, dr.I, j->acts.g, j->acts.u,
-                                   l->ring_g, l->ring_u, recompute, c->st));
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, l->ring_sched, j->kg.off.d_out, l->routed_b,
+      LAUNCH(c, mok_k_gate_up_swiglu(&dr, w->ring_sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                     w->ring_g, w->ring_u, w->routed_c, c->status, c->st));
+    LAUNCH(c, mok_k_ring_copy_acts(w->ring_plan, m, c->l->ring_rows, dr.I, j->acts.g, j->acts.u,
+                                   w->ring_g, w->ring_u, recompute, c->st));
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &dr, w->ring_sched, j->kg.off.d_out, w->routed_b,
                                  c->status, c->st));
-    LAUNCH(c, mok_k_expert_backward_experts(&dr, l->ring_sched, l->ring_g, l->ring_u,
-                                            l->routed_a, l->routed_b, l->ep_rw, wg, wu, wd,
-                                            l->routed_c, l->ep_drw, BF(c, D_W_GATE),
-                                            BF(c, D_W_UP), BF(c, D_W_DOWN), l->ring_plan + 4 * m,
-                                            l->ws, c->status, c->st));
-    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, l->ring_sched, l->routed_c, l->ep_drw, c->status,
+    LAUNCH(c, mok_k_expert_backward_experts(&dr, w->ring_sched, w->ring_g, w->ring_u,
+                                            w->routed_a, w->routed_b, w->ep_rw, wg, wu, wd,
+                                            w->routed_c, w->ep_drw, BF(c, D_W_GATE),
+                                            BF(c, D_W_UP), BF(c, D_W_DOWN), w->ring_plan + 4 * m,
+                                            w->kernels, c->status, c->st));
+    LAUNCH(c, mok_k_ep_push_rows(&j->kg, &dr, w->ring_sched, w->routed_c, w->ep_drw, c->status,
                                  c->st));
   }
   if (recompute) LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
@@ -664,110 +674,118 @@ static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const u
 
 static void ep_forward(ep_job *j) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
+  const job_ws *w = &c->w;
   void *ctx = T_(c, MOK_SLOT_CTX);
-  group_ctx(j, ctx ? ctx : l->ctx, ctx != NULL);
-  const int32_t *ids = T_(c, MOK_SLOT_TOPK_IDS);
+  group_ctx(j, ctx, ctx != NULL);
   MARK(j, "start");
-  copy_in(j, ids, false);
+  copy_in(j, (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS), false);
   if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
   if (j->side)
     LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                   j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
+                                   j->acts.gs, j->acts.us, w->shared, w->kernels_aux, c->status,
                                    c->s->aux));
   device_barrier(j, 1);
   if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
   MARK(j, "barrier-1");
   size_t Tm = j->st->sz.max_tokens, K = c->d.K;
-  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
-  LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
+  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, w->ep_ids, c->st));
+  LAUNCH(c, mok_k_schedule_build(&j->dv, w->ep_ids, j->sched, w->kernels, c->status, c->st));
+  ctx_out(j);
   MARK(j, "schedule");
-  if (l->ring_rows) {
+  if (c->l->ring_rows) {
     ring_forward(j);
-    exchange_back(j, NULL, NULL, ids);
+    exchange_back(j, NULL, NULL);
   } else {
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, w->routed_a, c->status,
                                  c->st));
     MARK(j, "pull");
-    LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                   BF(c, W_DOWN), j->acts.g, j->acts.u, l->routed_b, l->ws,
+    LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), j->acts.g, j->acts.u, w->routed_b, w->kernels,
                                    c->status, c->st));
     /* the kernels skip the rows past those in use (no_tail): define them */
     LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
-    exchange_back(j, l->routed_b, NULL, ids);
+    exchange_back(j, w->routed_b, NULL);
   }
   /* the own tokens: the ordered K-sum of the landing rows and the shared expert's */
-  LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
-                          (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? l->shared : NULL,
+  LAUNCH(c, mok_k_ep_ksum(&c->d, w->ep_own, (const uint16_t *)(j->own + j->kg.off.land),
+                          (const float *)T_(c, MOK_SLOT_ROUTER_W), c->d.I_s ? w->shared : NULL,
                           BF(c, OUT), c->status, c->st));
-  if (ctx) copy_async(c, j->ctx_ids, ids, (size_t)c->a->tokens * K * 4);
   MARK(j, "k-sum");
 }
 
 static void ep_backward(ep_job *j) {
   job_ctx *c = j->c;
-  mok_engine_layer *l = c->l;
+  const job_ws *w = &c->w;
   const bool recompute = (c->a->flags & MOK_JOB_RECOMPUTE) != 0;
   void *ctx = T_(c, MOK_SLOT_CTX);
-  group_ctx(j, ctx ? ctx : l->ctx, recompute && ctx);
-  /* own routing: the job's ids with recompute, else the forward's copy in ctx */
+  if (!recompute && !ctx) {
+    cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
+    (void)group_turn(j, MOK_EINVAL, c->j->message); /* the peers fail it with us */
+    return;
+  }
+  group_ctx(j, ctx, recompute && ctx);
+  /* own routing: the job's ids with recompute, else the forward's copy in
+   * ctx; either way copied into the buffer first, and used from there */
   const int32_t *ids = recompute ? (const int32_t *)T_(c, MOK_SLOT_TOPK_IDS) : j->ctx_ids;
-  size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, K = c->d.K;
+  size_t Tm = j->st->sz.max_tokens, K = c->d.K;
   MARK(j, "start");
-  if (recompute && ctx) copy_async(c, j->ctx_ids, ids, T * K * 4);
   copy_in(j, ids, true);
+  /* a schedule from the ctx: copied in now, validated after barrier 1 */
+  if (!recompute)
+    cuda_copy_async(c, j->sched, j->ctx_sched, (size_t)mok_schedule_bytes(&j->lv));
   if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
   if (j->side) {
     if (recompute)
       LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                     j->acts.gs, j->acts.us, l->shared, l->ws_aux, c->status,
-                                     c->s->aux));
+                                     j->acts.gs, j->acts.us, w->shared, w->kernels_aux,
+                                     c->status, c->s->aux));
     LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
-                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), l->shared,
-                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN), l->ws_aux,
-                                    c->status, c->s->aux));
+                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), w->shared,
+                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN),
+                                    w->kernels_aux, c->status, c->s->aux));
   }
   device_barrier(j, 1);
   if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
   MARK(j, "barrier-1");
-  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, l->ep_rw, c->st));
+  LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.rw, Tm * K * 4, w->ep_rw, c->st));
   if (recompute) { /* dispatch again, bitwise as forward */
-    LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, l->ep_ids, c->st));
-    LAUNCH(c, mok_k_schedule_build(&j->dv, l->ep_ids, j->sched, l->ws, c->status, c->st));
+    LAUNCH(c, mok_k_ep_allgather(&j->kg, j->kg.off.ids, Tm * K * 4, w->ep_ids, c->st));
+    LAUNCH(c, mok_k_schedule_build(&j->dv, w->ep_ids, j->sched, w->kernels, c->status, c->st));
+    ctx_out(j);
   } else {
     LAUNCH(c, mok_k_schedule_validate(&j->dv, j->sched, c->status, c->st));
   }
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
-  if (l->ring_rows) {
+  if (c->l->ring_rows) {
     cuda_stage_weights(c, &wg, &wu, &wd);
     ring_backward(j, recompute, wg, wu, wd);
-    exchange_back(j, NULL, l->ep_drw, ids);
+    exchange_back(j, NULL, w->ep_drw);
   } else {
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, l->routed_a, c->status,
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, w->routed_a, c->status,
                                  c->st));
     if (recompute) { /* the gate/up GEMM again, bitwise as forward */
-      LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, l->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                     j->acts.g, j->acts.u, l->routed_c, c->status, c->st));
+      LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                     j->acts.g, j->acts.u, w->routed_c, c->status, c->st));
       LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
     }
-    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, l->routed_b,
+    LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, w->routed_b,
                                  c->status, c->st));
     MARK(j, recompute ? "pull+recompute" : "pull");
     cuda_stage_weights(c, &wg, &wu, &wd);
-    LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, l->routed_a,
-                                    l->routed_b, l->ep_rw, wg, wu, wd, l->routed_c, l->ep_drw,
-                                    BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), l->ws,
+    LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, w->routed_a,
+                                    w->routed_b, w->ep_rw, wg, wu, wd, w->routed_c, w->ep_drw,
+                                    BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), w->kernels,
                                     c->status, c->st));
-    exchange_back(j, l->routed_c, l->ep_drw, ids);
+    exchange_back(j, w->routed_c, w->ep_drw);
   }
   /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
-  LAUNCH(c, mok_k_ep_ksum(&c->d, l->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
-                          c->d.I_s ? l->shared : NULL, BF(c, D_X), c->status, c->st));
-  LAUNCH(c, mok_k_ep_own_drw(&c->d, l->ep_own, (const float *)(j->own + j->kg.off.drw),
+  LAUNCH(c, mok_k_ep_ksum(&c->d, w->ep_own, (const uint16_t *)(j->own + j->kg.off.land), NULL,
+                          c->d.I_s ? w->shared : NULL, BF(c, D_X), c->status, c->st));
+  LAUNCH(c, mok_k_ep_own_drw(&c->d, w->ep_own, (const float *)(j->own + j->kg.off.drw),
                              (float *)T_(c, MOK_SLOT_D_RW), c->status, c->st));
   MARK(j, "k-sum");
 }
@@ -828,6 +846,7 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
     return cuda_job_end(&c, res);
   }
   j.dv = cuda_group_dims(a->layer);
+  j.lv = mok_group_routed_dims(a->layer);
   j.own = (char *)(uintptr_t)j.st->own.va;
   j.kg.off = j.st->lay;
   j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;
