@@ -15,7 +15,7 @@ gcc -O2 -fPIC -c tests/gpu/sd_stub.c -o "$B/sd_stub.o"
 make -j"$(nproc)" BUILD="$B" PB_LIBS=-lprotobuf-c "$B/lib/libmok.so"
 make -j"$(nproc)" BUILD="$B" UV_LIBS="$LIBDIR/libuv_a.a" PB_LIBS="$LIBDIR/libprotobuf-c.a" \
   SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine" \
-  "$B/tests/test_ep"
+  "$B/tests/test_ep" "$B/bench/bench_memory"
 cp -L "$LIBDIR/libprotobuf-c.so.1" "$B/lib/"
 rm -rf "$B/python" && mkdir -p "$B/python" && cp -r client/python/mok "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
@@ -26,3 +26,10 @@ find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
   tests/bench/bench_ep_cuda.cu "$B/lib/libmok.a" "$B/lib/libmokkernels.a" \
   "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
 echo "built $B/bench/bench_ep_cuda"
+
+# the hostile-tenant test (tests/gpu/test_hostile.cu): a CUDA client, libmok, static protobuf-c
+mkdir -p "$B/tests/gpu"
+"${NVCC:-/usr/local/cuda/bin/nvcc}" -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a \
+  -Iclient/include -Iproto -Ikernels -o "$B/tests/gpu/test_hostile" tests/gpu/test_hostile.cu \
+  "$B/lib/libmok.a" "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
+echo "built $B/tests/gpu/test_hostile"

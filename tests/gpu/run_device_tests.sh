@@ -11,11 +11,17 @@
 #   6. timings at T=2048 (issue 4's shapes, balanced routing)
 #   7. expert parallelism: the EP integration tests on the cuda engine, under
 #      MPS, daemons spread over every GPU (tests/gpu/run_ep_tests.sh)
+#   8. tenant isolation (tests/gpu/run_isolation_memory.sh): a client racing
+#      its own buffers beside a victim client, without MPS (hostile), under
+#      MPS (hostile_mps) and with mokd under memcheck (hostile_memcheck); the
+#      job watchdog (watchdog); the session workspace (workspace)
 # and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
 # development machine with tests/gpu/build_device.sh and carried), else `make`.
 #
 #   tests/gpu/run_device_tests.sh [STEP...]   STEP: kernels correct concurrent fence
-#                                             python sanitize time ep (default: all of them)
+#                                             python sanitize time ep hostile hostile_mps
+#                                             hostile_memcheck watchdog workspace
+#                                             (default: all of them)
 # Environment: OUT (logs.tgz goes there, if set), LOGS (default /tmp/mok-device-logs), KERNEL_STEPS (default
 # "build correct"). Exit status 0 when every step passed.
 set -uo pipefail
@@ -188,12 +194,23 @@ step_ep() {
   record ep "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
+# steps of tests/gpu/run_isolation_memory.sh, each with mokd of its own
+step_isolation() { # STEP
+  stop_mokd
+  OUT=$LOGS/isolation MOK_DEVBUILD=$B tests/gpu/run_isolation_memory.sh "$1" >"$LOGS/$1.txt" 2>&1
+  local rc=$?
+  grep -A6 "^== hostile\|^== job watchdog\|^== session workspace" "$LOGS/$1.txt" | tail -8
+  record "$1" "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time ep)
+[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time ep hostile
+  hostile_mps hostile_memcheck watchdog workspace)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 for s in "${steps[@]}"; do
   case $s in
     kernels|correct|concurrent|fence|sanitize|python|time|ep) "step_$s" ;;
+    hostile|hostile_mps|hostile_memcheck|watchdog|workspace) step_isolation "$s" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done

@@ -10,6 +10,11 @@
  *                                  after mokd's MOK_FENCE_TIMEOUT_MS, mokd lives on
  *   test_cuda_engine quick         one small shape (for compute-sanitizer on mokd)
  *   test_cuda_engine time          T=2048 timings, the shapes of issue 4
+ *   test_cuda_engine fenceorder    a job held behind its client's fence does not run
+ *   test_cuda_engine watchdog      (mokd with MOK_JOB_TIMEOUT_MS=2) a job behind an
+ *                                  overdue one fails at once, the queue still runs
+ *   test_cuda_engine workspace     (mokd with MOK_WORKSPACE_IDLE_MS=2000) the session
+ *                                  workspace: taken, steady, given back, regrown
  *
  * $MOK_SOCKET names the daemon. Outputs are poisoned (NaN bits) before every
  * run. Exit status 0 only when every check passed.
@@ -789,6 +794,111 @@ static void time_shapes(mok_client *c, cudaStream_t st) {
   }
 }
 
+/* ---- the job watchdog and the session workspace ------------------------------------------ */
+
+/* A large layer in device memory, inputs filled, balanced routing. */
+static void big_layer(mok_client *c, dlayer *D, const shape *s) {
+  dlayer_open(D, c, s, 0, (uint32_t)s->T);
+  fill_device(D->p[B_X], D->bytes[B_X], 1.0);
+  fill_device(D->p[B_DOUT], D->bytes[B_DOUT], 1.0);
+  fill_device(D->p[B_WG], D->bytes[B_WG], 4.0 / sqrt(s->H));
+  fill_device(D->p[B_WU], D->bytes[B_WU], 4.0 / sqrt(s->H));
+  fill_device(D->p[B_WD], D->bytes[B_WD], 3.0 / sqrt(s->I));
+  if (s->I_s) {
+    fill_device(D->p[B_SG], D->bytes[B_SG], 4.0 / sqrt(s->H));
+    fill_device(D->p[B_SU], D->bytes[B_SU], 4.0 / sqrt(s->H));
+    fill_device(D->p[B_SD], D->bytes[B_SD], 3.0 / sqrt(s->I_s));
+  }
+  size_t TK = (size_t)s->T * s->K;
+  int32_t *ids = malloc(TK * 4);
+  float *rw = malloc(TK * 4);
+  make_ids(s, ids);
+  for (size_t i = 0; i < TK; i++) rw[i] = 1.0f / (float)s->K;
+  CK(cudaMemcpy(D->p[B_IDS], ids, TK * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(D->p[B_RW], rw, TK * 4, cudaMemcpyHostToDevice));
+  free(ids), free(rw);
+}
+
+/* mokd runs with MOK_JOB_TIMEOUT_MS=2: backward jobs of ~10 ms each go past
+ * it. A job submitted while one is overdue fails at once with EBUSY (long
+ * before the queue drains), the client's stream is still released in
+ * order, and once the queue drained the session runs jobs again. */
+static void test_watchdog(mok_client *c, cudaStream_t st) {
+  const shape s = {"watchdog", 8192, 4096, 2048, 16, 8, 0, 0, 0.0f, ROUTE_BALANCED, 0.0, 0};
+  dlayer D;
+  big_layer(c, &D, &s);
+  mok_forward_args fa = fwd_args(&D);
+  mok_backward_args ba = bwd_args(&D);
+  uint64_t tf, tq[6], tlate;
+  MK(mok_forward_on_stream(D.l, (uint32_t)s.T, &fa, st, &tf));
+  EXPECT(mok_wait(c, tf, 60000) == MOK_OK, "watchdog: first forward: %s", mok_last_error());
+  CK(cudaStreamSynchronize(st));
+  double t0 = now_s();
+  for (int i = 0; i < 6; i++) MK(mok_backward_on_stream(D.l, (uint32_t)s.T, 0, &ba, st, &tq[i]));
+  usleep(20000);
+  MK(mok_forward_on_stream(D.l, (uint32_t)s.T, &fa, st, &tlate));
+  int r = mok_wait(c, tlate, 60000);
+  double t_late = now_s() - t0;
+  int queued_done = 0;
+  for (int i = 0; i < 6; i++) queued_done += mok_job_pending(c, tq[i]) == 0;
+  printf("  a job behind an overdue one -> %s after %.3f s (%d of 6 queued jobs done): %s\n",
+         mok_status_name(r), t_late, queued_done, mok_last_error());
+  EXPECT(r == MOK_EBUSY && strstr(mok_last_error(), "job-timeout-ms"),
+         "a job behind an overdue one gave %s: %s", mok_status_name(r), mok_last_error());
+  EXPECT(queued_done < 6, "the failed job did not fail fast: the queue had drained");
+  int ok = 0;
+  for (int i = 0; i < 6; i++) ok += mok_wait(c, tq[i], 60000) == MOK_OK;
+  EXPECT(ok == 6, "the jobs queued before the overdue one ran: %d of 6 passed", ok);
+  CK(cudaStreamSynchronize(st)); /* the failed job's done value released the stream */
+  printf("  queued jobs passed: %d of 6; client stream released after %.3f s\n", ok,
+         now_s() - t0);
+  uint64_t tn;
+  MK(mok_forward_on_stream(D.l, (uint32_t)s.T, &fa, st, &tn));
+  r = mok_wait(c, tn, 60000);
+  EXPECT(r == MOK_OK, "a job after the overdue ones ended: %s", mok_last_error());
+  printf("  after the queue drained, a new job -> %s\n", mok_status_name(r));
+  dlayer_close(&D);
+}
+
+static size_t device_free(void) {
+  size_t f = 0, t = 0;
+  CK(cudaMemGetInfo(&f, &t));
+  return f;
+}
+
+/* mokd runs with MOK_WORKSPACE_IDLE_MS=2000: a session's workspace appears
+ * with its first jobs, a steady loop does not grow it, it goes back to the
+ * device when idle (cudaMemGetInfo sees it), and the next job grows it
+ * again with the same results, bit for bit. */
+static void test_workspace(mok_client *c, cudaStream_t st) {
+  const shape s = {"workspace", 4096, 4096, 2048, 16, 8, 2048, 0, 0.0f, ROUTE_BALANCED, 0.0, 0};
+  dlayer D;
+  big_layer(c, &D, &s);
+  CK(cudaDeviceSynchronize());
+  usleep(3500000); /* idle() runs about once a second: earlier sessions gone */
+  size_t f0 = device_free();
+  MK(run_layer(&D, st, 0));
+  size_t f1 = device_free();
+  for (int i = 0; i < 5; i++) MK(run_layer(&D, st, 0));
+  size_t f2 = device_free();
+  uint64_t h0 = hash_outputs(&D);
+  usleep(5000000); /* past the idle time, and a trim */
+  size_t f3 = device_free();
+  MK(run_layer(&D, st, 0));
+  uint64_t h1 = hash_outputs(&D);
+  double mib = 1.0 / (1 << 20);
+  double held = ((double)f0 - (double)f1) * mib, grew = ((double)f1 - (double)f2) * mib,
+         back = ((double)f3 - (double)f2) * mib;
+  printf("  workspace: %.0f MiB after the first jobs, %+.0f MiB over 5 more, %.0f MiB back to "
+         "the device when idle; results after regrowing bitwise equal: %s\n",
+         held, grew, back, h0 == h1 ? "yes" : "NO");
+  EXPECT(held > 64, "the first jobs took only %.0f MiB of device memory", held);
+  EXPECT(grew < 4, "a steady loop grew the device memory by %.0f MiB", grew);
+  EXPECT(back > 0.9 * held, "idle: only %.0f of %.0f MiB went back", back, held);
+  EXPECT(h0 == h1, "results differ after the workspace was given back and regrown");
+  dlayer_close(&D);
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "correct";
   CK(cudaSetDevice(0));
@@ -832,6 +942,12 @@ int main(int argc, char **argv) {
     test_fence_timeout(c, st);
   } else if (strcmp(mode, "time") == 0) {
     time_shapes(c, st);
+  } else if (strcmp(mode, "fenceorder") == 0) {
+    test_fence_order(c, st);
+  } else if (strcmp(mode, "watchdog") == 0) {
+    test_watchdog(c, st);
+  } else if (strcmp(mode, "workspace") == 0) {
+    test_workspace(c, st);
   } else {
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
