@@ -766,8 +766,9 @@ static void cuda_idle(mok_engine *e, uint64_t now) {
 
 /* ---- regions --------------------------------------------------------------------------- */
 
-/* r->backing.object2 of the CUDA kinds (object: the allocation; host
- * memfds and VMM fds whose files name their allocation use (st_dev, st_ino)) */
+/* r->backing.object2 of the CUDA kinds (object: the allocation's device
+ * address, below 2^57; host memfds and VMM fds whose files name their
+ * allocation use st_dev with a high bit set, and st_ino) */
 #define BACKING_CUDA_IPC 0x6d6f6b2d69706300ull /* "mok-ipc" */
 #define BACKING_CUDA_VMM 0x6d6f6b2d766d6d00ull /* "mok-vmm": object is the import's mapping */
 
@@ -926,7 +927,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
   r->bytes = src->bytes;
   r->engine_handle = rec;
   if (e->vmm_fd_identity) { /* the fd's file names the allocation (checked at open) */
-    r->backing.object = (uint64_t)fst.st_dev;
+    r->backing.object = (uint64_t)fst.st_dev | (1ull << 62); /* nonzero; not a memfd's */
     r->backing.object2 = (uint64_t)fst.st_ino;
   } else { /* only this import: aliasing with another registration is not seen */
     r->backing.object = (uint64_t)v->va;
