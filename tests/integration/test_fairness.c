@@ -133,8 +133,13 @@ static void test_idle_scratch_is_given_back(void) {
   /* the job's scratch (the widened weights alone are 24 MiB) was held ... */
   CHECK_MSG(after_job > before + 16384, "RSS %ld -> %ld KiB: no scratch seen", before, after_job);
   /* ... and given back while the session is still open */
-  CHECK_MSG(idle <= before + slack && idle < after_job - 16384,
-            "RSS %ld KiB after idling, %ld before the job", idle, before);
+  CHECK_MSG(idle <= before + slack, "RSS %ld KiB after idling, %ld before the job", idle,
+            before);
+  /* the sanitizers' shadow and quarantine keep memory of their own: the
+   * drop itself is checked in plain builds only (slack at its default) */
+  if (slack <= 8192)
+    CHECK_MSG(idle < after_job - 16384, "RSS %ld KiB after idling, %ld after the job", idle,
+              after_job);
   CHECK(mok_forward(j.l, 1024, &j.fa, &tk) == MOK_OK); /* and grown again on demand */
   CHECK_EQ_INT(mok_wait(c, tk, 60000), MOK_OK);
   mok_close(c);
