@@ -23,7 +23,8 @@
 #   summary                   tests/gpu/v3_summary.py: the table (also summary.txt)
 # A variant whose test step timed out (a hang) is left out of the bench and ncu.
 # Environment: NCU (default: ncu on PATH or under /usr/local/cuda or
-# /opt/nvidia), PYTHON (python3), V3_SHAPE / V3_T (the ncu configuration).
+# /opt/nvidia; NCU=none: no profile), PYTHON (python3), V3_SHAPE / V3_T (the
+# ncu configuration), V3_SKIP (step names to leave out, e.g. "kernels_correct").
 # Exit status: 0 when every step passed.
 set -uo pipefail
 
@@ -52,6 +53,11 @@ cp "$B/resources.txt" "$B/sass.txt" "$B/commit" "$OUTDIR/" 2>/dev/null
 step() {
   local name=$1 limit=$2
   shift 2
+  case " ${V3_SKIP:-} " in *" $name "*)
+    note "$name: skipped (V3_SKIP)"
+    printf '%s\tskip\t0\tV3_SKIP\n' "$name" >>"$STEPS"
+    return 0 ;;
+  esac
   local left=$((BUDGET - SECONDS - 15))
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$limit" -lt 5 ]; then
@@ -92,12 +98,14 @@ if [ $cluster_ok = 0 ]; then
   VARIANTS=rows,expert
   NCU_VARIANTS=rows,expert
 fi
-left=$((BUDGET - SECONDS - 15 - 75)) # keep 75 s for ncu
+have_ncu=0
+[ -n "$NCU" ] && [ -x "$NCU" ] && have_ncu=1
+left=$((BUDGET - SECONDS - 15 - 75 * have_ncu)) # keep 75 s for ncu
 [ $left -gt 130 ] && left=130
 step bench "$left" "$B/mok_bench" --out "$OUTDIR/mok.json" --T 2048,8192 --routing balanced \
   --reps 5 --warmup 2 --deadline $((left - 25 > 10 ? left - 25 : 10)) --variants "$VARIANTS"
 
-if [ -n "$NCU" ] && [ -x "$NCU" ]; then
+if [ $have_ncu = 1 ]; then
   echo "$NCU_VARIANTS" >"$OUTDIR/ncu_variants.txt"
   rm -f "$OUTDIR/v3.ncu-rep"
   step ncu 75 "$NCU" --profile-from-start off --clock-control none --kernel-name regex:s9_gemm \
