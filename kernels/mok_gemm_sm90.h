@@ -82,12 +82,12 @@ void mok_k_sm90_set_bwd_modes(int mask);
 int mok_k_sm90_bwd_modes(void);
 
 /* The tile variant of the row-mode products (v3; results never depend on it):
- *   ROWS     row block by row block (v1/v2, the default);
+ *   ROWS     row block by row block (v1/v2);
  *   EXPERT   expert by expert, column tile outer, its row blocks inner;
  *   CLUSTER  2-CTA clusters on row blocks 2p, 2p+1: one expert's weight
  *            tile loaded once for both (TMA multicast), rows order; for
  *            GATE_UP, DOWN and the gate/up dgrad (the down dgrad and the
- *            wgrads run ROWS).
+ *            wgrads run ROWS); the default (PERF.md v3).
  * MOK_GEMM_VARIANT=rows|expert|cluster at mok_k_init, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0
