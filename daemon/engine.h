@@ -77,12 +77,12 @@ typedef struct mok_engine_config {
 #define MOK_WORKSPACE_IDLE_MS 30000u
 
 /* What a layer costs the daemon, before it exists (mok_layer_bytes). */
-typedef struct mok_layer_cost {
+typedef struct mok_engine_layer_cost {
   uint64_t layer_bytes;     /* kept for the layer itself as long as it exists */
   uint64_t workspace_bytes; /* the session workspace a job at max_tokens needs; one
                                workspace serves every layer of a session */
   uint64_t ctx_bytes;       /* the ctx a forward at max_tokens saves (client memory) */
-} mok_layer_cost;
+} mok_engine_layer_cost;
 
 /* What a session holds in the engine now (mokctl status, metrics). */
 typedef struct mok_session_memory {
@@ -198,8 +198,8 @@ typedef struct mok_engine_ops {
    * holds now. idle: the engine thread calls it about every 100 ms with
    * CLOCK_MONOTONIC; the engine gives back workspaces unused for
    * workspace_idle_ms. */
-  int (*layer_cost)(mok_engine *e, const mok_layer_config *cfg, mok_layer_cost *ret, char *err,
-                    size_t errlen);
+  int (*layer_cost)(mok_engine *e, const mok_layer_config *cfg, mok_engine_layer_cost *ret,
+                    char *err, size_t errlen);
   void (*session_memory)(mok_engine *e, mok_engine_session *s, mok_session_memory *ret);
   void (*idle)(mok_engine *e, uint64_t now_ns);
 } mok_engine_ops;

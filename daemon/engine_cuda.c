@@ -568,8 +568,8 @@ size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint
 /* What a layer costs: nothing on the device for itself; the largest job
  * (a recomputing backward without a ctx, at max_tokens) sets the session
  * workspace it needs. */
-static int cuda_layer_cost(mok_engine *e, const mok_layer_config *cfg, mok_layer_cost *ret,
-                           char *err, size_t errlen) {
+static int cuda_layer_cost(mok_engine *e, const mok_layer_config *cfg,
+                           mok_engine_layer_cost *ret, char *err, size_t errlen) {
   (void)e, (void)err, (void)errlen;
   mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
   mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);

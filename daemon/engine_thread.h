@@ -111,7 +111,7 @@ typedef struct mok_cmd {
       } group;
       uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
     };
-    mok_layer_cost cost; /* MOK_CMD_LAYER_COST, beside its layer (not over it) */
+    mok_engine_layer_cost cost; /* MOK_CMD_LAYER_COST, beside its layer (not over it) */
   } out;
   uint32_t layer_id;
   bool deferred; /* the engine thread answers it later (a group forming) */

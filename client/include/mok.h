@@ -109,9 +109,7 @@ typedef struct mok_layer_cost_info {
 } mok_layer_cost_info;
 /* An engine that does not account its memory reports layer_bytes and
  * workspace_bytes 0 (the cpu engine keeps no per-layer state). */
-#ifndef MOK_ENGINE_H /* mokd's own engine.h (in some of mok's tests) has a type of this name */
 int mok_layer_cost(mok_client *c, const mok_layer_desc *desc, mok_layer_cost_info *ret);
-#endif
 
 /* ---- expert-parallel groups (docs/ep.md) ---- */
 

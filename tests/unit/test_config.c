@@ -8,7 +8,7 @@ static void test_parses_settings_comments_and_blank_lines(void) {
   char err[256] = "";
   const char *text = "# mokd\n\nsocket = /tmp/a.sock  # trailing comment\nengine=cpu\n"
                      "threads = 3\nmax-region-bytes = 1048576\nmax_layers = 7\n"
-                     "socket-mode = 0600\nfence-timeout-ms = 1500\n";
+                     "socket-mode = 0600\nfence-timeout-ms = 1500\njob-timeout-ms = 9000\n";
   CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "%s", err);
   CHECK(strcmp(cfg.socket_path, "/tmp/a.sock") == 0);
   CHECK(strcmp(cfg.engine, "cpu") == 0);
@@ -17,6 +17,7 @@ static void test_parses_settings_comments_and_blank_lines(void) {
   CHECK_EQ_INT(cfg.limits.max_layers, 7);
   CHECK_EQ_INT(cfg.socket_mode, 0600);
   CHECK_EQ_INT(cfg.engine_cfg.fence_timeout_ms, 1500);
+  CHECK_EQ_INT(cfg.engine_cfg.job_timeout_ms, 9000);
 }
 
 static void expect_error(const char *text, const char *needle) {
