@@ -161,6 +161,7 @@ int mok_config_set(mok_server_config *cfg, const char *key, const char *value, c
       {"max-jobs-per-uid", 1u << 24, &cfg->limits.max_jobs_per_uid, 4},
       {"fence-timeout-ms", 3600000, &cfg->engine_cfg.fence_timeout_ms, 4},
       {"job-timeout-ms", 86400000, &cfg->engine_cfg.job_timeout_ms, 4},
+      {"idle-spin-us", 1000000, &cfg->engine_cfg.idle_spin_us, 4},
       {"workspace-idle-ms", 86400000, &cfg->engine_cfg.workspace_idle_ms, 4},
       {"session-reserve", 65536, &cfg->session_reserve, 4},
       {"max-regions-total", 1u << 24, &cfg->max_regions_total, 4},

@@ -67,6 +67,10 @@ typedef struct mok_engine_config {
   /* a session's workspace (device scratch, cpu scratch) unused this long is
    * given back; 0: the default (MOK_WORKSPACE_IDLE_MS) */
   uint32_t workspace_idle_ms;
+  /* the engine thread polls the rings this long after its last work before
+   * it sleeps (a job submitted meanwhile starts without a wake-up); 0: the
+   * default (MOK_IDLE_SPIN_US) */
+  uint32_t idle_spin_us;
   /* asynchronous engines call wake(wake_arg), from any thread, when a job
    * they run finished, so the engine thread polls at once instead of on its
    * next turn; NULL: none (the engine thread polls while jobs run) */
@@ -75,6 +79,7 @@ typedef struct mok_engine_config {
 } mok_engine_config;
 
 #define MOK_WORKSPACE_IDLE_MS 30000u
+#define MOK_IDLE_SPIN_US 1000u
 
 /* What a layer costs the daemon, before it exists (mok_layer_bytes). */
 typedef struct mok_engine_layer_cost {

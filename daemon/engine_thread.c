@@ -19,7 +19,6 @@
 #include "region.h"
 
 #define LATENCY_WINDOW 1024u
-#define SPIN_BEFORE_SLEEP_NS 50000ull /* poll briefly before parking: keeps latency low */
 
 typedef struct layer_entry {
   uint32_t id;
@@ -105,6 +104,7 @@ struct mok_engine_thread {
   char describe[256];
   mok_ep_group_table *groups; /* expert-parallel groups this daemon serves a rank of */
   uint64_t ticked_ns;         /* the last 100 ms housekeeping turn */
+  uint64_t spin_ns;           /* poll this long after the last work before sleeping */
   former *forming;            /* groups being formed through NCCL */
 };
 
@@ -1160,7 +1160,7 @@ static void *engine_main(void *arg) {
       continue;
     }
     if (!idle_since) idle_since = now;
-    if (now - idle_since < SPIN_BEFORE_SLEEP_NS) continue;
+    if (now - idle_since < t->spin_ns) continue; /* a job now starts without a wake-up */
     if (running) { /* work in flight: poll it, gently, or wait for its wake */
       if (t->ops->wakes_when_done) sleep_until_work(t, 100);
       else pause_briefly();
@@ -1206,6 +1206,7 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   t->epfd = -1;
   t->cmd_efd = -1;
   pthread_mutex_init(&t->lock, NULL);
+  t->spin_ns = 1000ull * (cfg->idle_spin_us ? cfg->idle_spin_us : MOK_IDLE_SPIN_US);
   mok_engine_config ecfg = *cfg;
   ecfg.wake = engine_wake;
   ecfg.wake_arg = t;

@@ -248,6 +248,9 @@ int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backwa
 int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
                          const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
                          uint64_t *ret_ticket);
+/* An empty job ordered on a stream: the fences alone, no kernels (what the
+ * daemon boundary costs a job; tests/bench/bench_fence.cu). */
+int mok_submit_nop_on_stream(mok_client *c, void *stream, uint64_t *ret_ticket);
 int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a, void *stream,
                           uint64_t *ret_ticket);
 int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,

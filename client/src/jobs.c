@@ -115,16 +115,14 @@ int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
 static bool drain_completions(mok_client *c);
 static int park(mok_client *c, int timeout_ms);
 
-int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-                         const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
-                         uint64_t *ret_ticket) {
-  mok_client *c = l->client;
-  mok_job_desc desc;
-  pthread_mutex_lock(&c->lock);
-  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+/* The stream-ordered part of a submission: room in the ring, the fence the
+ * job waits for, the job, the wait for its done value (c->lock held). */
+static int submit_on_stream_locked(mok_client *c, mok_job_desc *desc, void *stream,
+                                   uint64_t *ret_ticket) {
+  int r = MOK_OK;
   /* room in the ring: wait for running jobs (bounded: a minute) */
   uint64_t give_up = now_ns() + 60000000000ull;
-  while (r == MOK_OK && c->outstanding >= MOK_RING_ENTRIES) {
+  while (c->outstanding >= MOK_RING_ENTRIES) {
     if (!drain_completions(c) || c->broken) {
       r = mok_set_error(MOK_ECLOSED, "the connection to mokd is closed");
       break;
@@ -140,16 +138,38 @@ int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tok
   uint64_t ticket = c->next_ticket, signal = 0;
   if (r == MOK_OK) r = mok_cuda_fence_before_locked(c, stream, ticket, &signal);
   if (r == MOK_OK) {
-    desc.fence_wait = ticket;
-    desc.fence_signal = signal;
+    desc->fence_wait = ticket;
+    desc->fence_signal = signal;
     uint64_t got = 0;
-    r = mok_submit_desc_locked(c, &desc, &got);
+    r = mok_submit_desc_locked(c, desc, &got);
     if (r == MOK_OK) {
       r = mok_cuda_fence_after_locked(c, stream, signal);
       if (ret_ticket) *ret_ticket = got;
       else c->results[got % MOK_RING_ENTRIES].detached = true;
     }
   }
+  return r;
+}
+
+int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                         const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
+                         uint64_t *ret_ticket) {
+  mok_client *c = l->client;
+  mok_job_desc desc;
+  pthread_mutex_lock(&c->lock);
+  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+  if (r == MOK_OK) r = submit_on_stream_locked(c, &desc, stream, ret_ticket);
+  pthread_mutex_unlock(&c->lock);
+  return r;
+}
+
+int mok_submit_nop_on_stream(mok_client *c, void *stream, uint64_t *ret_ticket) {
+  mok_job_desc desc;
+  memset(&desc, 0, sizeof desc);
+  desc.version = MOK_JOB_VERSION;
+  desc.op = MOK_OP_NOP;
+  pthread_mutex_lock(&c->lock);
+  int r = submit_on_stream_locked(c, &desc, stream, ret_ticket);
   pthread_mutex_unlock(&c->lock);
   return r;
 }

@@ -33,3 +33,12 @@ mkdir -p "$B/tests/gpu"
   -Iclient/include -Iproto -Ikernels -o "$B/tests/gpu/test_hostile" tests/gpu/test_hostile.cu \
   "$B/lib/libmok.a" "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
 echo "built $B/tests/gpu/test_hostile"
+
+# the boundary benches: an empty job through mokd (tests/bench/bench_fence.cu)
+# and the layer through mokd (tests/bench/mok_bench_daemon.cu)
+for b in bench_fence mok_bench_daemon; do
+  "${NVCC:-/usr/local/cuda/bin/nvcc}" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
+    -Iclient/include -Iproto -Itests/gpu -o "$B/bench/$b" "tests/bench/$b.cu" "$B/lib/libmok.a" \
+    "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
+  echo "built $B/bench/$b"
+done

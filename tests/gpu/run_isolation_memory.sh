@@ -148,10 +148,11 @@ hostile_run() {
   record "$label" "$([ $okall = 1 ] && echo PASS || echo FAIL) (races $races, failed $failed, crashes $crashes, victim mismatches ${mism:-?}+${mism2:-?})"
 }
 
-step_hostile() { hostile_run hostile 45 12; }
+# HOSTILE_SECS / HOSTILE_ROUNDS: a shorter attack (default 45 s, 12 victim rounds)
+step_hostile() { hostile_run hostile "${HOSTILE_SECS:-45}" "${HOSTILE_ROUNDS:-12}"; }
 step_hostile_mps() {
   mps_start || { record hostile_mps "FAIL (MPS would not start)"; return; }
-  hostile_run hostile_mps 45 12
+  hostile_run hostile_mps "${HOSTILE_SECS:-45}" "${HOSTILE_ROUNDS:-12}"
   mps_stop
 }
 step_hostile_memcheck() {
