@@ -312,6 +312,16 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     log_warn("cuda engine: GPU %d reports no 64-bit stream memory operations (%s): jobs "
              "with GPU fences will fail",
              dev, cr != CUDA_SUCCESS ? cuda_drv_error(e, cr) : "attribute 0");
+  /* Without MPS the trainer's context and mokd's time-slice: an empty job
+   * through mokd measured +285 us on an H200 against +10 us under MPS
+   * (tests/bench/bench_fence.cu; docs/cuda.md). Said once, at start. */
+  int mps = 0;
+  if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) == cudaSuccess && !mps)
+    log_warn("cuda engine: GPU %d is not shared through MPS: the trainers' kernels and mokd's "
+             "take turns on it (about 0.3 ms a job, and more on busy GPUs); run the MPS "
+             "control daemon for full speed (README, 'Operating mokd')",
+             dev);
+  (void)cudaGetLastError();
   if (cudaStreamCreateWithFlags(&e->mem_stream, cudaStreamNonBlocking) != cudaSuccess) {
     snprintf(err, errlen, "cuda engine: cannot create a stream");
     free(e);

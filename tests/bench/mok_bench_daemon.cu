@@ -3,6 +3,7 @@
  *
  *   MOK_SOCKET=... mok_bench_daemon [--out FILE.json] [--routing-dir DIR] [--T 2048,8192]
  *                                   [--reps N] [--warmup N] [--deadline S] [--only NAMES]
+ *                                   [--piped 1]   (also jobs back to back: the client ahead)
  *
  * The same configurations, routings and timing as mok_bench (CUDA events on
  * the client's stream, warm-up, median, two input sets), but each forward and
@@ -50,6 +51,7 @@ static size_t slot_bytes(const mok_layer *l, uint32_t T, int slot) {
 typedef struct dres {
   int done, ok, from_file;
   float fwd_ms, bwd_ms;
+  float fwd_piped_ms, bwd_piped_ms; /* --piped: jobs back to back, one wait at the end */
   double flops_fwd, max_over_mean[N_SETS];
   char error[256];
 } dres;
@@ -62,7 +64,7 @@ static int fail(dres *r, const char *what, int st) {
 
 /* returns 1 when every job of the configuration succeeded */
 static int run_config(mok_client *c, const config *cf, const char *routing_dir, int reps,
-                      int warmup, cudaStream_t st, dres *r) {
+                      int warmup, int piped, cudaStream_t st, dres *r) {
   const bench_shape *sh = &SHAPES[cf->shape];
   const uint32_t T = (uint32_t)cf->T;
   const int E_loc = sh->E / EP, K = sh->K;
@@ -182,6 +184,24 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     CUDA_CHECK(cudaEventSynchronize(e1));
     if (i >= warmup) CUDA_CHECK(cudaEventElapsedTime(&tb[i - warmup], e0, e1));
   }
+  /* piped: the client runs ahead of the GPU, as a trainer does, so the
+   * daemon's enqueue of a job overlaps the previous job's kernels */
+  for (int pass = 0; ok && piped && pass < 2; pass++) {
+    CUDA_CHECK(cudaEventRecord(e0, st));
+    for (int i = 0; ok && i < reps; i++) {
+      const int s = i % N_SETS;
+      if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
+        ok = fail(r, "mok_forward_on_stream", st_);
+      if (ok && pass == 1 && (st_ = mok_backward_on_stream(l, T, 0, &ba[s], st, NULL)) != MOK_OK)
+        ok = fail(r, "mok_backward_on_stream", st_);
+    }
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (pass == 0) r->fwd_piped_ms = ms / reps;
+    else r->bwd_piped_ms = ms / reps - r->fwd_piped_ms;
+  }
   if ((st_ = mok_sync(c, 30000)) != MOK_OK && ok) ok = fail(r, "a job (mok_sync)", st_);
   if (ok) {
     r->fwd_ms = median_of(tf, reps);
@@ -224,6 +244,9 @@ static void write_json(const char *path, const char *engine, const char *device,
       fprintf(f, ", \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f",
               r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
               2 * r->flops_fwd / r->bwd_ms * 1e-9);
+    if (r->ok && r->fwd_piped_ms > 0)
+      fprintf(f, ", \"fwd_piped_ms\": %.4f, \"bwd_piped_ms\": %.4f", r->fwd_piped_ms,
+              r->bwd_piped_ms);
     else
       fprintf(f, ", \"error\": \"%s\"", r->error);
     fprintf(f, "}");
@@ -236,7 +259,7 @@ static void write_json(const char *path, const char *engine, const char *device,
 
 int main(int argc, char **argv) {
   const char *out = NULL, *routing_dir = NULL, *only = NULL, *tlist = "2048,8192";
-  int reps = 10, warmup = 3;
+  int reps = 10, warmup = 3, piped = 0;
   double deadline = 1e9;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -246,7 +269,7 @@ int main(int argc, char **argv) {
     }
     if (!v) {
       fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
-                      "[--deadline S] [--only NAMES]\n", argv[0]);
+                      "[--deadline S] [--only NAMES] [--piped 0|1]\n", argv[0]);
       return 2;
     }
     if (!strcmp(a, "--out")) out = v;
@@ -256,6 +279,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--warmup")) warmup = atoi(v);
     else if (!strcmp(a, "--deadline")) deadline = atof(v);
     else if (!strcmp(a, "--only")) only = v;
+    else if (!strcmp(a, "--piped")) piped = atoi(v);
     else {
       fprintf(stderr, "unknown option %s\n", a);
       return 2;
@@ -304,12 +328,15 @@ int main(int argc, char **argv) {
              cfg[i].skewed ? "skewed" : "balanced");
       continue;
     }
-    int ok = run_config(c, &cfg[i], routing_dir, reps, warmup, st, &res[i]);
+    int ok = run_config(c, &cfg[i], routing_dir, reps, warmup, piped, st, &res[i]);
     if (ok)
-      printf("%-16s T=%-5d %-8s through mokd: fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f TF/s\n",
+      printf("%-16s T=%-5d %-8s through mokd: fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f TF/s",
              sh->name, cfg[i].T, cfg[i].skewed ? "skewed" : "balanced", res[i].fwd_ms,
              res[i].flops_fwd / res[i].fwd_ms * 1e-9, res[i].bwd_ms,
              2 * res[i].flops_fwd / res[i].bwd_ms * 1e-9);
+    if (ok && piped)
+      printf("  piped: fwd %8.3f ms  bwd %8.3f ms", res[i].fwd_piped_ms, res[i].bwd_piped_ms);
+    if (ok) printf("\n");
     fflush(stdout);
     write_json(out, engine, device, mps, cfg, res, n, "jobs on device pointers, on the client's stream");
     if (!ok) {
