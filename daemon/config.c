@@ -27,7 +27,7 @@ void mok_server_config_defaults(mok_server_config *cfg) {
   cfg->session_reserve = 16;          /* of max-sessions, kept for uids with none */
   cfg->max_regions_total = 32000;     /* mappings; vm.max_map_count is 65530 by default */
   cfg->limits.max_regions = 4096;     /* per session */
-  cfg->limits.max_region_bytes = 64ull << 30;
+  cfg->limits.max_region_bytes = 256ull << 30; /* a 61-layer model registers ~75 GiB */
   cfg->limits.max_layers = 256;
   cfg->limits.max_jobs_per_uid = 1024;
   cfg->max_sessions_per_uid = 64;     /* of 256 */

@@ -79,7 +79,7 @@ typedef struct mok_engine_config {
 } mok_engine_config;
 
 #define MOK_WORKSPACE_IDLE_MS 30000u
-#define MOK_IDLE_SPIN_US 1000u
+#define MOK_IDLE_SPIN_US 50u
 
 /* What a layer costs the daemon, before it exists (mok_layer_bytes). */
 typedef struct mok_engine_layer_cost {

@@ -44,8 +44,10 @@ typedef struct mok_region_table {
   uint64_t total_bytes;
 } mok_region_table;
 
-/* Map a host memfd. Requires F_SEAL_SHRINK (or the client could truncate it
- * under us and the daemon would fault) and a size >= offset + bytes.
+/* Map a host memfd. Requires a shmem memfd (hugetlbfs and other file
+ * systems are refused: sealing does not stop hole punching there, and a
+ * punched page would fault the daemon), F_SEAL_SHRINK (or the client could
+ * truncate it under us) and a size >= offset + bytes; fills r->backing.
  * Takes no ownership of fd. Returns a mok_status; fills err. */
 int mok_region_map_memfd(int fd, uint64_t offset, uint64_t bytes, mok_region *ret,
                          char *err, size_t errlen);
