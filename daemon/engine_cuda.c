@@ -228,13 +228,18 @@ static int ws_pool_create(mok_engine *e, char *err, size_t errlen) {
  * same (st_dev, st_ino), another allocation's export another one. Checked
  * on this driver with two small allocations; false: VMM regions get a
  * backing of their own import (aliasing between them is not seen). */
-static bool vmm_fds_name_allocations(mok_engine *e) {
+CUmemAllocationProp cuda_vmm_fd_prop(const mok_engine *e) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = e->device;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+static bool vmm_fds_name_allocations(mok_engine *e) {
+  CUmemAllocationProp prop = cuda_vmm_fd_prop(e);
   size_t gran = 0;
   if (e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS)
     return false;

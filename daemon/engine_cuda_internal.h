@@ -229,6 +229,8 @@ int cuda_use_device(mok_engine *e);
 int cuda_select(mok_engine *e, char *err, size_t errlen); /* cuda_use_device, or err says why */
 const char *cuda_drv_error(const mok_engine *e, CUresult r);
 bool cuda_context_broken(cudaStream_t stream);
+/* The properties of a pinned device allocation exportable as a POSIX fd. */
+CUmemAllocationProp cuda_vmm_fd_prop(const mok_engine *e);
 void cuda_free_async(void *p, cudaStream_t st);
 mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
 mok_k_dims cuda_group_dims(const mok_layer_config *c);

@@ -232,12 +232,7 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
   st->own_fd = -1;
   st->lay = mok_k_ep_layout_of((int)sz->max_tokens, (int)sz->hidden, (int)sz->topk);
 
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = e->device;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmemAllocationProp prop = cuda_vmm_fd_prop(e);
   size_t gran = 0;
   const char *step = "cuMemGetAllocationGranularity";
   CUresult cr = e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);

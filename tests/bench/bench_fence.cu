@@ -27,16 +27,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "check_client.h"
 #include "mok.h"
 
-#define CHECK_CUDA(call)                                                           \
-  do {                                                                             \
-    cudaError_t e_ = (call);                                                       \
-    if (e_ != cudaSuccess) {                                                       \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                     \
-    }                                                                              \
-  } while (0)
 
 typedef CUresult (*write64_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 typedef CUresult (*wait64_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
@@ -45,9 +38,9 @@ static wait64_fn wait64;
 
 static void load_driver(void) {
   cudaDriverEntryPointQueryResult q;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", (void **)&write64, 12000,
+  CK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", (void **)&write64, 12000,
                                               cudaEnableDefault, &q));
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", (void **)&wait64, 12000,
+  CK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", (void **)&wait64, 12000,
                                               cudaEnableDefault, &q));
   if (!write64 || !wait64) {
     fprintf(stderr, "bench_fence: no stream memory operations in this driver\n");
@@ -69,10 +62,10 @@ static int cmp_f(const void *a, const void *b) {
 /* Round trips between two streams through two words at w (device address). */
 static double hop_round_trip_us(CUdeviceptr w, int n) {
   cudaStream_t a, b;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
-  CHECK_CUDA(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
-  CHECK_CUDA(cudaMemset((void *)w, 0, 16));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  CK(cudaMemset((void *)w, 0, 16));
+  CK(cudaDeviceSynchronize());
   double t0 = now_us();
   for (int i = 1; i <= n; i++) {
     if (write64(a, w, (cuuint64_t)i, 0) || wait64(b, w, (cuuint64_t)i, CU_STREAM_WAIT_VALUE_GEQ) ||
@@ -82,7 +75,7 @@ static double hop_round_trip_us(CUdeviceptr w, int n) {
       exit(1);
     }
   }
-  CHECK_CUDA(cudaStreamSynchronize(a));
+  CK(cudaStreamSynchronize(a));
   double us = (now_us() - t0) / n;
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);
@@ -95,12 +88,7 @@ __global__ void touch(int *p) { p[threadIdx.x] += 1; }
 static void iteration(cudaStream_t s, int *buf, mok_client *c) {
   touch<<<1, 32, 0, s>>>(buf);
   if (c) {
-    int r = mok_submit_nop_on_stream(c, s, NULL);
-    if (r != MOK_OK) {
-      fprintf(stderr, "bench_fence: mok_submit_nop_on_stream: %s (%s)\n", mok_status_name(r),
-              mok_last_error());
-      exit(1);
-    }
+    MK(mok_submit_nop_on_stream(c, s, NULL));
   }
 }
 
@@ -108,26 +96,26 @@ static void iteration(cudaStream_t s, int *buf, mok_client *c) {
 static void loop_us(cudaStream_t s, int *buf, mok_client *c, int n, float *ret_sync,
                     float *ret_piped) {
   cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
   float *t = (float *)malloc(sizeof(float) * n);
   for (int i = 0; i < 50; i++) iteration(s, buf, c); /* warm-up */
-  CHECK_CUDA(cudaStreamSynchronize(s));
+  CK(cudaStreamSynchronize(s));
   for (int i = 0; i < n; i++) {
-    CHECK_CUDA(cudaEventRecord(e0, s));
+    CK(cudaEventRecord(e0, s));
     iteration(s, buf, c);
-    CHECK_CUDA(cudaEventRecord(e1, s));
-    CHECK_CUDA(cudaEventSynchronize(e1));
-    CHECK_CUDA(cudaEventElapsedTime(&t[i], e0, e1));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&t[i], e0, e1));
   }
   qsort(t, n, sizeof *t, cmp_f);
   *ret_sync = t[n / 2] * 1000.0f;
-  CHECK_CUDA(cudaEventRecord(e0, s));
+  CK(cudaEventRecord(e0, s));
   for (int i = 0; i < n; i++) iteration(s, buf, c);
-  CHECK_CUDA(cudaEventRecord(e1, s));
-  CHECK_CUDA(cudaEventSynchronize(e1));
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
   float ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventElapsedTime(&ms, e0, e1));
   *ret_piped = ms * 1000.0f / n;
   if (c && mok_sync(c, 30000) != MOK_OK) {
     fprintf(stderr, "bench_fence: a job failed: %s\n", mok_last_error());
@@ -143,15 +131,15 @@ int main(int argc, char **argv) {
   for (int i = 1; i + 1 < argc; i += 2)
     if (!strcmp(argv[i], "--n")) n = atoi(argv[i + 1]);
   if (n < 10) n = 10;
-  CHECK_CUDA(cudaSetDevice(0));
-  CHECK_CUDA(cudaFree(NULL));
+  CK(cudaSetDevice(0));
+  CK(cudaFree(NULL));
   load_driver();
 
   /* 1. hops, host-mapped and device words */
   void *host = NULL, *hdev = NULL, *dev = NULL;
-  CHECK_CUDA(cudaHostAlloc(&host, 4096, cudaHostAllocMapped | cudaHostAllocPortable));
-  CHECK_CUDA(cudaHostGetDevicePointer(&hdev, host, 0));
-  CHECK_CUDA(cudaMalloc(&dev, 4096));
+  CK(cudaHostAlloc(&host, 4096, cudaHostAllocMapped | cudaHostAllocPortable));
+  CK(cudaHostGetDevicePointer(&hdev, host, 0));
+  CK(cudaMalloc(&dev, 4096));
   double h_us = hop_round_trip_us((CUdeviceptr)(uintptr_t)hdev, n);
   double d_us = hop_round_trip_us((CUdeviceptr)(uintptr_t)dev, n);
   printf("hops: round trip between two streams (2 hops): host-mapped words %.2f us, device "
@@ -159,10 +147,10 @@ int main(int argc, char **argv) {
 
   /* 2. empty jobs */
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int *buf = NULL;
-  CHECK_CUDA(cudaMalloc((void **)&buf, 128));
-  CHECK_CUDA(cudaMemset(buf, 0, 128));
+  CK(cudaMalloc((void **)&buf, 128));
+  CK(cudaMemset(buf, 0, 128));
   float base_sync, base_piped;
   loop_us(s, buf, NULL, n, &base_sync, &base_piped);
   mok_client *c = NULL;

@@ -29,24 +29,8 @@
 
 #include "engine_cuda_internal.h"
 #include "mok.h"
+#include "gpu/check_client.h"
 
-#define CK(call)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                               \
-    }                                                                                        \
-  } while (0)
-#define MK(call)                                                                             \
-  do {                                                                                       \
-    int s_ = (call);                                                                         \
-    if (s_ != MOK_OK) {                                                                      \
-      fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, mok_status_name(s_), \
-              mok_last_error());                                                             \
-      exit(2);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 typedef struct bshape {
   const char *name;

@@ -32,6 +32,7 @@
 
 #include "engine.h"
 #include "mok.h"
+#include "check_client.h"
 #include "mok_slots.h"
 #include "ref64.h"
 #include "host_bf16_rng.h"
@@ -45,23 +46,6 @@ static int failures = 0;
       printf(__VA_ARGS__);                                                                   \
       printf("\n");                                                                          \
       fflush(stdout);                                                                        \
-    }                                                                                        \
-  } while (0)
-#define CK(call)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                               \
-    }                                                                                        \
-  } while (0)
-#define MK(call)                                                                             \
-  do {                                                                                       \
-    int s_ = (call);                                                                         \
-    if (s_ != MOK_OK) {                                                                      \
-      fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, mok_status_name(s_), \
-              mok_last_error());                                                             \
-      exit(2);                                                                               \
     }                                                                                        \
   } while (0)
 

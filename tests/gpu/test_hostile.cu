@@ -33,16 +33,8 @@
 
 #include "cuda_check.cuh"
 #include "mok.h"
+#include "check_client.h"
 
-#define MK(call)                                                                              \
-  do {                                                                                        \
-    int s_ = (call);                                                                          \
-    if (s_ != MOK_OK) {                                                                       \
-      fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, mok_status_name(s_), \
-              mok_last_error());                                                              \
-      exit(2);                                                                                \
-    }                                                                                         \
-  } while (0)
 
 static double now_s(void) {
   struct timespec ts;

@@ -132,17 +132,21 @@ static inline int harness_fd_count(pid_t pid) {
   return n;
 }
 
-/* Resident memory in KiB (VmRSS). */
-static inline long harness_rss_kib(pid_t pid) {
-  char path[64], line[256];
+/* A "Name: N kB" line of /proc/<pid>/status, in KiB (-1: none). */
+static inline long harness_status_kib(pid_t pid, const char *name) {
+  char path[64], line[256], want[64];
   snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  snprintf(want, sizeof want, "%s: %%ld kB", name);
   FILE *f = fopen(path, "r");
   long kib = -1;
   while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "VmRSS: %ld kB", &kib) == 1) break;
+    if (sscanf(line, want, &kib) == 1) break;
   if (f) fclose(f);
   return kib;
 }
+
+/* Resident memory in KiB (VmRSS). */
+static inline long harness_rss_kib(pid_t pid) { return harness_status_kib(pid, "VmRSS"); }
 
 /* Shared-memory mappings (memfds: session rings, client buffers) of a
  * process. Counted instead of all mappings, which the sanitizers' own

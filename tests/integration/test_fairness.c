@@ -97,16 +97,7 @@ static void test_small_jobs_beside_a_huge_one_wait_little(void) {
 
 /* The daemon's private resident memory in KiB (RssAnon: without the
  * clients' shared buffers it maps). */
-static long rss_anon_kib(pid_t pid) {
-  char path[64], line[256];
-  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-  FILE *f = fopen(path, "r");
-  long kib = -1;
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "RssAnon: %ld kB", &kib) == 1) break;
-  if (f) fclose(f);
-  return kib;
-}
+static long rss_anon_kib(pid_t pid) { return harness_status_kib(pid, "RssAnon"); }
 
 /* A session's scratch goes back once it idled for workspace-idle-ms, while
  * the session stays open: the daemon's resident memory returns near where
