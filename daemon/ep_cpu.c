@@ -18,6 +18,7 @@
  * as a single-daemon job, and each local expert's rows keep ascending
  * (rank, token, k) order, so results equal the cpu engine's EP=1 bits.
  */
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -252,9 +253,14 @@ static const int32_t *own_ids_in(job_env *l, const int32_t *ids) {
 }
 
 /* The rank's own checks before barrier 1, posted so that every member
- * fails the job with the same message. */
-static mok_status own_routing_check(job_env *l, const int32_t *ids, char *msg, size_t len) {
-  return mok_routing_check(&l->shape, ids, msg, len);
+ * fails the job with the same message: its copy of the ids could be made
+ * (ids NULL: scratch failed, l->res says why) and every id is in range. */
+static mok_status own_checks(job_env *l, const int32_t *ids, mok_ep_group_post *post) {
+  if (!ids) {
+    snprintf(post->msg, sizeof post->msg, "%s", l->res->message);
+    return l->res->status != MOK_OK ? l->res->status : MOK_ENOMEM;
+  }
+  return mok_routing_check(&l->shape, ids, post->msg, sizeof post->msg);
 }
 
 static void group_fail(job_env *l, int st, const char *err) {
@@ -269,19 +275,18 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   mok_ep_cpu_timing *tm = &mok_ep_cpu_last_timing;
   memset(tm, 0, sizeof *tm);
   uint64_t t0 = mono_ns();
-  const int32_t *ids = own_ids_in(l, slot_tensor(l, MOK_SLOT_TOPK_IDS));
-  if (!ids) return;
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
     group_fail(l, st, err);
     return;
   }
+  const int32_t *ids = own_ids_in(l, slot_tensor(l, MOK_SLOT_TOPK_IDS));
   copy_in_rows(l, g, b->x, x);
   copy_in_routing(l, g, ids, rw);
   uint64_t t1 = mono_ns();
   tm->copy_in_ns = t1 - t0;
   mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
-  post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
+  post.status = own_checks(l, ids, &post);
   st = mok_ep_group_job_post(g, &post, err, sizeof err);
   uint64_t t2 = mono_ns();
   tm->barrier1_ns = t2 - t1;
@@ -435,14 +440,15 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
   }
   group_ctx gc = {0};
   if (!ctx) ctx = cpu_scratch(l, SCR_LAYER_CTX, mok_group_ctx_bytes(l->cfg, (uint32_t)l->T));
-  if (!ctx) return;
-  gc = ctx_split(l, v, ctx, recompute);
   /* own routing: the job's topk_ids with recompute, else the forward's
    * copy in ctx (client memory: copied once, checked like any routing) */
-  const int32_t *ids = own_ids_in(l, recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids);
-  if (!ids) return;
+  const int32_t *ids = NULL;
+  if (ctx) {
+    gc = ctx_split(l, v, ctx, recompute);
+    ids = own_ids_in(l, recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids);
+  }
   mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
-  post.status = own_routing_check(l, ids, post.msg, sizeof post.msg);
+  post.status = own_checks(l, ids, &post);
   if (recompute && post.status == MOK_OK) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
   copy_in_rows(l, g, b->x, x);
   copy_in_rows(l, g, b->d_out, d_out);
