@@ -56,6 +56,7 @@
   } while (0)
 
 #include "bench_common.h"
+#include "bench_pool.h"
 
 /* ---- device helpers --------------------------------------------------------------- */
 
@@ -100,6 +101,9 @@ typedef struct layer {
   size_t bytes;
 } layer;
 
+/* --memory (bench_pool.h): where the client's tensors live */
+static bench_pool g_pool;
+
 static void *dalloc(layer *L, size_t bytes) {
   void *p = NULL;
   if (bytes == 0) bytes = 16;
@@ -109,9 +113,18 @@ static void *dalloc(layer *L, size_t bytes) {
   return p;
 }
 
+/* a tensor a trainer would own (mokd reads it through the client's mapping) */
+static void *client_alloc(layer *L, size_t bytes) {
+  void *p = bench_pool_take(&g_pool, bytes ? bytes : 16);
+  if (!p) return dalloc(L, bytes);
+  L->bytes += bytes;
+  return p;
+}
+
 static void layer_free(layer *L) {
   for (int i = 0; i < L->n_allocs; i++) CUDA_CHECK(cudaFree(L->allocs[i]));
   L->n_allocs = 0;
+  bench_pool_reset(&g_pool);
 }
 
 static void fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
@@ -128,37 +141,37 @@ static void layer_alloc(layer *L, const mok_k_dims *d) {
   const size_t W = (size_t)d->E_loc * d->I * d->H, S = (size_t)d->I_s * d->H;
   const size_t RH = (size_t)L->R * d->H, RI = (size_t)L->R * d->I, TIs = (size_t)d->T * d->I_s;
   for (int s = 0; s < N_SETS; s++) {
-    L->x[s] = (uint16_t *)dalloc(L, TH * 2);
-    L->d_out[s] = (uint16_t *)dalloc(L, TH * 2);
-    L->rw[s] = (float *)dalloc(L, TK * 4);
-    L->ids[s] = (int32_t *)dalloc(L, TK * 4);
+    L->x[s] = (uint16_t *)client_alloc(L, TH * 2);
+    L->d_out[s] = (uint16_t *)client_alloc(L, TH * 2);
+    L->rw[s] = (float *)client_alloc(L, TK * 4);
+    L->ids[s] = (int32_t *)client_alloc(L, TK * 4);
   }
-  L->wg = (uint16_t *)dalloc(L, W * 2);
-  L->wu = (uint16_t *)dalloc(L, W * 2);
-  L->wd = (uint16_t *)dalloc(L, W * 2);
-  L->sg = (uint16_t *)dalloc(L, S * 2);
-  L->su = (uint16_t *)dalloc(L, S * 2);
-  L->sd = (uint16_t *)dalloc(L, S * 2);
+  L->wg = (uint16_t *)client_alloc(L, W * 2);
+  L->wu = (uint16_t *)client_alloc(L, W * 2);
+  L->wd = (uint16_t *)client_alloc(L, W * 2);
+  L->sg = (uint16_t *)client_alloc(L, S * 2);
+  L->su = (uint16_t *)client_alloc(L, S * 2);
+  L->sd = (uint16_t *)client_alloc(L, S * 2);
   L->sched = (int32_t *)dalloc(L, (size_t)L->sched_ints * 4);
   L->routed_x = (uint16_t *)dalloc(L, RH * 2);
-  L->acts_g = (uint16_t *)dalloc(L, RI * 2);
-  L->acts_u = (uint16_t *)dalloc(L, RI * 2);
-  L->acts_gs = (uint16_t *)dalloc(L, TIs * 2);
-  L->acts_us = (uint16_t *)dalloc(L, TIs * 2);
+  L->acts_g = (uint16_t *)client_alloc(L, RI * 2);
+  L->acts_u = (uint16_t *)client_alloc(L, RI * 2);
+  L->acts_gs = (uint16_t *)client_alloc(L, TIs * 2);
+  L->acts_us = (uint16_t *)client_alloc(L, TIs * 2);
   L->routed_y = (uint16_t *)dalloc(L, RH * 2);
   L->shared_y = (uint16_t *)dalloc(L, TH * 2);
-  L->out = (uint16_t *)dalloc(L, TH * 2);
+  L->out = (uint16_t *)client_alloc(L, TH * 2);
   L->routed_d_out = (uint16_t *)dalloc(L, RH * 2);
   L->routed_d_x = (uint16_t *)dalloc(L, RH * 2);
   L->shared_d_x = (uint16_t *)dalloc(L, TH * 2);
-  L->d_x = (uint16_t *)dalloc(L, TH * 2);
-  L->d_rw = (float *)dalloc(L, TK * 4);
-  L->dwg = (uint16_t *)dalloc(L, W * 2);
-  L->dwu = (uint16_t *)dalloc(L, W * 2);
-  L->dwd = (uint16_t *)dalloc(L, W * 2);
-  L->dsg = (uint16_t *)dalloc(L, S * 2);
-  L->dsu = (uint16_t *)dalloc(L, S * 2);
-  L->dsd = (uint16_t *)dalloc(L, S * 2);
+  L->d_x = (uint16_t *)client_alloc(L, TH * 2);
+  L->d_rw = (float *)client_alloc(L, TK * 4);
+  L->dwg = (uint16_t *)client_alloc(L, W * 2);
+  L->dwu = (uint16_t *)client_alloc(L, W * 2);
+  L->dwd = (uint16_t *)client_alloc(L, W * 2);
+  L->dsg = (uint16_t *)client_alloc(L, S * 2);
+  L->dsu = (uint16_t *)client_alloc(L, S * 2);
+  L->dsd = (uint16_t *)client_alloc(L, S * 2);
   L->ws = dalloc(L, mok_k_workspace_bytes(d));
   L->status = (int32_t *)dalloc(L, 4);
   L->scratch = (unsigned long long *)dalloc(L, 8);
@@ -510,15 +523,15 @@ static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
           "[--warmup N] [--deadline S] [--only NAME[,NAME]] [--variants rows,expert,cluster,hmma] "
-          "[--routing balanced|skewed|both]\n",
+          "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N]\n",
           a0);
 }
 
 int main(int argc, char **argv) {
   static run_doc D;
   const char *routing_dir = NULL, *only = NULL, *tlist = "2048,8192", *variants = NULL;
-  const char *routing = "both";
-  double deadline = 1e9;
+  const char *routing = "both", *memory = "own";
+  double deadline = 1e9, pool_gib = 48;
   D.reps = 10;
   D.warmup = 3;
   for (int i = 1; i < argc; i++) {
@@ -541,6 +554,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--only")) only = v;
     else if (!strcmp(a, "--variants")) variants = v;
     else if (!strcmp(a, "--routing")) routing = v;
+    else if (!strcmp(a, "--memory")) memory = v;
+    else if (!strcmp(a, "--pool-gib")) pool_gib = atof(v);
     else {
       usage(argv[0]);
       return 2;
@@ -576,6 +591,12 @@ int main(int argc, char **argv) {
     if (!comma) break;
     p = comma + 1;
   }
+  const int pool_kind = bench_pool_kind(memory);
+  if (pool_kind < 0 || pool_gib <= 0) {
+    fprintf(stderr, "mok_bench: --memory: unknown '%s' (own, pool, ipc, ipc-touched, vmm, vmm-ipc)\n", memory);
+    return 2;
+  }
+  bench_pool_start(&g_pool, pool_kind, (size_t)(pool_gib * 1073741824.0)); /* before any CUDA */
   const double t0 = now_s();
   CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp prop;
@@ -631,6 +652,7 @@ int main(int argc, char **argv) {
     write_json(&D);
   }
   CUDA_CHECK(cudaStreamDestroy(st));
+  bench_pool_stop(&g_pool);
   printf("mok_bench: %.1f s, %d configuration(s) failed a check\n", now_s() - t0, failures);
   return failures ? 1 : 0;
 }

@@ -4,6 +4,9 @@
  *   MOK_SOCKET=... mok_bench_daemon [--out FILE.json] [--routing-dir DIR] [--T 2048,8192]
  *                                   [--reps N] [--warmup N] [--deadline S] [--only NAMES]
  *                                   [--piped 1]   (also jobs back to back: the client ahead)
+ *                                   [--memory cudamalloc|cudamalloc-unrounded|vmm]
+ *   (the client pool: one cudaMalloc rounded up to 2 MiB as PyTorch rounds its
+ *   segments, the same not rounded, or cuMemCreate memory mokd maps from an fd)
  *
  * The same configurations, routings and timing as mok_bench (CUDA events on
  * the client's stream, warm-up, median, two input sets), but each forward and
@@ -25,8 +28,17 @@
 
 #include "mok.h"
 #include "bench_common.h"
+#include "bench_pool.h"
 
 
+
+/* --memory vmm: the client pool is cuMemCreate memory (2 MiB pages) */
+static int g_vmm;
+/* --memory cudamalloc (the default) rounds the pool up to whole 2 MiB pages, as
+ * PyTorch's caching allocator rounds its segments; cudamalloc-unrounded does
+ * not, and mokd's IPC mapping of such an allocation runs the layer up to 25 %
+ * slower (docs/cuda.md, "The daemon boundary, measured") */
+static int g_round_2m = 1;
 
 #define N_SETS 2
 enum { P_X, P_IDS, P_RW, P_DOUT, P_PER_SET };
@@ -90,7 +102,18 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   for (int k = 0; k < N_ONE; k++)
     total += ((one_bytes[k] = slot_bytes(l, T, ONE_SLOTS[k])) + 255) & ~(size_t)255;
   char *pool = NULL;
-  CUDA_CHECK(cudaMalloc((void **)&pool, total + 256));
+  size_t pool_bytes = total + 256;
+  CUmemGenericAllocationHandle pool_vmm = 0;
+  if (g_vmm) { /* cuMemCreate memory: libmok exports it as a POSIX fd, mokd maps it */
+    pool_bytes = (pool_bytes + vmm_granularity() - 1) / vmm_granularity() * vmm_granularity();
+    pool_vmm = vmm_create(pool_bytes);
+    pool = vmm_map(pool_vmm, pool_bytes);
+  } else {
+    if (g_round_2m) pool_bytes = (pool_bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    CUDA_CHECK(cudaMalloc((void **)&pool, pool_bytes));
+  }
+  fprintf(stderr, "mok_bench_daemon: %s pool of %zu bytes at %p\n", g_vmm ? "cuMemCreate" : "cudaMalloc",
+          pool_bytes, (void *)pool);
   void *ps[N_SETS][P_PER_SET], *po[N_ONE];
   size_t at = 0;
   for (int k = 0; k < P_PER_SET; k++)
@@ -213,7 +236,14 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   CUDA_CHECK(cudaEventDestroy(e1));
   mok_layer_destroy(l);
   mok_cuda_forget(c, pool);
-  CUDA_CHECK(cudaFree(pool));
+  if (g_vmm) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CU_OK(cuMemUnmap((CUdeviceptr)(uintptr_t)pool, pool_bytes));
+    CU_OK(cuMemAddressFree((CUdeviceptr)(uintptr_t)pool, pool_bytes));
+    CU_OK(cuMemRelease(pool_vmm));
+  } else {
+    CUDA_CHECK(cudaFree(pool));
+  }
   r->ok = ok;
   return ok;
 }
@@ -269,7 +299,7 @@ int main(int argc, char **argv) {
     }
     if (!v) {
       fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
-                      "[--deadline S] [--only NAMES] [--piped 0|1]\n", argv[0]);
+                      "[--deadline S] [--only NAMES] [--piped 0|1] [--memory cudamalloc|cudamalloc-unrounded|vmm]\n", argv[0]);
       return 2;
     }
     if (!strcmp(a, "--out")) out = v;
@@ -280,6 +310,15 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--deadline")) deadline = atof(v);
     else if (!strcmp(a, "--only")) only = v;
     else if (!strcmp(a, "--piped")) piped = atoi(v);
+    else if (!strcmp(a, "--memory")) {
+      if (strcmp(v, "cudamalloc") && strcmp(v, "cudamalloc-unrounded") && strcmp(v, "vmm")) {
+        fprintf(stderr, "mok_bench_daemon: --memory: cudamalloc, cudamalloc-unrounded or vmm, "
+                        "not '%s'\n", v);
+        return 2;
+      }
+      g_vmm = !strcmp(v, "vmm");
+      g_round_2m = strcmp(v, "cudamalloc-unrounded") != 0;
+    }
     else {
       fprintf(stderr, "unknown option %s\n", a);
       return 2;
@@ -298,6 +337,7 @@ int main(int argc, char **argv) {
   const double t0 = now_s();
   CUDA_CHECK(cudaSetDevice(0));
   CUDA_CHECK(cudaFree(NULL));
+  if (g_vmm) CU_OK(cuInit(0));
   cudaStream_t st;
   CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int mps = getenv("CUDA_MPS_PIPE_DIRECTORY") != NULL;

@@ -39,6 +39,6 @@ echo "built $B/tests/gpu/test_hostile"
 for b in bench_fence mok_bench_daemon; do
   "${NVCC:-/usr/local/cuda/bin/nvcc}" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a \
     -Iclient/include -Iproto -Itests/gpu -o "$B/bench/$b" "tests/bench/$b.cu" "$B/lib/libmok.a" \
-    "$LIBDIR/libprotobuf-c.a" -ldl -lpthread
+    "$LIBDIR/libprotobuf-c.a" -lcuda -ldl -lpthread
   echo "built $B/bench/$b"
 done

@@ -50,7 +50,7 @@ kobjs=()
 for f in $KERNELS; do kobjs+=("$B/obj/$f.o"); done
 "$NVCC" $ARCH -o "$B/test_gemm_sm90" "$B/obj/test_gemm_sm90.o" "${kobjs[@]}" -lpthread -lm || fail "link test_gemm_sm90"
 "$NVCC" $ARCH -o "$B/test_ring" "$B/obj/test_ring.o" "${kobjs[@]}" -lpthread -lm || fail "link test_ring"
-"$NVCC" $ARCH -o "$B/mok_bench" "$B/obj/mok_bench.o" "${kobjs[@]}" -lpthread -lm || fail "link mok_bench"
+"$NVCC" $ARCH -o "$B/mok_bench" "$B/obj/mok_bench.o" "${kobjs[@]}" -lcuda -lpthread -lm || fail "link mok_bench"
 "$NVCC" $ARCH -o "$B/test_kernels" "$B/obj/test_kernels.o" "${kobjs[@]}" "$B/obj/schedule.o" \
   "$B/obj/sched_shim.o" "$B/obj/ref64.o" -lpthread -lm || fail "link test_kernels"
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The daemon boundary in one command: the layer in one process (mok_bench)
+# and through mokd (mok_bench_daemon), under MPS and without, in one call,
+# then the table of what the boundary costs (boundary_table.py).
+#   tests/bench/run_boundary.sh OUTDIR [T_LIST] [REPS]
+# Environment:
+#   INPROC_MEMORY  mok_bench --memory kinds (default "own"; also pool, ipc,
+#                  ipc-touched, vmm, vmm-ipc: where the operands live, to
+#                  separate the memory's cost from mokd's)
+#   DAEMON_MEMORY  mok_bench_daemon --memory kinds (default "cudamalloc vmm";
+#                  also cudamalloc-unrounded)
+#   MODES          "mps nomps" (default)
+#   PIPED=1        through mokd also 8 jobs back to back with one wait (the
+#                  client ahead of the GPU, as a trainer is)
+#   NCU_SHAPE=NAME each kernel's duration, DRAM bytes and L2 hit rate, in one
+#                  process and through mokd (without MPS), for that shape
+# Binaries: $KBUILD/mok_bench (tests/gpu/build_kernels_v3.sh, default build-v3),
+# $MOK_DEVBUILD/{bin/mokd,bench/mok_bench_daemon} (tests/gpu/build_device.sh).
+# Files: OUTDIR/inproc_MODE_KIND.{json,log}, OUTDIR/daemon_MODE_KIND.{json,log},
+# OUTDIR/table.txt, OUTDIR/ncu_*.csv.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUTDIR=${1:?outdir}; TS=${2:-2048,8192}; REPS=${3:-10}
+INPROC=${INPROC_MEMORY:-own}; DAEMON=${DAEMON_MEMORY:-cudamalloc vmm}; MODES=${MODES:-mps nomps}
+KB=${KBUILD:-build-v3}; B=${MOK_DEVBUILD:-.devbuild}
+mkdir -p "$OUTDIR"
+export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0
+rc=0
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS would not start"; return 1; }
+  sleep 1
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+start_mokd() { # SOCK LOG [wrapper...]
+  local sock=$1 log=$2; shift 2
+  "$@" "$B/bin/mokd" --engine cuda --socket "$sock" --log-level warn >"$log" 2>&1 &
+  MOKD_PID=$!
+  for _ in $(seq 1 600); do [ -S "$sock" ] && return 0; sleep 0.1; done
+  echo "mokd did not come up ($log)"; return 1
+}
+stop_mokd() {
+  kill -TERM "$MOKD_PID" 2>/dev/null; wait "$MOKD_PID" 2>/dev/null; rm -f "$1"
+}
+for v in $MODES; do
+  [ "$v" = mps ] && { mps_on || { rc=1; continue; }; }
+  for k in $INPROC; do
+    echo "== in-process, $v, --memory $k"
+    timeout 300 "$KB/mok_bench" --variants cluster --T "$TS" --reps "$REPS" --memory "$k" \
+      --out "$OUTDIR/inproc_${v}_$k.json" >"$OUTDIR/inproc_${v}_$k.log" 2>&1 || rc=1
+    grep -E "^[a-z0-9.-]+ +T=" "$OUTDIR/inproc_${v}_$k.log" | sed -E 's/ +max\/mean [^ ]+//; s/ +status.*//; s/^/  /'
+  done
+  for m in $DAEMON; do
+    SOCK=/tmp/mok-boundary-$$.sock
+    start_mokd "$SOCK" "$OUTDIR/mokd_${v}_$m.log" || { rc=1; continue; }
+    echo "== through mokd, $v, client memory $m"
+    MOK_SOCKET=$SOCK timeout 300 "$B/bench/mok_bench_daemon" --T "$TS" --reps "$REPS" \
+      --memory "$m" --piped "${PIPED:-0}" --out "$OUTDIR/daemon_${v}_$m.json" >"$OUTDIR/daemon_${v}_$m.log" 2>&1 || rc=1
+    grep -E "through mokd|fail|rror" "$OUTDIR/daemon_${v}_$m.log" | sed 's/^/  /'
+    stop_mokd "$SOCK"
+  done
+  [ "$v" = mps ] && mps_off
+done
+if [ -n "${NCU_SHAPE:-}" ] && command -v ncu >/dev/null; then
+  NC=(ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct --csv --page raw)
+  T1=${TS%%,*}
+  timeout 150 "${NC[@]}" "$KB/mok_bench" --variants cluster --routing balanced --T "$T1" --reps 1 \
+    --warmup 0 --only "$NCU_SHAPE" >"$OUTDIR/ncu_inproc.csv" 2>"$OUTDIR/ncu_inproc.err" || rc=1
+  for m in $DAEMON; do
+    SOCK=/tmp/mok-boundary-ncu-$$.sock
+    start_mokd "$SOCK" "$OUTDIR/ncu_mokd_$m.csv" timeout 200 "${NC[@]}" --target-processes all || { rc=1; continue; }
+    MOK_SOCKET=$SOCK timeout 150 "$B/bench/mok_bench_daemon" --T "$T1" --reps 1 --warmup 0 \
+      --only "$NCU_SHAPE" --memory "$m" >"$OUTDIR/ncu_client_$m.log" 2>&1 || rc=1
+    pkill -TERM -x mokd; wait "$MOKD_PID" 2>/dev/null; rm -f "$SOCK"
+  done
+  echo "== ncu: $OUTDIR/ncu_inproc.csv, $OUTDIR/ncu_mokd_*.csv"
+fi
+for k in $INPROC; do
+  python3 tests/bench/boundary_table.py "$OUTDIR" --inproc "$k" | tee -a "$OUTDIR/table.txt"
+done
+exit $rc
