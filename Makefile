@@ -253,7 +253,7 @@ sanitize:
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]
-VERSION := $(shell sed -n 's/^\#define MOK_VERSION "\(.*\)"/\1/p' daemon/server.h)
+VERSION := $(shell sed -n 's/^\#define MOK_VERSION "\(.*\)"/\1/p' proto/mok_version.h)
 PREFIX ?= /usr/local
 BINDIR ?= $(PREFIX)/bin
 LIBDIR ?= $(PREFIX)/lib
@@ -278,7 +278,8 @@ install: $(BINS) $(LIBS)
 	install -m 0755 $(BUILD)/lib/libmok.so $(D)$(LIBDIR)/libmok.so.1
 	ln -sf libmok.so.1 $(D)$(LIBDIR)/libmok.so
 	install -m 0644 $(BUILD)/lib/libmok.a $(D)$(LIBDIR)/
-	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h $(D)$(INCDIR)/
+	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h proto/mok_version.h \
+		$(D)$(INCDIR)/
 	$(SUBST) deploy/mok.pc.in > $(D)$(LIBDIR)/pkgconfig/mok.pc
 	install -m 0644 client/python/mok/*.py $(D)$(PYTHON_SITEDIR)/mok/
 	$(MAKE) --no-print-directory units UNITS_OUT=$(D)$(UNITDIR)
