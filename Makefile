@@ -253,12 +253,13 @@ sanitize:
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]
-VERSION := $(shell sed -n 's/^\#define MOK_VERSION "\(.*\)"/\1/p' daemon/server.h)
+VERSION := $(shell sed -n 's/^\#define MOK_VERSION "\(.*\)"/\1/p' proto/mok_version.h)
 PREFIX ?= /usr/local
 BINDIR ?= $(PREFIX)/bin
 LIBDIR ?= $(PREFIX)/lib
 INCDIR ?= $(PREFIX)/include/mok
 DOCDIR ?= $(PREFIX)/share/doc/mok
+MANDIR ?= $(PREFIX)/share/man
 UNITDIR ?= $(PREFIX)/lib/systemd/system
 SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
@@ -273,12 +274,14 @@ D := $(DESTDIR)
 install: $(BINS) $(LIBS)
 	install -d $(D)$(BINDIR) $(D)$(LIBDIR)/pkgconfig $(D)$(INCDIR) $(D)$(DOCDIR) \
 		$(D)$(UNITDIR)/mokd@.service.d $(D)$(SYSUSERSDIR) $(D)$(TMPFILESDIR) \
-		$(D)$(SYSCONFDIR)/mok $(D)$(PYTHON_SITEDIR)/mok
+		$(D)$(SYSCONFDIR)/mok $(D)$(PYTHON_SITEDIR)/mok \
+		$(D)$(MANDIR)/man1 $(D)$(MANDIR)/man5 $(D)$(MANDIR)/man8
 	install -m 0755 $(BUILD)/bin/mokd $(BUILD)/bin/mokctl $(D)$(BINDIR)/
 	install -m 0755 $(BUILD)/lib/libmok.so $(D)$(LIBDIR)/libmok.so.1
 	ln -sf libmok.so.1 $(D)$(LIBDIR)/libmok.so
 	install -m 0644 $(BUILD)/lib/libmok.a $(D)$(LIBDIR)/
-	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h $(D)$(INCDIR)/
+	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h proto/mok_version.h \
+		$(D)$(INCDIR)/
 	$(SUBST) deploy/mok.pc.in > $(D)$(LIBDIR)/pkgconfig/mok.pc
 	install -m 0644 client/python/mok/*.py $(D)$(PYTHON_SITEDIR)/mok/
 	$(MAKE) --no-print-directory units UNITS_OUT=$(D)$(UNITDIR)
@@ -287,6 +290,8 @@ install: $(BINS) $(LIBS)
 	install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
 	test -e $(D)$(SYSCONFDIR)/mok/mokd.conf || install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf
 	install -m 0644 README.md docs/math.md docs/decisions.md $(D)$(DOCDIR)/
+	for m in man1/mokctl.1 man5/mokd.conf.5 man8/mokd.8; do \
+	  $(SUBST) docs/man/$${m#*/} > $(D)$(MANDIR)/$$m && chmod 0644 $(D)$(MANDIR)/$$m || exit 1; done
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ]; then ldconfig; \
 	  command -v systemd-sysusers >/dev/null && systemd-sysusers $(SYSUSERSDIR)/mok.conf || true; \
 	  command -v systemctl >/dev/null && systemctl daemon-reload 2>/dev/null || true; fi
@@ -306,7 +311,8 @@ uninstall:
 		$(D)$(LIBDIR)/libmok.a $(D)$(LIBDIR)/pkgconfig/mok.pc \
 		$(D)$(UNITDIR)/mokd@.service $(D)$(UNITDIR)/mokd@.socket $(D)$(UNITDIR)/nvidia-mps.service \
 		$(D)$(UNITDIR)/mok.target $(D)$(UNITDIR)/mokd@.service.d/10-mps.conf \
-		$(D)$(SYSUSERSDIR)/mok.conf $(D)$(TMPFILESDIR)/mok.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
+		$(D)$(SYSUSERSDIR)/mok.conf $(D)$(TMPFILESDIR)/mok.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example \
+		$(D)$(MANDIR)/man1/mokctl.1 $(D)$(MANDIR)/man5/mokd.conf.5 $(D)$(MANDIR)/man8/mokd.8
 	rm -rf $(D)$(INCDIR) $(D)$(DOCDIR) $(D)$(PYTHON_SITEDIR)/mok
 	-rmdir $(D)$(UNITDIR)/mokd@.service.d 2>/dev/null
 	@echo "uninstall: kept $(SYSCONFDIR)/mok/mokd.conf (your configuration)"

@@ -100,7 +100,7 @@ typedef struct mok_session_memory {
 /* Results of run()/poll(): status plus a message a person can act on. */
 typedef struct mok_engine_result {
   int status; /* mok_status */
-  char message[MOK_COMPLETION_MSG];
+  char message[MOK_JOB_MESSAGE_MAX]; /* reaches the client whole (mok_wire.h) */
   int fatal;  /* the engine is broken for good (a sticky device error): mokd exits */
 } mok_engine_result;
 

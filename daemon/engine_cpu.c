@@ -68,11 +68,11 @@ static max_align_t empty_tensor[1];
 __attribute__((format(printf, 3, 4))) static mok_status job_fail(job_env *env, mok_status st,
                                                                    const char *fmt, ...) {
   char *m = env->res->message;
-  int n = snprintf(m, MOK_COMPLETION_MSG, "%s: ", env->op_name);
-  if (n < 0 || n >= (int)MOK_COMPLETION_MSG) n = 0;
+  int n = snprintf(m, sizeof env->res->message, "%s: ", env->op_name);
+  if (n < 0 || n >= (int)sizeof env->res->message) n = 0;
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(m + n, MOK_COMPLETION_MSG - (size_t)n, fmt, ap);
+  vsnprintf(m + n, sizeof env->res->message - (size_t)n, fmt, ap);
   va_end(ap);
   env->res->status = st;
   return st;

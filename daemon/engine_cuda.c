@@ -1338,7 +1338,7 @@ static void unstick(mok_engine *e, mok_engine_session *s, mok_engine_job *j, uin
 bool cuda_check_job(job_ctx *c) {
   const mok_job_args *a = c->a;
   if (c->s->stuck) {
-    char m[MOK_COMPLETION_MSG];
+    char m[MOK_JOB_MESSAGE_MAX];
     stuck_message(c->e, c->s, m, sizeof m);
     cuda_job_fail(c, MOK_EBUSY, "%s", m);
     return false;

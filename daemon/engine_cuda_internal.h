@@ -127,7 +127,7 @@ struct mok_engine_job {
   bool reads_status;  /* the status word was copied back */
   int status;         /* a host-side failure found while enqueueing */
   bool device_posts;  /* a group job whose members' posts are compared on the device */
-  char message[MOK_COMPLETION_MSG];
+  char message[MOK_JOB_MESSAGE_MAX];
   /* phase marks of a group job when MOK_EP_PROFILE=1 (logged at completion) */
   int n_marks;
   cudaEvent_t marks[CUDA_MAX_MARKS];

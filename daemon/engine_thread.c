@@ -33,9 +33,11 @@ typedef struct pend {
   uint16_t op;
   int fail_status; /* != MOK_OK: the job failed validation and runs as a fence-only NOP */
   uint32_t group_id; /* a job of a layer on this group (0: none) */
-  char fail_message[MOK_COMPLETION_MSG];
+  char fail_message[MOK_JOB_MESSAGE_MAX];
   struct pend *next;
 } pend;
+_Static_assert(sizeof(((pend *)0)->fail_message) == sizeof(((mok_engine_result *)0)->message),
+               "a refused job's message is copied whole");
 
 /* The engine-side half of a session. */
 typedef struct esession {
@@ -614,7 +616,7 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
   if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
   mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
   p.status = res->status;
-  snprintf(p.msg, sizeof p.msg, "%s", res->message);
+  snprintf(p.msg, sizeof p.msg, "%.*s", (int)sizeof p.msg - 1, res->message); /* cut */
   (void)mok_ep_group_job_post(g, &p, err, sizeof err);
 }
 
@@ -855,7 +857,13 @@ static void post_completion(esession *s, uint64_t user_data, uint64_t seq, int s
   mok_completion *slot = &mok_shm_cq_entries(h)[s->cq_tail & (MOK_RING_ENTRIES - 1)];
   mok_completion c = {.user_data = user_data, .seq = seq, .status = status,
                       .engine_ns = engine_ns};
-  snprintf(c.message, sizeof c.message, "%s", msg ? msg : "");
+  snprintf(c.message, sizeof c.message, "%.*s", (int)sizeof c.message - 1, msg ? msg : "");
+  if (status != MOK_OK) { /* the whole message, at the same index (mok_wire.h) */
+    size_t n = msg ? strnlen(msg, MOK_JOB_MESSAGE_MAX - 1) : 0;
+    char *full = mok_shm_msg_entry(h, s->cq_tail);
+    if (n) memcpy(full, msg, n);
+    full[n] = '\0';
+  }
   memcpy(slot, &c, sizeof c);
   s->cq_tail++;
   atomic_store_explicit(&h->cq_tail.value, s->cq_tail, memory_order_release);

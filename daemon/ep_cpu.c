@@ -257,7 +257,7 @@ static const int32_t *own_ids_in(job_env *l, const int32_t *ids) {
  * (ids NULL: scratch failed, l->res says why) and every id is in range. */
 static mok_status own_checks(job_env *l, const int32_t *ids, mok_ep_group_post *post) {
   if (!ids) {
-    snprintf(post->msg, sizeof post->msg, "%s", l->res->message);
+    snprintf(post->msg, sizeof post->msg, "%.*s", (int)sizeof post->msg - 1, l->res->message);
     return l->res->status != MOK_OK ? l->res->status : MOK_ENOMEM;
   }
   return mok_routing_check(&l->shape, ids, post->msg, sizeof post->msg);

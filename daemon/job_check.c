@@ -40,8 +40,8 @@ static int ranges_overlap(const backed_range *a, const backed_range *b) {
 }
 
 static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
-                     const mok_layer_config *layer, uint32_t tokens, mok_tensor_view *view,
-                     char *err, size_t errlen) {
+                     const mok_layer_config *layer, uint16_t op, uint32_t tokens,
+                     mok_tensor_view *view, char *err, size_t errlen) {
   const char *name = mok_slot_name(ref->slot);
   mok_region *r = mok_region_table_find(regions, ref->region);
   if (!r) {
@@ -69,8 +69,18 @@ static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
   uint64_t elems = 1;
   for (uint32_t i = 0; i < want_nd; i++) {
     if ((uint64_t)ref->shape[i] != want[i]) {
-      snprintf(err, errlen, "%s: dimension %u is %u, expected %llu", name, i, ref->shape[i],
-               (unsigned long long)want[i]);
+      /* both whole shapes: a person sees at once which tensor is which */
+      char given[64], needed[96];
+      int g = 0, w = 0;
+      for (uint32_t d = 0; d < want_nd; d++) {
+        g += snprintf(given + g, sizeof given - (size_t)g, "%s%u", d ? ", " : "", ref->shape[d]);
+        w += snprintf(needed + w, sizeof needed - (size_t)w, "%s%llu", d ? ", " : "",
+                      (unsigned long long)want[d]);
+      }
+      snprintf(err, errlen, "%s: dimension %u is %u, expected %llu (shape [%s]; a %s job of %u "
+               "tokens on this layer needs [%s])",
+               name, i, ref->shape[i], (unsigned long long)want[i], given, mok_op_name(op),
+               tokens, needed);
       return MOK_ESHAPE;
     }
     elems *= want[i]; /* bounded by the layer limits: no overflow */
@@ -163,7 +173,8 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
                mok_slot_is_shared(ref->slot) ? " (the layer has no shared expert)" : "");
       return MOK_EINVAL;
     }
-    int r = check_ref(ref, regions, layer, desc->tokens, &ret->t[ref->slot], err, errlen);
+    int r = check_ref(ref, regions, layer, desc->op, desc->tokens, &ret->t[ref->slot], err,
+                      errlen);
     if (r != MOK_OK) return r;
   }
   for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <systemd/sd-journal.h>
 
@@ -35,6 +37,18 @@ static int stderr_is_journal(void) {
   return cached;
 }
 
+int mok_log_stamp(char *buf, size_t len, const struct timespec *when) {
+  struct tm tm;
+  time_t sec = when->tv_sec;
+  if (len < MOK_LOG_STAMP_BYTES || !gmtime_r(&sec, &tm)) {
+    if (len) buf[0] = '\0';
+    return 0;
+  }
+  size_t n = strftime(buf, len, "%Y-%m-%dT%H:%M:%S", &tm);
+  int m = snprintf(buf + n, len - n, ".%03ldZ", (long)(when->tv_nsec / 1000000) % 1000);
+  return m < 0 ? 0 : (int)n + m;
+}
+
 void mok_log(mok_log_level level, const char *fmt, ...) {
   /* syslog-style priority prefix: journald reads it, a terminal still reads fine */
   static const int prio[] = {3, 4, 6, 7};
@@ -45,11 +59,17 @@ void mok_log(mok_log_level level, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(line, sizeof line, fmt, ap);
   va_end(ap);
+  /* one write per line so lines from the loop and engine threads never interleave */
   if (stderr_is_journal()) {
-    sd_journal_send("MESSAGE=%s", line, "PRIORITY=%d", prio[level], "SYSLOG_IDENTIFIER=mokd",
-                    "MOK_LEVEL=%s", tag[level], NULL);
+    /* the journal stamps its entries itself: no time here */
+    if (sd_journal_send("MESSAGE=%s", line, "PRIORITY=%d", prio[level],
+                        "SYSLOG_IDENTIFIER=mokd", "MOK_LEVEL=%s", tag[level], NULL) < 0)
+      fprintf(stderr, "<%d>%s: %s\n", prio[level], tag[level], line); /* journald is away */
     return;
   }
-  /* one write per line so lines from the loop and engine threads never interleave */
-  fprintf(stderr, "mokd %s: %s\n", tag[level], line);
+  struct timespec now;
+  char stamp[MOK_LOG_STAMP_BYTES];
+  clock_gettime(CLOCK_REALTIME, &now);
+  mok_log_stamp(stamp, sizeof stamp, &now);
+  fprintf(stderr, "%s mokd[%ld]: %s: %s\n", stamp, (long)getpid(), tag[level], line);
 }

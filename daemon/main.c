@@ -1,6 +1,9 @@
 /* mokd: serves Mixture-of-Experts layers to training processes.
  *
  *   mokd --socket PATH --engine cpu|cuda [--device N] [--config FILE]
+ *
+ * Every option is in mokd(8) (docs/man/mokd.8), every config key in
+ * mokd.conf(5); tests/python/test_cli.py holds them to this table.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -8,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -20,14 +24,56 @@
 static void usage(FILE *to) {
   fprintf(to,
           "usage: mokd [--socket PATH] [--engine cpu|cuda] [--device N] [--config FILE]\n"
-          "            [--threads N] [--log-level error|warn|info|debug] [--version]\n"
-          "            [--list-engines]\n"
-          "  --socket PATH   control socket (default /run/mok/mokd-0.sock)\n"
-          "  --engine NAME   cpu (reference, runs everywhere) or cuda (sm_90a)\n"
-          "  --device N      GPU ordinal for the cuda engine\n"
-          "  --config FILE   key = value settings (repeatable; -FILE: skip if missing);\n"
-          "                  command-line options win\n"
-          "  --threads N     cpu engine worker threads (0: one per core)\n");
+          "            [--threads N] [--log-level error|warn|info|debug] [--list-engines]\n"
+          "            [--version] [--help]\n"
+          "  --socket PATH     control socket (default /run/mok/mokd-0.sock)\n"
+          "  --engine NAME     cpu (reference, runs everywhere) or cuda (sm_90a)\n"
+          "  --device N        GPU ordinal for the cuda engine\n"
+          "  --config FILE     key = value settings, mokd.conf(5) (repeatable; -FILE: skip\n"
+          "                    if missing); command-line options win\n"
+          "  --threads N       cpu engine worker threads (0: one per core)\n"
+          "  --log-level L     error, warn, info (default) or debug\n"
+          "  --list-engines    print the engines this build has, one a line, and exit\n"
+          "  -V, --version     print the version and exit\n"
+          "  -h, --help        print this and exit\n"
+          "See mokd(8).\n");
+}
+
+/* The error for a bad command line: what was wrong (getopt said it, or
+ * what), then where the usage is. */
+static int usage_error(const char *what, const char *arg) {
+  if (what) fprintf(stderr, "mokd: %s \"%s\"\n", what, arg);
+  fprintf(stderr, "Try 'mokd --help' for the options.\n");
+  return 2;
+}
+
+/* The socket mokd makes lives in a directory it does not create (under
+ * systemd, tmpfiles.d and the socket unit make /run/mok): say which one is
+ * missing and how to make it, instead of bind()'s bare ENOENT. */
+static int check_socket_dir(const char *socket_path) {
+  char dir[4096];
+  const char *slash = strrchr(socket_path, '/');
+  if (!slash) return 0; /* the working directory */
+  size_t n = slash == socket_path ? 1 : (size_t)(slash - socket_path);
+  if (n >= sizeof dir) return 0; /* too long for a socket anyway: bind says so */
+  memcpy(dir, socket_path, n);
+  dir[n] = '\0';
+  struct stat st;
+  if (stat(dir, &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return 0;
+    fprintf(stderr, "mokd: socket directory %s is not a directory; pass --socket PATH in an "
+                    "existing directory\n", dir);
+    return -1;
+  }
+  if (errno == ENOENT)
+    fprintf(stderr, "mokd: socket directory %s does not exist; create it (install -d -m 0755 "
+                    "%s) or pass --socket PATH\n", dir, dir);
+  else if (errno == ENOTDIR)
+    fprintf(stderr, "mokd: socket directory %s: a part of its path is not a directory; pass "
+                    "--socket PATH in an existing directory\n", dir);
+  else
+    fprintf(stderr, "mokd: socket directory %s: %s\n", dir, strerror(errno));
+  return -1;
 }
 
 /* Socket activation (mokd@.socket): systemd hands us the listening socket. */
@@ -83,6 +129,8 @@ int main(int argc, char **argv) {
     }
   }
   int c;
+  static char prog[] = "mokd";
+  argv[0] = prog; /* getopt's messages name mokd, not the path it was run by */
   while ((c = getopt_long(argc, argv, "hV", opts, NULL)) != -1) {
     const char *key = NULL;
     switch (c) {
@@ -95,18 +143,15 @@ int main(int argc, char **argv) {
     case 'h': usage(stdout); return 0;
     case 'V': printf("mokd %s\n", MOK_VERSION); return 0;
     case 'L': printf("cpu\n%s", mok_engine_find("cuda") ? "cuda\n" : ""); return 0;
-    default: usage(stderr); return 2;
+    default: return usage_error(NULL, NULL); /* getopt named the option */
     }
     if (mok_config_set(&cfg, key, optarg, err, sizeof err) < 0) {
       fprintf(stderr, "mokd: %s\n", err);
       return 2;
     }
   }
-  if (optind < argc) {
-    fprintf(stderr, "mokd: unexpected argument \"%s\"\n", argv[optind]);
-    usage(stderr);
-    return 2;
-  }
+  if (optind < argc) return usage_error("unexpected argument", argv[optind]);
   if (take_activated_socket(&cfg) < 0) return 2;
+  if (cfg.listen_fd < 0 && check_socket_dir(cfg.socket_path) < 0) return 1;
   return mok_server_run(&cfg);
 }

@@ -6,8 +6,8 @@
 #include <sys/types.h>
 
 #include "engine_thread.h"
+#include "mok_version.h"
 
-#define MOK_VERSION "0.1.0"
 #define MOK_ALLOW_MAX 64 /* entries in allow-uids, allow-gids */
 
 typedef struct mok_server_config {

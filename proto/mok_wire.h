@@ -73,7 +73,14 @@ typedef struct mok_job_desc {
 } mok_job_desc;
 _Static_assert(sizeof(mok_job_desc) == 1024, "job descriptor is 1 KiB");
 
+/* A completion carries the first MOK_COMPLETION_MSG - 1 bytes of a failed
+ * job's message; the whole message (up to MOK_JOB_MESSAGE_MAX - 1 bytes)
+ * sits in the session's message area at the completion's ring index
+ * (mok_shm_msg_entry), written before the completion is posted and left
+ * alone until the client has moved cq_head past it. Only failed jobs write
+ * it, so the ring's hot path stays 128 bytes a job. */
 #define MOK_COMPLETION_MSG 96u
+#define MOK_JOB_MESSAGE_MAX 512u
 typedef struct mok_completion {
   uint64_t user_data; /* from the job */
   uint64_t seq;       /* the session's job sequence number, from 1 */
@@ -119,7 +126,9 @@ typedef struct mok_shm_header {
 
 #define MOK_SHM_SQ_OFFSET 4096u
 #define MOK_SHM_CQ_OFFSET (MOK_SHM_SQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_job_desc))
-#define MOK_SHM_BYTES (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
+/* the message area: a failed job's whole message, by completion ring index */
+#define MOK_SHM_MSG_OFFSET (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
+#define MOK_SHM_BYTES (MOK_SHM_MSG_OFFSET + MOK_RING_ENTRIES * MOK_JOB_MESSAGE_MAX)
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
 /* GPU sync words (DESIGN §4; docs/cuda.md), in the header page of the
@@ -156,6 +165,12 @@ static inline mok_job_desc *mok_shm_sq_entries(mok_shm_header *h) {
 }
 static inline mok_completion *mok_shm_cq_entries(mok_shm_header *h) {
   return (mok_completion *)((char *)h + MOK_SHM_CQ_OFFSET);
+}
+/* The daemon only writes here and the client only reads: the client's own
+ * scribbles can change nothing but what it reads back. */
+static inline char *mok_shm_msg_entry(mok_shm_header *h, uint32_t cq_index) {
+  return (char *)h + MOK_SHM_MSG_OFFSET + (size_t)(cq_index & (MOK_RING_ENTRIES - 1)) *
+                                              MOK_JOB_MESSAGE_MAX;
 }
 
 /* ---- buffer layouts a job exchanges (schedule, acts, ctx) ------------------

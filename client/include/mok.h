@@ -26,6 +26,7 @@
 
 #include "mok_enums.h"
 #include "mok_status.h"
+#include "mok_version.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -43,6 +44,9 @@ typedef struct mok_group mok_group;
 const char *mok_last_error(void);
 /* "EINVAL" etc. for a status code. */
 const char *mok_status_name(int status);
+/* This libmok's version, e.g. "0.1.0" (MOK_VERSION of the headers it was
+ * built with; compare with MOK_VERSION to catch a mismatched library). */
+const char *mok_version(void);
 
 /* ---- connection ---- */
 

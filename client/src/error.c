@@ -3,9 +3,12 @@
 
 #include "internal.h"
 
-static _Thread_local char last_error[512];
+/* holds a failed job's whole message (MOK_JOB_MESSAGE_MAX) with room to spare */
+static _Thread_local char last_error[1024];
 
 const char *mok_last_error(void) { return last_error; }
+
+const char *mok_version(void) { return MOK_VERSION; }
 
 int mok_set_error(int status, const char *fmt, ...) {
   va_list ap;

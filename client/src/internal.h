@@ -20,7 +20,7 @@ typedef struct job_result {
   bool done;
   bool detached; /* submitted without a ticket: reaped when it completes */
   int status;
-  char message[MOK_COMPLETION_MSG];
+  char message[MOK_JOB_MESSAGE_MAX]; /* a failed job's whole message */
 } job_result;
 
 struct mok_client {
@@ -46,7 +46,7 @@ struct mok_client {
   bool broken; /* the daemon went away */
   struct mok_cuda_state *cuda; /* device memory and streams (cuda.c); NULL until used */
   int async_status;            /* first failure of a detached job, not yet reported */
-  char async_message[MOK_COMPLETION_MSG];
+  char async_message[MOK_JOB_MESSAGE_MAX];
 };
 
 /* A registered CUDA allocation (cuda.c). */

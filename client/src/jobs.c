@@ -224,18 +224,24 @@ static bool drain_completions(mok_client *c) {
   if (tail - c->cq_head > MOK_RING_ENTRIES) return false;
   while (c->cq_head != tail) {
     mok_completion comp;
-    memcpy(&comp, &mok_shm_cq_entries(h)[c->cq_head & (MOK_RING_ENTRIES - 1)], sizeof comp);
+    uint32_t index = c->cq_head;
+    memcpy(&comp, &mok_shm_cq_entries(h)[index & (MOK_RING_ENTRIES - 1)], sizeof comp);
     c->cq_head++;
     job_result *jr = &c->results[comp.user_data % MOK_RING_ENTRIES];
     if (jr->ticket == comp.user_data && !jr->done) {
       jr->done = true;
       jr->status = comp.status;
-      comp.message[MOK_COMPLETION_MSG - 1] = '\0';
-      memcpy(jr->message, comp.message, sizeof jr->message);
+      jr->message[0] = '\0';
+      if (comp.status != MOK_OK) {
+        /* the whole message, from the area beside the ring (mok_wire.h);
+         * read before cq_head moves past it, which frees it for the daemon */
+        memcpy(jr->message, mok_shm_msg_entry(h, index), sizeof jr->message);
+        jr->message[sizeof jr->message - 1] = '\0';
+      }
       if (jr->detached) { /* nobody waits for it: reap it now */
         if (comp.status != MOK_OK && c->async_status == MOK_OK) {
           c->async_status = comp.status;
-          memcpy(c->async_message, comp.message, sizeof c->async_message);
+          memcpy(c->async_message, jr->message, sizeof c->async_message);
         }
         *jr = (job_result){0};
         c->outstanding--;

@@ -2,6 +2,7 @@
  *
  *   mokctl [--socket PATH] status [--json]
  *   mokctl [--socket PATH] metrics          (Prometheus text format)
+ *   mokctl [--socket PATH] version | help | --help | --version
  */
 #include <stdio.h>
 #include <string.h>
@@ -213,32 +214,83 @@ static void print_metrics(const Mok__StatsReply *s) {
   }
 }
 
+/* Every command, one line each in the usage (and each one in mokctl(1):
+ * tests/python/test_cli.py holds docs/man/mokctl.1 to this table). */
+static const struct {
+  const char *name, *args, *help;
+} commands[] = {
+    {"status", "[--json]", "engine, device, uptime, jobs, latencies, sessions and groups"},
+    {"metrics", "", "the same in Prometheus text format"},
+    {"version", "", "print mokctl's version (and mokd's, when it answers)"},
+    {"help", "", "print this usage"},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
 static int usage(FILE *to, int code) {
-  fprintf(to, "usage: mokctl [--socket PATH] status [--json]\n"
-              "       mokctl [--socket PATH] metrics\n"
-              "The socket defaults to $MOK_SOCKET, else %s.\n",
+  fprintf(to, "usage: mokctl [--socket PATH] [--json] [COMMAND]\n"
+              "       mokctl -h | --help | --version\n"
+              "commands (default: status):\n");
+  for (size_t i = 0; i < N_COMMANDS; i++) {
+    char head[32];
+    snprintf(head, sizeof head, "%s %s", commands[i].name, commands[i].args);
+    fprintf(to, "  %-16s %s\n", head, commands[i].help);
+  }
+  fprintf(to, "options:\n"
+              "  --socket PATH    mokd's control socket (default: $MOK_SOCKET, else %s)\n"
+              "  --json           status as one JSON object\n"
+              "  -h, --help       print this usage\n"
+              "  -V, --version    print mokctl's version\n"
+              "See mokctl(1).\n",
           MOK_DEFAULT_SOCKET);
   return code;
+}
+
+/* A bad command line: what was wrong, then where the usage is. */
+static int usage_error(const char *fmt, const char *arg) {
+  fprintf(stderr, "mokctl: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\nTry 'mokctl --help' for the commands and options.\n");
+  return 2;
 }
 
 int main(int argc, char **argv) {
   const char *socket_path = NULL, *cmd = NULL;
   int json = 0;
   for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) socket_path = argv[++i];
-    else if (strncmp(argv[i], "--socket=", 9) == 0) socket_path = argv[i] + 9;
-    else if (strcmp(argv[i], "--json") == 0) json = 1;
-    else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "help") == 0) return usage(stdout, 0);
-    else if (!cmd) cmd = argv[i];
-    else return usage(stderr, 2);
+    const char *a = argv[i];
+    if (strcmp(a, "--socket") == 0) {
+      if (i + 1 == argc) return usage_error("%s needs a PATH", a);
+      socket_path = argv[++i];
+    } else if (strncmp(a, "--socket=", 9) == 0) {
+      socket_path = a + 9;
+    } else if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      return usage(stdout, 0);
+    } else if (strcmp(a, "-V") == 0 || strcmp(a, "--version") == 0) {
+      printf("mokctl %s\n", mok_version());
+      return 0;
+    } else if (a[0] == '-' && a[1] != '\0') {
+      return usage_error("unknown option \"%s\"", a);
+    } else if (!cmd) {
+      cmd = a;
+    } else {
+      return usage_error("unexpected argument \"%s\"", a);
+    }
   }
   if (!cmd) cmd = "status";
-  if (strcmp(cmd, "status") != 0 && strcmp(cmd, "metrics") != 0) {
-    fprintf(stderr, "mokctl: unknown command \"%s\"\n", cmd);
-    return usage(stderr, 2);
-  }
+  size_t k = 0;
+  while (k < N_COMMANDS && strcmp(cmd, commands[k].name) != 0) k++;
+  if (k == N_COMMANDS) return usage_error("unknown command \"%s\"", cmd);
+  if (strcmp(cmd, "help") == 0) return usage(stdout, 0);
+  if (strcmp(cmd, "version") == 0) printf("mokctl %s\n", mok_version());
+  if (socket_path && !*socket_path) return usage_error("%s: the socket path is empty", "--socket");
   mok_client *c;
   if (mok_connect(socket_path, "mokctl", &c) != MOK_OK) {
+    if (strcmp(cmd, "version") == 0) { /* mokctl's own was the answer asked for */
+      fprintf(stderr, "mokctl: mokd not reached: %s\n", mok_last_error());
+      return 0;
+    }
     fprintf(stderr, "mokctl: %s\n", mok_last_error());
     return 1;
   }
@@ -248,6 +300,8 @@ int main(int argc, char **argv) {
   if (!s) {
     fprintf(stderr, "mokctl: %s\n", mok_last_error());
     code = 1;
+  } else if (strcmp(cmd, "version") == 0) {
+    printf("mokd %s\n", s->daemon_version);
   } else if (strcmp(cmd, "metrics") == 0) {
     print_metrics(s);
   } else if (json) {

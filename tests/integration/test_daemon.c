@@ -381,6 +381,56 @@ static void test_bad_descriptors_fail_only_their_job(void) {
   CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
+/* A failed job's message longer than a completion's 96 bytes reaches the
+ * client whole (the message area beside the ring), at every ring index,
+ * and a client scribbling over that area changes nothing in the daemon. */
+static void test_a_failed_jobs_whole_message_reaches_the_client(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK(mok_connect(d.sock, "long-messages", &c) == MOK_OK);
+  problem p;
+  problem_init(&p, c, 24, 4);
+  mok_layer *l;
+  CHECK(mok_layer_create(c, &p.desc, &l) == MOK_OK);
+  mok_job_desc good, bad;
+  forward_desc(l, &p, &good);
+  const mok_tensor_ref *wd = &good.tensors[5];
+  CHECK_EQ_INT(wd->slot, MOK_SLOT_W_DOWN);
+  CHECK_EQ_INT(wd->ndim, 3);
+  char *area = (char *)c->shm + MOK_SHM_MSG_OFFSET;
+  /* past the ring's 64 entries, so every index of the area is used, each
+   * with its own text; the area is scribbled over between rounds */
+  for (int round = 0; round < 3; round++) {
+    memset(area, 0xa5, MOK_RING_ENTRIES * MOK_JOB_MESSAGE_MAX); /* no NUL anywhere */
+    uint64_t tickets[40];
+    for (uint32_t i = 0; i < 40; i++) {
+      bad = good;
+      bad.tensors[5].shape[1] = 4000000000u - (uint32_t)round * 100u - i;
+      CHECK(mok_submit_desc(c, &bad, &tickets[i]) == MOK_OK);
+    }
+    for (uint32_t i = 0; i < 40; i++) {
+      CHECK_EQ_INT(mok_wait(c, tickets[i], 10000), MOK_ESHAPE);
+      char want[MOK_JOB_MESSAGE_MAX];
+      snprintf(want, sizeof want,
+               "w_down: dimension 1 is %u, expected %u (shape [%u, %u, %u]; a forward job of "
+               "%u tokens on this layer needs [%u, %u, %u])",
+               4000000000u - (uint32_t)round * 100u - i, wd->shape[1], wd->shape[0],
+               4000000000u - (uint32_t)round * 100u - i, wd->shape[2], good.tokens,
+               wd->shape[0], wd->shape[1], wd->shape[2]);
+      CHECK_MSG(strlen(want) > MOK_COMPLETION_MSG, "the test's message is short: %s", want);
+      CHECK_MSG(strcmp(mok_last_error(), want) == 0, "round %d job %u: \"%s\", wanted \"%s\"",
+                round, i, mok_last_error(), want);
+    }
+  }
+  CHECK_MSG(submit_and_wait(c, &good) == MOK_OK, "%s", mok_last_error()); /* still served */
+  CHECK(harness_alive(&d));
+  mok_daemon_stats st;
+  CHECK(mok_stats(c, &st) == MOK_OK);
+  CHECK_EQ_INT(st.jobs_failed, 120);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static void test_unsealed_memfd_and_quota_are_refused(void) {
   daemon_proc d = harness_start("max-region-bytes = 1048576\nmax-regions = 3\n");
   mok_client *c;
@@ -716,6 +766,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_malformed_frames_close_only_their_session),
     CHECK_CASE(test_handshake_timeout_and_second_hello),
     CHECK_CASE(test_bad_descriptors_fail_only_their_job),
+    CHECK_CASE(test_a_failed_jobs_whole_message_reaches_the_client),
     CHECK_CASE(test_unsealed_memfd_and_quota_are_refused),
     CHECK_CASE(test_join_group_with_a_malformed_nccl_id),
     CHECK_CASE(test_layer_cost_before_creating),

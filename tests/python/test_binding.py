@@ -485,6 +485,15 @@ def test_errors(client):
                    ["schedule", "routed_x"], check=False)
     assert ei.value.status == "ESHAPE" and ei.value.message
 
+    # the daemon's whole message, though longer than a completion's 96 bytes
+    x_bad = a["x"][:, :H - 1].copy()
+    with pytest.raises(mok.Error) as ei:
+        layer._job("dispatch", T, dict(x=x_bad, topk_ids=a["topk_ids"]),
+                   ["schedule", "routed_x"], check=False)
+    want = ("x: dimension 1 is %d, expected %d (shape [%d, %d]; a dispatch job of %d tokens on "
+            "this layer needs [%d, %d])" % (H - 1, H, T, H - 1, T, T, H))
+    assert len(want) > 96 and ei.value.message == want, ei.value.message
+
     # shared-expert arguments must match the layer
     with pytest.raises(mok.Error, match="no shared expert"):
         layer.forward(*pos, s_gate=np.zeros((4, H), np.float32))

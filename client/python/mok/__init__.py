@@ -40,7 +40,20 @@ from ._client import (DEFAULT_MAX_TOKENS, Client, ComputeGrads, Context, Grads, 
                       Stats, connect)
 from ._lib import library_path
 
-__version__ = "0.1.0"
+
+def version():
+    """The version of mok, as libmok reports it (its one source: proto/mok_version.h)."""
+    from ._lib import version as lib_version
+    return lib_version()
+
+
+def __getattr__(name):
+    # mok.__version__: read from libmok when first asked, so that importing
+    # mok still needs no library and the version is written in one place
+    if name == "__version__":
+        return version()
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
 
 __all__ = ["Error", "connect", "Client", "Group", "Layer", "Context", "Grads", "ComputeGrads", "Stats",
-           "to_bf16", "from_bf16", "round_bf16", "library_path", "DEFAULT_MAX_TOKENS"]
+           "to_bf16", "from_bf16", "round_bf16", "library_path", "version", "DEFAULT_MAX_TOKENS"]

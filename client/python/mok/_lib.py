@@ -106,6 +106,7 @@ def _declare(lib):
     sig = {
         "mok_last_error": (c.c_char_p, []),
         "mok_status_name": (c.c_char_p, [c.c_int]),
+        "mok_version": (c.c_char_p, []),
         "mok_connect": (c.c_int, [c.c_char_p, c.c_char_p, c.POINTER(P)]),
         "mok_close": (None, [P]),
         "mok_client_engine": (c.c_char_p, [P]),
@@ -178,6 +179,10 @@ def lib():
 def library_path():
     lib()
     return _lib_path
+
+
+def version():
+    return lib().mok_version().decode("ascii")
 
 
 def last_error():
