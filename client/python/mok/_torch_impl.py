@@ -495,3 +495,45 @@ def moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None
         term = rw[:, k, None] * y[:, k]
         acc = term if acc is None else acc + term
     return acc.to(torch.bfloat16).reshape(*lead, H)
+
+
+# ---- a layer for modules that hold their weights in their own layout ------------------------
+
+class _Runner:
+    """Runs the layer on weights a caller holds (mok.torchtitan, mok.hf_transformers): one
+    mokd layer (a _Slot) per shape, created at first use; backend="torch" runs
+    moe_reference instead (no daemon; also on the CPU). Weights of another float dtype are
+    cast to bf16 and non-contiguous ones copied (autograd takes the gradients back
+    through the cast or copy)."""
+
+    def __init__(self, backend="mokd", client=None, max_tokens=None):
+        if backend not in ("mokd", "torch"):
+            raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        self.backend, self._client, self.max_tokens = backend, client, max_tokens
+        self.slots = {}
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = default_client()
+        return self._client
+
+    def __call__(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,
+                 s_up=None, s_down=None):
+        if self.backend == "torch":
+            return moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
+                                 s_up, s_down)
+        ws = [None if w is None else w.to(torch.bfloat16).contiguous()
+              for w in (w_gate, w_up, w_down, s_gate, s_up, s_down)]
+        for w in ws:
+            if w is not None and not w.is_cuda:
+                raise Error("EINVAL", "mok: expert weights must be CUDA tensors (mokd reads them "
+                            "in place), got %s" % w.device)
+        E, I, H = ws[0].shape
+        K = topk_ids.shape[-1]
+        I_s = ws[3].shape[0] if ws[3] is not None else 0
+        key = (H, I, E, K, I_s)
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = _Slot(self.client, H, I, E, K, I_s, None, self.max_tokens)
+        return moe(slot, x, topk_ids, router_weights, *ws)
