@@ -70,7 +70,7 @@ def load(m, wt, lo, hi):
 def step(mods, x, ids, rw, d_out):
     """forward through both layers (the second on the first's output), backward."""
     xg = x.detach().clone().requires_grad_(True)
-    rwg = rw.detach().clone().requires_grad_(True)
+    rwg = rw.detach().requires_grad_(True)  # detach keeps a view's offset (rank 1's rows)
     for m in mods:
         for p in m.parameters():
             p.grad = None

@@ -52,6 +52,6 @@ rc=${PIPESTATUS[0]}
 # a skip here means a missing piece, not a passing test
 if grep -q "SKIPPED" "$OUTDIR/pytest.log"; then
   echo "ci_torch: tests were skipped (see above); counted as a failure" >&2
-  [ $rc = 0 ] && rc=1
+  [ "$rc" = 0 ] && rc=1
 fi
-exit $rc
+exit "$rc"
