@@ -667,3 +667,33 @@ def test_empty_outlives_close_and_layer_grows(mokd):
         out, g = run_layer(layer, a, d_out)
         assert layer.max_tokens >= T
         check_vs_reference(a, d_out, out, g, F32_TOL)
+
+
+def test_views_of_mok_memory_not_16_byte_aligned_are_staged(client):
+    # the cuda engine takes tensors at multiples of 16 bytes only: a view of c.empty()
+    # memory at another offset (rank 1's rows of one routing tensor) is copied to
+    # staging instead of being named in place; the results are the same bits
+    H, I, E, K, T = 16, 8, 4, 2, 5
+    rng = np.random.default_rng(7)
+    ids_all = client.empty((T + 3, K), "int32")
+    ids_all[:] = np.stack([rng.permutation(E)[:K] for _ in range(T + 3)])
+    view = ids_all[3:]  # 3*2*4 = 24 bytes in: 8 mod 16
+    assert view.__array_interface__["data"][0] % 16 == 8
+    assert client._in_mok_memory(view) is None
+    assert client._in_mok_memory(ids_all[2:]) is not None  # 16 bytes in: in place
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    rw = rng.uniform(0.1, 0.9, (T, K)).astype(np.float32)
+    w = [(0.3 * rng.standard_normal(s)).astype(np.float32)
+         for s in ((E, I, H), (E, I, H), (E, H, I))]
+    layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K)
+    out_view, _ = layer.forward(x, view, rw, *w)
+    out_copy, _ = layer.forward(x, np.array(view), rw, *w)
+    assert out_view.tobytes() == out_copy.tobytes()
+    assert ref.rel_err(out_view, ref.forward(x, np.array(view), rw, *w)) < F32_TOL
+    out = client.empty((T + 1, H), "float32")[1:]  # an out= view 64 bytes in: in place
+    layer.forward(x, view, rw, *w, out=out)
+    assert out.tobytes() == out_view.tobytes()
+    odd = client.empty(T * H + 1, "float32")[1:].reshape(T, H)  # 4 bytes in: staged, copied
+    assert client._in_mok_memory(odd, writable=True) is None
+    layer.forward(x, view, rw, *w, out=odd)
+    assert odd.tobytes() == out_view.tobytes()

@@ -41,3 +41,16 @@ def test_unknown_name_is_attribute_error():
               "except AttributeError as e:\n"
               "    print('AttributeError', e)\n")
     assert out.startswith("AttributeError"), out
+
+
+def test_mok_distributed_without_torch():
+    # importing it never imports torch; join says what is missing
+    out = run("import sys; sys.modules['torch'] = None\n"
+              "import mok.distributed as md\n"
+              "try:\n"
+              "    md.join(None, max_tokens=8, hidden=8, topk=1, experts=2)\n"
+              "except ImportError as e:\n"
+              "    print('ImportError', e)\n")
+    assert out.startswith("ImportError mok.distributed needs PyTorch"), out
+    out = run("import sys, mok.distributed; print('torch' in sys.modules)")
+    assert out.strip() == "False"

@@ -309,10 +309,14 @@ class Client:
         return np.asarray(buf)[:nbytes].view(dt).reshape(shape)
 
     def _in_mok_memory(self, a, writable=False):
-        """Address of a if it lies, C-contiguous, in this client's c.empty() memory."""
+        """Address of a if it lies, C-contiguous, in this client's c.empty() memory, at a
+        multiple of 16 bytes (the cuda engine's rule for every tensor; a view at another
+        offset is staged like any other array)."""
         if not (a.flags.c_contiguous and a.flags.aligned) or (writable and not a.flags.writeable):
             return None
         ptr = a.__array_interface__["data"][0]
+        if ptr % 16:
+            return None
         n = a.nbytes
         for base, size in list(self._user.items()):
             if base <= ptr and ptr + n <= base + size:
@@ -974,18 +978,30 @@ class Layer:
                     s.shape[i] = d
                 return t
 
+            def stage(t):
+                # mokd's cuda engine takes tensors at multiples of 16 bytes only: a view at
+                # another offset goes through an aligned copy on the current stream
+                if _is_torch_cuda(t) and t.data_ptr() % 16:
+                    return t.clone(memory_format=torch.contiguous_format)
+                return t
+
             hold = []
             for slot, a in ins.items():
                 if a is None:
                     continue
-                hold.append(put(slot, a))
+                hold.append(put(slot, stage(a)))
                 device = device or a.device
             results = {}
+            copy_back = []
             for slot in outs:
                 code, shape = self._expect(T, slot)
                 t = out.get(slot)
                 if t is None:
                     t = torch.empty(shape, dtype=_torch_dtype(code), device=device)
+                elif _is_torch_cuda(t) and t.data_ptr() % 16:
+                    put(slot, t)  # the checks of a user's out tensor, then a staging copy
+                    copy_back.append((t, slot))
+                    t = torch.empty(shape, dtype=t.dtype, device=t.device)
                 results[slot] = put(slot, t)
             saved = None
             if isinstance(ctx, str):  # "save", or "scratch" (recompute rebuilds it there)
@@ -998,6 +1014,9 @@ class Layer:
                                         c_void_p(stream), None)
             if st:
                 _raise(st)
+            for user, slot in copy_back:  # after the job, on the same stream
+                user.copy_(results[slot])
+                results[slot] = user
             return results, (saved if isinstance(ctx, str) and ctx == "save" else None)
 
     # ---- the whole layer ----

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from . import _lib
-from ._client import Context, Grads, connect
+from ._client import Context, Grads, Group, connect
 from ._errors import Error
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
-           "set_default_client", "registrations"]
+           "set_default_client", "registrations", "aligned"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -137,6 +137,38 @@ def _check_capture(what):
             "graph break)" % what)
 
 
+def aligned(t):
+    """t itself when its data starts at a multiple of 16 bytes (what the cuda engine
+    demands of every tensor), else a contiguous copy (torch's allocator gives 512-byte
+    aligned blocks) made on the current stream. A view at an offset, like rank 1's
+    ids[411:761] of an int32 [T,6] tensor, costs one copy of that view."""
+    if t is None or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# ---- expert-parallel groups from torch.distributed process groups ---------------------------
+#
+# MoE(group=process_group) joins through mok.distributed.join once per (client, process
+# group, sizing): every MoE of a model shares that mok group (a daemon serves a uid 16
+# groups at most), and each gets the next group tag in creation order, the same on every
+# rank when every rank builds the same modules in the same order.
+
+_pg_groups = weakref.WeakKeyDictionary()  # client -> [[process group, sizing, Group, tags]]
+
+
+def _shared_group(client, pg, sizing):
+    from . import distributed
+    entries = _pg_groups.setdefault(client, [])
+    for e in entries:
+        if e[0] is pg and e[1] == sizing and e[2]._ptr:
+            e[3] += 1
+            return e[2], e[3] - 1
+    g = distributed.join(client, pg, **dict(sizing))
+    entries.append([pg, sizing, g, 1])
+    return g, 0
+
+
 class _Slot:
     """The mok layer of one MoE module; re-created larger when T grows."""
 
@@ -177,6 +209,10 @@ class MoEFunction(torch.autograd.Function):
     def forward(ctx, slot, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
                 s_gate, s_up, s_down):
         _check_capture("forward")
+        # views at offsets that are not 16-byte aligned: an aligned copy (docs/torch.md)
+        x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate, s_up, s_down = (
+            aligned(t) for t in (x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
+                                 s_up, s_down))
         T = x.shape[0]
         layer = slot.layer_for(T)
         out = torch.empty_like(x)
@@ -198,7 +234,7 @@ class MoEFunction(torch.autograd.Function):
         _check_capture("backward")
         saved, x, rw, wg, wu, wd, sg, su, sd = ctx.saved_tensors
         layer, T = ctx.layer, ctx.tokens
-        d_out = d_out.to(torch.bfloat16).contiguous()
+        d_out = aligned(d_out.to(torch.bfloat16).contiguous())
         ins = dict(x=x, router_weights=rw, w_gate=wg, w_up=wu, w_down=wd)
         names = ["d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down"]
         if sg is not None:
@@ -278,14 +314,45 @@ class MoE(torch.nn.Module):
     (if any) runs on the own tokens and its gradients are the rank's (all-reduce them as in
     data parallelism). group_tag names the layer in the group's job order: give each MoE
     of a model its own, the same on every rank; every rank runs the same layers in the
-    same order. client must be the client that joined the group."""
+    same order. client must be the client that joined the group.
+
+    group may also be a torch.distributed ProcessGroup (dist.group.WORLD, a subgroup):
+    the module then joins through mok.distributed.join (collective: every rank of the
+    process group builds its MoE modules in the same order), max_tokens is required (it
+    sizes the group), group_options passes timeout_ms, capacity, ring_rows, transport or
+    agree_timeout_s to the join, and every MoE on the same process group, client and
+    sizing shares one mok group; group_tag=None gives each the next tag in creation order
+    (0, 1, ...)."""
 
     def __init__(self, hidden, intermediate, experts, topk, shared_intermediate=0,
                  swiglu_limit=None, recompute=False, backend="mokd", client=None,
-                 max_tokens=None, device=None, group=None, group_tag=0):
+                 max_tokens=None, device=None, group=None, group_tag=None,
+                 group_options=None):
         super().__init__()
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        if group is not None and not isinstance(group, Group):
+            import torch.distributed as tdist
+            if not isinstance(group, tdist.ProcessGroup):
+                raise ValueError("group must be a mok.Group or a torch.distributed "
+                                 "ProcessGroup, got %s" % type(group).__name__)
+            if backend != "mokd":
+                raise ValueError("a group needs backend='mokd'")
+            if max_tokens is None:
+                raise ValueError("max_tokens= is needed with a process group: it sizes the "
+                                 "group's buffers on every rank")
+            if client is None:
+                client = default_client()
+            sizing = dict(max_tokens=max_tokens, hidden=hidden, topk=topk, experts=experts,
+                          dtype="bfloat16")
+            sizing.update(group_options or {})
+            group, tag = _shared_group(client, group, tuple(sorted(sizing.items())))
+            if group_tag is None:
+                group_tag = tag
+        elif group_options:
+            raise ValueError("group_options apply to a torch.distributed process group only")
+        if group_tag is None:
+            group_tag = 0
         if group is not None:
             if backend != "mokd":
                 raise ValueError("a group needs backend='mokd'")
@@ -428,3 +495,45 @@ def moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None
         term = rw[:, k, None] * y[:, k]
         acc = term if acc is None else acc + term
     return acc.to(torch.bfloat16).reshape(*lead, H)
+
+
+# ---- a layer for modules that hold their weights in their own layout ------------------------
+
+class _Runner:
+    """Runs the layer on weights a caller holds (mok.torchtitan, mok.hf_transformers): one
+    mokd layer (a _Slot) per shape, created at first use; backend="torch" runs
+    moe_reference instead (no daemon; also on the CPU). Weights of another float dtype are
+    cast to bf16 and non-contiguous ones copied (autograd takes the gradients back
+    through the cast or copy)."""
+
+    def __init__(self, backend="mokd", client=None, max_tokens=None):
+        if backend not in ("mokd", "torch"):
+            raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        self.backend, self._client, self.max_tokens = backend, client, max_tokens
+        self.slots = {}
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = default_client()
+        return self._client
+
+    def __call__(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,
+                 s_up=None, s_down=None):
+        if self.backend == "torch":
+            return moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
+                                 s_up, s_down)
+        ws = [None if w is None else w.to(torch.bfloat16).contiguous()
+              for w in (w_gate, w_up, w_down, s_gate, s_up, s_down)]
+        for w in ws:
+            if w is not None and not w.is_cuda:
+                raise Error("EINVAL", "mok: expert weights must be CUDA tensors (mokd reads them "
+                            "in place), got %s" % w.device)
+        E, I, H = ws[0].shape
+        K = topk_ids.shape[-1]
+        I_s = ws[3].shape[0] if ws[3] is not None else 0
+        key = (H, I, E, K, I_s)
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = _Slot(self.client, H, I, E, K, I_s, None, self.max_tokens)
+        return moe(slot, x, topk_ids, router_weights, *ws)
