@@ -13,12 +13,12 @@ implementation is mok._torch_impl; docs/torch.md describes the design
 graphs).
 
 Names: MoE, MoEFunction, moe, moe_reference, default_client, registrations,
-set_default_client.
+set_default_client, check_graphs.
 """
 import importlib
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
-           "set_default_client", "registrations"]
+           "set_default_client", "registrations", "check_graphs"]
 
 _impl = None
 
