@@ -41,7 +41,7 @@ def stub_backend(graphs):
             graphs.setdefault(name, []).append(gm)
             outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
 
-            def run(args):  # zeros of the traced shapes: tracing only, no results
+            def run(*args):  # zeros of the traced shapes: tracing only, no results
                 return tuple(torch.zeros(o.meta["val"].shape, dtype=o.meta["val"].dtype)
                              if o is not None and "val" in o.meta else None for o in outs)
             return make_boxed_func(run)
