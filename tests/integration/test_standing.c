@@ -53,6 +53,14 @@ static void alloc_bufs(mok_client *c, mok_layer *l, uint32_t op, uint32_t T, job
     } else if (dt == MOK_DTYPE_F32) {
       float *f = b->p[slot];
       for (uint64_t i = 0; i < n; i++) f[i] = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
+    } else if (dt == MOK_DTYPE_BF16 && slot != MOK_SLOT_OUT) {
+      uint16_t *h = b->p[slot];
+      for (uint64_t i = 0; i < n; i++) {
+        float v = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        h[i] = (uint16_t)(u >> 16);
+      }
     } else {
       memset(b->p[slot], 0, b->bytes[slot]);
     }
@@ -66,9 +74,15 @@ static void tensors_of(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b,
       t[slot] = mok_tensor_for(l, T, slot, b->p[slot]);
 }
 
+/* f32 on the cpu engine; bf16 (all it runs) when the GPU machine runs this
+ * test on the cuda engine (MOK_TEST_ENGINE=cuda) */
+static uint32_t test_dtype(void) {
+  return harness_engine_is_cuda() ? MOK_DTYPE_BF16 : MOK_DTYPE_F32;
+}
+
 static mok_layer *small_layer(mok_client *c, uint32_t T) {
-  mok_layer_desc d = {.hidden = 32, .intermediate = 24, .experts = 4, .topk = 2,
-                      .shared_intermediate = 16, .max_tokens = T, .dtype = MOK_DTYPE_F32};
+  mok_layer_desc d = {.hidden = 32, .intermediate = 32, .experts = 4, .topk = 2,
+                      .shared_intermediate = 16, .max_tokens = T, .dtype = test_dtype()};
   mok_layer *l = NULL;
   CHECK_EQ_INT(mok_layer_create(c, &d, &l), MOK_OK);
   return l;
@@ -101,8 +115,8 @@ static void test_runs_equal_ring_jobs(void) {
   ref.p[MOK_SLOT_CTX] = mok_host_alloc(c, f.bytes[MOK_SLOT_CTX]);
   unsigned s = 99;
   for (int i = 0; i < 5; i++) {
-    float *x = f.p[MOK_SLOT_X];
-    x[rng(&s) % (T * 32)] += 0.25f; /* values are read at each run */
+    uint8_t *x = f.p[MOK_SLOT_X];
+    x[rng(&s) % f.bytes[MOK_SLOT_X]] ^= 0x10; /* values are read at each run */
     CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
     CHECK_EQ_INT(mok_standing_wait(sf, 10000), MOK_OK);
     run_ring(l, MOK_OP_FORWARD, T, &ref);
@@ -304,19 +318,21 @@ static void test_failures_end_in_errors(void) {
   daemon_proc d = harness_start("fence-timeout-ms = 60\nthreads = 1\n");
   mok_client *c;
   CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
-  /* a slow job: a second trigger written while it runs waits past the timeout */
+  mok_tensor t[MOK_SLOT_COUNT_];
+  struct timespec t0, t1;
+  /* a slow job: a second trigger written while it runs waits past the timeout
+   * (the cpu engine; on a GPU the job is too fast for this part) */
   const uint32_t T = 1024;
+  if (!harness_engine_is_cuda()) {
   mok_layer_desc ld = {.hidden = 256, .intermediate = 512, .experts = 4, .topk = 2,
-                       .max_tokens = T, .dtype = MOK_DTYPE_F32};
+                       .max_tokens = T, .dtype = test_dtype()};
   mok_layer *big;
   CHECK_EQ_INT(mok_layer_create(c, &ld, &big), MOK_OK);
   job_bufs g = {0};
   alloc_bufs(c, big, MOK_OP_FORWARD, T, &g, 8);
-  mok_tensor t[MOK_SLOT_COUNT_];
   tensors_of(big, MOK_OP_FORWARD, T, &g, t);
   mok_standing *slow;
   CHECK_EQ_INT(mok_standing_create(big, MOK_OP_FORWARD, 0, T, t, &slow), MOK_OK);
-  struct timespec t0, t1;
   { /* the job must outlast the fence timeout (60 ms) for this check */
     uint64_t tk;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -343,6 +359,8 @@ static void test_failures_end_in_errors(void) {
   CHECK_STR_CONTAINS(mok_last_error(), "waited");
   CHECK_MSG(ms < 15000, "answered after %.0f ms", ms);
   mok_standing_destroy(slow);
+  mok_layer_destroy(big);
+  }
 
   /* a region it names unregistered: cancelled with the region's number */
   const uint32_t Ts = 16;
