@@ -42,11 +42,10 @@ static mok_standing_words *words(const mok_standing *s) {
   return mok_shm_standing(s->c->shm, s->slot);
 }
 
-static void store_u64(volatile uint64_t *w, uint64_t v) {
-  atomic_thread_fence(memory_order_seq_cst);
-  *w = v;
-  atomic_thread_fence(memory_order_seq_cst);
-}
+/* The words are shared with mokd (another process) and, in this process,
+ * with the watcher thread: atomic accesses, sequentially consistent. */
+static void store_u64(volatile uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_SEQ_CST); }
+static uint64_t load_u64(const volatile uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
 
 /* mokd is gone: every standing job fails with ECLOSED and every trigger is
  * answered here (the daemon that would have run it cannot). */
@@ -54,14 +53,13 @@ static void answer_for_gone_daemon(mok_standing_state *st, mok_client *c) {
   for (uint32_t i = 0; i < MOK_STANDING_MAX; i++) {
     if (!st->items[i]) continue;
     mok_standing_words *w = mok_shm_standing(c->shm, i);
-    if (w->error == 0) {
+    if (__atomic_load_n(&w->error, __ATOMIC_SEQ_CST) == 0) {
       static const char m[] = "mokd went away; the job did not run (connect again and "
                               "create the standing job again)";
       memcpy(w->message, m, sizeof m);
-      atomic_thread_fence(memory_order_seq_cst);
-      w->error = MOK_ECLOSED;
+      __atomic_store_n(&w->error, MOK_ECLOSED, __ATOMIC_SEQ_CST);
     }
-    if (w->trigger != 0) {
+    if (load_u64(&w->trigger) != 0) {
       store_u64(&w->trigger, 0);
       store_u64(&w->flag, 1);
     }
@@ -189,7 +187,7 @@ int mok_standing_enqueue(mok_standing *s, void *stream) {
 int mok_standing_trigger(mok_standing *s) {
   mok_client *c = s->c;
   mok_standing_words *w = words(s);
-  if (w->trigger != 0)
+  if (load_u64(&w->trigger) != 0)
     return mok_set_error(MOK_EBUSY, "the standing job's previous trigger was not taken yet");
   store_u64(&w->trigger, 1);
   /* pairs with the daemon's fence between setting NEED_WAKEUP and looking again */
@@ -213,7 +211,7 @@ int mok_standing_wait(mok_standing *s, int timeout_ms) {
   uint64_t t0 = mono_ns();
   uint64_t deadline = timeout_ms < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_ms * 1000000ull;
   unsigned pause_us = 2;
-  while (w->flag != 1) {
+  while (load_u64(&w->flag) != 1) {
     uint64_t now = mono_ns();
     if (now >= deadline)
       return mok_set_error(MOK_ETIMEOUT, "the standing job's run did not finish in %d ms",
@@ -228,9 +226,8 @@ int mok_standing_wait(mok_standing *s, int timeout_ms) {
 
 int mok_standing_status(mok_standing *s) {
   mok_standing_words *w = words(s);
-  int st = w->error;
+  int st = __atomic_load_n(&w->error, __ATOMIC_SEQ_CST);
   if (st == MOK_OK) return MOK_OK;
-  atomic_thread_fence(memory_order_seq_cst);
   char m[MOK_STANDING_MSG];
   memcpy(m, w->message, sizeof m);
   m[sizeof m - 1] = '\0';
@@ -239,7 +236,7 @@ int mok_standing_status(mok_standing *s) {
                        m);
 }
 
-uint64_t mok_standing_done(const mok_standing *s) { return words(s)->done; }
+uint64_t mok_standing_done(const mok_standing *s) { return load_u64(&words(s)->done); }
 
 void mok_standing_destroy(mok_standing *s) {
   if (!s) return;
