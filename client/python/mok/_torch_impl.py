@@ -491,6 +491,12 @@ def _standing_run(slot, layer, op, T, tensors, flags):
     key = (id(layer), op, T, flags,
            tuple(sorted((k, v.data_ptr()) for k, v in tensors.items() if v is not None)))
     sj = slot.standing.get(key)
+    if sj is not None:
+        try:  # a cancelled one (a region re-registered, say) is made anew
+            sj.check()
+        except Error:
+            sj.close()
+            sj = None
     if sj is None:
         sj = slot.standing[key] = layer.standing(op, T, tensors, flags)
     sj.enqueue(torch.cuda.current_stream(tensors["x"].device).cuda_stream)
