@@ -46,6 +46,12 @@ typedef struct mok_job_args {
    * through NCCL): this member's job failed its checks with this status; the
    * NOP (fences only) still takes the member's turn so its peers fail too */
   int group_failed;
+  /* an instance of a standing job (docs/cuda.md "Capture and replay"): an
+   * engine with writes_standing_flag writes 1 here (host address of the
+   * slot's flag word in the session memory) on its stream after the job's
+   * work; NULL: not a standing instance */
+  volatile uint64_t *standing_flag;
+  uint32_t standing_slot;
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
@@ -102,6 +108,7 @@ typedef struct mok_engine_result {
   int status; /* mok_status */
   char message[MOK_JOB_MESSAGE_MAX]; /* reaches the client whole (mok_wire.h) */
   int fatal;  /* the engine is broken for good (a sticky device error): mokd exits */
+  bool flag_written; /* a standing instance: the engine wrote (enqueued) its flag */
 } mok_engine_result;
 
 /* Where a client buffer comes from (RegisterBuffer). */
@@ -120,6 +127,11 @@ typedef struct mok_engine_ops {
   /* the engine calls cfg->wake when an asynchronous job finishes (so the
    * engine thread may sleep while jobs run) */
   bool wakes_when_done;
+  /* a standing instance's flag (mok_job_args.standing_flag) is written by
+   * the engine's stream right after the job's work (cuda), so a waiting
+   * client stream moves on without a host in between; else the engine
+   * thread writes it once poll() saw the instance finish (cpu) */
+  bool writes_standing_flag;
   /* Create an engine. On failure returns a mok_status and fills err. */
   int (*open)(const mok_engine_config *cfg, mok_engine **ret, char *err, size_t errlen);
   /* Release everything; accepts NULL. */

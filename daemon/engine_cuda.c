@@ -625,6 +625,7 @@ static void session_free(mok_engine *e, mok_engine_session *s) {
   if (s->fork_ev) cudaEventDestroy(s->fork_ev);
   if (s->join_ev) cudaEventDestroy(s->join_ev);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
+  if (s->standing_dev) cudaHostUnregister(s->standing_host);
   cuda_free_async(s->d_status, s->mem_stream);
   /* the pool counts a stream-ordered free as done only once its stream was
    * synchronised; the memory stream carries nothing but frees */
@@ -675,6 +676,23 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
     if (r != cudaSuccess) cudaHostUnregister(sync_page);
   }
   if (r == cudaSuccess) {
+    /* the standing-job words (docs/cuda.md "Capture and replay"): a
+     * standing instance's stream writes its flag there */
+    void *sp = (char *)sync_page + MOK_SHM_STANDING_OFFSET, *sdp = NULL;
+    cudaError_t sr = cudaHostRegister(sp, MOK_SHM_STANDING_BYTES,
+                                      cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (sr == cudaSuccess && cudaHostGetDevicePointer(&sdp, sp, 0) != cudaSuccess) {
+      cudaHostUnregister(sp);
+      sr = cudaErrorUnknown;
+    }
+    if (sr == cudaSuccess) {
+      s->standing_host = sp;
+      s->standing_dev = (CUdeviceptr)(uintptr_t)sdp;
+    } else {
+      (void)cudaGetLastError();
+      log_warn("cuda engine: the session's standing-job words cannot be registered (%s); "
+               "standing jobs signal from the host", cudaGetErrorString(sr));
+    }
     s->sync_dev = (CUdeviceptr)(uintptr_t)dp;
     /* the status words live in the pinned sync page too: no cudaFreeHost
      * (which waits for the device) when the session goes */
@@ -1409,6 +1427,7 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
   j->message[0] = '\0';
   j->n_marks = 0;
   j->device_posts = false;
+  j->flag_written = false;
   *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
                  .status = s->d_status};
 
@@ -1596,12 +1615,22 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
       j->host_signal = true;
     }
   }
+  if (a->standing_flag && s->standing_dev) {
+    /* a standing instance: its client's stream waits for this flag (EQ 1) */
+    CUdeviceptr f = s->standing_dev + (CUdeviceptr)((const volatile char *)a->standing_flag -
+                                                    (const char *)s->standing_host);
+    cr = e->drv.write64(s->stream, f, 1, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (cr == CUDA_SUCCESS) j->flag_written = true;
+    else cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64 (standing flag): %s",
+                       cuda_drv_error(e, cr));
+  }
   cudaError_t r = cudaEventRecord(j->ev_done, s->stream);
   if (r != cudaSuccess) {
     /* without the event the job cannot be followed: give up on the device */
     res->status = MOK_EENGINE;
     res->fatal = cuda_context_broken(s->stream);
     snprintf(res->message, sizeof res->message, "cudaEventRecord: %s", cudaGetErrorString(r));
+    res->flag_written = j->flag_written;
     if (!res->fatal) {
       cudaStreamSynchronize(s->stream);
       watch_disarm(e, j);
@@ -1692,6 +1721,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   if (s->stuck == j) unstick(e, s, j, now);
   s->ws_used_ns = mono_ns();
   res->fatal = 0;
+  res->flag_written = j->flag_written;
   if (q != cudaSuccess) {
     res->status = MOK_EENGINE;
     res->fatal = 1;
@@ -1743,6 +1773,7 @@ static void cuda_run(mok_engine *e, const mok_job_args *a, mok_engine_result *re
 
 const mok_engine_ops mok_engine_cuda = {
     .name = "cuda",
+    .writes_standing_flag = true,
     .open = cuda_open,
     .close = cuda_close,
     .describe = cuda_describe,

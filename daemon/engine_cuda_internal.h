@@ -127,6 +127,7 @@ struct mok_engine_job {
   bool reads_status;  /* the status word was copied back */
   int status;         /* a host-side failure found while enqueueing */
   bool device_posts;  /* a group job whose members' posts are compared on the device */
+  bool flag_written;  /* a standing instance whose flag write is on the stream */
   char message[MOK_JOB_MESSAGE_MAX];
   /* phase marks of a group job when MOK_EP_PROFILE=1 (logged at completion) */
   int n_marks;
@@ -139,6 +140,8 @@ struct mok_engine_session {
   void *sync_host;       /* the session's header page */
   CUdeviceptr sync_dev;  /* its device address; 0 when it could not be registered */
   char sync_error[80];
+  void *standing_host;      /* the session's standing-job words (mok_shm_standing) */
+  CUdeviceptr standing_dev; /* their device address; 0 when not registered */
   int32_t *d_status;     /* the running job's status word */
   volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
   bool h_status_own;     /* from cudaHostAlloc */

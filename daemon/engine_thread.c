@@ -17,6 +17,7 @@
 #include "mok_status.h"
 #include "nccl_group.h"
 #include "region.h"
+#include "standing.h"
 
 #define LATENCY_WINDOW 1024u
 
@@ -65,6 +66,7 @@ typedef struct esession {
   size_t n_dead_layers, cap_dead_layers;
   uint32_t *groups; /* group ids this session joined (one entry per join) */
   size_t n_groups, cap_groups;
+  mok_standing_set standing; /* standing jobs (standing.h) */
   struct esession *next;
 } esession;
 
@@ -108,6 +110,7 @@ struct mok_engine_thread {
   uint64_t ticked_ns;         /* the last 100 ms housekeeping turn */
   uint64_t spin_ns;           /* poll this long after the last work before sleeping */
   former *forming;            /* groups being formed through NCCL */
+  uint64_t fence_timeout_ns;  /* a standing job's trigger not taken this long cancels it */
 };
 
 static uint64_t now_ns(void) {
@@ -184,9 +187,17 @@ static void release_layer_state(mok_engine_thread *t, mok_engine_layer *l) {
   if (l && t->ops->layer_close) t->ops->layer_close(t->engine, l);
 }
 
+/* Jobs or standing instances of the session still run. */
+static bool session_busy(const esession *s) { return s->n_pend || s->standing.running; }
+
+static mok_standing_env standing_env(mok_engine_thread *t, esession *s) {
+  return (mok_standing_env){.ops = t->ops, .engine = t->engine, .es = s->es, .shm = s->shm.hdr,
+                            .fence_timeout_ns = t->fence_timeout_ns, .session_id = s->id};
+}
+
 /* Regions and layers dropped while jobs ran: release them once none does. */
 static void release_dead(mok_engine_thread *t, esession *s) {
-  if (s->n_pend) return;
+  if (session_busy(s)) return;
   for (size_t i = 0; i < s->n_dead_regions; i++) release_region(t, &s->dead_regions[i]);
   s->n_dead_regions = 0;
   for (size_t i = 0; i < s->n_dead_layers; i++) release_layer_state(t, s->dead_layers[i]);
@@ -226,6 +237,7 @@ static void session_free(mok_engine_thread *t, esession *s) {
   }
   free(s->groups);
   release_dead(t, s);
+  mok_standing_free(&s->standing);
   for (size_t i = 0; i < s->regions.count; i++) release_region(t, &s->regions.items[i]);
   mok_region_table_free(&s->regions);
   for (size_t i = 0; i < s->n_layers; i++) release_layer_state(t, s->layers[i].state);
@@ -678,10 +690,13 @@ static void cmd_destroy_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
   for (size_t i = 0; i < s->n_layers; i++) {
     if (s->layers[i].id != c->in.id) continue;
     mok_engine_layer *state = s->layers[i].state;
-    if (state && (!s->n_pend || !keep_dead_layer(s, state))) {
+    mok_standing_env env = standing_env(t, s);
+    mok_standing_cancel_layer(&s->standing, &env, c->in.id,
+                              "its layer was destroyed; create the layer and the job again");
+    if (state && (!session_busy(s) || !keep_dead_layer(s, state))) {
       /* no job runs, or (out of memory) wait for them here: the layer's
        * device memory must outlive the jobs that use it */
-      while (s->n_pend) poll_session_blocking(t, s);
+      while (session_busy(s)) poll_session_blocking(t, s);
       release_layer_state(t, state);
     }
     s->layers[i] = s->layers[--s->n_layers];
@@ -762,7 +777,9 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
 }
 
 static void cmd_detach(mok_engine_thread *t, esession *s) {
-  if (s->n_pend) {
+  mok_standing_env env = standing_env(t, s);
+  mok_standing_cancel_all(&s->standing, &env, "the session closed");
+  if (session_busy(s)) {
     /* its GPU work finishes first (DESIGN §7); poll_all frees it then */
     s->detaching = true;
     return;
@@ -804,8 +821,12 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
   case MOK_CMD_UNREGISTER: {
     mok_region r;
     c->status = mok_region_table_remove(&s->regions, c->in.id, &r);
-    if (c->status == MOK_OK && (!s->n_pend || !keep_dead_region(s, &r))) {
-      while (s->n_pend) poll_session_blocking(t, s);
+    if (c->status == MOK_OK) {
+      mok_standing_env env = standing_env(t, s);
+      mok_standing_cancel_region(&s->standing, &env, c->in.id, "was unregistered");
+    }
+    if (c->status == MOK_OK && (!session_busy(s) || !keep_dead_region(s, &r))) {
+      while (session_busy(s)) poll_session_blocking(t, s);
       release_region(t, &r);
     }
     else snprintf(c->message, sizeof c->message, "region %u is not registered", c->in.id);
@@ -924,9 +945,28 @@ static void pause_briefly(void) {
   nanosleep(&ts, NULL);
 }
 
-/* Wait for every running job of s (a command needs its memory released). */
+/* Poll the session's standing instances; take triggers when take. Returns
+ * true when an instance started or finished. */
+static bool standing_turn(mok_engine_thread *t, esession *s, uint64_t now, bool take) {
+  if (!s->standing.live) return false;
+  mok_standing_env env = standing_env(t, s);
+  bool fatal = false;
+  char why[MOK_COMPLETION_MSG];
+  bool worked = mok_standing_turn(&s->standing, &env, now, take, &fatal, why, sizeof why);
+  if (fatal) engine_fatal(t, why);
+  if (worked) release_dead(t, s);
+  return worked;
+}
+
+/* Wait for every running job and standing instance of s (a command needs
+ * its memory released); no new standing instance starts meanwhile. */
 static void poll_session_blocking(mok_engine_thread *t, esession *s) {
-  while (poll_session(t, s, now_ns())) pause_briefly();
+  for (;;) {
+    bool jobs = poll_session(t, s, now_ns());
+    standing_turn(t, s, now_ns(), false);
+    if (!jobs && !s->standing.running) break;
+    pause_briefly();
+  }
 }
 
 /* Poll every session; free detached sessions whose work finished.
@@ -937,7 +977,9 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
   for (esession **pp = &t->sessions; *pp;) {
     esession *s = *pp;
     if (poll_session(t, s, now)) running = true;
-    if (s->detaching && !s->n_pend) {
+    standing_turn(t, s, now, !s->faulted && !s->detaching && now != UINT64_MAX);
+    if (s->standing.running) running = true;
+    if (s->detaching && !session_busy(s)) {
       *pp = s->next;
       if (t->rr_next == s) t->rr_next = NULL;
       session_free(t, s);
@@ -962,6 +1004,39 @@ static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
     n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + q->n_pend - q->n_pend_refused;
   }
   return n;
+}
+
+/* A descriptor that creates (op forward or backward) or destroys (NOP) a
+ * standing job: checked like any job, kept, never run here (standing.h). */
+static void standing_desc(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
+                          mok_engine_result *res) {
+  mok_standing_env env = standing_env(t, s);
+  uint64_t slot64 = desc->reserved[0];
+  uint32_t slot = slot64 < MOK_STANDING_MAX ? (uint32_t)slot64 : MOK_STANDING_MAX;
+  if (!t->ops->start || !t->ops->poll) {
+    res->status = MOK_EUNSUPPORTED;
+    snprintf(res->message, sizeof res->message, "the %s engine runs no standing jobs",
+             t->ops->name);
+    return;
+  }
+  if (desc->op == MOK_OP_NOP) {
+    res->status = mok_standing_remove(&s->standing, &env, slot, res->message,
+                                       sizeof res->message);
+    return;
+  }
+  mok_job_desc d = *desc;
+  d.flags = (uint16_t)(d.flags & ~MOK_JOB_STANDING);
+  const layer_entry *le = NULL;
+  for (size_t i = 0; i < s->n_layers; i++)
+    if (s->layers[i].id == d.layer) le = &s->layers[i];
+  mok_job_args args;
+  res->status = mok_job_check(&d, &s->regions, le ? &le->cfg : NULL, &args, res->message,
+                              sizeof res->message);
+  if (res->status != MOK_OK) return;
+  args.session = s->es;
+  args.layer_state = le->state;
+  res->status = mok_standing_add(&s->standing, &env, slot, le->id, &le->cfg, &d, &args,
+                                    res->message, sizeof res->message);
 }
 
 static bool run_one_job(mok_engine_thread *t, esession *s) {
@@ -993,6 +1068,11 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
   uint64_t t0 = now_ns();
+  if (desc.flags & MOK_JOB_STANDING) {
+    standing_desc(t, s, &desc, &res);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    return true;
+  }
 
   const layer_entry *le = NULL;
   if (desc.op != MOK_OP_NOP)
@@ -1114,8 +1194,22 @@ static bool any_job_pending(mok_engine_thread *t) {
     uint32_t cq_head = atomic_load_explicit(&h->cq_head.value, memory_order_acquire);
     uint32_t used = s->cq_tail - cq_head;
     if (tail != s->sq_head && used + s->n_pend < MOK_RING_ENTRIES) return true;
+    if (!s->faulted && mok_standing_triggered(&s->standing, h)) return true;
   }
   return false;
+}
+
+/* Some session holds standing jobs (live), triggered lately (hot): a
+ * trigger written by a client's CUDA stream rings no doorbell, so the
+ * engine thread looks at the words every 20 us while hot, every ms while
+ * live (docs/cuda.md "Capture and replay"). */
+static void standing_state(mok_engine_thread *t, uint64_t now, bool *live, bool *hot) {
+  *live = *hot = false;
+  for (esession *s = t->sessions; s; s = s->next) {
+    if (!s->standing.live) continue;
+    *live = true;
+    if (s->standing.hot_until_ns > now) *hot = true;
+  }
 }
 
 static void set_need_wakeup(mok_engine_thread *t, bool on) {
@@ -1169,12 +1263,18 @@ static void *engine_main(void *arg) {
     }
     if (!idle_since) idle_since = now;
     if (now - idle_since < t->spin_ns) continue; /* a job now starts without a wake-up */
+    bool standing_live, standing_hot;
+    standing_state(t, now, &standing_live, &standing_hot);
+    if (standing_hot) {
+      pause_briefly();
+      continue;
+    }
     if (running) { /* work in flight: poll it, gently, or wait for its wake */
       if (t->ops->wakes_when_done) sleep_until_work(t, 100);
       else pause_briefly();
       continue;
     }
-    sleep_until_work(t, 1000);
+    sleep_until_work(t, standing_live ? 1 : 1000);
     idle_since = 0;
   }
   poll_formers(t, true); /* each ends within its group's timeout */
@@ -1215,6 +1315,11 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   t->cmd_efd = -1;
   pthread_mutex_init(&t->lock, NULL);
   t->spin_ns = 1000ull * (cfg->idle_spin_us ? cfg->idle_spin_us : MOK_IDLE_SPIN_US);
+  {
+    const char *v = getenv("MOK_FENCE_TIMEOUT_MS");
+    unsigned long ms = v && *v ? strtoul(v, NULL, 10) : cfg->fence_timeout_ms;
+    t->fence_timeout_ns = (uint64_t)(ms ? ms : 30000u) * 1000000ull;
+  }
   mok_engine_config ecfg = *cfg;
   ecfg.wake = engine_wake;
   ecfg.wake_arg = t;

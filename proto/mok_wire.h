@@ -94,7 +94,7 @@ _Static_assert(sizeof(mok_completion) == 128, "completion is 128 bytes");
 /* ---- the session's shared-memory region ------------------------------------ */
 
 #define MOK_SHM_MAGIC 0x524b4f4du /* "MOKR" */
-#define MOK_SHM_LAYOUT_VERSION 1u
+#define MOK_SHM_LAYOUT_VERSION 2u /* 2: standing-job words after the rings */
 #define MOK_RING_ENTRIES 64u /* power of two */
 
 #define MOK_RING_NEED_WAKEUP 0x1u /* consumer sleeps: producer must ring */
@@ -128,7 +128,14 @@ typedef struct mok_shm_header {
 #define MOK_SHM_CQ_OFFSET (MOK_SHM_SQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_job_desc))
 /* the message area: a failed job's whole message, by completion ring index */
 #define MOK_SHM_MSG_OFFSET (MOK_SHM_CQ_OFFSET + MOK_RING_ENTRIES * sizeof(mok_completion))
-#define MOK_SHM_BYTES (MOK_SHM_MSG_OFFSET + MOK_RING_ENTRIES * MOK_JOB_MESSAGE_MAX)
+/* The standing-job words follow the message area, from a page boundary (both
+ * sides register them with CUDA, device-mapped; docs/cuda.md "Capture and
+ * replay"). */
+#define MOK_SHM_STANDING_OFFSET \
+  ((MOK_SHM_MSG_OFFSET + MOK_RING_ENTRIES * MOK_JOB_MESSAGE_MAX + 4095u) & ~(size_t)4095u)
+#define MOK_STANDING_MAX 128u /* standing jobs a session holds at once */
+#define MOK_SHM_STANDING_BYTES ((size_t)MOK_STANDING_MAX * 128u)
+#define MOK_SHM_BYTES (MOK_SHM_STANDING_OFFSET + MOK_SHM_STANDING_BYTES)
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
 /* GPU sync words (DESIGN §4; docs/cuda.md), in the header page of the
@@ -156,6 +163,45 @@ static inline volatile uint64_t *mok_shm_sync_fence(void *page, uint64_t v) {
 }
 static inline volatile uint64_t *mok_shm_sync_done(void *page) {
   return (volatile uint64_t *)((char *)page + MOK_SHM_SYNC_DONE_OFFSET);
+}
+
+/* ---- standing jobs (docs/cuda.md, "Capture and replay") --------------------
+ *
+ * A standing job is a job descriptor the daemon validated once and keeps,
+ * run again each time the client triggers it, with no descriptor in the
+ * ring: what a CUDA graph replay needs (its work cannot carry new values).
+ * Created by a descriptor with MOK_JOB_STANDING in its flags (op forward or
+ * backward, tensors as for a normal job) and reserved[0] = the slot
+ * (< MOK_STANDING_MAX) the client chose; destroyed by a NOP descriptor with
+ * MOK_JOB_STANDING and reserved[0] = the slot. Both complete through the
+ * completion ring like any job. Per slot, in the session memory:
+ *   trigger: the client writes 1 (its CUDA stream, or the host) to run the
+ *     job once; the daemon takes it (writes 0) and starts one instance. Any
+ *     value but 0 and 1 cancels the standing job.
+ *   flag: written 1 after each instance (by the daemon's CUDA stream on the
+ *     cuda engine, by the engine thread on the cpu engine); a client stream
+ *     waits for 1 (EQ) and writes 0: the replay-invariant wait of a graph.
+ *   done: the daemon writes the count of instances finished.
+ *   error, message: the daemon writes the first failure (status, text);
+ *     libmok writes ECLOSED when the daemon went away.
+ * The daemon reads only trigger (once a turn, one word, copied before use);
+ * flag, done, error and message it writes and never reads back to
+ * decide anything; a client rewriting them fools only itself. */
+#define MOK_JOB_STANDING 0x8000u /* descriptor flag: create / destroy a standing job */
+#define MOK_STANDING_MSG 96u
+
+typedef struct mok_standing_words {
+  alignas(64) volatile uint64_t trigger;
+  volatile uint64_t flag;
+  volatile uint64_t done;
+  volatile int32_t error;
+  volatile uint32_t generation; /* the daemon: +1 at each creation in the slot */
+  char message[MOK_STANDING_MSG];
+} mok_standing_words;
+_Static_assert(sizeof(mok_standing_words) == 128, "standing words are 128 bytes");
+
+static inline mok_standing_words *mok_shm_standing(void *shm, uint32_t slot) {
+  return (mok_standing_words *)((char *)shm + MOK_SHM_STANDING_OFFSET) + slot;
 }
 
 /* The rings sit at fixed offsets: neither side trusts the offsets written in

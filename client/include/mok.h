@@ -270,6 +270,48 @@ int mok_sync(mok_client *c, int timeout_ms);
  * reallocations by itself). */
 int mok_cuda_forget(mok_client *c, const void *dev_ptr);
 
+/* ---- standing jobs: capturable submissions (docs/cuda.md "Capture and replay") ----
+ *
+ * A standing job is a forward or backward with every tensor fixed (as CUDA
+ * graph replays need): mokd validates it once and keeps it; each trigger
+ * runs it once. mok_standing_enqueue records, on a stream, three
+ * stream memory operations that never change (write the trigger word, wait
+ * for the done flag, clear it), so a CUDA graph may capture them and every
+ * replay runs the job once, in stream order. The host can trigger too
+ * (mok_standing_trigger, mok_standing_wait): what the cpu engine runs.
+ *
+ * Failures never hang a stream: a standing job the daemon cancels (a
+ * region it names unregistered or re-registered, its layer destroyed, a
+ * bad trigger, a trigger not taken within mokd's fence timeout) answers
+ * every later trigger at once with its error set; when mokd goes away,
+ * libmok answers them itself. mok_standing_status reports the error (after
+ * the stream or graph was synchronised): outputs of a failed instance are
+ * undefined. At most MOK_STANDING_MAX (128) standing jobs a session. */
+typedef struct mok_standing mok_standing;
+
+int mok_standing_create(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                        const mok_tensor tensors[MOK_SLOT_COUNT_], mok_standing **ret);
+/* Typed forms (the arguments of mok_forward / mok_backward). */
+int mok_standing_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                         mok_standing **ret);
+int mok_standing_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
+                          const mok_backward_args *a, mok_standing **ret);
+/* Record one run on a CUDA stream (capturable; the same three operations
+ * each time). Work enqueued after it starts after the job. */
+int mok_standing_enqueue(mok_standing *s, void *stream);
+/* From the host: run it once (MOK_EBUSY while the previous trigger is not
+ * taken yet), then wait for that run (timeout_ms < 0: for ever). wait
+ * returns mok_standing_status(). */
+int mok_standing_trigger(mok_standing *s);
+int mok_standing_wait(mok_standing *s, int timeout_ms);
+/* MOK_OK, or the first failure of the job (message in mok_last_error());
+ * it stays set: a failed standing job is destroyed and created again. */
+int mok_standing_status(mok_standing *s);
+/* Runs finished so far (mokd's count). */
+uint64_t mok_standing_done(const mok_standing *s);
+/* Accepts NULL. Streams and graphs that still enqueue it must be done. */
+void mok_standing_destroy(mok_standing *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -211,6 +211,7 @@ void mok_close(mok_client *c) {
   if (!c) return;
   /* let in-flight jobs finish: they write into memory we are about to unmap */
   if (!c->broken) (void)mok_sync(c, 5000);
+  mok_standing_client_free(c); /* destroys what the caller did not */
   while (c->n_layers) mok_layer_destroy(c->layers[c->n_layers - 1]);
   /* groups stay with the daemon (lingering for a restarted client) */
   for (size_t i = 0; i < c->n_groups; i++) free(c->groups[i]);

@@ -15,6 +15,7 @@
  * cuMemHostRegister (device-mapped) on first use.
  */
 #include <dlfcn.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,7 @@ enum {
   CU_MEMHOSTREGISTER_PORTABLE = 1,
   CU_MEMHOSTREGISTER_DEVICEMAP = 2,
   CU_STREAM_WAIT_VALUE_GEQ = 0,
+  CU_STREAM_WAIT_VALUE_EQ = 1,
   CU_STREAM_WRITE_VALUE_DEFAULT = 0,
   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
   CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
@@ -138,6 +140,8 @@ struct mok_cuda_state {
   void *sync_host;       /* registered header page (c->shm), NULL until first stream use */
   CUdeviceptr sync_dev;
   uint64_t next_signal;  /* the last done value handed out */
+  void *standing_host;   /* the registered standing-job words, NULL until first used */
+  CUdeviceptr standing_dev;
 };
 
 static mok_cuda_state *state(mok_client *c) {
@@ -333,9 +337,43 @@ int mok_cuda_fence_after_locked(mok_client *c, void *stream, uint64_t signal) {
   return MOK_OK;
 }
 
+int mok_cuda_standing_ops_locked(mok_client *c, void *stream, uint32_t slot) {
+  int st = sync_page_locked(c, (CUstream)stream); /* the driver, a context */
+  if (st != MOK_OK) return st;
+  mok_cuda_state *cs = c->cuda;
+  if (!cs->standing_host) {
+    void *p = (char *)c->shm + MOK_SHM_STANDING_OFFSET;
+    CUresult r = api.host_register(p, MOK_SHM_STANDING_BYTES,
+                                   CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+    if (r != 0 && r != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+      return mok_set_error(MOK_EUNSUPPORTED, "cannot register the session's standing-job words "
+                           "(cuMemHostRegister: %s)", cu_error(r));
+    CUdeviceptr d = 0;
+    r = api.host_get_device_pointer(&d, p, 0);
+    if (r != 0) {
+      api.host_unregister(p);
+      return mok_set_error(MOK_EUNSUPPORTED, "cuMemHostGetDevicePointer of the standing-job "
+                           "words: %s", cu_error(r));
+    }
+    cs->standing_host = p;
+    cs->standing_dev = d;
+  }
+  CUdeviceptr w = cs->standing_dev + (CUdeviceptr)slot * sizeof(mok_standing_words);
+  CUdeviceptr trigger = w + offsetof(mok_standing_words, trigger);
+  CUdeviceptr flag = w + offsetof(mok_standing_words, flag);
+  /* the same three operations every time: what a graph capture may record */
+  CUresult r = api.write64((CUstream)stream, trigger, 1, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r == 0) r = api.wait64((CUstream)stream, flag, 1, CU_STREAM_WAIT_VALUE_EQ);
+  if (r == 0) r = api.write64((CUstream)stream, flag, 0, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != 0)
+    return mok_set_error(MOK_EIO, "stream memory operation of a standing job: %s", cu_error(r));
+  return MOK_OK;
+}
+
 void mok_cuda_client_free(mok_client *c) {
   mok_cuda_state *cs = c->cuda;
   if (!cs) return;
+  if (cs->standing_host && api_state == 1) api.host_unregister(cs->standing_host);
   if (cs->sync_host && api_state == 1) api.host_unregister(cs->sync_host);
   free(cs->regions);
   free(cs);

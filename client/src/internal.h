@@ -45,6 +45,7 @@ struct mok_client {
   size_t n_groups, cap_groups;
   bool broken; /* the daemon went away */
   struct mok_cuda_state *cuda; /* device memory and streams (cuda.c); NULL until used */
+  struct mok_standing_state *standing; /* standing jobs (standing.c); NULL until used */
   int async_status;            /* first failure of a detached job, not yet reported */
   char async_message[MOK_JOB_MESSAGE_MAX];
 };
@@ -87,6 +88,14 @@ int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_tick
 /* For tests: submit a raw descriptor (nothing checked on this side). */
 int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
 
+/* Fill a descriptor from tensors (the client lock held): host regions,
+ * else CUDA memory registered on first use. */
+int mok_build_desc_locked(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                          const mok_tensor tensors[MOK_SLOT_COUNT_], mok_job_desc *desc);
+void mok_forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a, mok_tensor *t);
+void mok_backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
+                          mok_tensor *t);
+
 /* Find the registered region holding [p, p+bytes); NULL if none. */
 const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes);
 
@@ -102,5 +111,10 @@ int mok_cuda_fence_before_locked(mok_client *c, void *stream, uint64_t ticket,
 /* Enqueue the stream's wait for the done value (after the job is in the ring). */
 int mok_cuda_fence_after_locked(mok_client *c, void *stream, uint64_t signal);
 void mok_cuda_client_free(mok_client *c);
+/* Enqueue a standing job's replay-invariant operations on stream: write 1
+ * to its trigger word, wait for its flag == 1, write 0 to the flag. */
+int mok_cuda_standing_ops_locked(mok_client *c, void *stream, uint32_t slot);
+/* standing.c: stop the watcher, answer nothing more (mok_close). */
+void mok_standing_client_free(mok_client *c);
 
 #endif

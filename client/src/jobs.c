@@ -51,8 +51,8 @@ int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket) {
 
 /* Fill desc from the tensors (the client lock held): host regions first,
  * then CUDA device memory (registered on first use). */
-static int build_desc_locked(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-                             const mok_tensor tensors[MOK_SLOT_COUNT_], mok_job_desc *desc) {
+int mok_build_desc_locked(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                          const mok_tensor tensors[MOK_SLOT_COUNT_], mok_job_desc *desc) {
   mok_client *c = l->client;
   memset(desc, 0, sizeof *desc);
   desc->version = MOK_JOB_VERSION;
@@ -106,7 +106,7 @@ int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
   mok_client *c = l->client;
   mok_job_desc desc;
   pthread_mutex_lock(&c->lock);
-  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+  int r = mok_build_desc_locked(l, op, flags, tokens, tensors, &desc);
   if (r == MOK_OK) r = mok_submit_desc_locked(c, &desc, ret_ticket);
   pthread_mutex_unlock(&c->lock);
   return r;
@@ -157,7 +157,7 @@ int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tok
   mok_client *c = l->client;
   mok_job_desc desc;
   pthread_mutex_lock(&c->lock);
-  int r = build_desc_locked(l, op, flags, tokens, tensors, &desc);
+  int r = mok_build_desc_locked(l, op, flags, tokens, tensors, &desc);
   if (r == MOK_OK) r = submit_on_stream_locked(c, &desc, stream, ret_ticket);
   pthread_mutex_unlock(&c->lock);
   return r;
@@ -328,10 +328,6 @@ int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
 
 /* ---- typed whole-layer jobs ---- */
 
-static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
-                            mok_tensor *t);
-static void backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
-                             mok_tensor *t);
 
 
 static void put(mok_tensor *t, const mok_layer *l, uint32_t tokens, uint32_t slot,
@@ -358,11 +354,11 @@ static void put_layer_inputs(mok_tensor *t, const mok_layer *l, uint32_t tokens,
 
 int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  forward_tensors(l, tokens, a, t);
+  mok_forward_tensors(l, tokens, a, t);
   return mok_submit(l, MOK_OP_FORWARD, 0, tokens, t, ret_ticket);
 }
 
-static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+void mok_forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
                             mok_tensor *t) {
   put_layer_inputs(t, l, tokens, a->x, a->topk_ids, a->router_weights, a->w_gate, a->w_up,
                    a->w_down, a->s_gate, a->s_up, a->s_down);
@@ -374,25 +370,25 @@ static void forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_arg
 int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a, void *stream,
                           uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  forward_tensors(l, tokens, a, t);
+  mok_forward_tensors(l, tokens, a, t);
   return mok_submit_on_stream(l, MOK_OP_FORWARD, 0, tokens, t, stream, ret_ticket);
 }
 
 int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,
                            const mok_backward_args *a, void *stream, uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  backward_tensors(l, tokens, a, t);
+  mok_backward_tensors(l, tokens, a, t);
   return mok_submit_on_stream(l, MOK_OP_BACKWARD, flags, tokens, t, stream, ret_ticket);
 }
 
 int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
                  uint64_t *ret_ticket) {
   mok_tensor t[MOK_SLOT_COUNT_];
-  backward_tensors(l, tokens, a, t);
+  mok_backward_tensors(l, tokens, a, t);
   return mok_submit(l, MOK_OP_BACKWARD, flags, tokens, t, ret_ticket);
 }
 
-static void backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
+void mok_backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
                              mok_tensor *t) {
   put_layer_inputs(t, l, tokens, a->x, a->topk_ids, a->router_weights, a->w_gate, a->w_up,
                    a->w_down, a->s_gate, a->s_up, a->s_down);

@@ -181,6 +181,7 @@ class Client:
         self._abandoned = []                    # (ticket, ctx region) left by an interrupted wait
         self._layers = weakref.WeakSet()
         self._groups = weakref.WeakSet()
+        self._standing_jobs = weakref.WeakSet()  # Standing (mok/_standing.py)
         self._user = {}                         # c.empty() regions: ptr -> bytes
         self._registrations = 0                 # mok_host_alloc calls made by the binding
         self.engine = L.mok_client_engine(h).decode()
@@ -214,6 +215,10 @@ class Client:
             p = self._native.ptr
             while self._abandoned:  # jobs still using staging: let them finish
                 L.mok_wait(p, self._abandoned.pop(0)[0], 5000)
+            for sj in list(self._standing_jobs):
+                h, sj._h = sj._h, None
+                if h:
+                    L.mok_standing_destroy(h)
             for layer in list(self._layers):
                 layer._destroy_locked()
             for g in list(self._groups):
@@ -270,6 +275,13 @@ class Client:
         st = _lib.lib().mok_sync(self._native.ptr, timeout_ms)
         if st:
             _raise(st)
+
+    def check_standing(self):
+        """Raise the first failure of any standing job of this client (a CUDA graph
+        replay reports mokd's errors here, after the replay was synchronised)."""
+        for sj in list(self._standing_jobs):
+            if sj._h:
+                sj.check()
 
     def _check_async(self):
         st = _lib.lib().mok_async_error(self._native.ptr)
@@ -739,6 +751,12 @@ class Layer:
 
     def rows_capacity(self, tokens):
         return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
+
+    def standing(self, op, T, tensors, flags=0):
+        """A standing job (mok/_standing.py): op "forward" or "backward" at T tokens with
+        every tensor fixed (a dict slot name -> torch CUDA tensor or shared numpy array)."""
+        from ._standing import Standing
+        return Standing(self, op, T, tensors, flags)
 
     def _expect(self, T, slot):
         key = (T, slot)

@@ -141,6 +141,14 @@ def _declare(lib):
         "mok_submit_on_stream": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32,
                                            c.POINTER(Tensor), P, c.POINTER(c.c_uint64)]),
         "mok_async_error": (c.c_int, [P]),
+        "mok_standing_create": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32,
+                                          c.POINTER(Tensor), c.POINTER(P)]),
+        "mok_standing_enqueue": (c.c_int, [P, P]),
+        "mok_standing_trigger": (c.c_int, [P]),
+        "mok_standing_wait": (c.c_int, [P, c.c_int]),
+        "mok_standing_status": (c.c_int, [P]),
+        "mok_standing_done": (c.c_uint64, [P]),
+        "mok_standing_destroy": (None, [P]),
         "mok_sync": (c.c_int, [P, c.c_int]),
     }
     for name, (res, args) in sig.items():

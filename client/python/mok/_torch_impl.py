@@ -6,9 +6,11 @@ as mokd jobs on torch.cuda.current_stream(), every tensor named in place
 Parameters. Design notes: docs/torch.md.
 """
 import ctypes
+import itertools
 import math
 import threading
 import weakref
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from ._client import Context, Grads, Group, connect
 from ._errors import Error
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
-           "set_default_client", "registrations", "aligned"]
+           "set_default_client", "registrations", "aligned", "check_graphs"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -128,13 +130,13 @@ def registrations(client=None):
 # ---- the autograd Function -----------------------------------------------------------------
 
 def _check_capture(what):
+    # MoE modules without a group take the custom-op path under capture (standing jobs);
+    # this Function (eager jobs through the ring) refuses capture
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "mok.torch: %s inside CUDA graph capture is not supported: a mokd job is submitted "
-            "to the daemon's ring by the host at call time, so a replayed graph would wait on a "
-            "stale completion and never run the job. Keep the MoE layer outside the captured "
-            "region (torch.compile's mode='reduce-overhead' does so by itself: mok.torch is a "
-            "graph break)" % what)
+            "mok.torch: %s of a layer on an expert-parallel group inside CUDA graph capture is "
+            "not supported: standing jobs (what a captured graph replays) are not available "
+            "for group layers yet. Keep that layer outside the captured region" % what)
 
 
 def aligned(t):
@@ -187,6 +189,8 @@ class _Slot:
         self.max_tokens = max_tokens
         self.layer = None
         self.lock = threading.Lock()
+
+        self.standing = {}  # (layer, op, T, flags, addresses) -> mok Standing (capture)
 
     def layer_for(self, T):
         with self.lock:
@@ -374,6 +378,7 @@ class MoE(torch.nn.Module):
         self._client = client
         self._max_tokens = max_tokens
         self._slot = None
+        _module_id(self)  # the custom ops name the module by this id
         kw = dict(dtype=torch.bfloat16, device=device)
         P = torch.nn.Parameter
         self.w_gate = P(torch.empty(local, intermediate, hidden, **kw))
@@ -435,6 +440,9 @@ class MoE(torch.nn.Module):
             return moe_reference(x, topk_ids, router_weights, self.w_gate, self.w_up,
                                  self.w_down, self.s_gate, self.s_up, self.s_down,
                                  self.swiglu_limit)
+        if self.group is None and (torch.compiler.is_compiling() or
+                                   torch.cuda.is_current_stream_capturing()):
+            return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
 
 
@@ -537,3 +545,193 @@ class _Runner:
         if slot is None:
             slot = self.slots[key] = _Slot(self.client, H, I, E, K, I_s, None, self.max_tokens)
         return moe(slot, x, topk_ids, router_weights, *ws)
+# ---- custom ops: torch.compile(fullgraph=True) and CUDA graph capture -----------------------
+#
+# mok::moe_forward and mok::moe_backward are PyTorch custom ops (torch.library.custom_op):
+# dynamo and AOTAutograd trace them with their fake kernels (shapes only; no daemon), so a
+# model compiles into one graph. At run time they submit the same mokd jobs as MoEFunction
+# (eager, ring + stream fences), or, when the current stream is being captured, they make
+# (once per layer, op, T and tensor addresses) a standing job and record its three replay-
+# invariant stream operations (docs/cuda.md "Capture and replay"): every replay of the
+# graph then runs the job once. Every tensor the job names is allocated during the capture
+# (the graph's private memory pool keeps those addresses for its replays) or is a
+# Parameter, and the standing job holds a reference to each, so none is freed while the
+# graph may replay. A failure shows at client.check_standing() (mok.torch.check_graphs()).
+
+_modules = {}  # id -> weakref to the MoE module (ops carry the id, an int)
+_module_ids = itertools.count(1)
+_modules_lock = threading.Lock()
+
+
+def _module_id(m):
+    mid = getattr(m, "_mok_op_id", None)
+    if mid is None:
+        with _modules_lock:
+            mid = next(_module_ids)
+            _modules[mid] = weakref.ref(m)
+        m._mok_op_id = mid
+    return mid
+
+
+def _module(mid):
+    m = _modules.get(mid)
+    m = m() if m is not None else None
+    if m is None:
+        raise Error("ENOENT", "mok.torch: the MoE module of this op is gone")
+    return m
+
+
+def _ctx_nbytes(m, T, row_align=128):
+    """proto/mok_layout.h mok_ctx_bytes with the cuda engine's row alignment: the schedule
+    (header, counts, offsets, row_slot, slot_row), then g and u of the routed rows and of
+    the shared expert (bf16), each part 256-aligned. Works on symbolic T too."""
+    K, E, I, I_s = m.topk, m.w_gate.shape[0], m.intermediate, m.shared_intermediate
+
+    def a256(v):
+        return (v + 255) // 256 * 256
+    rows = T * K + E * (row_align - 1)
+    sched_ints = 8 + E + E + 1 + rows + T * K
+    return a256(4 * sched_ints) + 2 * a256(rows * I * 2) + 2 * a256(T * I_s * 2)
+
+
+def _standing_run(slot, layer, op, T, tensors, flags):
+    key = (id(layer), op, T, flags,
+           tuple(sorted((k, v.data_ptr()) for k, v in tensors.items() if v is not None)))
+    sj = slot.standing.get(key)
+    if sj is not None:
+        try:  # a cancelled one (a region re-registered, say) is made anew
+            sj.check()
+        except Error:
+            sj.close()
+            sj = None
+    if sj is None:
+        sj = slot.standing[key] = layer.standing(op, T, tensors, flags)
+    sj.enqueue(torch.cuda.current_stream(tensors["x"].device).cuda_stream)
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=())
+def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tensor,
+                router_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor, s_gate: Optional[torch.Tensor],
+                s_up: Optional[torch.Tensor],
+                s_down: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    m = _module(mid)
+    slot = m._get_slot()
+    T = x.shape[0]
+    layer = slot.layer_for(T)
+    shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
+    out = torch.empty_like(x)
+    if torch.cuda.is_current_stream_capturing():
+        ctx = torch.empty(0 if recompute else layer.ctx_bytes(T), dtype=torch.uint8,
+                          device=x.device)
+        t = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, w_gate=w_gate,
+                 w_up=w_up, w_down=w_down, out=out, ctx=None if recompute else ctx, **shared)
+        _standing_run(slot, layer, "forward", T, t, 0)
+        return out, ctx
+    out, mctx = layer.forward(x, topk_ids, router_weights, w_gate, w_up, w_down,
+                              recompute=recompute, out=out, **shared)
+    region = mctx._region if not recompute else None
+    mctx.release()
+    _tracker(slot.client).note((x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
+                                s_up, s_down, out, region))
+    if region is None:
+        region = torch.empty(0, dtype=torch.uint8, device=x.device)
+    return out, region
+
+
+@_op_forward.register_fake
+def _op_forward_fake(mid, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
+                     s_gate, s_up, s_down):
+    m = _module(mid)
+    n = 0 if recompute else _ctx_nbytes(m, x.shape[0])
+    return torch.empty_like(x), x.new_empty((n,), dtype=torch.uint8)
+
+
+_GRAD_NAMES = ("d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down", "d_s_gate",
+               "d_s_up", "d_s_down")
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=())
+def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor,
+                 router_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, s_gate: Optional[torch.Tensor],
+                 s_up: Optional[torch.Tensor], s_down: Optional[torch.Tensor],
+                 d_out: torch.Tensor) -> List[torch.Tensor]:
+    m = _module(mid)
+    slot = m._get_slot()
+    T = x.shape[0]
+    layer = slot.layer_for(T)
+    d_out = d_out.contiguous()
+    ins = dict(x=x, router_weights=router_weights, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    names = list(_GRAD_NAMES[:5])
+    if s_gate is not None:
+        ins.update(s_gate=s_gate, s_up=s_up, s_down=s_down)
+        names += list(_GRAD_NAMES[5:])
+    out = {n: torch.empty_like(ins[n[2:]]) for n in names}
+    if torch.cuda.is_current_stream_capturing():
+        t = dict(ins, d_out=d_out, **out)
+        if recompute:
+            t.update(topk_ids=saved, ctx=torch.empty(layer.ctx_bytes(T), dtype=torch.uint8,
+                                                     device=x.device))
+            _standing_run(slot, layer, "backward", T, t, _lib.JOB_RECOMPUTE)
+        else:
+            t.update(ctx=saved)
+            _standing_run(slot, layer, "backward", T, t, 0)
+        return [out[n] for n in names]
+    if recompute:
+        ins.update(topk_ids=saved, d_out=d_out)
+        scratch = torch.empty(layer.ctx_bytes(T), dtype=torch.uint8, device=x.device)
+        layer._job("backward", T, ins, names, out, flags=_lib.JOB_RECOMPUTE, ctx=scratch)
+    else:
+        layer.backward(Context(layer, T, False, ins, saved), d_out, out=out)
+    _tracker(slot.client).note((d_out, saved) + tuple(out.values()))
+    return [out[n] for n in names]
+
+
+@_op_backward.register_fake
+def _op_backward_fake(mid, recompute, saved, x, router_weights, w_gate, w_up, w_down, s_gate,
+                      s_up, s_down, d_out):
+    outs = [torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_gate),
+            torch.empty_like(w_up), torch.empty_like(w_down)]
+    if s_gate is not None:
+        outs += [torch.empty_like(s_gate), torch.empty_like(s_up), torch.empty_like(s_down)]
+    return outs
+
+
+def _op_setup_context(ctx, inputs, output):
+    mid, recompute, x, ids, rw, wg, wu, wd, sg, su, sd = inputs
+    ctx.mid, ctx.recompute, ctx.shared = mid, recompute, sg is not None
+    ctx.save_for_backward(ids if recompute else output[1], x, rw, wg, wu, wd, sg, su, sd)
+
+
+def _op_autograd(ctx, d_out, d_ctx):
+    saved, x, rw, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+    g = torch.ops.mok.moe_backward(ctx.mid, ctx.recompute, saved, x, rw, wg, wu, wd, sg, su,
+                                   sd, d_out.to(torch.bfloat16))
+    shared = tuple(g[5:8]) if ctx.shared else (None, None, None)
+    return (None, None, g[0], None, g[1], g[2], g[3], g[4]) + shared
+
+
+_op_forward.register_autograd(_op_autograd, setup_context=_op_setup_context)
+
+
+def _forward_op(m, x, topk_ids, router_weights):
+    """MoE.forward through the custom op (compiling, or capturing a CUDA graph)."""
+    for p in m.parameters():
+        if p.dtype != torch.bfloat16 or not p.is_contiguous():
+            raise Error("ESHAPE", "mok.torch.MoE: parameters must stay contiguous bf16 CUDA "
+                        "tensors (got %s %s)" % (p.dtype, tuple(p.shape)))
+    H, K = x.shape[-1], topk_ids.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, H).to(torch.bfloat16).contiguous()
+    ids2 = topk_ids.reshape(-1, K).to(torch.int32).contiguous()
+    rw2 = router_weights.reshape(-1, K).to(torch.float32).contiguous()
+    out, _ = torch.ops.mok.moe_forward(_module_id(m), bool(m.recompute), x2, ids2, rw2,
+                                       m.w_gate, m.w_up, m.w_down, m.s_gate, m.s_up, m.s_down)
+    return out.reshape(*lead, H)
+
+
+def check_graphs(client=None):
+    """Raise the first failure of a standing job (what captured graphs replay) of client
+    (default: default_client()); call it after synchronising the replays."""
+    (client or default_client()).check_standing()

@@ -13,13 +13,14 @@ implementation is mok._torch_impl; docs/torch.md describes the design
 graphs).
 
 Names: MoE, MoEFunction, moe, moe_reference, default_client, registrations,
-set_default_client, aligned. Beside it: mok.distributed (groups from torch.distributed
-process groups), mok.torchtitan and mok.hf_transformers (model integrations).
+set_default_client, aligned, check_graphs. Beside it: mok.distributed (groups from
+torch.distributed process groups), mok.torchtitan and mok.hf_transformers (model
+integrations).
 """
 import importlib
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
-           "set_default_client", "registrations", "aligned"]
+           "set_default_client", "registrations", "aligned", "check_graphs"]
 
 _impl = None
 

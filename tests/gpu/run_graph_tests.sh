@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# CUDA graphs and torch.compile(fullgraph=True) through mokd, on a GPU machine, in one call
+# (docs/cuda.md "Capture and replay"):
+#   1. test_standing on the cuda engine (the CI test of standing jobs, host-triggered)
+#   2. tests/gpu/test_graphs.py bitwise: a captured training step replayed 200 times,
+#      losses and weights bitwise equal to eager (under MPS)
+#   3. test_graphs.py compile: fullgraph=True and reduce-overhead follow eager (under MPS)
+#   4. test_graphs.py kill: mokd killed during replays -> an error within the timeout
+#   5. test_graphs.py bench: step time eager vs captured, mokd vs the PyTorch layer (MPS)
+# Binaries: $MOK_DEVBUILD (default .devbuild, tests/gpu/build_device.sh), else `make`.
+#   tests/gpu/run_graph_tests.sh OUTDIR [STEP...]   STEP: standing bitwise compile kill bench
+# Logs and a summary go to OUTDIR. Exit 0 when every step passed.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUTDIR=${1:?usage: run_graph_tests.sh OUTDIR [STEP...]}
+shift
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$ROOT"
+B=${MOK_DEVBUILD:-.devbuild}
+export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH="$ROOT/client/python${PYTHONPATH:+:$PYTHONPATH}"
+export MOK_LIBRARY="$ROOT/$B/lib/libmok.so" MOKD_BIN="$ROOT/$B/bin/mokd" LOGS="$OUTDIR"
+SOCK=/tmp/mok-graphs.sock
+export MOK_SOCKET=$SOCK
+summary=()
+status=0
+note() { printf '== %s\n' "$*"; }
+record() { summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+
+if [ ! -x "$B/bin/mokd" ] || [ ! -e "$B/lib/libmok.so" ] || [ ! -x "$B/tests/test_standing" ]; then
+  note "building into $B"
+  make -j"$(nproc)" BUILD="$B" all >"$OUTDIR/build.log" 2>&1 || { tail -30 "$OUTDIR/build.log"; exit 1; }
+fi
+
+MOKD_PID=
+start_mokd() {
+  rm -f "$SOCK"
+  "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$OUTDIR/mokd.log" 2>&1 &
+  MOKD_PID=$!
+  for _ in $(seq 1 300); do
+    [ -S "$SOCK" ] && return 0
+    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$OUTDIR/mokd.log"; return 1; }
+    sleep 0.1
+  done
+  echo "mokd did not come up"; return 1
+}
+stop_mokd() {
+  [ -n "$MOKD_PID" ] || return 0
+  kill -TERM "$MOKD_PID" 2>/dev/null
+  local rc=0
+  wait "$MOKD_PID" || rc=$?
+  MOKD_PID=
+  return $rc
+}
+MPS_ON=0
+start_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d >>"$OUTDIR/mps.log" 2>&1; then MPS_ON=1; sleep 1; return 0; fi
+  echo "MPS would not start:"; cat "$OUTDIR/mps.log"; return 1
+}
+stop_mps() {
+  [ $MPS_ON = 1 ] && echo quit | nvidia-cuda-mps-control >>"$OUTDIR/mps.log" 2>&1
+  MPS_ON=0
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+finish() {
+  stop_mokd
+  stop_mps
+  # leftovers of this script only (the kill step's own mokd socket)
+  rm -f /tmp/mok-graphs-kill.sock "$SOCK"
+  { for l in "${summary[@]}"; do echo "$l"; done; } >"$OUTDIR/summary.txt"
+}
+trap finish EXIT
+
+step_standing() {
+  note "test_standing on the cuda engine"
+  MOK_TEST_ENGINE=cuda MOK_BUILD="$B" timeout 300 "$B/tests/test_standing" 2>&1 | tee "$OUTDIR/standing.log"
+  local rc=${PIPESTATUS[0]}
+  record standing "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_py() { # name args...
+  local name=$1
+  shift
+  note "test_graphs.py $name $*"
+  start_mokd || { record "$name" "FAIL (mokd)"; return; }
+  timeout 600 python3 tests/gpu/test_graphs.py "$name" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
+  record "$name" "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_kill() {
+  note "test_graphs.py kill (its own mokd, killed during replays)"
+  timeout 300 python3 tests/gpu/test_graphs.py kill 2>&1 | tee "$OUTDIR/kill.log"
+  local rc=${PIPESTATUS[0]}
+  record kill "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+steps=("$@")
+[ ${#steps[@]} = 0 ] && steps=(standing bitwise compile kill bench)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
+python3 -c 'import torch; print("torch", torch.__version__)'
+for s in "${steps[@]}"; do
+  case $s in
+    standing) step_standing ;;
+    bitwise) start_mps; step_py bitwise --replays 200; stop_mps ;;
+    compile) start_mps; step_py compile --steps 30; stop_mps ;;
+    kill) step_kill ;;
+    bench) start_mps; step_py bench --steps 100; stop_mps ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+done
+echo
+note "summary"
+for l in "${summary[@]}"; do echo "  $l"; done
+[ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
+exit $status

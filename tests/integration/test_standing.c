@@ -1,0 +1,424 @@
+/* Integration: standing jobs (mok.h mok_standing_*; docs/cuda.md "Capture
+ * and replay") on a real mokd, triggered from the host (the cpu engine).
+ *
+ *  - runs: each trigger runs the job once on the tensors' current values,
+ *    bitwise equal to the same job submitted through the ring; done counts
+ *    the runs; forward and backward standing jobs of one step chain;
+ *  - validation: bad slots, ops, shapes, a slot in use, destroying nothing;
+ *  - hostile: bogus trigger values cancel the job (and answer the client),
+ *    a thread scribbling over every standing word of one slot while another
+ *    slot's runs must stay right and mokd alive;
+ *  - failures end in an error, never a hang: a trigger not taken within the
+ *    fence timeout, a region unregistered, a layer destroyed, mokd killed.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+#include "internal.h"
+#include "mok.h"
+#include "mok_slots.h"
+
+typedef struct job_bufs {
+  void *p[MOK_SLOT_COUNT_];
+  uint64_t bytes[MOK_SLOT_COUNT_];
+} job_bufs;
+
+static unsigned rng(unsigned *s) {
+  *s ^= *s << 13, *s ^= *s >> 17, *s ^= *s << 5;
+  return *s;
+}
+
+/* Buffers for op at T (required slots, and ctx for forward): random values,
+ * valid routing ids. */
+static void alloc_bufs(mok_client *c, mok_layer *l, uint32_t op, uint32_t T, job_bufs *b,
+                       unsigned seed) {
+  unsigned s = seed;
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
+    int need = mok_job_slot_need(&l->cfg, op, 0, slot);
+    if (need != MOK_NEED_REQUIRED && !(slot == MOK_SLOT_CTX && need != MOK_NEED_NONE)) continue;
+    if (b->p[slot]) continue;
+    uint32_t dt, nd;
+    uint64_t shape[MOK_MAX_DIMS], n = 1;
+    mok_job_slot_shape(&l->cfg, T, slot, &dt, &nd, shape);
+    for (uint32_t i = 0; i < nd; i++) n *= shape[i];
+    b->bytes[slot] = n * mok_dtype_size(dt);
+    b->p[slot] = mok_host_alloc(c, b->bytes[slot]);
+    CHECK(b->p[slot] != NULL);
+    if (slot == MOK_SLOT_TOPK_IDS) {
+      int32_t *ids = b->p[slot];
+      for (uint64_t i = 0; i < n; i++) ids[i] = (int32_t)(rng(&s) % l->cfg.experts);
+    } else if (dt == MOK_DTYPE_F32) {
+      float *f = b->p[slot];
+      for (uint64_t i = 0; i < n; i++) f[i] = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
+    } else if (dt == MOK_DTYPE_BF16 && slot != MOK_SLOT_OUT) {
+      uint16_t *h = b->p[slot];
+      for (uint64_t i = 0; i < n; i++) {
+        float v = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        h[i] = (uint16_t)(u >> 16);
+      }
+    } else {
+      memset(b->p[slot], 0, b->bytes[slot]);
+    }
+  }
+}
+
+static void tensors_of(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b, mok_tensor *t) {
+  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+    if (b->p[slot] && mok_job_slot_need(&l->cfg, op, 0, slot) != MOK_NEED_NONE)
+      t[slot] = mok_tensor_for(l, T, slot, b->p[slot]);
+}
+
+/* f32 on the cpu engine; bf16 (all it runs) when the GPU machine runs this
+ * test on the cuda engine (MOK_TEST_ENGINE=cuda) */
+static uint32_t test_dtype(void) {
+  return harness_engine_is_cuda() ? MOK_DTYPE_BF16 : MOK_DTYPE_F32;
+}
+
+static mok_layer *small_layer(mok_client *c, uint32_t T) {
+  mok_layer_desc d = {.hidden = 32, .intermediate = 32, .experts = 4, .topk = 2,
+                      .shared_intermediate = 16, .max_tokens = T, .dtype = test_dtype()};
+  mok_layer *l = NULL;
+  CHECK_EQ_INT(mok_layer_create(c, &d, &l), MOK_OK);
+  return l;
+}
+
+static void run_ring(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b) {
+  mok_tensor t[MOK_SLOT_COUNT_];
+  tensors_of(l, op, T, b, t);
+  uint64_t tk;
+  CHECK_EQ_INT(mok_submit(l, op, 0, T, t, &tk), MOK_OK);
+  CHECK_EQ_INT(mok_wait(l->client, tk, 10000), MOK_OK);
+}
+
+static void test_runs_equal_ring_jobs(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  const uint32_t T = 40;
+  mok_layer *l = small_layer(c, T);
+  job_bufs f = {0}, ref = {0};
+  alloc_bufs(c, l, MOK_OP_FORWARD, T, &f, 7);
+  mok_tensor t[MOK_SLOT_COUNT_];
+  tensors_of(l, MOK_OP_FORWARD, T, &f, t);
+  mok_standing *sf;
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, T, t, &sf), MOK_OK);
+  CHECK(mok_standing_done(sf) == 0);
+  /* the ring job's outputs go elsewhere: same inputs, own out and ctx */
+  memcpy(ref.p, f.p, sizeof ref.p);
+  ref.p[MOK_SLOT_OUT] = mok_host_alloc(c, f.bytes[MOK_SLOT_OUT]);
+  ref.p[MOK_SLOT_CTX] = mok_host_alloc(c, f.bytes[MOK_SLOT_CTX]);
+  unsigned s = 99;
+  for (int i = 0; i < 5; i++) {
+    uint8_t *x = f.p[MOK_SLOT_X];
+    x[rng(&s) % f.bytes[MOK_SLOT_X]] ^= 0x10; /* values are read at each run */
+    CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+    CHECK_EQ_INT(mok_standing_wait(sf, 10000), MOK_OK);
+    run_ring(l, MOK_OP_FORWARD, T, &ref);
+    CHECK(memcmp(f.p[MOK_SLOT_OUT], ref.p[MOK_SLOT_OUT], f.bytes[MOK_SLOT_OUT]) == 0);
+    CHECK(memcmp(f.p[MOK_SLOT_CTX], ref.p[MOK_SLOT_CTX], f.bytes[MOK_SLOT_CTX]) == 0);
+    CHECK(mok_standing_done(sf) == (uint64_t)i + 1);
+  }
+  /* a backward standing job from the forward's ctx: one step, chained */
+  job_bufs bw = {0};
+  memcpy(bw.p, f.p, sizeof bw.p);
+  memcpy(bw.bytes, f.bytes, sizeof bw.bytes);
+  bw.p[MOK_SLOT_OUT] = NULL;
+  alloc_bufs(c, l, MOK_OP_BACKWARD, T, &bw, 11);
+  tensors_of(l, MOK_OP_BACKWARD, T, &bw, t);
+  t[MOK_SLOT_TOPK_IDS].data = NULL; /* the ctx's schedule replaces them */
+  mok_standing *sb;
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_BACKWARD, 0, T, t, &sb), MOK_OK);
+  CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sf, 10000), MOK_OK);
+  CHECK_EQ_INT(mok_standing_trigger(sb), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sb, 10000), MOK_OK);
+  job_bufs rb = {0};
+  memcpy(rb.p, bw.p, sizeof rb.p);
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+    if (bw.p[slot] && mok_job_slot_is_output(MOK_OP_BACKWARD, 0, slot)) {
+      rb.p[slot] = mok_host_alloc(c, bw.bytes[slot]);
+      rb.bytes[slot] = bw.bytes[slot];
+    }
+  rb.p[MOK_SLOT_TOPK_IDS] = NULL;
+  run_ring(l, MOK_OP_BACKWARD, T, &rb);
+  int outs = 0;
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+    if (rb.bytes[slot] && rb.p[slot] != bw.p[slot]) {
+      CHECK_MSG(memcmp(rb.p[slot], bw.p[slot], bw.bytes[slot]) == 0, "slot %s differs",
+                mok_slot_name(slot));
+      outs++;
+    }
+  CHECK(outs >= 5);
+  /* a busy trigger is refused; destroying frees the slot */
+  CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sf, 10000), MOK_OK);
+  mok_standing_destroy(sb);
+  mok_standing_destroy(sf);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
+/* A raw standing descriptor (slot, op) built from valid tensors. */
+static int raw_standing(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b, uint64_t slot,
+                        uint16_t extra_flags, char *msg, size_t msglen) {
+  mok_client *c = l->client;
+  mok_tensor t[MOK_SLOT_COUNT_];
+  tensors_of(l, op == MOK_OP_DISPATCH ? MOK_OP_FORWARD : op, T, b, t);
+  mok_job_desc desc;
+  pthread_mutex_lock(&c->lock);
+  int r = mok_build_desc_locked(l, op, 0, T, t, &desc);
+  pthread_mutex_unlock(&c->lock);
+  if (r != MOK_OK) return r;
+  desc.flags = (uint16_t)(MOK_JOB_STANDING | extra_flags);
+  desc.reserved[0] = slot;
+  uint64_t tk;
+  CHECK_EQ_INT(mok_submit_desc(c, &desc, &tk), MOK_OK);
+  r = mok_wait(c, tk, 10000);
+  snprintf(msg, msglen, "%s", mok_last_error());
+  return r;
+}
+
+static void test_validation(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  const uint32_t T = 16;
+  mok_layer *l = small_layer(c, T);
+  job_bufs f = {0};
+  alloc_bufs(c, l, MOK_OP_FORWARD, T, &f, 3);
+  char m[256];
+  CHECK_EQ_INT(raw_standing(l, MOK_OP_FORWARD, T, &f, MOK_STANDING_MAX, 0, m, sizeof m),
+               MOK_EINVAL);
+  CHECK_STR_CONTAINS(m, "standing slot 128");
+  CHECK_EQ_INT(raw_standing(l, MOK_OP_FORWARD, T, &f, 1ull << 40, 0, m, sizeof m), MOK_EINVAL);
+  CHECK_EQ_INT(raw_standing(l, MOK_OP_FORWARD, T, &f, 5, 0, m, sizeof m), MOK_OK);
+  CHECK_EQ_INT(raw_standing(l, MOK_OP_FORWARD, T, &f, 5, 0, m, sizeof m), MOK_EBUSY);
+  CHECK_STR_CONTAINS(m, "holds a standing job already");
+  /* unknown flags beside the standing one: the usual job checks */
+  CHECK_EQ_INT(raw_standing(l, MOK_OP_FORWARD, T, &f, 6, 0x40, m, sizeof m), MOK_EINVAL);
+  CHECK_STR_CONTAINS(m, "unknown job flags");
+  /* a tensor too small for T: the usual shape check */
+  mok_tensor t[MOK_SLOT_COUNT_];
+  tensors_of(l, MOK_OP_FORWARD, T, &f, t);
+  t[MOK_SLOT_X].shape[0] = T - 1;
+  mok_standing *s = NULL;
+  CHECK(mok_standing_create(l, MOK_OP_FORWARD, 0, T, t, &s) != MOK_OK);
+  CHECK(s == NULL);
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_DISPATCH, 0, T, t, &s), MOK_EINVAL);
+  /* destroying a slot that holds nothing */
+  mok_job_desc desc;
+  memset(&desc, 0, sizeof desc);
+  desc.version = MOK_JOB_VERSION;
+  desc.op = MOK_OP_NOP;
+  desc.flags = MOK_JOB_STANDING;
+  desc.reserved[0] = 77;
+  uint64_t tk;
+  CHECK_EQ_INT(mok_submit_desc(c, &desc, &tk), MOK_OK);
+  CHECK_EQ_INT(mok_wait(c, tk, 5000), MOK_ENOENT);
+  CHECK_STR_CONTAINS(mok_last_error(), "holds no standing job");
+  /* a standing job the daemon holds in slot 5 of a client that never
+   * knew it (raw): triggering it through the words runs it */
+  mok_standing_words *w = mok_shm_standing(c->shm, 5);
+  CHECK(w->generation >= 1);
+  w->trigger = 1;
+  for (int i = 0; i < 2000 && w->flag != 1; i++) usleep(1000);
+  CHECK(w->flag == 1);
+  CHECK(w->done == 1);
+  CHECK_EQ_INT(w->error, 0);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
+static void wait_flag(mok_standing_words *w, int ms) {
+  for (int i = 0; i < ms && w->flag != 1; i++) usleep(1000);
+}
+
+typedef struct scribbler {
+  mok_standing_words *w;
+  _Atomic bool stop;
+  unsigned seed;
+} scribbler;
+
+static void *scribble(void *arg) {
+  scribbler *sc = arg;
+  unsigned s = sc->seed;
+  while (!atomic_load(&sc->stop)) {
+    uint64_t v = rng(&s) % 4 == 0 ? ((uint64_t)rng(&s) << 32 | rng(&s)) : rng(&s) % 3;
+    switch (rng(&s) % 5) {
+    case 0: sc->w->trigger = v; break;
+    case 1: sc->w->flag = v; break;
+    case 2: sc->w->done = v; break;
+    case 3: sc->w->error = (int32_t)v; break;
+    default: memset((void *)sc->w->message, (int)v, sizeof sc->w->message); break;
+    }
+  }
+  return NULL;
+}
+
+static void test_hostile_words(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  const uint32_t T = 24;
+  mok_layer *l = small_layer(c, T);
+  job_bufs a = {0}, b = {0}, ref = {0};
+  alloc_bufs(c, l, MOK_OP_FORWARD, T, &a, 5);
+  alloc_bufs(c, l, MOK_OP_FORWARD, T, &b, 6);
+  mok_tensor t[MOK_SLOT_COUNT_];
+  mok_standing *sa, *sb;
+  tensors_of(l, MOK_OP_FORWARD, T, &a, t);
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, T, t, &sa), MOK_OK);
+  tensors_of(l, MOK_OP_FORWARD, T, &b, t);
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, T, t, &sb), MOK_OK);
+  /* a trigger of 7: cancelled, answered, the error says why */
+  mok_standing_words *wa = mok_shm_standing(c->shm, 0);
+  wa->trigger = 7;
+  wait_flag(wa, 3000);
+  CHECK(wa->flag == 1);
+  CHECK_EQ_INT(mok_standing_status(sa), MOK_EPROTO);
+  CHECK_STR_CONTAINS(mok_last_error(), "trigger word holds 7");
+  wa->flag = 0;
+  CHECK_EQ_INT(mok_standing_trigger(sa), MOK_OK); /* a cancelled job is answered at once */
+  CHECK_EQ_INT(mok_standing_wait(sa, 3000), MOK_EPROTO);
+  CHECK(mok_standing_done(sa) == 0);
+  /* slot 0's words scribbled on by a thread while slot 1 runs: slot 1 stays right */
+  memcpy(ref.p, b.p, sizeof ref.p);
+  ref.p[MOK_SLOT_OUT] = mok_host_alloc(c, b.bytes[MOK_SLOT_OUT]);
+  ref.p[MOK_SLOT_CTX] = mok_host_alloc(c, b.bytes[MOK_SLOT_CTX]);
+  run_ring(l, MOK_OP_FORWARD, T, &ref);
+  scribbler sc = {.w = wa, .seed = 1234};
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, scribble, &sc) == 0);
+  for (int i = 0; i < 200; i++) {
+    memset(b.p[MOK_SLOT_OUT], 0xff, b.bytes[MOK_SLOT_OUT]);
+    CHECK_EQ_INT(mok_standing_trigger(sb), MOK_OK);
+    CHECK_EQ_INT(mok_standing_wait(sb, 10000), MOK_OK);
+    CHECK(memcmp(b.p[MOK_SLOT_OUT], ref.p[MOK_SLOT_OUT], b.bytes[MOK_SLOT_OUT]) == 0);
+  }
+  atomic_store(&sc.stop, true);
+  pthread_join(th, NULL);
+  CHECK(mok_standing_done(sb) == 200);
+  CHECK(harness_alive(&d));
+  mok_standing_destroy(sa);
+  mok_standing_destroy(sb);
+  /* a fresh client is served */
+  mok_close(c);
+  CHECK_EQ_INT(mok_connect(d.sock, "after", &c), MOK_OK);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
+static void test_failures_end_in_errors(void) {
+  daemon_proc d = harness_start("fence-timeout-ms = 60\nthreads = 1\n");
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  mok_tensor t[MOK_SLOT_COUNT_];
+  struct timespec t0, t1;
+  /* a slow job: a second trigger written while it runs waits past the timeout
+   * (the cpu engine; on a GPU the job is too fast for this part) */
+  const uint32_t T = 1024;
+  if (!harness_engine_is_cuda()) {
+  mok_layer_desc ld = {.hidden = 256, .intermediate = 512, .experts = 4, .topk = 2,
+                       .max_tokens = T, .dtype = test_dtype()};
+  mok_layer *big;
+  CHECK_EQ_INT(mok_layer_create(c, &ld, &big), MOK_OK);
+  job_bufs g = {0};
+  alloc_bufs(c, big, MOK_OP_FORWARD, T, &g, 8);
+  tensors_of(big, MOK_OP_FORWARD, T, &g, t);
+  mok_standing *slow;
+  CHECK_EQ_INT(mok_standing_create(big, MOK_OP_FORWARD, 0, T, t, &slow), MOK_OK);
+  { /* the job must outlast the fence timeout (60 ms) for this check */
+    uint64_t tk;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    CHECK_EQ_INT(mok_submit(big, MOK_OP_FORWARD, 0, T, t, &tk), MOK_OK);
+    CHECK_EQ_INT(mok_wait(c, tk, 60000), MOK_OK);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+    CHECK_MSG(ms > 150, "the slow job took only %.0f ms", ms);
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  CHECK_EQ_INT(mok_standing_trigger(slow), MOK_OK);
+  mok_standing_words *w = mok_shm_standing(c->shm, 0);
+  for (int i = 0; i < 1000 && w->trigger != 0; i++) usleep(100); /* taken */
+  w->trigger = 1; /* early: the first instance still runs */
+  /* the early trigger waits for the running instance past the fence
+   * timeout: the job is cancelled and the client answered (the first
+   * wait may already see that answer) */
+  int first = mok_standing_wait(slow, 20000);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+  CHECK_MSG(first == MOK_OK || first == MOK_ETIMEOUT, "first wait: %d", first);
+  for (int i = 0; i < 5000 && w->error == 0; i++) usleep(1000);
+  CHECK_EQ_INT(mok_standing_status(slow), MOK_ETIMEOUT);
+  CHECK_STR_CONTAINS(mok_last_error(), "waited");
+  CHECK_MSG(ms < 15000, "answered after %.0f ms", ms);
+  mok_standing_destroy(slow);
+  mok_layer_destroy(big);
+  }
+
+  /* a region it names unregistered: cancelled with the region's number */
+  const uint32_t Ts = 16;
+  mok_layer *l = small_layer(c, Ts);
+  job_bufs f = {0};
+  alloc_bufs(c, l, MOK_OP_FORWARD, Ts, &f, 4);
+  tensors_of(l, MOK_OP_FORWARD, Ts, &f, t);
+  mok_standing *s;
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, Ts, t, &s), MOK_OK);
+  CHECK_EQ_INT(mok_standing_trigger(s), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(s, 5000), MOK_OK);
+  CHECK_EQ_INT(mok_host_free(c, f.p[MOK_SLOT_ROUTER_W]), MOK_OK);
+  CHECK_EQ_INT(mok_standing_trigger(s), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(s, 5000), MOK_ENOENT);
+  CHECK_STR_CONTAINS(mok_last_error(), "was unregistered");
+  CHECK(mok_standing_done(s) == 1); /* it did not run again */
+  mok_standing_destroy(s);
+
+  /* its layer destroyed: cancelled */
+  f.p[MOK_SLOT_ROUTER_W] = NULL;
+  alloc_bufs(c, l, MOK_OP_FORWARD, Ts, &f, 4);
+  tensors_of(l, MOK_OP_FORWARD, Ts, &f, t);
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, Ts, t, &s), MOK_OK);
+  mok_layer_destroy(l);
+  CHECK_EQ_INT(mok_standing_trigger(s), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(s, 5000), MOK_ECLOSED);
+  CHECK_STR_CONTAINS(mok_last_error(), "layer was destroyed");
+  mok_standing_destroy(s);
+
+  /* mokd killed: the client's trigger is answered by libmok with ECLOSED */
+  l = small_layer(c, Ts);
+  job_bufs h = {0};
+  alloc_bufs(c, l, MOK_OP_FORWARD, Ts, &h, 9);
+  tensors_of(l, MOK_OP_FORWARD, Ts, &h, t);
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, 0, Ts, t, &s), MOK_OK);
+  kill(d.pid, SIGKILL);
+  int st;
+  waitpid(d.pid, &st, 0);
+  d.pid = 0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  CHECK_EQ_INT(mok_standing_trigger(s), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(s, 5000), MOK_ECLOSED);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  CHECK_STR_CONTAINS(mok_last_error(), "mokd went away");
+  CHECK((t1.tv_sec - t0.tv_sec) < 2);
+  mok_standing_destroy(s);
+  mok_close(c);
+}
+
+static const check_case cases[] = {
+    CHECK_CASE(test_runs_equal_ring_jobs),
+    CHECK_CASE(test_validation),
+    CHECK_CASE(test_hostile_words),
+    CHECK_CASE(test_failures_end_in_errors),
+    {0},
+};
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  return check_main(argc, argv, cases);
+}
