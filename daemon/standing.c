@@ -136,7 +136,7 @@ static void instance_done(mok_standing_set *set, const mok_standing_env *env, ui
     return;
   }
   if (res->status != MOK_OK) {
-    char m[MOK_COMPLETION_MSG + 32];
+    char m[MOK_JOB_MESSAGE_MAX + 32];
     snprintf(m, sizeof m, "instance %llu: %s", (unsigned long long)st->finished, res->message);
     post_error(st, w, res->status, m);
   }

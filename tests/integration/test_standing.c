@@ -324,7 +324,8 @@ static void test_failures_end_in_errors(void) {
    * (the cpu engine; on a GPU the job is too fast for this part) */
   const uint32_t T = 1024;
   if (!harness_engine_is_cuda()) {
-  mok_layer_desc ld = {.hidden = 256, .intermediate = 512, .experts = 4, .topk = 2,
+  /* ~4 GFLOP: some 400 ms on one thread of a CI machine, 3x the check below */
+  mok_layer_desc ld = {.hidden = 512, .intermediate = 1024, .experts = 4, .topk = 2,
                        .max_tokens = T, .dtype = test_dtype()};
   mok_layer *big;
   CHECK_EQ_INT(mok_layer_create(c, &ld, &big), MOK_OK);
