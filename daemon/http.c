@@ -104,10 +104,10 @@ mok_http_verdict mok_http_parse(const char *buf, size_t len, mok_http_request *r
         complete = true;
         break;
       }
+      /* judged byte by byte, so that later bytes never change a verdict */
+      if (line == 0 && i - pos >= REQUEST_LINE_MAX) return refuse(req, 414, "request line too long");
     }
     if (!complete) {
-      if (line == 0 && len - pos > REQUEST_LINE_MAX)
-        return refuse(req, 414, "request line too long");
       if (len >= MOK_HTTP_MAX_REQUEST) return refuse(req, 413, "request head too large");
       return MOK_HTTP_NEED_MORE;
     }
@@ -115,7 +115,6 @@ mok_http_verdict mok_http_parse(const char *buf, size_t len, mok_http_request *r
     const char *l = buf + pos;
     size_t n = i - pos;
     if (line == 0) {
-      if (n > REQUEST_LINE_MAX) return refuse(req, 414, "request line too long");
       if (parse_request_line(l, n, req) == MOK_HTTP_ERROR) return MOK_HTTP_ERROR;
     } else if (n == 0) {
       if (req->minor == 1 && hosts == 0) return refuse(req, 400, "HTTP/1.1 without Host");
