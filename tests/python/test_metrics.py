@@ -225,3 +225,29 @@ def test_labels_are_bounded(mokd):
     assert value(fams, "mokd_sessions", "mokd_sessions") == 0
     assert value(fams, "mokd_jobs_completed", "mokd_jobs_completed_total", op="forward") == \
         before + 30
+
+
+def test_the_dashboard_queries_what_the_page_serves(mokd):
+    """Every series deploy/grafana/mokd.json queries is on a live page
+    (families with no samples yet, e.g. groups, count: their TYPE is there)."""
+    import json
+    import re
+    sock, port = mokd
+    run_jobs(sock)
+    text = scrape(port)
+    names = set()
+    for f in parser.text_string_to_metric_families(text):
+        names.add(f.name)
+        names |= {s.name for s in f.samples}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, n, t = line.split()
+            names.add(n)
+            if t == "histogram":
+                names |= {n + "_bucket", n + "_sum", n + "_count"}
+    with open(os.path.join(REPO, "deploy", "grafana", "mokd.json")) as f:
+        dash = json.load(f)
+    for p in dash["panels"]:
+        for t in p.get("targets", []):
+            for n in re.findall(r"\b(mokd_[a-z0-9_]+)", t["expr"]):
+                assert n in names, (p["title"], n)
