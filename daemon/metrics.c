@@ -116,9 +116,11 @@ mok_job_sink *mok_metrics_session_open(mok_metrics *m, uint32_t uid, const char 
       pick = s;
       break;
     }
-    if (!s->used && !lru) lru = s; /* a never used set first */
-    else if (s->used && s->refs == 0 && (!lru || (lru->used && s->last_use < lru->last_use)))
-      lru = s;
+    if (!s->used) {
+      if (!lru || lru->used) lru = s; /* a never used set first */
+    } else if (s->refs == 0 && (!lru || (lru->used && s->last_use < lru->last_use))) {
+      lru = s; /* else the least recently used free one */
+    }
   }
   if (!pick && lru) {
     if (lru->used) { /* given away: what it counted goes on under "other" */

@@ -187,9 +187,18 @@ static int forward(mok_client *c, mok_layer *l, job_bufs *b) {
   return mok_wait(c, t, 10000);
 }
 
+/* The float32 layers here run on the cpu engine (the cuda engine runs bf16
+ * layers only); the HTTP tests use nops and run on either. */
+static bool cpu_engine_only(void) {
+  if (!harness_engine_is_cuda()) return true;
+  printf("# skipped: float32 layers (cpu engine)\n");
+  return false;
+}
+
 /* ---- tests -------------------------------------------------------------------------- */
 
 static void test_a_scrape_counts_what_the_client_did(void) {
+  if (!cpu_engine_only()) return;
   char dir[] = "/tmp/mok-scrape-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
   char msock[128], extra[512];
@@ -441,7 +450,7 @@ static void test_a_slowloris_is_closed_and_stalls_nobody(void) {
 
 static void test_a_flood_of_connections_is_bounded(void) {
   int port;
-  daemon_proc d = start_metrics("metrics-timeout-ms = 2000\nmetrics-max-connections = 4\n", &port);
+  daemon_proc d = start_metrics("metrics-timeout-ms = 4000\nmetrics-max-connections = 4\n", &port);
   mok_client *c;
   CHECK(mok_connect(d.sock, "beside", &c) == MOK_OK);
   int base_fds = harness_fd_count(d.pid);
@@ -453,12 +462,16 @@ static void test_a_flood_of_connections_is_bounded(void) {
   /* mokd holds at most the cap (and closed the rest at once) */
   int held = harness_fd_count(d.pid) - base_fds;
   CHECK_MSG(held <= 4, "mokd holds %d more fds with %d connections open", held, FLOOD);
+  /* the rest were closed at once (well before the 4 s timeout) */
   int closed = 0;
-  for (int i = 0; i < FLOOD; i++) {
-    struct pollfd pf = {.fd = fds[i], .events = POLLIN};
-    char b;
-    if (poll(&pf, 1, 0) == 1 && recv(fds[i], &b, 1, MSG_DONTWAIT) <= 0) closed++;
-  }
+  bool done[FLOOD] = {false};
+  for (double t_end = now_s() + 2.0; closed < FLOOD - 4 && now_s() < t_end; usleep(10000))
+    for (int i = 0; i < FLOOD; i++) {
+      struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+      char b;
+      if (!done[i] && poll(&pf, 1, 0) == 1 && recv(fds[i], &b, 1, MSG_DONTWAIT) <= 0)
+        done[i] = true, closed++;
+    }
   CHECK_MSG(closed >= FLOOD - 4, "only %d of %d connections over the cap were closed", closed,
             FLOOD);
   /* the control plane does not notice */
@@ -568,10 +581,7 @@ static void test_the_endpoint_is_refused_where_it_should_not_be(void) {
 /* Rank 0 of a world-2 group runs a forward alone: the barrier times out,
  * the group breaks, and the health series say which rank was missing. */
 static void test_group_timeouts_and_missing_ranks(void) {
-  if (harness_engine_is_cuda()) {
-    printf("# skipped: the cpu engine's host barriers\n");
-    return;
-  }
+  if (!cpu_engine_only()) return; /* and the host barriers */
   int port;
   daemon_proc d = start_metrics(NULL, &port);
   mok_client *c;

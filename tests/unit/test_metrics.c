@@ -181,6 +181,31 @@ static void test_label_sets_are_bounded_and_fold_into_other(void) {
   mok_metrics_free(m);
 }
 
+/* A free set is given away only when no set was ever used; the least
+ * recently used free one goes first. */
+static void test_free_label_sets_are_reused_least_recent_first(void) {
+  mok_metrics *m = mok_metrics_create(3, true);
+  mok_job_sink *a = mok_metrics_session_open(m, 1, "a");
+  mok_metrics_session_close(m, a);
+  mok_job_sink *b = mok_metrics_session_open(m, 2, "b"); /* a's set is free: still a new one */
+  CHECK(b != a);
+  mok_metrics_session_close(m, b);
+  mok_job_sink *c = mok_metrics_session_open(m, 3, "c");
+  CHECK(c != a && c != b);
+  mok_job_sink *d = mok_metrics_session_open(m, 4, "d"); /* all used: a is the oldest free */
+  CHECK(d == a);
+  mok_job_sink *e = mok_metrics_session_open(m, 5, "e"); /* then b */
+  CHECK(e == b);
+  mok_job_sink *f = mok_metrics_session_open(m, 6, "f"); /* none free: other */
+  CHECK(f != a && f != b && f != c);
+  mok_job_sink *a2 = mok_metrics_session_open(m, 1, "a"); /* a's counts were folded: other */
+  CHECK(a2 == f);
+  const char *p = render(m, &no_stats);
+  CHECK_EQ_INT(sample(p, "mokd_tenant_label_sets{bound=\"used\"}"), 3);
+  CHECK_EQ_INT(sample(p, "mokd_tenant_sessions{uid=\"other\",client=\"other\"}"), 2);
+  mok_metrics_free(m);
+}
+
 static void test_gauges_come_from_the_engine_stats(void) {
   mok_metrics *m = mok_metrics_create(4, true);
   mok_job_sink *a = mok_metrics_session_open(m, 1000, "a");
@@ -343,6 +368,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_jobs_count_by_op_status_and_latency),
     CHECK_CASE(test_every_family_has_help_and_type_once_before_its_samples),
     CHECK_CASE(test_label_sets_are_bounded_and_fold_into_other),
+    CHECK_CASE(test_free_label_sets_are_reused_least_recent_first),
     CHECK_CASE(test_gauges_come_from_the_engine_stats),
     CHECK_CASE(test_group_health_is_bounded_by_group),
     CHECK_CASE(test_refusals_count_under_the_setting_they_name),
