@@ -208,15 +208,16 @@ test: all
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_SMOKE_SECONDS ?= 5
-FUZZ_TARGETS ?= request job_check config schedule
+FUZZ_TARGETS ?= request job_check config schedule http
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined \
 	-fno-sanitize-recover=all -fno-omit-frame-pointer $(INCLUDES) -Itests/fuzz
 FUZZ_SRC_request := tests/fuzz/fuzz_request.c proto/frame.c daemon/request.c daemon/layer.c \
 	$(GEN)/mok.pb-c.c
 FUZZ_SRC_job_check := tests/fuzz/fuzz_job_check.c daemon/job_check.c daemon/region.c \
 	daemon/layer.c proto/mok_slots.c
-FUZZ_SRC_config := tests/fuzz/fuzz_config.c daemon/config.c daemon/log.c
+FUZZ_SRC_config := tests/fuzz/fuzz_config.c daemon/config.c daemon/metrics_config.c daemon/log.c
 FUZZ_SRC_schedule := tests/fuzz/fuzz_schedule.c daemon/schedule.c
+FUZZ_SRC_http := tests/fuzz/fuzz_http.c daemon/http.c
 FUZZ_LIBS := $(PB_LIBS) $(SD_LIBS) -lm
 FUZZ_BINS := $(addprefix $(BUILD)/fuzz/fuzz_,$(FUZZ_TARGETS))
 
@@ -225,7 +226,7 @@ $(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuz
 	@mkdir -p $$(dir $$@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $$@ $(FUZZ_SRC_$(1)) $(FUZZ_LIBS)
 endef
-$(foreach t,request job_check config schedule,$(eval $(call fuzz_rule,$(t))))
+$(foreach t,request job_check config schedule http,$(eval $(call fuzz_rule,$(t))))
 
 $(BUILD)/fuzz/gen_corpus: $(OBJ)/tests/fuzz/gen_corpus.o $(DAEMON_DEPS)
 	@mkdir -p $(dir $@)

@@ -36,6 +36,7 @@ void mok_server_config_defaults(mok_server_config *cfg) {
   cfg->max_layers_per_uid = 1024;
   cfg->max_groups_per_uid = 16;
   cfg->max_group_bytes_per_uid = 32ull << 30;
+  mok_metrics_config_defaults(&cfg->metrics);
 }
 
 /* Strings outlive the parse (the config is read once at start-up). Each key
@@ -98,6 +99,8 @@ static int parse_u64(const char *v, uint64_t max, uint64_t *ret, int base) {
 int mok_config_set(mok_server_config *cfg, const char *key, const char *value, char *err,
                    size_t errlen) {
   uint64_t n;
+  int metrics = mok_metrics_config_set(&cfg->metrics, key, value, err, errlen);
+  if (metrics <= 0) return metrics; /* a metrics-* key (metrics_config.c) */
   if (strcmp(key, "socket") == 0) {
     if (!*value || !(cfg->socket_path = keep_string("socket", value))) goto bad;
   } else if (strcmp(key, "engine") == 0) {

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "job_check.h"
+#include "job_sink.h"
 #include "log.h"
 #include "mok_status.h"
 #include "nccl_group.h"
@@ -53,6 +54,7 @@ typedef struct esession {
   uint32_t sq_head, cq_tail; /* our private copies: never read back from shared memory */
   uint64_t seq;
   uint64_t jobs_done, jobs_failed;
+  mok_job_sink *sink; /* the metrics' (NULL: off) */
   bool faulted;
   mok_engine_session *es; /* the engine's (session_open), or NULL */
   pend *pend_head, *pend_tail;
@@ -262,6 +264,7 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
   s->shm = c->in.attach.shm;
   s->limits = c->in.attach.limits;
   s->uid = c->in.attach.uid;
+  s->sink = c->in.attach.sink;
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
   if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, s->shm.doorbell_in, &ev) < 0) {
     c->status = MOK_EIO;
@@ -741,6 +744,13 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     o->layers = (uint32_t)s->n_layers;
     o->jobs_done = s->jobs_done;
     o->jobs_failed = s->jobs_failed;
+    if (!s->faulted) { /* as max-jobs-per-uid counts them (uid_jobs_in_flight) */
+      uint32_t queued = atomic_load_explicit(&s->shm.hdr->sq_tail.value, memory_order_acquire) -
+                        s->sq_head;
+      o->jobs_in_flight = (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + s->n_pend -
+                          s->n_pend_refused;
+    }
+    o->sink = s->detaching ? NULL : s->sink;
     if (s->es && t->ops->session_memory) t->ops->session_memory(t->engine, s->es, &o->memory);
     for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
       mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
@@ -772,6 +782,9 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     o->broken = mok_ep_group_is_broken(g);
     o->forming = group_forming(t, o->group_id);
     snprintf(o->key, sizeof o->key, "%s", mok_ep_group_key(g));
+    o->timeouts = mok_ep_group_timeouts(g);
+    for (uint32_t p = 0; p < o->world && p < MOK_GROUP_MAX_WORLD; p++)
+      o->rank_missed[p] = mok_ep_group_rank_missed(g, p);
   }
   c->status = MOK_OK;
 }
@@ -908,6 +921,7 @@ static void finish_job(mok_engine_thread *t, esession *s, uint64_t user_data, ui
               (unsigned long long)seq, mok_op_name(op), res->message);
   }
   t->latency[t->latency_count++ % LATENCY_WINDOW] = dt;
+  mok_job_sink_record(s->sink, op, res->status, dt);
   post_completion(s, user_data, seq, res->status, res->message, dt);
 }
 
@@ -930,6 +944,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
     if (p->group_id && res.status == MOK_ETIMEOUT && t->groups) {
       /* a peer never arrived at a device barrier: the group cannot go on */
       mok_ep_group *g = mok_ep_group_find(t->groups, p->group_id);
+      if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g); /* a device barrier's */
       if (g) mok_ep_group_mark_broken(g, res.message);
     }
     uint64_t end = now == UINT64_MAX ? now_ns() : now;

@@ -18,6 +18,8 @@
 #include "group.h"
 #include "session_shm.h"
 
+struct mok_job_sink; /* job_sink.h: where finished jobs count for the metrics */
+
 typedef enum mok_cmd_kind {
   MOK_CMD_ATTACH = 1,   /* engine takes over the session's shm and doorbells */
   MOK_CMD_REGISTER,     /* map a client buffer; takes ownership of reg.fd */
@@ -49,6 +51,8 @@ typedef struct mok_session_stats {
   uint32_t layers;
   uint64_t jobs_done, jobs_failed;
   mok_session_memory memory; /* zeros: the engine does not say */
+  uint32_t jobs_in_flight;   /* submitted, not yet completed (queued or running) */
+  struct mok_job_sink *sink; /* the attach's (NULL once the session is detaching) */
 } mok_session_stats;
 
 /* A group of this daemon (mokctl lists them, lingering ones too). */
@@ -57,6 +61,8 @@ typedef struct mok_daemon_group_stats {
   uint64_t generation, sequence;
   bool nccl, broken, forming;
   char key[MOK_GROUP_KEY_MAX + 1];
+  uint64_t timeouts;                          /* barriers that timed out on this member */
+  uint64_t rank_missed[MOK_GROUP_MAX_WORLD];  /* per rank: absent when a host barrier did */
 } mok_daemon_group_stats;
 #define MOK_STATS_DAEMON_GROUPS_MAX 64
 
@@ -85,6 +91,7 @@ typedef struct mok_cmd {
       mok_session_shm shm;
       mok_session_limits limits;
       uint32_t uid; /* the client's (SO_PEERCRED), for per-uid limits */
+      struct mok_job_sink *sink; /* its finished jobs count there (NULL: metrics off) */
     } attach;
     struct {
       int kind; /* mok_region_kind */

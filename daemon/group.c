@@ -87,6 +87,10 @@ struct mok_ep_group {
   uint8_t nccl_id[MOK_GROUP_NCCL_ID_BYTES];
   bool broken;
   char broken_msg[160];
+  /* health, for the metrics: barriers that timed out on this member, and
+   * per rank how often it was the one missing at a host barrier */
+  uint64_t timeouts;
+  uint64_t rank_missed[MOK_GROUP_MAX_WORLD];
   struct mok_ep_group *next;
 };
 
@@ -876,6 +880,12 @@ mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p) {
 
 void mok_ep_group_mark_broken(mok_ep_group *g, const char *why) { group_break(g, why); }
 
+void mok_ep_group_count_timeout(mok_ep_group *g) { g->timeouts++; }
+uint64_t mok_ep_group_timeouts(const mok_ep_group *g) { return g->timeouts; }
+uint64_t mok_ep_group_rank_missed(const mok_ep_group *g, uint32_t p) {
+  return p < MOK_GROUP_MAX_WORLD ? g->rank_missed[p] : 0;
+}
+
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p) {
   if (!g->h) return g->sz.max_tokens;
   uint32_t t = g->h->ranks[p].post[g->seq & 1].tokens;
@@ -956,9 +966,12 @@ static int barrier(mok_ep_group *g, uint32_t phase, char *err, size_t errlen) {
       char who[160];
       size_t n = 0;
       who[0] = '\0';
-      for (uint32_t p = 0; p < W && n < sizeof who - 16; p++) {
+      g->timeouts++;
+      for (uint32_t p = 0; p < W; p++) {
         uint64_t a = atomic_load(&h->ranks[p].arrive);
         if ((a >> GEN_SHIFT) == g->gen && a >= epoch) continue;
+        g->rank_missed[p]++;
+        if (n >= sizeof who - 16) continue;
         bool joined = atomic_load(&h->ranks[p].joined_gen) == g->gen;
         n += (size_t)snprintf(who + n, sizeof who - n, "%s%u%s", n ? ", " : "", p,
                               joined ? "" : " (not joined)");

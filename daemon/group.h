@@ -172,6 +172,14 @@ mok_ep_group_peer mok_ep_group_peer_of(const mok_ep_group *g, uint32_t p);
  * jobs fail until its clients re-join. */
 void mok_ep_group_mark_broken(mok_ep_group *g, const char *why);
 
+/* Health counters (the metrics): barriers of this group that timed out on
+ * this member, host ones counted by the barrier itself and device ones by
+ * the engine thread (count_timeout); and how often rank p was missing when
+ * a host barrier timed out. */
+void mok_ep_group_count_timeout(mok_ep_group *g);
+uint64_t mok_ep_group_timeouts(const mok_ep_group *g);
+uint64_t mok_ep_group_rank_missed(const mok_ep_group *g, uint32_t p);
+
 /* Tokens rank p posted for the current job (after barrier 1). */
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p);
 

@@ -21,6 +21,8 @@
 #include "group.h"
 #include "layer.h"
 #include "log.h"
+#include "metrics.h"
+#include "metrics_server.h"
 #include "mok.pb-c.h"
 #include "mok_status.h"
 #include "quota.h"
@@ -58,6 +60,7 @@ typedef struct session {
    * depends on an allocation succeeding when memory is short */
   mok_cmd *detach;
   mok_uid_usage *user; /* this session's uid: what it holds counts there */
+  mok_job_sink *sink;  /* its jobs' label set in the metrics (NULL: off) */
   uint32_t regions, layers; /* this session's share of user's counts */
   uint64_t region_bytes;
   region_rec *recs;  /* registered regions, for unregister */
@@ -80,6 +83,8 @@ typedef struct server {
   bool watchdog_on;
   uv_async_t engine_done;
   mok_engine_thread *engine;
+  mok_metrics *metrics;            /* NULL: no metrics endpoint */
+  mok_metrics_server *metrics_srv;
   session *sessions;
   mok_quota quota; /* what each uid (and the daemon) holds */
   uint32_t n_sessions;
@@ -141,6 +146,7 @@ static void reply_status(session *s, uint32_t request_id, int status, const char
 static void protocol_error(session *s, uint32_t request_id, int status, const char *why) {
   log_info("session %llu (%s, pid %d): %s; closing it", (unsigned long long)s->id,
            s->name[0] ? s->name : "no hello", (int)s->cred.pid, why);
+  mok_metrics_refused(s->srv->metrics, status == MOK_ETIMEOUT ? "hello-timeout-ms" : "protocol");
   reply_status(s, request_id, status, "%s", why);
   session_close(s, NULL);
 }
@@ -167,6 +173,7 @@ static void session_maybe_free(session *s) {
   for (size_t i = 0; i < s->n_joins; i++) /* lingering in the engine now */
     mok_quota_group_drop(&srv->quota, s->joins[i].quota, false, now);
   mok_quota_prune(&srv->quota, now);
+  mok_metrics_session_close(srv->metrics, s->sink);
   free(s->detach);
   free(s->recs);
   free(s->joins);
@@ -243,6 +250,7 @@ static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m) {
   }
   c->in.attach.limits = s->srv->cfg.limits;
   c->in.attach.uid = (uint32_t)s->cred.uid;
+  c->in.attach.sink = s->sink = mok_metrics_session_open(s->srv->metrics, c->in.attach.uid, s->name);
   /* send the fds first: once attached they belong to the engine thread */
   Mok__HelloReply hr = MOK__HELLO_REPLY__INIT;
   char *caps[] = {"host-memfd", "single-steps", "recompute", "bf16", "f32"};
@@ -280,6 +288,7 @@ static bool quota_refuses(session *s, uint32_t rid, uint32_t regions, uint64_t b
   char msg[320];
   if (mok_quota_check(&s->srv->quota, s->user, regions, bytes, layers, msg, sizeof msg) == MOK_OK)
     return false;
+  mok_metrics_refused(s->srv->metrics, msg);
   reply_status(s, rid, MOK_ELIMIT, "%s", msg);
   return true;
 }
@@ -392,6 +401,7 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
                                   sizeof msg);
   if (r != MOK_OK) {
     free(c);
+    mok_metrics_refused(s->srv->metrics, msg);
     reply_status(s, rid, r, "%s", msg);
     return;
   }
@@ -421,6 +431,7 @@ static void handle_request(session *s, mok_frame *f) {
     snprintf(q.message, sizeof q.message, "more than %u requests awaiting replies",
              s->srv->cfg.max_pending_requests);
     v = MOK_REQ_REPLY;
+    mok_metrics_refused(s->srv->metrics, "max-pending-requests");
   }
   if (v == MOK_REQ_OK) v = mok_request_validate(&q, f->nfds, s->hello_done);
   if (v != MOK_REQ_OK) {
@@ -556,6 +567,7 @@ static void refuse_connection(server *srv, int fd, const struct ucred *cr, int s
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  mok_metrics_refused(srv->metrics, msg);
   Mok__Reply reply = MOK__REPLY__INIT;
   reply.status = status;
   reply.message = msg;
@@ -896,6 +908,7 @@ static void on_engine_done(uv_async_t *h) {
     } else if (s) {
       s->pending--;
       settle_counts(s, c);
+      mok_metrics_command_done(srv->metrics, c);
       if (c->kind == MOK_CMD_ATTACH) {
         if (c->status != MOK_OK) {
           s->attached = false;
@@ -906,6 +919,8 @@ static void on_engine_done(uv_async_t *h) {
       }
       session_maybe_free(s);
     }
+    if (c->kind == MOK_CMD_STATS && c->session_id == 0) /* the metrics endpoint's */
+      mok_metrics_server_engine_stats(srv->metrics_srv, c->status, &c->out.stats);
     if (c->kind == MOK_CMD_STATS) {
       free(c->out.stats.sessions);
       free(c->out.stats.groups);
@@ -1007,6 +1022,8 @@ static void begin_shutdown(server *srv, const char *why) {
   /* the engine drains what clients already queued, then stops */
   mok_engine_thread_stop(srv->engine, srv->cfg.drain_ms);
   srv->engine = NULL;
+  mok_metrics_server_stop(srv->metrics_srv);
+  srv->metrics_srv = NULL;
   for (session *s = srv->sessions, *next; s; s = next) {
     next = s->next;
     s->attached = false; /* the engine released everything already */
@@ -1107,6 +1124,31 @@ static void set_up_group_dir(const server *srv) {
   if (removed) log_info("group-dir %s: removed %u stale or foreign segment(s)", dir, removed);
 }
 
+/* ---- the metrics endpoint's view (daemon/metrics_server.h) ---------------------- */
+
+static bool metrics_request_stats(void *arg) {
+  server *srv = arg;
+  if (!srv->engine || srv->stopping) return false;
+  mok_cmd *c = calloc(1, sizeof *c);
+  if (!c) return false;
+  c->kind = MOK_CMD_STATS; /* session 0: the endpoint's (session ids start at 1) */
+  mok_engine_thread_submit(srv->engine, c);
+  return true;
+}
+
+static bool metrics_is_admin(void *arg, int fd, const struct ucred *cr) {
+  return peer_is_admin(arg, fd, cr);
+}
+
+static void metrics_page_info(void *arg, mok_metrics_page_info *info) {
+  server *srv = arg;
+  info->version = MOK_VERSION;
+  info->engine = srv->engine ? mok_engine_thread_engine_name(srv->engine) : "";
+  info->device = srv->engine ? mok_engine_thread_describe(srv->engine) : "";
+  info->uptime_ms = now_ms() - srv->start_ms;
+  info->connections = srv->n_sessions;
+}
+
 int mok_server_run(const mok_server_config *cfg) {
   server srv = {.cfg = *cfg, .listen_fd = -1};
   char err[256];
@@ -1138,9 +1180,19 @@ int mok_server_run(const mok_server_config *cfg) {
   srv.sigterm.data = srv.sigint.data = &srv;
   uv_signal_start(&srv.sigterm, on_signal, SIGTERM);
   uv_signal_start(&srv.sigint, on_signal, SIGINT);
+  if (cfg->metrics.listen || cfg->metrics.socket_path)
+    srv.metrics = mok_metrics_create(cfg->metrics.max_label_sets, cfg->metrics.per_uid);
+  const mok_metrics_hooks hooks = {.arg = &srv, .request_stats = metrics_request_stats,
+                                   .is_admin = metrics_is_admin, .page_info = metrics_page_info};
+  if (mok_metrics_server_start(srv.loop, &cfg->metrics, srv.metrics, &hooks, &srv.metrics_srv) < 0) {
+    mok_engine_thread_stop(srv.engine, 0);
+    goto out;
+  }
   srv.listen_fd = cfg->listen_fd >= 0 ? cfg->listen_fd : make_listen_socket(&srv);
   if (srv.listen_fd < 0) {
     mok_engine_thread_stop(srv.engine, 0);
+    mok_metrics_server_stop(srv.metrics_srv);
+    srv.metrics_srv = NULL;
     goto out;
   }
   uv_poll_init(srv.loop, &srv.listen_poll, srv.listen_fd);
@@ -1158,6 +1210,7 @@ out:
   uv_run(srv.loop, UV_RUN_DEFAULT);
   uv_loop_close(srv.loop);
   mok_quota_free(&srv.quota); /* groups still lingering (the engine left them) */
+  mok_metrics_free(srv.metrics); /* the engine, which counted into it, is stopped */
   free(srv.rxbuf);
   log_info("mokd stopped");
   return exit_code;

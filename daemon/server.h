@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include "engine_thread.h"
+#include "metrics_config.h"
 #include "mok_version.h"
 
 #define MOK_ALLOW_MAX 64 /* entries in allow-uids, allow-gids */
@@ -49,6 +50,7 @@ typedef struct mok_server_config {
    * vm.max_map_count, so that a Hello never fails for want of one. */
   uint32_t session_reserve;
   uint32_t max_regions_total;
+  mok_metrics_config metrics; /* the /metrics endpoint (off unless configured) */
 } mok_server_config;
 
 void mok_server_config_defaults(mok_server_config *cfg);

@@ -2,7 +2,7 @@
  * really exchange them (every Request body, valid job descriptors for every
  * op on a few layers, built schedules, a full configuration).
  *
- *   gen_corpus DIR   ->  DIR/request/, DIR/job_check/, DIR/schedule/, DIR/config/
+ *   gen_corpus DIR   ->  DIR/request/, DIR/job_check/, DIR/schedule/, DIR/config/, DIR/http/
  */
 #include <errno.h>
 #include <stdio.h>
@@ -268,6 +268,30 @@ static void gen_config(void) {
   put("config", "odd_spacing", odd, strlen(odd));
 }
 
+/* ---- http: requests as scrapers send them (and a few the parser refuses) ---- */
+static void gen_http(void) {
+  const struct { const char *name, *text; } reqs[] = {
+      {"prometheus", "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:9464\r\nUser-Agent: "
+                     "Prometheus/2.53.0\r\nAccept: application/openmetrics-text;version=1.0.0;"
+                     "q=0.5,text/plain;version=0.0.4;q=0.4,*/*;q=0.1\r\nAccept-Encoding: gzip\r\n"
+                     "X-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n"},
+      {"curl_10", "GET /metrics HTTP/1.0\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\n\r\n"},
+      {"query", "GET /metrics?name[]=mokd_up HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"},
+      {"post", "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"},
+      {"folded", "GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"},
+      {"chunked", "GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"},
+      {"http2", "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"},
+  };
+  for (size_t i = 0; i < sizeof reqs / sizeof reqs[0]; i++)
+    put("http", reqs[i].name, reqs[i].text, strlen(reqs[i].text));
+  const char *metrics = "metrics-listen = 127.0.0.1:9464\nmetrics-socket = /run/mok/metrics.sock\n"
+                        "metrics-socket-mode = 0660\nmetrics-socket-group = mok\n"
+                        "metrics-per-uid = yes\nmetrics-allow-nonlocal = no\n"
+                        "metrics-max-connections = 16\nmetrics-timeout-ms = 5000\n"
+                        "metrics-max-label-sets = 32\nmetrics_listen = [::1]:9464\n";
+  put("config", "metrics", metrics, strlen(metrics));
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: gen_corpus DIR\n");
@@ -282,6 +306,7 @@ int main(int argc, char **argv) {
   gen_jobs();
   gen_schedules();
   gen_config();
+  gen_http();
   printf("gen_corpus: %d seed files in %s\n", n_written, out_dir);
   return 0;
 }

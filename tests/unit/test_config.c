@@ -140,6 +140,66 @@ static void test_client_limits_default_to_fair_shares(void) {
   CHECK_EQ_INT(cfg.n_admin_uids, 0);
 }
 
+/* The metrics endpoint: off by default; every key; loopback unless told. */
+static void test_metrics_settings(void) {
+  mok_server_config cfg;
+  mok_server_config_defaults(&cfg);
+  CHECK(cfg.metrics.listen == NULL && cfg.metrics.socket_path == NULL && !cfg.metrics.per_uid);
+  CHECK(!cfg.metrics.allow_nonlocal);
+  CHECK_EQ_INT(cfg.metrics.max_label_sets, 32);
+  char err[256] = "";
+  CHECK_MSG(mok_config_parse(&cfg,
+                             "metrics-listen = 127.0.0.1:9464\nmetrics_socket = /run/m.sock\n"
+                             "metrics-socket-mode = 0600\nmetrics-socket-group = mok\n"
+                             "metrics-per-uid = yes\nmetrics-max-label-sets = 0\n"
+                             "metrics-max-connections = 2\nmetrics-timeout-ms = 100\n",
+                             err, sizeof err) == 0,
+            "%s", err);
+  CHECK(strcmp(cfg.metrics.listen, "127.0.0.1:9464") == 0);
+  CHECK(strcmp(cfg.metrics.socket_path, "/run/m.sock") == 0);
+  CHECK(strcmp(cfg.metrics.socket_group, "mok") == 0);
+  CHECK_EQ_INT(cfg.metrics.socket_mode, 0600);
+  CHECK(cfg.metrics.per_uid);
+  CHECK_EQ_INT(cfg.metrics.max_label_sets, 0);
+  CHECK_EQ_INT(cfg.metrics.max_connections, 2);
+  CHECK_EQ_INT(cfg.metrics.timeout_ms, 100);
+  CHECK_EQ_INT(mok_metrics_config_check(&cfg.metrics, err, sizeof err), 0);
+  /* empty values turn an endpoint off again */
+  CHECK(mok_config_parse(&cfg, "metrics-listen =\nmetrics-socket =\n", err, sizeof err) == 0);
+  CHECK(cfg.metrics.listen == NULL && cfg.metrics.socket_path == NULL);
+  expect_error("metrics-listen = localhost:9464\n", "line 1: metrics-listen \"localhost:9464\"");
+  expect_error("metrics-listen = 127.0.0.1\n", "numeric ADDRESS:PORT");
+  expect_error("metrics-listen = 127.0.0.1:0\n", "numeric ADDRESS:PORT");
+  expect_error("metrics-listen = 127.0.0.1:65536\n", "numeric ADDRESS:PORT");
+  expect_error("metrics-listen = ::1:9464\n", "numeric ADDRESS:PORT");
+  expect_error("metrics-socket = relative.sock\n", "bad value");
+  expect_error("metrics-per-uid = maybe\n", "bad value");
+  expect_error("metrics-max-label-sets = 257\n", "bad value");
+  expect_error("metrics-max-connections = 0\n", "bad value");
+  expect_error("metrics-socket-mode = 0888\n", "bad value");
+  expect_error("metrics-colour = red\n", "unknown setting \"metrics-colour\"");
+  /* a non-loopback address needs leave, whatever the order of the keys */
+  mok_server_config_defaults(&cfg);
+  const char *nonlocal[] = {"0.0.0.0:9464", "10.1.2.3:9464", "[::]:9464", "[fe80::1]:9464"};
+  for (size_t i = 0; i < 4; i++) {
+    char text[128];
+    snprintf(text, sizeof text, "metrics-listen = %s\n", nonlocal[i]);
+    CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ_INT(mok_metrics_config_check(&cfg.metrics, err, sizeof err), -1);
+    CHECK_STR_CONTAINS(err, "metrics-allow-nonlocal");
+  }
+  CHECK(mok_config_parse(&cfg, "metrics-allow-nonlocal = yes\n", err, sizeof err) == 0);
+  CHECK_EQ_INT(mok_metrics_config_check(&cfg.metrics, err, sizeof err), 0);
+  const char *local[] = {"127.0.0.1:1", "127.8.9.10:65535", "[::1]:9464"};
+  cfg.metrics.allow_nonlocal = false;
+  for (size_t i = 0; i < 3; i++) {
+    char text[128];
+    snprintf(text, sizeof text, "metrics-listen = %s\n", local[i]);
+    CHECK_MSG(mok_config_parse(&cfg, text, err, sizeof err) == 0, "%s", err);
+    CHECK_MSG(mok_metrics_config_check(&cfg.metrics, err, sizeof err) == 0, "%s: %s", local[i], err);
+  }
+}
+
 /* deploy/mokd.conf parses, and documents every key the parser knows. */
 static void test_the_shipped_config_documents_every_key(void) {
   FILE *f = fopen("deploy/mokd.conf", "r");
@@ -162,7 +222,11 @@ static void test_the_shipped_config_documents_every_key(void) {
                         "max-jobs-per-uid", "max-groups-per-uid", "max-group-bytes-per-uid",
                         "socket-mode", "socket-group", "allow-uids", "allow-gids", "admin-uids",
                         "admin-gids", "group-dir", "group-linger-ms", "workspace-idle-ms",
-                        "fence-timeout-ms", "threads", "device", "engine", "log-level"};
+                        "fence-timeout-ms", "threads", "device", "engine", "log-level",
+                        "metrics-listen", "metrics-allow-nonlocal", "metrics-socket",
+                        "metrics-socket-mode", "metrics-socket-group", "metrics-per-uid",
+                        "metrics-max-label-sets", "metrics-max-connections",
+                        "metrics-timeout-ms"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     char want[64];
     snprintf(want, sizeof want, "%s =", keys[i]);
@@ -173,6 +237,7 @@ static void test_the_shipped_config_documents_every_key(void) {
 static const check_case cases[] = {CHECK_CASE(test_parses_settings_comments_and_blank_lines),
                                    CHECK_CASE(test_client_limits_default_to_fair_shares),
                                    CHECK_CASE(test_the_shipped_config_documents_every_key),
+                                   CHECK_CASE(test_metrics_settings),
                                    CHECK_CASE(test_rejects_bad_lines_with_their_number),
                                    CHECK_CASE(test_group_settings),
                                    CHECK_CASE(test_access_settings), {0}};
