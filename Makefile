@@ -286,7 +286,7 @@ install: $(BINS) $(LIBS)
 	install -m 0644 deploy/systemd/mok-tmpfiles.conf $(D)$(TMPFILESDIR)/mok.conf
 	install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
 	test -e $(D)$(SYSCONFDIR)/mok/mokd.conf || install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf
-	install -m 0644 README.md docs/math.md docs/decisions.md $(D)$(DOCDIR)/
+	install -m 0644 README.md LICENSE NOTICE docs/math.md docs/decisions.md $(D)$(DOCDIR)/
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ]; then ldconfig; \
 	  command -v systemd-sysusers >/dev/null && systemd-sysusers $(SYSUSERSDIR)/mok.conf || true; \
 	  command -v systemctl >/dev/null && systemctl daemon-reload 2>/dev/null || true; fi
