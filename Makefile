@@ -280,7 +280,7 @@ install: $(BINS) $(LIBS)
 	install -m 0644 $(BUILD)/lib/libmok.a $(D)$(LIBDIR)/
 	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h $(D)$(INCDIR)/
 	$(SUBST) deploy/mok.pc.in > $(D)$(LIBDIR)/pkgconfig/mok.pc
-	install -m 0644 client/python/mok/*.py $(D)$(PYTHON_SITEDIR)/mok/
+	install -m 0644 client/python/mok/*.py client/python/mok/py.typed $(D)$(PYTHON_SITEDIR)/mok/
 	$(MAKE) --no-print-directory units UNITS_OUT=$(D)$(UNITDIR)
 	install -m 0644 deploy/systemd/mok-sysusers.conf $(D)$(SYSUSERSDIR)/mok.conf
 	install -m 0644 deploy/systemd/mok-tmpfiles.conf $(D)$(TMPFILESDIR)/mok.conf
