@@ -21,7 +21,7 @@ set -eu
 cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 
-usage() { sed -n '12,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '11,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help|-*) usage ;; esac
 OUT=$1; shift
