@@ -9,7 +9,7 @@
 #
 # Without FILEs: every file git tracks in the repository this script lies in.
 # Source files are C and CUDA (.c .h .cu .cuh), .proto, Python, shell,
-# Makefiles, systemd units, .conf and .pc.in files, and any other file whose
+# Makefiles, systemd units, .conf, .pc.in and .toml files, MANIFEST.in, and any other file whose
 # first line is a "#!" shebang; everything else (documents, data) is left out.
 # --fix writes the line in the file's comment syntax as its first line, or
 # right after a shebang line (and after a Python coding line that follows
@@ -43,7 +43,7 @@ style_of() {
     *.c|*.h|*.cu|*.cuh) echo c; return ;;
     *.proto) echo slash; return ;;
     *.py|*.sh|Makefile|*.mk|*.service|*.socket|*.target|*.service.in|*.socket.in| \
-    *.conf|*.conf.in|*.pc.in) echo hash; return ;;
+    *.conf|*.conf.in|*.pc.in|*.toml|MANIFEST.in) echo hash; return ;;
   esac
   if [ -f "$f" ] && [ "$(head -c 2 -- "$f" 2>/dev/null)" = "#!" ]; then
     echo hash

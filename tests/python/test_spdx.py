@@ -49,7 +49,8 @@ def style(path):
     if base.endswith(".proto"):
         return "slash"
     if base.endswith((".py", ".sh", ".mk", ".service", ".socket", ".target", ".service.in",
-                      ".socket.in", ".conf", ".conf.in", ".pc.in")) or base == "Makefile":
+                      ".socket.in", ".conf", ".conf.in", ".pc.in", ".toml")) or \
+            base in ("Makefile", "MANIFEST.in"):
         return "hash"
     with open(path, "rb") as f:
         return "hash" if f.read(2) == b"#!" else None
