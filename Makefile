@@ -284,13 +284,13 @@ install: $(BINS) $(LIBS)
 	install -m 0644 client/include/mok.h proto/mok_enums.h proto/mok_status.h proto/mok_version.h \
 		$(D)$(INCDIR)/
 	$(SUBST) deploy/mok.pc.in > $(D)$(LIBDIR)/pkgconfig/mok.pc
-	install -m 0644 client/python/mok/*.py $(D)$(PYTHON_SITEDIR)/mok/
+	install -m 0644 client/python/mok/*.py client/python/mok/py.typed $(D)$(PYTHON_SITEDIR)/mok/
 	$(MAKE) --no-print-directory units UNITS_OUT=$(D)$(UNITDIR)
 	install -m 0644 deploy/systemd/mok-sysusers.conf $(D)$(SYSUSERSDIR)/mok.conf
 	install -m 0644 deploy/systemd/mok-tmpfiles.conf $(D)$(TMPFILESDIR)/mok.conf
 	install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf.example
 	test -e $(D)$(SYSCONFDIR)/mok/mokd.conf || install -m 0644 deploy/mokd.conf $(D)$(SYSCONFDIR)/mok/mokd.conf
-	install -m 0644 README.md docs/math.md docs/decisions.md $(D)$(DOCDIR)/
+	install -m 0644 README.md LICENSE NOTICE docs/math.md docs/decisions.md $(D)$(DOCDIR)/
 	for m in man1/mokctl.1 man5/mokd.conf.5 man8/mokd.8; do \
 	  $(SUBST) docs/man/$${m#*/} > $(D)$(MANDIR)/$$m && chmod 0644 $(D)$(MANDIR)/$$m || exit 1; done
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ]; then ldconfig; \

@@ -28,7 +28,7 @@
  * Errors: a bad routing id or schedule raises the job's status word and
  * fails that job only. Any CUDA error that the context keeps (sticky: an
  * illegal address, a trap) marks the result fatal: the engine thread logs
- * it and mokd exits non-zero (DESIGN §7).
+ * it and mokd exits non-zero (docs/design.md, Operation).
  */
 #include <cuda.h>
 #include <cuda_runtime_api.h>

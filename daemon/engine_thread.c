@@ -173,7 +173,7 @@ static esession *find_session(mok_engine_thread *t, uint64_t id) {
 static void poll_session_blocking(mok_engine_thread *t, esession *s);
 
 /* A sticky device error: nothing on this engine can be trusted any more.
- * DESIGN §7: report and exit non-zero so that the service manager restarts
+ * docs/design.md, Operation: report and exit non-zero so that the service manager restarts
  * mokd; clients see their connection close. */
 static void engine_fatal(mok_engine_thread *t, const char *why) {
   log_error("the %s engine failed for good: %s; mokd exits", t->ops->name, why);
@@ -793,7 +793,7 @@ static void cmd_detach(mok_engine_thread *t, esession *s) {
   mok_standing_env env = standing_env(t, s);
   mok_standing_cancel_all(&s->standing, &env, "the session closed");
   if (session_busy(s)) {
-    /* its GPU work finishes first (DESIGN §7); poll_all frees it then */
+    /* its GPU work finishes first (docs/design.md, Operation); poll_all frees it then */
     s->detaching = true;
     return;
   }

@@ -138,7 +138,7 @@ typedef struct mok_shm_header {
 #define MOK_SHM_BYTES (MOK_SHM_STANDING_OFFSET + MOK_SHM_STANDING_BYTES)
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
-/* GPU sync words (DESIGN §4; docs/cuda.md), in the header page of the
+/* GPU sync words (docs/design.md, Fences; docs/cuda.md), in the header page of the
  * session region, which both processes map and register with CUDA
  * (cuMemHostRegister, device-mapped):
  *   client fence [MOK_RING_ENTRIES]: a job with fence_wait = v != 0 waits

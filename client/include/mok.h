@@ -15,7 +15,7 @@
  * mok_layer_destroy() (or the client's close). A mok_client may be used
  * from several threads; its calls are serialised inside.
  *
- * The math of each job is DESIGN §1 and docs/math.md; shapes are those of
+ * The math of each job is docs/design.md ("The layer") and docs/math.md; shapes are those of
  * docs/math.md's slot table.
  */
 #ifndef MOK_H

@@ -1,4 +1,4 @@
-/* What mok_bench and mok_bench_daemon share: issue 4's shapes, the
+/* What mok_bench and mok_bench_daemon share: the benchmark shapes (docs/design.md), the
  * configuration order of tests/bench/torch_baseline.py, the routing recipe
  * and the routing files the baseline writes, small host helpers, the CUDA
  * error check and the device fill kernel. Included by one .cu file of each

@@ -1,4 +1,4 @@
-/* Expert parallelism on the cuda engine (docs/ep.md), issue 5's bench.
+/* Expert parallelism on the cuda engine (docs/ep.md): the EP bench.
  *
  *   bench_ep_cuda kernels [W] [T] [H] [K] [GPUS]
  *     The data path in one process: W members' buffers on GPU p % GPUS

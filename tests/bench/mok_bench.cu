@@ -1,4 +1,4 @@
-/* mok_bench: issue 4's shapes through the kernel library (kernels/mok_kernels.h),
+/* mok_bench: the benchmark shapes (docs/design.md) through the kernel library (kernels/mok_kernels.h),
  * in-process, timed the way tests/bench/torch_baseline.py times PyTorch.
  *
  *   mok_bench [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N]
@@ -19,7 +19,7 @@
  * with CUDA events around the chain and between its steps (median of --reps
  * after --warmup, rotating two input sets: x, routing, rw, d_out). Each
  * backward run follows an untimed forward of the same set.
- * TFLOP/s by issue 4's formula: forward 6*(T + T*K)*H*I, backward twice.
+ * TFLOP/s by the benchmark's formula: forward 6*(T + T*K)*H*I, backward twice.
  *
  * Routing: with --routing-dir, the ids/rw files the baseline wrote
  * (NAME_T<T>_<routing>_s<set>.ids|.rw); otherwise (or when a file is

@@ -1,4 +1,4 @@
-/* mok_bench_daemon: issue 4's shapes through mokd (--engine cuda) and libmok,
+/* mok_bench_daemon: the benchmark shapes (docs/design.md) through mokd (--engine cuda) and libmok,
  * the "through the daemon" column of tests/bench/run_bench.sh.
  *
  *   MOK_SOCKET=... mok_bench_daemon [--out FILE.json] [--routing-dir DIR] [--T 2048,8192]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's benchmark in one command, on a machine with an sm_90 GPU, nvcc and
+# The kernel benchmark (docs/design.md, "Benchmark shapes") in one command, on a machine with an sm_90 GPU, nvcc and
 # a python3 with PyTorch (>= 2.8, for torch._grouped_mm):
 #
 #   tests/bench/run_bench.sh [OUTDIR]
@@ -15,7 +15,7 @@
 #    job per forward / backward, device pointers, the client's stream);
 # 5. prints the table (tests/bench/bench_table.py) and writes JSON.
 #
-# OUTDIR: $1, else $OUT, else BUILD_DIR/results. Files there: baseline.json,
+# OUTDIR: $1, else BUILD_DIR/results. Files there: baseline.json,
 # mok.json, daemon.json, bench.json (the merged table), baseline.log, mok.log
 # (with the daemon run's and mokd's logs), table.txt, build.log.
 # The daemon step: mokd is $MOKD, else BUILD_DIR/dev/mokd, else
@@ -34,7 +34,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 BUILD_DIR=${BUILD_DIR:-$ROOT/.benchbuild}
-OUTDIR=${1:-${OUT:-$BUILD_DIR/results}}
+OUTDIR=${1:-$BUILD_DIR/results}
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 PYTHON=${PYTHON:-python3}
 BENCH_T=${BENCH_T:-2048,8192}

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Issue 5's EP bench on the GPU machine, one command:
-#   tests/bench/run_ep_bench.sh [GPUS] [W] [T] [H] [I] [E] [K]
+# The EP bench on a machine with a GPU, one command:
+#   tests/bench/run_ep_bench.sh [--out DIR] [GPUS] [W] [T] [H] [I] [E] [K]
 # 1. the data path in one process (bench_ep_cuda kernels: pull, push, barrier)
 # 2. W mokd + W clients, forward/backward per rank against the EP=1 slice in
 #    the same run, and a restarted client's first job (bench_ep_cuda daemon).
-# With one GPU the ranks share it under MPS. Output: stdout and $OUT/ep_bench.json.
+# With one GPU the ranks share it under MPS. Output: stdout and DIR/ep_bench.json
+# (DIR default ./ep-bench).
 # Expects tests/gpu/build_device.sh's build in $MOK_DEVBUILD (.devbuild).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${MOK_DEVBUILD:-.devbuild}
-OUTDIR=${OUT:-ep-bench}
+OUTDIR=ep-bench
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
 GPUS=${1:-1}; W=${2:-4}; T=${3:-2048}; H=${4:-4096}; I=${5:-1024}; E=${6:-64}; K=${7:-8}
 mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

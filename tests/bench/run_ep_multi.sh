@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # The multi-GPU EP run (one mokd per GPU), one command on a machine with
-# several GPUs:   tests/bench/run_ep_multi.sh [T_LIST] [SHAPES]
+# several GPUs:   tests/bench/run_ep_multi.sh [--out DIR] [T_LIST] [SHAPES]
 # 1. the EP integration tests with the daemons spread over the GPUs
 #    (correctness against EP=1, bitwise; peer failures)
 # 2. the data path alone: pull/push across GPUs (bench_ep_cuda kernels)
-# 3. the distributed layer through mokd at issue 4's shapes, per rank, with
+# 3. the distributed layer through mokd at the benchmark shapes (docs/design.md), per rank, with
 #    the EP=1 slice of the same run (bench_ep_cuda daemon)
-# 4. the PyTorch baseline: all_to_all_single around issue 4's layer
+# 4. the PyTorch baseline: all_to_all_single around the same layer
 #    (tests/bench/torch_ep_baseline.py under torchrun)
-# 5. a table of mok against the baseline. JSON and logs under $OUT.
+# 5. a table of mok against the baseline. JSON and logs under DIR (default ./ep-multi).
 # NCCL_NVLS_ENABLE=0 throughout (no NVLink multicast).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
 B=${MOK_DEVBUILD:-.devbuild}
-OUTDIR=${OUT:-ep-multi}
+OUTDIR=ep-multi
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
 TS=${1:-2048,8192}
 SHAPES=${2:-kimi-k2.7,glm-5.2,qwen3.5-397b,deepseek-v4-pro}
 W=$(nvidia-smi -L | wc -l)

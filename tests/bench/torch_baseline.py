@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch baseline of issue 4: the MoE layer as a strong PyTorch user writes it.
+"""The PyTorch baseline of the kernel benchmark: the MoE layer as a strong PyTorch user writes it.
 
     python3 tests/bench/torch_baseline.py [--out FILE.json] [--routing-dir DIR]
                                           [--T 2048,8192] [--reps N] [--deadline S]
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
-# The four shapes of issue 4 (global E; E_loc = E/8 is what one GPU holds).
+# The four benchmark shapes of docs/design.md (global E; E_loc = E/8 is what one GPU holds).
 SHAPES = [
     # name,             E,   H,    I,    K
     ("kimi-k2.7",       384, 7168, 2048, 8),
@@ -82,7 +82,7 @@ def plan(ts):
 
 
 def flops_fwd(T, H, I, K, I_s):
-    """Issue 4's formula (I_s = I here): 6*(T + T*K)*H*I; the general form is
+    """The benchmark's formula (docs/design.md; I_s = I here): 6*(T + T*K)*H*I; the general form is
     6*T*K*H*I + 6*T*H*I_s."""
     return 6.0 * T * K * H * I + 6.0 * T * H * I_s
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The PyTorch baseline of the multi-GPU EP issue: torch.distributed
-all_to_all_single dispatch and combine around the layer of issue 4's baseline.
+all_to_all_single dispatch and combine around the layer of tests/bench/torch_baseline.py.
 
     torchrun --nproc_per_node=W tests/bench/torch_ep_baseline.py \\
         [--shapes kimi-k2.7,...] [--T 2048,8192] [--reps N] [--out FILE.json]
@@ -18,7 +18,7 @@ Backward: autograd (the all-to-alls reverse themselves).
 Timed with CUDA events after a barrier, median of --reps after 3 warm-ups;
 the dispatch and combine all-to-alls alone as well: logical bytes = rows
 sent by this rank (to every rank, itself included) x H x 2, per direction.
-TFLOP/s by issue 4's formula per rank: forward 6*(T + T*K)*H*I, backward 2x.
+TFLOP/s by the benchmark's formula (docs/design.md) per rank: forward 6*(T + T*K)*H*I, backward 2x.
 NCCL_NVLS_ENABLE=0 is set before NCCL starts (no NVLink multicast).
 """
 import argparse

@@ -8,7 +8,7 @@
 #   4. a client fence that never comes (MOK_FENCE_TIMEOUT_MS) -> ETIMEOUT
 #   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py)
 #      and compute-sanitizer memcheck on mokd (small shapes)
-#   6. timings at T=2048 (issue 4's shapes, balanced routing)
+#   6. timings at T=2048 (the benchmark shapes of docs/design.md, balanced routing)
 #   7. expert parallelism: the EP integration tests on the cuda engine, under
 #      MPS, daemons spread over every GPU (tests/gpu/run_ep_tests.sh)
 #   8. tenant isolation (tests/gpu/run_isolation_memory.sh): a client racing
@@ -16,20 +16,21 @@
 #      MPS (hostile_mps) and with mokd under memcheck (hostile_memcheck); the
 #      job watchdog (watchdog); the session workspace (workspace)
 # and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
-# development machine with tests/gpu/build_device.sh and carried), else `make`.
+# development machine with tests/gpu/build_device.sh and copied here), else `make`.
 #
-#   tests/gpu/run_device_tests.sh [STEP...]   STEP: kernels correct concurrent fence
+#   tests/gpu/run_device_tests.sh [--out DIR] [STEP...]   STEP: kernels correct concurrent fence
 #                                             python sanitize time ep hostile hostile_mps
 #                                             hostile_memcheck watchdog workspace
 #                                             (default: all of them)
-# Environment: OUT (logs.tgz goes there, if set), LOGS (default /tmp/mok-device-logs), KERNEL_STEPS (default
+# --out DIR: logs.tgz (every log) goes there. Environment: LOGS (default /tmp/mok-device-logs), KERNEL_STEPS (default
 # "build correct"). Exit status 0 when every step passed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 B=${MOK_DEVBUILD:-.devbuild}
-# logs in one folder, packed into $OUT/logs.tgz at the end (the GPU tool
-# brings back only a few files)
+# logs in one folder, packed into DIR/logs.tgz at the end (one file to keep)
+OUTDIR=
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
 LOGS=${LOGS:-/tmp/mok-device-logs}
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
@@ -79,7 +80,7 @@ export MOK_SOCKET=$SOCK
 
 step_kernels() {
   note "kernel library tests (${KERNEL_STEPS:-build correct})"
-  BUILD_DIR=$B/kernel-tests OUT=$LOGS/kernels tests/gpu/run_kernel_tests.sh ${KERNEL_STEPS:-build correct} \
+  BUILD_DIR=$B/kernel-tests tests/gpu/run_kernel_tests.sh --out "$LOGS/kernels" ${KERNEL_STEPS:-build correct} \
     >"$LOGS/kernel_tests.log" 2>&1
   local rc=$?
   tail -4 "$LOGS/kernel_tests.log"
@@ -188,7 +189,7 @@ step_ep() {
   local gpus
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   note "expert parallelism on the cuda engine ($gpus GPU(s), MPS)"
-  OUT=$LOGS/ep MOK_DEVBUILD=$B tests/gpu/run_ep_tests.sh "${gpus:-1}" >"$LOGS/ep.txt" 2>&1
+  MOK_DEVBUILD=$B tests/gpu/run_ep_tests.sh --out "$LOGS/ep" "${gpus:-1}" >"$LOGS/ep.txt" 2>&1
   local rc=$?
   tail -3 "$LOGS/ep.txt"
   record ep "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
@@ -197,7 +198,7 @@ step_ep() {
 # steps of tests/gpu/run_isolation_memory.sh, each with mokd of its own
 step_isolation() { # STEP
   stop_mokd
-  OUT=$LOGS/isolation MOK_DEVBUILD=$B tests/gpu/run_isolation_memory.sh "$1" >"$LOGS/$1.txt" 2>&1
+  MOK_DEVBUILD=$B tests/gpu/run_isolation_memory.sh --out "$LOGS/isolation" "$1" >"$LOGS/$1.txt" 2>&1
   local rc=$?
   grep -A6 "^== hostile\|^== job watchdog\|^== session workspace" "$LOGS/$1.txt" | tail -8
   record "$1" "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
@@ -218,5 +219,5 @@ echo
 note "summary"
 for l in "${summary[@]}"; do echo "  $l"; done
 [ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
-[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+[ -n "$OUTDIR" ] && mkdir -p "$OUTDIR" && tar czf "$OUTDIR/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 exit $status

@@ -3,13 +3,15 @@
 # tests (tests/integration/test_ep.c) with every daemon on the cuda engine,
 # under MPS so that the members' kernels run at the same time, then
 # mok.torch.MoE on a group (tests/gpu/test_torch_ep.py) when torch is there.
-#   tests/gpu/run_ep_tests.sh [GPUS]     GPUS: daemons spread over this many GPUs
+#   tests/gpu/run_ep_tests.sh [--out DIR] [GPUS]     GPUS: daemons spread over this many GPUs
 # Expects the build of tests/gpu/build_device.sh in $MOK_DEVBUILD (.devbuild).
-# Logs go to $OUT (or ./ep-logs).
+# Logs go to DIR (default ./ep-logs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${MOK_DEVBUILD:-.devbuild}
-LOGS=${OUT:-ep-logs}
+OUTDIR=ep-logs
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
+LOGS=$OUTDIR
 GPUS=${1:-1}
 mkdir -p "$LOGS"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log

@@ -16,19 +16,20 @@
 #   model61          61 layers of an EP64 kimi-k2.7 rank through mok.torch.MoE and
 #                    through the PyTorch reference layer (tests/bench/model61.py)
 #
-#   tests/gpu/run_isolation_memory.sh [STEP...]     (default: all, in that order)
+#   tests/gpu/run_isolation_memory.sh [--out DIR] [STEP...]     (default: all, in that order)
 #
 # Builds nothing: the binaries come from $MOK_DEVBUILD (default .devbuild), made
-# on a development machine with tests/gpu/build_device.sh. Logs go to $OUT
+# on a development machine with tests/gpu/build_device.sh. Logs go to DIR
 # (default ./isolation-logs); the summary comes last. Exit status 0 when every
 # step passed. About 8 minutes on one H200.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 B=${MOK_DEVBUILD:-.devbuild}
-OUT=${OUT:-isolation-logs}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+OUTDIR=isolation-logs
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
 export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 SOCK=/tmp/mok-isolation.sock
@@ -48,7 +49,7 @@ done
 MOKD_PID=
 MOKD_LOG=
 start_mokd() { # LOGNAME [env VAR=... ...] [prefix...]   (MOKD_ARGS: more mokd options)
-  MOKD_LOG=$OUT/$1.mokd.log
+  MOKD_LOG=$OUTDIR/$1.mokd.log
   shift
   rm -f "$SOCK"
   # shellcheck disable=SC2086 # MOKD_ARGS: extra options, word-split on purpose
@@ -82,10 +83,10 @@ stop_mokd() {
 mps_start() {
   export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d >>"$OUT/mps.log" 2>&1 && sleep 1
+  nvidia-cuda-mps-control -d >>"$OUTDIR/mps.log" 2>&1 && sleep 1
 }
 mps_stop() {
-  echo quit | nvidia-cuda-mps-control >>"$OUT/mps.log" 2>&1
+  echo quit | nvidia-cuda-mps-control >>"$OUTDIR/mps.log" 2>&1
   sleep 1
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
@@ -105,7 +106,7 @@ hostile_run() {
   shift 3
   note "hostile tenants ($label): attackers ${secs} s, victim $rounds rounds"
   start_mokd "$label" "$@" || { record "$label" "FAIL (mokd did not start)"; return; }
-  local L=$OUT/$label
+  local L=$OUTDIR/$label
   "$HOSTILE" victim 1 >"$L.victim_ref.txt" 2>&1
   local ref
   ref=$(awk '/^victim: rounds/ {print $NF}' "$L.victim_ref.txt")
@@ -126,7 +127,7 @@ hostile_run() {
   stop_mokd || alive=0
   local cuda_errors
   cuda_errors=$(grep -ciE "cuda error|illegal|failed for good|sticky|misaligned address|out of bounds" "$MOKD_LOG")
-  [ -f "$OUT/$label.memcheck.log" ] && grep -h "ERROR SUMMARY" "$OUT/$label.memcheck.log"
+  [ -f "$OUTDIR/$label.memcheck.log" ] && grep -h "ERROR SUMMARY" "$OUTDIR/$label.memcheck.log"
   local races ok failed crashes mism vfail mism2
   races=$(awk '/^attacker: races/ {s += $3} END {print s + 0}' "$L.attacker_device.txt" "$L.attacker_host.txt")
   ok=$(awk '/^attacker: races/ {s += $6} END {print s + 0}' "$L.attacker_device.txt" "$L.attacker_host.txt")
@@ -142,8 +143,8 @@ hostile_run() {
   local okall=1
   [ "$crashes" = 0 ] && [ "${mism:-x}" = 0 ] && [ "${vfail:-x}" = 0 ] && [ "${mism2:-x}" = 0 ] &&
     [ $alive = 1 ] && [ "$cuda_errors" = 0 ] && [ $v = 0 ] && [ $v2 = 0 ] && [ $r1 = 0 ] && [ $r2 = 0 ] || okall=0
-  if [ -f "$OUT/$label.memcheck.log" ]; then
-    grep -q "ERROR SUMMARY: 0 errors" "$OUT/$label.memcheck.log" || okall=0
+  if [ -f "$OUTDIR/$label.memcheck.log" ]; then
+    grep -q "ERROR SUMMARY: 0 errors" "$OUTDIR/$label.memcheck.log" || okall=0
   fi
   record "$label" "$([ $okall = 1 ] && echo PASS || echo FAIL) (races $races, failed $failed, crashes $crashes, victim mismatches ${mism:-?}+${mism2:-?})"
 }
@@ -157,14 +158,14 @@ step_hostile_mps() {
 }
 step_hostile_memcheck() {
   hostile_run hostile_memcheck 25 1 "$SAN" --tool memcheck --error-exitcode 3 \
-    --log-file "$OUT/hostile_memcheck.memcheck.log"
+    --log-file "$OUTDIR/hostile_memcheck.memcheck.log"
 }
 
 # ---- the job watchdog and the workspace ------------------------------------------------
 step_watchdog() {
   note "job watchdog (MOK_JOB_TIMEOUT_MS=2)"
   start_mokd watchdog env MOK_JOB_TIMEOUT_MS=2 || { record watchdog "FAIL (mokd)"; return; }
-  timeout 180 "$ENGINE_TEST" watchdog 2>&1 | tee "$OUT/watchdog.txt"
+  timeout 180 "$ENGINE_TEST" watchdog 2>&1 | tee "$OUTDIR/watchdog.txt"
   local rc=${PIPESTATUS[0]}
   stop_mokd || rc=1
   local reported
@@ -177,7 +178,7 @@ step_watchdog() {
 step_workspace() {
   note "session workspace (MOK_WORKSPACE_IDLE_MS=2000)"
   start_mokd workspace env MOK_WORKSPACE_IDLE_MS=2000 || { record workspace "FAIL (mokd)"; return; }
-  timeout 180 "$ENGINE_TEST" workspace 2>&1 | tee "$OUT/workspace.txt"
+  timeout 180 "$ENGINE_TEST" workspace 2>&1 | tee "$OUTDIR/workspace.txt"
   local rc=${PIPESTATUS[0]}
   stop_mokd || rc=1
   record workspace "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
@@ -191,16 +192,16 @@ step_wsfill() {
   local fill rc=0
   for fill in 0 255; do
     start_mokd "wsfill_$fill" env MOK_CUDA_WS_FILL=$fill || { record wsfill "FAIL (mokd)"; return; }
-    : >"$OUT/wsfill_$fill.txt"
+    : >"$OUTDIR/wsfill_$fill.txt"
     for shape in 0 1 2 3 4 5; do
-      timeout 120 "$ENGINE_TEST" hash $shape | grep '^hash' >>"$OUT/wsfill_$fill.txt" || rc=1
+      timeout 120 "$ENGINE_TEST" hash $shape | grep '^hash' >>"$OUTDIR/wsfill_$fill.txt" || rc=1
     done
-    timeout 120 "$HOSTILE" victim 2 | grep '^victim: rounds' >>"$OUT/wsfill_$fill.txt" || rc=1
+    timeout 120 "$HOSTILE" victim 2 | grep '^victim: rounds' >>"$OUTDIR/wsfill_$fill.txt" || rc=1
     stop_mokd || rc=1
   done
-  paste "$OUT/wsfill_0.txt" "$OUT/wsfill_255.txt" | sed 's/^/  /'
-  cmp -s "$OUT/wsfill_0.txt" "$OUT/wsfill_255.txt" || rc=1
-  [ "$(wc -l <"$OUT/wsfill_0.txt")" = 7 ] || rc=1
+  paste "$OUTDIR/wsfill_0.txt" "$OUTDIR/wsfill_255.txt" | sed 's/^/  /'
+  cmp -s "$OUTDIR/wsfill_0.txt" "$OUTDIR/wsfill_255.txt" || rc=1
+  [ "$(wc -l <"$OUTDIR/wsfill_0.txt")" = 7 ] || rc=1
   record wsfill "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
@@ -210,15 +211,15 @@ step_memory() {
   start_mokd memory env MOK_WORKSPACE_IDLE_MS=500 || { record memory "FAIL (mokd)"; return; }
   local pid rc=0 first=1
   pid=$(mokd_self)
-  : >"$OUT/memory.txt"
+  : >"$OUTDIR/memory.txt"
   for cfg in "kimi 2048" "kimi 8192" "deepseek 2048" "deepseek 8192"; do
     set -- $cfg
-    timeout 300 "$B/bench/bench_memory" "$pid" "$1" "$2" 1,8,61 >"$OUT/memory_$1_$2.txt" 2>&1 || rc=1
-    if [ $first = 1 ]; then head -1 "$OUT/memory_$1_$2.txt" >>"$OUT/memory.txt"; first=0; fi
-    grep -v "^shape" "$OUT/memory_$1_$2.txt" >>"$OUT/memory.txt"
+    timeout 300 "$B/bench/bench_memory" "$pid" "$1" "$2" 1,8,61 >"$OUTDIR/memory_$1_$2.txt" 2>&1 || rc=1
+    if [ $first = 1 ]; then head -1 "$OUTDIR/memory_$1_$2.txt" >>"$OUTDIR/memory.txt"; first=0; fi
+    grep -v "^shape" "$OUTDIR/memory_$1_$2.txt" >>"$OUTDIR/memory.txt"
   done
   stop_mokd || rc=1
-  cat "$OUT/memory.txt"
+  cat "$OUTDIR/memory.txt"
   record memory "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
@@ -227,19 +228,19 @@ step_model61() {
   if ! python3 -c "import torch" 2>/dev/null; then record model61 "SKIP (no torch)"; return; fi
   # 61 layers' weights and gradients exceed the default quota of registered bytes a session
   printf 'max-region-bytes = %s\nmax-region-bytes-per-uid = %s\n' 274877906944 274877906944 \
-    >"$OUT/model61.conf"
-  MOKD_ARGS="--config $OUT/model61.conf" start_mokd model61 || { record model61 "FAIL (mokd)"; return; }
+    >"$OUTDIR/model61.conf"
+  MOKD_ARGS="--config $OUTDIR/model61.conf" start_mokd model61 || { record model61 "FAIL (mokd)"; return; }
   local pid rc=0 pp="$ROOT/client/python"
   pid=$(mokd_self)
   [ -d "$B/python/mok" ] && pp="$ROOT/$B/python"
   for be in mokd torch; do
     PYTHONPATH="$pp" MOK_LIBRARY="$ROOT/$B/lib/libmok.so" PYTHONUNBUFFERED=1 \
       timeout 300 python3 tests/bench/model61.py --backend $be --mokd-pid "$pid" \
-      --out "$OUT/model61_$be.json" >"$OUT/model61_$be.txt" 2>&1 || rc=1
-    tail -1 "$OUT/model61_$be.txt"
+      --out "$OUTDIR/model61_$be.json" >"$OUTDIR/model61_$be.txt" 2>&1 || rc=1
+    tail -1 "$OUTDIR/model61_$be.txt"
   done
   stop_mokd || rc=1
-  python3 - "$OUT" <<'EOF' | tee "$OUT/model61.txt"
+  python3 - "$OUTDIR" <<'EOF' | tee "$OUTDIR/model61.txt"
 import json, os, sys
 rows = []
 for be in ("mokd", "torch"):
@@ -269,7 +270,7 @@ for s in "${steps[@]}"; do
   esac
 done
 echo
-note "summary ($(( $(date +%s) - T0 )) s; logs in $OUT)"
+note "summary ($(( $(date +%s) - T0 )) s; logs in $OUTDIR)"
 for l in "${summary[@]}"; do echo "  $l"; done
 [ $status = 0 ] && note "ALL PASSED" || note "SOME STEPS FAILED"
 exit $status

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds and runs the GPU kernel tests (needs nvcc and an sm_90 GPU).
 #
-#   tests/gpu/run_kernel_tests.sh [STEP...]     STEP: build correct time sanitize all
+#   tests/gpu/run_kernel_tests.sh [--out DIR] [STEP...]     STEP: build correct time sanitize all
 #                                               (default: all = build correct time sanitize)
-# Environment: BUILD_DIR (default .gpubuild), OUT (logs; default BUILD_DIR),
+# --out DIR: the logs (default BUILD_DIR). Environment: BUILD_DIR (default .gpubuild),
 # NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -11,7 +11,9 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 BUILD_DIR=${BUILD_DIR:-$ROOT/.gpubuild}
-LOGS=${OUT:-$BUILD_DIR}
+OUTDIR=$BUILD_DIR
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
+LOGS=$OUTDIR
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 ARCH="-gencode=arch=compute_90a,code=sm_90a"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The v3 kernel step in one GPU call (one H200, about 6 minutes): every
 # kernel path's bitwise and correctness tests, the tile variants swept on
-# issue 4's shapes, ncu on one configuration per GEMM, a summary table.
+# the benchmark shapes (docs/design.md), ncu on one configuration per GEMM, a summary table.
 #
-#   tests/gpu/run_kernels_v3.sh [OUTDIR]     OUTDIR: $1, else $OUT, else BUILD/results
+#   tests/gpu/run_kernels_v3.sh [OUTDIR]     OUTDIR: $1, else BUILD/results
 #
 # The binaries come from tests/gpu/build_kernels_v3.sh, run beforehand on a
-# machine with nvcc (no GPU needed); carry its folder: BUILD = $MOK_V3BUILD,
+# machine with nvcc (no GPU needed); copy its folder here: BUILD = $MOK_V3BUILD,
 # default build-v3. Nothing is compiled here.
 # Steps, in this order, each under a time limit within the whole budget
 # (V3_BUDGET seconds, default 360):
@@ -31,7 +31,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 B=${MOK_V3BUILD:-build-v3}
-OUTDIR=${1:-${OUT:-$B/results}}
+OUTDIR=${1:-$B/results}
 BUDGET=${V3_BUDGET:-360}
 PYTHON=${PYTHON:-python3}
 SHAPE=${V3_SHAPE:-kimi-k2.7}

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The NCCL group module's test (and bench) on the GPU machine (docs/ep_nccl.md).
-# Build here first (bash tests/gpu/build_nccl_test.sh), carry .devbuild, then:
-#   tests/gpu/run_nccl_tests.sh [GPUS] [bench]
+# Build first (bash tests/gpu/build_nccl_test.sh, no GPU needed), copy .devbuild to
+# the machine with the GPUs, then:
+#   tests/gpu/run_nccl_tests.sh [--out DIR] [GPUS] [bench]
 # GPUS defaults to every GPU (>= 2 needed). NVLink multicast stays off
-# (NCCL_NVLS_ENABLE=0). Logs under $OUT (or /tmp) when set. Exit status:
+# (NCCL_NVLS_ENABLE=0). Logs under DIR (default /tmp). Exit status:
 # non-zero when any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${MOK_NCCL_BUILD:-.devbuild/nccl}
-LOGDIR=${OUT:-/tmp}
+OUTDIR=/tmp
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
+LOGDIR=$OUTDIR
 export NCCL_NVLS_ENABLE=0
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 W=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}

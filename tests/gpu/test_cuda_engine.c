@@ -9,7 +9,7 @@
  *   test_cuda_engine fence         a client fence that is never written: ETIMEOUT
  *                                  after mokd's MOK_FENCE_TIMEOUT_MS, mokd lives on
  *   test_cuda_engine quick         one small shape (for compute-sanitizer on mokd)
- *   test_cuda_engine time          T=2048 timings, the shapes of issue 4
+ *   test_cuda_engine time          T=2048 timings, the benchmark shapes (docs/design.md)
  *   test_cuda_engine fenceorder    a job held behind its client's fence does not run
  *   test_cuda_engine watchdog      (mokd with MOK_JOB_TIMEOUT_MS=2) a job behind an
  *                                  overdue one fails at once, the queue still runs

@@ -13,7 +13,7 @@
  *                            result independent of the other rows, NaN in
  *                            padding rows harmless
  *   test_gemm_sm90 bench [SHAPE [T]]
- *                            issue 4's shapes at T=2048 and 8192, balanced
+ *                            the benchmark shapes at T=2048 and 8192, balanced
  *                            routing: TFLOP/s of gate_up and down, new (and
  *                            its tuning variants) vs mma.sync in the same
  *                            process; y must equal mma.sync's bit for bit
@@ -30,7 +30,7 @@
  *                            (default "rows,cluster") inside a profiler
  *                            range, for ncu --profile-from-start off
  *   test_gemm_sm90 bwdbench [SHAPE [T]]
- *                            issue 4's shapes: expert_backward with all
+ *                            the benchmark shapes: expert_backward with all
  *                            backward GEMMs on mma.sync, each alone on the
  *                            new kernels, all on them; the new kernels
  *                            timed alone; outputs compared bitwise
@@ -965,7 +965,7 @@ static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n) {
   return (size_t)h[0];
 }
 
-/* Backward GEMMs at issue 4's shapes. expert_backward (all its kernels)
+/* Backward GEMMs at the benchmark shapes. expert_backward (all its kernels)
  * with masks 0 (mma.sync), 1, 2, 4 (one mode on sm90), 7 (all); the new
  * kernels alone through their launchers; mma.sync per mode derived as
  * new + (t(0) - t(mode alone)). */

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mok.torch on a GPU machine, in one call (issue 8):
+# mok.torch on a GPU machine, in one call:
 #   1. tests/gpu/test_torch_moe.py: MoE vs plain PyTorch, recompute, determinism,
 #      .grad accumulation, registration counter vs mokd's count, torch.compile
 #      (graph break, fullgraph refused, reduce-overhead), CUDA graph capture refused
@@ -7,14 +7,16 @@
 #      through mokd (loss falls, two runs bitwise equal, pure PyTorch curve), no MPS
 #   3. the same example under MPS (step times), unless MPS=0
 # Binaries: $MOK_DEVBUILD (default .devbuild, from tests/gpu/build_device.sh),
-# else `make`. Logs go to $LOGS (default /tmp/mok-torch-logs) and, when $OUT is
-# set, are copied there (a few plain files). Exit status 0 when every step passed.
-#   tests/gpu/test_torch_train.sh [STEP...]   STEP: moe train mps (default: all)
+# else `make`. Logs go to $LOGS (default /tmp/mok-torch-logs) and, with --out DIR,
+# are copied to DIR (a few plain files). Exit status 0 when every step passed.
+#   tests/gpu/test_torch_train.sh [--out DIR] [STEP...]   STEP: moe train mps (default: all)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 B=${MOK_DEVBUILD:-.devbuild}
 LOGS=${LOGS:-/tmp/mok-torch-logs}
+OUTDIR=
+if [ "${1:-}" = --out ]; then OUTDIR=${2:?--out needs a folder}; shift 2; fi
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 export LD_LIBRARY_PATH="$ROOT/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -59,7 +61,7 @@ stop_mps() { [ $MPS_ON = 1 ] && echo quit | nvidia-cuda-mps-control >>"$LOGS/mps
 finish() {
   stop_mokd
   stop_mps
-  [ -n "${OUT:-}" ] && cp "$LOGS"/*.log "$LOGS"/*.json "$OUT"/ 2>/dev/null
+  [ -n "$OUTDIR" ] && mkdir -p "$OUTDIR" && cp "$LOGS"/*.log "$LOGS"/*.json "$OUTDIR"/ 2>/dev/null
 }
 trap finish EXIT
 

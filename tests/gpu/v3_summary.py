@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-# issue 4's shapes per GPU (E_loc, H, I, K), as tests/gpu/test_gemm_sm90.cu
+# the benchmark shapes (docs/design.md) per GPU (E_loc, H, I, K), as tests/gpu/test_gemm_sm90.cu
 SHAPES = {
     "kimi-k2.7": (48, 7168, 2048, 8),
     "glm-5.2": (32, 6144, 2048, 8),

@@ -1,4 +1,4 @@
-/* ref64: float64 reference of the MoE layer, straight from DESIGN §1.
+/* ref64: float64 reference of the MoE layer, straight from docs/design.md ("The layer").
  *
  * Deliberately naive: one (token, slot) at a time, every value in double,
  * no blocking, no rounding. Independent of the engines' code. */

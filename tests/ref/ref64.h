@@ -1,4 +1,4 @@
-/* ref64: an independent float64 reference of the MoE layer (DESIGN §1).
+/* ref64: an independent float64 reference of the MoE layer (docs/design.md, "The layer").
  *
  * Written from the math, not from any engine: plain loops, every
  * intermediate kept in double, nothing rounded. Tests hold the engines

@@ -24,6 +24,8 @@ Memory (see also the package docstring):
 Jobs of one client run one at a time (a lock guards the staging regions);
 use one client per thread for parallelism (mok_wait releases the GIL).
 """
+from __future__ import annotations
+
 import collections
 import os
 import sys
@@ -31,25 +33,80 @@ import threading
 import weakref
 import ctypes
 from ctypes import byref, c_uint64, c_void_p
+from typing import (TYPE_CHECKING, Any, Dict, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _lib
 from ._errors import Error
 from ._lib import OP, SLOT, JOB_RECOMPUTE, TensorArray
+from .bf16 import bf16_dtype, is_bf16
 
-__all__ = ["connect", "Client", "Group", "Layer", "Context", "Stats", "Grads", "ComputeGrads"]
+__all__ = ["connect", "Client", "Group", "Layer", "Context", "Stats", "Grads", "ComputeGrads",
+           "TensorLike", "Result", "Out", "DType"]
 
-Stats = collections.namedtuple("Stats", [f for f, _ in _lib.DaemonStats._fields_])
-Grads = collections.namedtuple("Grads", ["d_x", "d_router_weights", "d_w_gate", "d_w_up",
-                                         "d_w_down", "d_s_gate", "d_s_up", "d_s_down"])
-ComputeGrads = collections.namedtuple("ComputeGrads", [
-    "routed_d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down", "shared_d_x",
-    "d_s_gate", "d_s_up", "d_s_down"])
+if TYPE_CHECKING:
+    import torch
+    #: a tensor argument: a numpy array (or anything numpy.asarray takes), or a torch CUDA
+    #: tensor (then every tensor of the call is one, used in place on the current stream)
+    TensorLike = Union[npt.ArrayLike, torch.Tensor]
+    #: a result: a numpy array for numpy arguments (bfloat16 ones in mok.bf16_dtype()),
+    #: a torch CUDA tensor for torch arguments
+    Result = Union[np.ndarray, torch.Tensor]
+else:
+    TensorLike = npt.ArrayLike
+    Result = np.ndarray
+#: out=: one array for a job of one output; a dict {name: array}, the result namedtuple
+#: or a sequence in the result's order for several
+Out = Union[Result, Mapping[str, Optional[Result]], Sequence[Optional[Result]]]
+#: a layer's dtype: "float32" or "bfloat16" (or np.float32, ml_dtypes.bfloat16)
+DType = Union[str, npt.DTypeLike]
+
+
+class Stats(NamedTuple):
+    """Daemon-wide counters (mok_stats)."""
+    uptime_ms: int
+    jobs_done: int
+    jobs_failed: int
+    sessions_now: int
+    sessions_total: int
+    latency_p50_ns: int
+    latency_p99_ns: int
+
+
+class Grads(NamedTuple):
+    """The gradients of backward; the d_s_* are None without a shared expert."""
+    d_x: Result
+    d_router_weights: Result
+    d_w_gate: Result
+    d_w_up: Result
+    d_w_down: Result
+    d_s_gate: Optional[Result]
+    d_s_up: Optional[Result]
+    d_s_down: Optional[Result]
+
+
+class ComputeGrads(NamedTuple):
+    """The results of compute_backward; the shared ones None without a shared expert."""
+    routed_d_x: Result
+    d_router_weights: Result
+    d_w_gate: Result
+    d_w_up: Result
+    d_w_down: Result
+    shared_d_x: Optional[Result]
+    d_s_gate: Optional[Result]
+    d_s_up: Optional[Result]
+    d_s_down: Optional[Result]
+
+
+assert Stats._fields == tuple(f[0] for f in _lib.DaemonStats._fields_)
 
 _NP_OF_CODE = {_lib.DTYPE_F32: np.dtype(np.float32), _lib.DTYPE_BF16: np.dtype(np.uint16),
                _lib.DTYPE_I32: np.dtype(np.int32), _lib.DTYPE_U8: np.dtype(np.uint8)}
-_CODE_NAME = {_lib.DTYPE_F32: "float32", _lib.DTYPE_BF16: "bfloat16 (uint16 bit patterns)",
+_CODE_NAME = {_lib.DTYPE_F32: "float32",
+              _lib.DTYPE_BF16: "bfloat16 (ml_dtypes.bfloat16 or uint16 bit patterns)",
               _lib.DTYPE_I32: "int32", _lib.DTYPE_U8: "uint8"}
 # dims of each slot, for messages
 _SLOT_DIMS = {
@@ -151,7 +208,8 @@ def _free_user(native, ptr, user_regions):
         _lib.lib().mok_host_free(native.ptr, ptr)
 
 
-def connect(socket=None, name=None):
+def connect(socket: Optional[Union[str, bytes, os.PathLike]] = None,
+            name: Optional[str] = None) -> Client:
     """Connect to mokd: socket path, else $MOK_SOCKET, else /run/mok/mokd-0.sock."""
     return Client(socket, name)
 
@@ -159,7 +217,12 @@ def connect(socket=None, name=None):
 class Client:
     """A session with mokd. Use as a context manager or call close()."""
 
-    def __init__(self, socket=None, name=None):
+    engine: str
+    device: str
+    session: int
+
+    def __init__(self, socket: Optional[Union[str, bytes, os.PathLike]] = None,
+                 name: Optional[str] = None) -> None:
         L = _lib.lib()
         if socket is not None:
             socket = os.fsencode(socket)
@@ -173,37 +236,37 @@ class Client:
         self._native = _Native(h.value)
         self._lock = threading.Lock()
         self._closed = False
-        self._staging = {}                      # slot name -> _Region
-        self._ctx_all = set()                   # every ctx-pool _Region
-        self._ctx_free = []                     # idle ctx-pool regions
-        self._ctx_returned = collections.deque()  # from Context finalizers (no lock there)
-        self._dead_layers = collections.deque()   # native-handle holders of dropped Layers
-        self._abandoned = []                    # (ticket, ctx region) left by an interrupted wait
-        self._layers = weakref.WeakSet()
-        self._groups = weakref.WeakSet()
-        self._standing_jobs = weakref.WeakSet()  # Standing (mok/_standing.py)
-        self._user = {}                         # c.empty() regions: ptr -> bytes
+        self._staging: Dict[str, _Region] = {}  # slot name -> _Region
+        self._ctx_all: set = set()              # every ctx-pool _Region
+        self._ctx_free: List[_Region] = []      # idle ctx-pool regions
+        self._ctx_returned: collections.deque = collections.deque()  # from Context finalizers
+        self._dead_layers: collections.deque = collections.deque()   # handles of dropped Layers
+        self._abandoned: List[Tuple[int, Any]] = []  # (ticket, ctx region) of interrupted waits
+        self._layers: weakref.WeakSet = weakref.WeakSet()
+        self._groups: weakref.WeakSet = weakref.WeakSet()
+        self._standing_jobs: weakref.WeakSet = weakref.WeakSet()  # Standing (mok/_standing.py)
+        self._user: Dict[int, int] = {}         # c.empty() regions: ptr -> bytes
         self._registrations = 0                 # mok_host_alloc calls made by the binding
         self.engine = L.mok_client_engine(h).decode()
         self.device = L.mok_client_device(h).decode()
         self.session = int(L.mok_client_session(h))
 
     # ---- life cycle ----
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<mok.Client session=%d engine=%s device=%r%s>" % (
             self.session, self.engine, self.device, " closed" if self._closed else "")
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._closed
 
-    def close(self):
+    def close(self) -> None:
         """Destroy this client's layers and staging, say Goodbye. Arrays from
         c.empty() stay valid: the session (and their memory) ends when the last
         of them is gone. Contexts of this client become unusable."""
@@ -234,7 +297,7 @@ class Client:
             self._ctx_all.clear()
             self._ctx_free.clear()
             self._ctx_returned.clear()
-            native, self._native = self._native, None
+            native, self._native = self._native, None  # type: ignore[assignment]
         del native  # mok_close now, unless c.empty() buffers still hold it
 
     def _check_open(self):
@@ -242,7 +305,7 @@ class Client:
             raise Error("ECLOSED", "this mok client is closed")
 
     # ---- daemon info ----
-    def stats(self):
+    def stats(self) -> Stats:
         """Daemon-wide counters (mok_stats) as a Stats namedtuple."""
         with self._lock:
             self._check_open()
@@ -252,7 +315,7 @@ class Client:
                 _raise(st)
             return Stats(*(getattr(s, f) for f in Stats._fields))
 
-    def nop(self):
+    def nop(self) -> float:
         """An empty job through the rings; returns the round trip in seconds."""
         import time
         with self._lock:
@@ -267,7 +330,7 @@ class Client:
             self._wait(ticket.value)
             return time.perf_counter() - t0
 
-    def synchronize(self, timeout_ms=-1):
+    def synchronize(self, timeout_ms: int = -1) -> None:
         """Wait on the host for every job submitted so far (torch jobs included)
         and raise the first failure of a torch job since the last check."""
         with self._lock:
@@ -296,16 +359,19 @@ class Client:
         self._registrations += 1
         return p
 
-    def empty(self, shape, dtype="float32"):
+    def empty(self, shape: Union[int, Sequence[int]], dtype: DType = "float32") -> np.ndarray:
         """A numpy array in memory shared with mokd (a registered memfd): jobs
-        read and write it in place. dtype: "float32", "bfloat16" (gives uint16),
-        "int32", "uint8" or a numpy dtype. Contents are zero."""
+        read and write it in place. dtype: "float32", "bfloat16" (gives uint16
+        bit patterns, which mok.to_bf16 fills), "int32", "uint8" or a numpy
+        dtype (ml_dtypes.bfloat16 for a bfloat16-typed array). Contents are
+        zero."""
         if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
             dtype = np.uint16
         elif isinstance(dtype, str) and dtype in ("f32",):
             dtype = np.float32
         dt = np.dtype(dtype)
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        shape = ((int(shape),) if np.isscalar(shape)  # type: ignore
+                 else tuple(int(s) for s in shape))  # type: ignore
         if any(s < 0 for s in shape):
             raise Error("EINVAL", "negative dimension in shape %s" % (shape,))
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -406,9 +472,11 @@ class Client:
                 holder[0] = None
 
     # ---- layers ----
-    def layer(self, hidden, intermediate, experts, topk, shared_intermediate=0,
-              dtype="float32", swiglu_limit=None, group=None, max_tokens=None, group_tag=0):
-        """A layer (DESIGN §1). max_tokens=None: the layer starts at
+    def layer(self, hidden: int, intermediate: int, experts: int, topk: int,
+              shared_intermediate: int = 0, dtype: DType = "float32",
+              swiglu_limit: Optional[float] = None, group: Optional[Group] = None,
+              max_tokens: Optional[int] = None, group_tag: int = 0) -> Layer:
+        """A layer (docs/design.md#the-layer, docs/math.md). max_tokens=None: the layer starts at
         DEFAULT_MAX_TOKENS and re-creates itself larger (next power of two)
         when a job brings more tokens; an explicit max_tokens is a hard limit
         (a larger job raises ELIMIT).
@@ -426,9 +494,10 @@ class Client:
         return Layer(self, hidden, intermediate, experts, topk, shared_intermediate, dtype,
                      swiglu_limit, max_tokens, group, group_tag)
 
-    def layer_cost(self, hidden, intermediate, experts, topk, shared_intermediate=0,
-                   dtype="float32", swiglu_limit=None, max_tokens=DEFAULT_MAX_TOKENS, group=None,
-                   group_tag=0):
+    def layer_cost(self, hidden: int, intermediate: int, experts: int, topk: int,
+                   shared_intermediate: int = 0, dtype: DType = "float32",
+                   swiglu_limit: Optional[float] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+                   group: Optional[Group] = None, group_tag: int = 0) -> Dict[str, int]:
         """What a layer of this description would cost at max_tokens, before
         creating it (mokd checks it as it would a layer; nothing is created and
         no quota is used). A dict: layer_bytes (daemon memory the layer keeps),
@@ -462,10 +531,10 @@ class Client:
             st = _lib.lib().mok_layer_cost(self._native.ptr, byref(d), byref(info))
         if st:
             _raise(st)
-        return {f: int(getattr(info, f)) for f, _ in _lib.LayerCostInfo._fields_}
+        return {f[0]: int(getattr(info, f[0])) for f in _lib.LayerCostInfo._fields_}
 
     # ---- expert-parallel groups ----
-    def nccl_id(self):
+    def nccl_id(self) -> bytes:
         """A fresh NCCL unique id (128 bytes) for group(..., nccl_id=): ask rank
         0's mokd (the cuda engine) and hand the bytes to every rank."""
         buf = ctypes.create_string_buffer(_lib.NCCL_ID_BYTES)
@@ -476,8 +545,10 @@ class Client:
             _raise(st)
         return buf.raw
 
-    def group(self, key, rank, world, max_tokens, hidden, topk, experts, dtype="float32",
-              timeout_ms=0, capacity=0.0, ring_rows=0, nccl_id=None):
+    def group(self, key: str, rank: int, world: int, max_tokens: int, hidden: int, topk: int,
+              experts: int, dtype: DType = "float32", timeout_ms: int = 0,
+              capacity: float = 0.0, ring_rows: int = 0,
+              nccl_id: Optional[bytes] = None) -> Group:
         """Join rank `rank` of the expert-parallel group `key` (docs/ep.md).
         Every rank joins through its own mokd with the same sizing; joining a
         group the daemon still holds (a restarted trainer) is cheap.
@@ -564,7 +635,12 @@ class Context:
     The references are not copies: change those arrays in place between
     forward and backward and backward sees the change."""
 
-    def __init__(self, layer, tokens, recompute, inputs, region):
+    layer: Layer
+    tokens: int
+    recompute: bool
+
+    def __init__(self, layer: Layer, tokens: int, recompute: bool, inputs: Optional[dict],
+                 region: Any) -> None:
         self.layer = layer
         self.tokens = tokens
         self.recompute = recompute
@@ -574,22 +650,22 @@ class Context:
                      if isinstance(region, _Region) else None)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes saved in mok memory (0 in recompute mode)."""
         return 0 if self.recompute else self.layer.ctx_bytes(self.tokens)
 
     @property
-    def released(self):
+    def released(self) -> bool:
         return self._inputs is None
 
-    def release(self):
+    def release(self) -> None:
         """Give the saved memory back now (backward does this unless retain_ctx)."""
         self._inputs = None
         if self._fin is not None:
             self._fin()  # hands the region back to the client's pool
         self._region = None
 
-    def saved(self):
+    def saved(self) -> Optional[np.ndarray]:
         """A copy of the saved bytes (uint8 [ctx_bytes]); None in recompute mode."""
         if self.recompute:
             return None
@@ -602,7 +678,7 @@ class Context:
                 raise Error("EINVAL", "this ctx was released")
             return self._region.u8[:self.nbytes].copy()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<mok.Context T=%d %s%s>" % (self.tokens, "recompute" if self.recompute else
                                              "saved %d bytes" % self.nbytes,
                                              " released" if self.released else "")
@@ -611,8 +687,20 @@ class Context:
 class Group:
     """An expert-parallel group this client joined (see Client.group)."""
 
-    def __init__(self, client, key, rank, world, max_tokens, hidden, topk, experts, dtype,
-                 timeout_ms, capacity=0.0, ring_rows=0, nccl_id=None):
+    client: Client
+    key: str
+    rank: int
+    world: int
+    max_tokens: int
+    local_experts: int
+    first_expert: int
+    generation: int
+    rejoined: bool
+
+    def __init__(self, client: Client, key: str, rank: int, world: int, max_tokens: int,
+                 hidden: int, topk: int, experts: int, dtype: DType, timeout_ms: int,
+                 capacity: float = 0.0, ring_rows: int = 0,
+                 nccl_id: Optional[bytes] = None) -> None:
         self.client = client
         self.key = str(key)
         self.rank = _dim("rank", rank, 0)
@@ -641,7 +729,7 @@ class Group:
         self.generation = int(L.mok_group_generation(self._ptr))
         self.rejoined = bool(L.mok_group_rejoined(self._ptr))
 
-    def leave(self):
+    def leave(self) -> None:
         """Leave the group: the daemon releases it at once when no session
         holds it (closing the client instead keeps it warm for a restart)."""
         with self.client._lock:
@@ -651,7 +739,7 @@ class Group:
                 if st:
                     _raise(st)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<mok.Group %r rank %d/%d E_loc=%d generation %d%s>" % (
             self.key, self.rank, self.world, self.local_experts, self.generation,
             "" if self._ptr else " (left)")
@@ -660,8 +748,23 @@ class Group:
 class Layer:
     """A MoE layer on mokd (see Client.layer). Arrays are numpy, host memory."""
 
-    def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
-                 dtype, swiglu_limit, max_tokens, group=None, group_tag=0):
+    client: Client
+    group: Optional[Group]
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    shared_intermediate: int
+    dtype: str
+    swiglu_limit: Optional[float]
+    max_tokens: int
+    row_align: int
+    local_experts: int
+
+    def __init__(self, client: Client, hidden: int, intermediate: int, experts: int, topk: int,
+                 shared_intermediate: int, dtype: DType, swiglu_limit: Optional[float],
+                 max_tokens: Optional[int], group: Optional[Group] = None,
+                 group_tag: int = 0) -> None:
         self.client = client
         self.group = group
         self.group_tag = _dim("group_tag", group_tag, 0)
@@ -686,7 +789,7 @@ class Layer:
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else _dim("max_tokens",
                                                                              max_tokens)
         self._holder = [None]
-        self._shapes = {}
+        self._shapes: Dict[Tuple[int, str], Tuple[int, Tuple[int, ...]]] = {}
         with client._lock:
             client._check_open()
             client._service()
@@ -717,19 +820,19 @@ class Layer:
             _lib.lib().mok_layer_destroy(self._holder[0])
             self._holder[0] = None
 
-    def close(self):
+    def close(self) -> None:
         """Destroy the layer in mokd (also done by the client's close)."""
         with self.client._lock:
             self._destroy_locked()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return ("<mok.Layer H=%d I=%d E=%d K=%d I_s=%d %s%s max_tokens=%d>" % (
             self.hidden, self.intermediate, self.experts, self.topk, self.shared_intermediate,
             self.dtype, "" if self.swiglu_limit is None else " limit=%g" % self.swiglu_limit,
             self.max_tokens))
 
     @property
-    def shared(self):
+    def shared(self) -> bool:
         return self.shared_intermediate > 0
 
     # ---- sizes (docs/math.md) ----
@@ -740,16 +843,16 @@ class Layer:
                         "this layer's client is closed")
         return h
 
-    def ctx_bytes(self, tokens):
+    def ctx_bytes(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_ctx_bytes(self._h(), tokens))
 
-    def acts_bytes(self, tokens):
+    def acts_bytes(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_acts_bytes(self._h(), tokens))
 
-    def schedule_ints(self, tokens):
+    def schedule_ints(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_schedule_ints(self._h(), tokens))
 
-    def rows_capacity(self, tokens):
+    def rows_capacity(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
 
     def standing(self, op, T, tensors, flags=0):
@@ -788,7 +891,7 @@ class Layer:
         _check_torch(slot, a)
         if not isinstance(a, np.ndarray):
             a = np.asarray(a)
-        if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:
+        if is_bf16(a.dtype):
             a = a.view(np.uint16)
         if not check:
             return a
@@ -901,20 +1004,27 @@ class Layer:
                 code, shape = self._expect(T, slot)
                 dt = _NP_OF_CODE[code]
                 user = out.get(slot)
+                bits = None  # user as the slot's dtype (bfloat16: its uint16 view)
                 ptr = None
                 if user is not None:
-                    if not isinstance(user, np.ndarray) or user.dtype != dt or \
-                            user.shape != shape or not user.flags.writeable:
+                    if isinstance(user, np.ndarray) and code == _lib.DTYPE_BF16 and \
+                            is_bf16(user.dtype):
+                        bits = user.view(np.uint16)
+                    elif isinstance(user, np.ndarray):
+                        bits = user
+                    if bits is None or bits.dtype != dt or bits.shape != shape or \
+                            not bits.flags.writeable:
                         raise Error("ESHAPE", "%s: out %s must be a writable %s array of shape "
-                                    "%s, got %s" % (op, slot, dt, shape, _describe(user)))
-                    ptr = c._in_mok_memory(user, writable=True)
+                                    "%s, got %s" % (op, slot, _CODE_NAME[code], shape,
+                                                    _describe(user)))
+                    ptr = c._in_mok_memory(bits, writable=True)
                 if ptr is not None:
-                    results[slot] = (user, None)
+                    results[slot] = (user, bits, None, code)
                 else:
                     r = c._stage(slot, max(int(np.prod(shape, dtype=np.int64)) * dt.itemsize, 1))
                     view = r.view(dt, shape)
                     ptr = r.ptr
-                    results[slot] = (user, view)
+                    results[slot] = (user, bits, view, code)
                 put(slot, ptr, code, shape)
             region = None
             if ctx is not None:
@@ -939,12 +1049,14 @@ class Layer:
             if ctx == "scratch":
                 c._ctx_release(region)
             ret = {}
-            for slot, (user, view) in results.items():
+            for slot, (user, bits, view, code) in results.items():
                 if view is None:
                     ret[slot] = user
                 elif user is not None:
-                    np.copyto(user, view)
+                    np.copyto(bits, view)
                     ret[slot] = user
+                elif code == _lib.DTYPE_BF16:
+                    ret[slot] = view.copy().view(bf16_dtype())  # ml_dtypes, else uint16
                 else:
                     ret[slot] = view.copy()
             return ret, (region if ctx == "save" else None)
@@ -1038,8 +1150,11 @@ class Layer:
             return results, (saved if isinstance(ctx, str) and ctx == "save" else None)
 
     # ---- the whole layer ----
-    def forward(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,
-                s_up=None, s_down=None, recompute=False, out=None):
+    def forward(self, x: TensorLike, topk_ids: TensorLike, router_weights: TensorLike,
+                w_gate: TensorLike, w_up: TensorLike, w_down: TensorLike,
+                s_gate: Optional[TensorLike] = None, s_up: Optional[TensorLike] = None,
+                s_down: Optional[TensorLike] = None, recompute: bool = False,
+                out: Optional[Out] = None) -> Tuple[Result, Context]:
         """out [T,H], ctx. recompute=True saves nothing in mok memory: ctx keeps
         references to the inputs and backward rebuilds the activations."""
         op = "forward"
@@ -1054,7 +1169,8 @@ class Layer:
             del keep["topk_ids"]  # the schedule in ctx replaces it
         return res["out"], Context(self, T, bool(recompute), keep, region)
 
-    def backward(self, ctx, d_out, out=None, retain_ctx=False):
+    def backward(self, ctx: Context, d_out: TensorLike, out: Optional[Out] = None,
+                 retain_ctx: bool = False) -> Grads:
         """Grads(d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, d_s_gate, d_s_up,
         d_s_down); d_s_* None without a shared expert. The ctx is released
         afterwards unless retain_ctx=True."""
@@ -1071,7 +1187,7 @@ class Layer:
         names = list(Grads._fields)
         if not self.shared:
             names = names[:5]
-        ins = dict(ctx._inputs)
+        ins = dict(ctx._inputs or {})
         ins["d_out"] = d_out
         if ctx.recompute:
             res, _ = self._job(op, T, ins, names, _out_map(out, names, op),
@@ -1083,7 +1199,8 @@ class Layer:
         return Grads(*(res.get(n) for n in Grads._fields))
 
     # ---- single steps (docs/math.md) ----
-    def dispatch(self, x, topk_ids, out=None):
+    def dispatch(self, x: TensorLike, topk_ids: TensorLike,
+                 out: Optional[Out] = None) -> Tuple[Result, Result]:
         """(schedule int32 [schedule_ints], routed_x [R_cap,H])."""
         op = "dispatch"
         T = self._tokens_of(op, "x", x)
@@ -1091,8 +1208,11 @@ class Layer:
         res, _ = self._job(op, T, dict(x=x, topk_ids=topk_ids), names, _out_map(out, names, op))
         return res["schedule"], res["routed_x"]
 
-    def compute(self, schedule, routed_x, w_gate, w_up, w_down, x=None, s_gate=None,
-                s_up=None, s_down=None, out=None):
+    def compute(self, schedule: TensorLike, routed_x: TensorLike, w_gate: TensorLike,
+                w_up: TensorLike, w_down: TensorLike, x: Optional[TensorLike] = None,
+                s_gate: Optional[TensorLike] = None, s_up: Optional[TensorLike] = None,
+                s_down: Optional[TensorLike] = None,
+                out: Optional[Out] = None) -> Tuple[Result, Optional[Result], Result]:
         """(routed_y [R_cap,H], shared_y [T,H] or None, acts uint8 [acts_bytes])."""
         op = "compute"
         T = self._tokens_of_schedule(op, schedule)
@@ -1107,7 +1227,8 @@ class Layer:
         res, _ = self._job(op, T, ins, names, _out_map(out, names, op))
         return res["routed_y"], res.get("shared_y"), res["acts"]
 
-    def combine(self, schedule, routed_y, router_weights, shared_y=None, out=None):
+    def combine(self, schedule: TensorLike, routed_y: TensorLike, router_weights: TensorLike,
+                shared_y: Optional[TensorLike] = None, out: Optional[Out] = None) -> Result:
         """out [T,H]."""
         op = "combine"
         T = self._tokens_of_schedule(op, schedule)
@@ -1116,7 +1237,8 @@ class Layer:
         res, _ = self._job(op, T, ins, ["out"], _out_map(out, ["out"], op))
         return res["out"]
 
-    def combine_backward(self, schedule, d_out, out=None):
+    def combine_backward(self, schedule: TensorLike, d_out: TensorLike,
+                         out: Optional[Out] = None) -> Result:
         """routed_d_out [R_cap,H]."""
         op = "combine_backward"
         T = self._tokens_of_schedule(op, schedule)
@@ -1124,9 +1246,13 @@ class Layer:
                            _out_map(out, ["routed_d_out"], op))
         return res["routed_d_out"]
 
-    def compute_backward(self, schedule, acts, routed_x, routed_d_out, router_weights, w_gate,
-                         w_up, w_down, x=None, d_out=None, s_gate=None, s_up=None, s_down=None,
-                         out=None):
+    def compute_backward(self, schedule: TensorLike, acts: TensorLike, routed_x: TensorLike,
+                         routed_d_out: TensorLike, router_weights: TensorLike,
+                         w_gate: TensorLike, w_up: TensorLike, w_down: TensorLike,
+                         x: Optional[TensorLike] = None, d_out: Optional[TensorLike] = None,
+                         s_gate: Optional[TensorLike] = None, s_up: Optional[TensorLike] = None,
+                         s_down: Optional[TensorLike] = None,
+                         out: Optional[Out] = None) -> ComputeGrads:
         """ComputeGrads(routed_d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_d_x,
         d_s_gate, d_s_up, d_s_down); the shared ones None without a shared expert."""
         op = "compute_backward"
@@ -1143,7 +1269,9 @@ class Layer:
         res, _ = self._job(op, T, ins, names, _out_map(out, names, op))
         return ComputeGrads(*(res.get(n) for n in ComputeGrads._fields))
 
-    def dispatch_backward(self, schedule, routed_d_x, shared_d_x=None, out=None):
+    def dispatch_backward(self, schedule: TensorLike, routed_d_x: TensorLike,
+                          shared_d_x: Optional[TensorLike] = None,
+                          out: Optional[Out] = None) -> Result:
         """d_x [T,H]."""
         op = "dispatch_backward"
         T = self._tokens_of_schedule(op, schedule)

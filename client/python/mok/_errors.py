@@ -1,4 +1,8 @@
 """mok.Error: every failure of the binding and of mokd."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
 from ._lib import STATUS_CODES, STATUS_NAMES
 
 
@@ -6,7 +10,11 @@ class Error(Exception):
     """A mok failure: .status is the status name ("EINVAL", "EROUTE", ...), .code its
     number (proto/mok_status.h), .message what mokd (or the binding) said."""
 
-    def __init__(self, status, message=None):
+    status: str
+    code: int
+    message: str
+
+    def __init__(self, status: Union[str, int], message: Optional[str] = None) -> None:
         if message is None and isinstance(status, str) and status not in STATUS_CODES:
             status, message = "EINVAL", status
         if isinstance(status, int):

@@ -1,12 +1,20 @@
 """ctypes declarations of libmok (client/include/mok.h) and its constants.
 
+libmok is found through $MOK_LIBRARY, else the build tree when this package
+is client/python/mok of a source tree (build/lib/libmok.so), else the copy a
+pip install put beside this file (mok/libmok.so), else the system
+(find_library("mok"), libmok.so.1).
+
 The constants mirror proto/mok_enums.h and proto/mok_status.h (values travel
 on the wire and are append-only; tests/python checks that they still match).
 """
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import os
 import threading
+from typing import Iterator, Optional
 
 # ---- constants (proto/mok_status.h, proto/mok_enums.h) ------------------------
 
@@ -36,6 +44,7 @@ JOB_RECOMPUTE = 0x1
 NCCL_ID_BYTES = 128  # mok.h MOK_NCCL_ID_BYTES
 MAX_DIMS = 4
 DEFAULT_SOCKET = "/run/mok/mokd-0.sock"
+BUNDLED_NAME = "libmok.so"  # beside this file in a pip-installed package
 
 
 # ---- structures -----------------------------------------------------------------
@@ -63,7 +72,7 @@ class LayerCostInfo(ctypes.Structure):  # mok.h mok_layer_cost_info
 
 
 class GroupSizing(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint32) for n in (
+    _fields_ = [(n, ctypes.c_uint32) for n in (  # type: ignore[assignment]
         "max_tokens", "hidden", "topk", "experts", "dtype", "timeout_ms")] + [
         ("capacity", ctypes.c_float), ("ring_rows", ctypes.c_uint32),
         ("nccl_id", ctypes.c_char_p)]
@@ -80,19 +89,23 @@ TensorArray = Tensor * SLOT_COUNT
 
 # ---- loading ----------------------------------------------------------------------
 
-_lib = None
-_lib_path = None
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[str] = None
 _load_lock = threading.Lock()
 
 
-def _candidates():
+def _candidates() -> Iterator[str]:
     env = os.environ.get("MOK_LIBRARY")
     if env:
         yield env
         return  # an explicit choice is not second-guessed
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.normpath(os.path.join(here, "..", "..", ".."))
-    yield os.path.join(repo, "build", "lib", "libmok.so")
+    if os.path.isfile(os.path.join(repo, "client", "include", "mok.h")):
+        # this package is client/python/mok of a source tree: that tree's build
+        yield os.path.join(repo, "build", "lib", "libmok.so")
+    # the copy a pip install bundled (pyproject.toml, setup.py)
+    yield os.path.join(here, BUNDLED_NAME)
     found = ctypes.util.find_library("mok")
     if found:
         yield found
@@ -157,7 +170,7 @@ def _declare(lib):
         f.argtypes = args
 
 
-def lib():
+def lib() -> ctypes.CDLL:
     """The loaded libmok (ctypes.CDLL: calls release the GIL)."""
     global _lib, _lib_path
     if _lib is not None:
@@ -181,18 +194,21 @@ def lib():
             return _lib
         from ._errors import Error
         raise Error("ENOENT", "libmok.so not found; build it (make build/lib/libmok.so), install "
-                    "it, or set MOK_LIBRARY. Tried: " + "; ".join(tried))
+                    "it (make install, or pip install of the repository), or set MOK_LIBRARY. "
+                    "Tried: " + "; ".join(tried))
 
 
-def library_path():
+def library_path() -> str:
+    """The path (or name) libmok was loaded from; loads it if need be."""
     lib()
+    assert _lib_path is not None
     return _lib_path
 
 
-def version():
+def version() -> str:
     return lib().mok_version().decode("ascii")
 
 
-def last_error():
+def last_error() -> str:
     m = lib().mok_last_error()
     return m.decode("utf-8", "replace") if m else ""

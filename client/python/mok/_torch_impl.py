@@ -5,18 +5,20 @@ as mokd jobs on torch.cuda.current_stream(), every tensor named in place
 (zero copy); MoE is the nn.Module holding the expert weights as bf16
 Parameters. Design notes: docs/torch.md.
 """
+from __future__ import annotations
+
 import ctypes
 import itertools
 import math
 import threading
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from . import _lib
-from ._client import Context, Grads, Group, connect
+from ._client import Client, Context, Grads, Group, connect
 from ._errors import Error
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
@@ -26,7 +28,7 @@ _default = None
 _default_lock = threading.Lock()
 
 
-def default_client():
+def default_client() -> Client:
     """The process's client for mok.torch (mok.connect(): $MOK_SOCKET, else
     /run/mok/mokd-0.sock), connected at first use. It must run the cuda engine."""
     global _default
@@ -41,7 +43,7 @@ def default_client():
         return _default
 
 
-def set_default_client(client):
+def set_default_client(client: Optional[Client]) -> None:
     """Use this client for MoE modules created without client= (None: reconnect at next use)."""
     global _default
     with _default_lock:
@@ -108,7 +110,7 @@ class _Tracker:
                 self.count += 1
 
 
-_trackers = weakref.WeakKeyDictionary()
+_trackers: "weakref.WeakKeyDictionary[Client, _Tracker]" = weakref.WeakKeyDictionary()
 
 
 def _tracker(client):
@@ -118,7 +120,7 @@ def _tracker(client):
     return t
 
 
-def registrations(client=None):
+def registrations(client: Optional[Client] = None) -> int:
     """CUDA allocations registered with mokd for mok.torch's jobs on `client`
     (default: default_client()), counted since the client connected. A steady
     training step adds none."""
@@ -206,7 +208,7 @@ class _Slot:
 
 class MoEFunction(torch.autograd.Function):
     """out = MoE(x, topk_ids, router_weights; w_gate, w_up, w_down[, s_gate, s_up, s_down])
-    through mokd (DESIGN §1). Call through moe() or MoE; arguments must already be
+    through mokd (docs/design.md#the-layer). Call through moe() or MoE; arguments must already be
     contiguous CUDA tensors of the slot dtypes (bf16, int32, float32)."""
 
     @staticmethod
@@ -271,8 +273,10 @@ def _apply(slot, recompute, x, ids, rw, wg, wu, wd, sg, su, sd):
     return MoEFunction.apply(slot, recompute, x, ids, rw, wg, wu, wd, sg, su, sd)
 
 
-def moe(slot, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None, s_up=None,
-        s_down=None, recompute=False):
+def moe(slot: _Slot, x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.Tensor,
+        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+        s_gate: Optional[torch.Tensor] = None, s_up: Optional[torch.Tensor] = None,
+        s_down: Optional[torch.Tensor] = None, recompute: bool = False) -> torch.Tensor:
     """The functional form (slot: MoE._slot). x [..., H] (cast to bf16 when it is another
     float dtype), topk_ids [..., K] (int32), router_weights [..., K] (float32); returns
     out [..., H] bf16."""
@@ -328,10 +332,13 @@ class MoE(torch.nn.Module):
     sizing shares one mok group; group_tag=None gives each the next tag in creation order
     (0, 1, ...)."""
 
-    def __init__(self, hidden, intermediate, experts, topk, shared_intermediate=0,
-                 swiglu_limit=None, recompute=False, backend="mokd", client=None,
-                 max_tokens=None, device=None, group=None, group_tag=None,
-                 group_options=None):
+    def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
+                 shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
+                 recompute: bool = False, backend: str = "mokd", client: Optional[Client] = None,
+                 max_tokens: Optional[int] = None,
+                 device: Optional[Union[str, int, torch.device]] = None,
+                 group=None, group_tag: Optional[int] = None,
+                 group_options: Optional[dict] = None) -> None:
         super().__init__()
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
@@ -392,7 +399,7 @@ class MoE(torch.nn.Module):
             self.s_gate = self.s_up = self.s_down = None
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         """nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every projection."""
         with torch.no_grad():
             for w in (self.w_gate, self.w_up, self.s_gate, self.s_up):
@@ -407,7 +414,7 @@ class MoE(torch.nn.Module):
                     w.copy_(torch.empty(w.shape, dtype=torch.float32, device=w.device)
                             .uniform_(-b, b))
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return "hidden=%d, intermediate=%d, experts=%d, topk=%d, shared_intermediate=%d%s, " \
                "backend=%s%s" % (self.hidden, self.intermediate, self.experts, self.topk,
                                  self.shared_intermediate,
@@ -418,13 +425,13 @@ class MoE(torch.nn.Module):
              (self.group.rank, self.group.world, self.group_tag))
 
     @property
-    def client(self):
+    def client(self) -> Client:
         if self._client is None:
             self._client = default_client()
         return self._client
 
     @property
-    def registrations(self):
+    def registrations(self) -> int:
         """registrations() of this module's client."""
         return registrations(self.client)
 
@@ -435,7 +442,8 @@ class MoE(torch.nn.Module):
                                self._max_tokens, self.group, self.group_tag)
         return self._slot
 
-    def forward(self, x, topk_ids, router_weights):
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                router_weights: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return moe_reference(x, topk_ids, router_weights, self.w_gate, self.w_up,
                                  self.w_down, self.s_gate, self.s_up, self.s_down,
@@ -459,9 +467,12 @@ def _forward_mokd(m, x, topk_ids, router_weights):
 
 # ---- the same layer in plain PyTorch ---------------------------------------------------------
 
-def moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None, s_up=None,
-                  s_down=None, swiglu_limit=None):
-    """DESIGN §1 in PyTorch ops with the engine's roundings (docs/math.md): g, u, h and y
+def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.Tensor,
+                  w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  s_gate: Optional[torch.Tensor] = None, s_up: Optional[torch.Tensor] = None,
+                  s_down: Optional[torch.Tensor] = None,
+                  swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    """The layer (docs/design.md#the-layer) in PyTorch ops with the engine's roundings (docs/math.md): g, u, h and y
     rounded to bf16, the K-sum in f32 in ascending k, out rounded to bf16. Autograd gives
     the backward. One host sync per call (the experts' row counts). Deterministic under
     torch.use_deterministic_algorithms(True)."""
@@ -502,6 +513,7 @@ def moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None
     for k in range(K):
         term = rw[:, k, None] * y[:, k]
         acc = term if acc is None else acc + term
+    assert acc is not None  # K >= 1
     return acc.to(torch.bfloat16).reshape(*lead, H)
 
 

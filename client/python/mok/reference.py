@@ -1,4 +1,4 @@
-"""An independent float64 reference of the mok MoE layer (DESIGN §1).
+"""An independent float64 reference of the mok MoE layer (docs/design.md, "The layer").
 
 Written from the math, not from any engine: numpy in float64, every
 intermediate kept in float64, nothing rounded. The Python tests and

@@ -18,6 +18,11 @@ torch.distributed process groups), mok.torchtitan and mok.hf_transformers (model
 integrations).
 """
 import importlib
+from typing import TYPE_CHECKING, Any, List
+
+if TYPE_CHECKING:  # type checkers see the real names and signatures
+    from ._torch_impl import (MoE, MoEFunction, default_client, moe, moe_reference,
+                              registrations, set_default_client)
 
 __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
            "set_default_client", "registrations", "aligned", "check_graphs"]
@@ -25,7 +30,7 @@ __all__ = ["MoE", "MoEFunction", "moe", "moe_reference", "default_client",
 _impl = None
 
 
-def _load():
+def _load() -> Any:
     global _impl
     if _impl is None:
         try:
@@ -37,11 +42,11 @@ def _load():
     return _impl
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(_load(), name)
     raise AttributeError("module 'mok.torch' has no attribute %r" % name)
 
 
-def __dir__():
+def __dir__() -> List[str]:
     return sorted(list(globals()) + __all__)
