@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # mok: mokd, libmok, mokctl, tests.
 #
 #   make            release build into build/

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bf16 <-> f32 conversion helpers (bf16 is the top half of an IEEE f32).
  *
  * f32 -> bf16 rounds to nearest, ties to even; a NaN stays a NaN (made

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mokd's configuration file: "key = value" lines, '#' comments.
  * Keys are the long command-line options without dashes. */
 #ifndef MOK_CONFIG_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cpu_pool: fixed worker threads, one generation counter per slice.
  *
  * All shared state is guarded by one mutex; workers sleep on work_cv until

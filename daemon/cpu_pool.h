@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cpu_pool: a small fixed pool of worker threads for data-parallel loops.
  *
  * cpu_pool_run() runs fn over the items [0, n) in contiguous chunks, one

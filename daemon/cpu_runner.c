@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cpu_runner: a FIFO of job records and one thread that empties it.
  *
  * Records live in a fixed ring of MOK_RING_ENTRIES (the most jobs a session

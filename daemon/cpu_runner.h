@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cpu_runner: a session's jobs on a thread of their own (the cpu engine's
  * asynchronous jobs).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cpu engine's steps, for the expert-parallel path (ep_cpu.c).
  *
  * engine_cpu.c keeps its step functions static; the cpu_* functions below

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The engine interface: what mokd asks of a compute engine.
  *
  * One engine thread owns an engine. The daemon validates every job descriptor

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cpu engine: docs/math.md on the host, f32 and bf16 layers.
  *
  * Every op is built from the six steps (dispatch, compute, combine and their

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cuda engine: docs/math.md on an sm_90a GPU through the kernel library
  * (kernels/mok_kernels.h), bf16 layers only. Design notes: docs/cuda.md.
  *

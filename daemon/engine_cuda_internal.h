@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cuda engine's internals, shared by engine_cuda.c (single-daemon jobs)
  * and ep_cuda.c (jobs of a layer on an expert-parallel group). Not an
  * interface: both files are one engine. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The engine thread: owns the engine and everything a job touches.
  *
  * The loop thread never touches regions, layers or rings directly: it sends

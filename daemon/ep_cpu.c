@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cpu engine's expert-parallel layer (docs/ep.md): forward and backward
  * of a layer on a group, through the group's shared host segment.
  *

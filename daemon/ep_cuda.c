@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cuda engine's expert-parallel layer (docs/ep.md): forward and backward
  * of a layer on a group, with the group's buffers in device memory.
  *

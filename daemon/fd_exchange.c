@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Passing a group member's buffer fd between daemons (fd_exchange.h). */
 #include "fd_exchange.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Handing a file descriptor from one mokd to another on the same host.
  *
  * A group member shares its device buffer with its peers as a VMM POSIX fd

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert-parallel groups: membership, the shared segment, job ordering and
  * the host barriers (docs/ep.md).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A tiny, strict HTTP/1.0 and 1.1 request parser for mokd's /metrics
  * endpoint (docs/metrics.md). Pure: no I/O, no allocation, bounded work.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Validating a job descriptor before any engine work.
  *
  * Works on a private copy of the descriptor (never on shared memory, so the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Where the engine thread counts finished jobs for the metrics endpoint
  * (daemon/metrics.h owns these; docs/metrics.md lists the series).
  *

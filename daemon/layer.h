@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Layers: validating a client's layer description. */
 #ifndef MOK_LAYER_H
 #define MOK_LAYER_H

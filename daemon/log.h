@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Leveled logging. Under systemd (stderr is the journal stream that
  * JOURNAL_STREAM names) each line is a structured journal entry, stamped by
  * the journal; elsewhere a plain stderr line stamped in UTC:

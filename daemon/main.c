@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mokd: serves Mixture-of-Experts layers to training processes.
  *
  *   mokd --socket PATH --engine cpu|cuda [--device N] [--config FILE]

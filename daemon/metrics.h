@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the /metrics endpoint reports (docs/metrics.md lists every series):
  * the counters the loop and the engine thread keep as things happen, and
  * the page in the Prometheus text format (0.0.4), rendered from them and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The metrics endpoint's settings (the metrics-* keys of mokd.conf;
  * docs/metrics.md). Parsed beside the rest of the configuration
  * (daemon/config.c hands every metrics-* key to mok_metrics_config_set). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The /metrics endpoint on mokd's libuv loop: a TCP address
  * (metrics-listen) and/or a Unix socket (metrics-socket), one GET per
  * connection (daemon/http.h parses it), the page from daemon/metrics.h.

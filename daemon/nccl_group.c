@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Symmetric memory for an expert-parallel group through NCCL (nccl_group.h).
  *
  * NCCL is reached through dlopen/dlsym only: the types below mirror the few

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Symmetric memory for an expert-parallel group through NCCL (docs/ep_nccl.md).
  *
  * The members of a group (one mokd per GPU, on one host or on several hosts

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The client limits: what each uid holds across all its sessions, and what
  * the whole daemon holds, against the configured shares (deploy/mokd.conf's
  * table). Loop thread only; pure bookkeeping (no I/O), so that the rules

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Regions: client memory a session has registered, as the engine sees it.
  *
  * A region table belongs to one session and is touched only by the engine

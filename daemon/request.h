@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Decoding and validating one control request: pure, no I/O, no loop.
  *
  * The server receives a frame (proto/frame.c), then calls

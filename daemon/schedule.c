@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Routing schedules: built from prefix sums (never arrival order) and
  * validated before an engine trusts one it did not write. */
 #include "schedule.h"

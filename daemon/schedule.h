@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Routing schedules (layout in proto/mok_wire.h, rules in docs/math.md).
  *
  * Engine-neutral plain C: the cpu engine uses it for dispatch, the cuda

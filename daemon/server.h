@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The control plane: the libuv loop, the Unix socket and the sessions. */
 #ifndef MOK_SERVER_H
 #define MOK_SERVER_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The session's shared-memory region (rings) and its doorbells. */
 #ifndef MOK_SESSION_SHM_H
 #define MOK_SESSION_SHM_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Standing jobs: a session's validated job descriptors kept by the engine
  * thread and run once per trigger (proto/mok_wire.h, mok_standing_words;
  * docs/cuda.md "Capture and replay").

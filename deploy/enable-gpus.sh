@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Make mok.target start one mokd per GPU this machine has, and start it.
 set -eu
 n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The main job, from nothing: install what is missing, build, start mokd
 # (the cuda engine when a GPU is usable, else the cpu engine), run a real
 # client doing MoE forward and backward steps checked against a float64

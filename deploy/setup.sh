@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what mok needs to build and test, from Debian's (or Ubuntu's) packages.
 # As root it installs what is missing; otherwise it says exactly what is.
 set -eu

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert-parallel data movement and barriers (mok_ep_kernels.h). */
 #include "mok_ep_kernels.h"
 #include "mok_kernels_internal.cuh"

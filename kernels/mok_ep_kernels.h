@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok kernels for expert parallelism on the GPU (docs/ep.md), behind a C API.
  *
  * Every member of a group owns one device buffer of the same layout (the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The expert GEMMs on mma.sync: one tiled bf16 GEMM (mma.sync m16n8k16, f32
  * accumulation, cp.async multi-stage pipeline) instantiated for the five
  * products of the layer (common/gemm_params.cuh), each with its own

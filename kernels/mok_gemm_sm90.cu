@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The grouped GEMMs on Hopper (sm_90a): TMA + wgmma, warp specialised,
  * persistent. The five products of common/gemm_params.cuh, forward (v1)
  * and backward (v2), from the parameters mok_gemm.cu builds for both

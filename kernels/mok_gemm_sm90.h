@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The GEMM backends of the kernel library and the Hopper (sm_90a) grouped
  * GEMMs, forward and backward: TMA loads into a 4-stage shared-memory
  * ring, wgmma from two consumer warpgroups, one producer warpgroup, a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok kernels: the sm_90a CUDA kernels of one MoE layer, behind a C API.
  *
  * Plain C (C11 or C++), no CUDA headers needed: the engine (daemon/

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Helpers shared by the kernel files (not part of the C API). */
 #ifndef MOK_KERNELS_INTERNAL_CUH
 #define MOK_KERNELS_INTERNAL_CUH

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* NCCL device API helpers (mok_nccl.h). */
 #include "mok_nccl.h"
 #include "mok_kernels_internal.cuh"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok kernels that read NCCL's device API (docs/ep_nccl.md), behind a C API.
  *
  * Plain C, no CUDA or NCCL headers needed by callers. The device API used

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The ring token buffer of an expert-parallel group (mok_ep_kernels.h).
  *
  * The routed buffers hold ring_rows rows; a member's schedule (capacity C

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Routing kernels: schedule build and validation, row gathers, the ordered
  * K-sums of combine and dispatch_backward, and the host-side helpers of the
  * C API (dims checks, layout sizes, workspace, launch errors). */

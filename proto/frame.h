@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Control-socket frames: a 16-byte header, a protobuf payload, and up to
  * MOK_FRAME_MAX_FDS file descriptors beside it (SCM_RIGHTS).
  *

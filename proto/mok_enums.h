@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok's public constants: dtypes, job operations and tensor slots.
  * Plain C (no atomics), so that the public header mok.h can include it.
  * Values travel on the wire: never renumber, only append. */

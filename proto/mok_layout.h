@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The layouts of the buffers a job exchanges: the routing schedule, the
  * saved activations (acts) and the context (ctx), as plain arithmetic.
  *

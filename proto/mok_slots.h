@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Which tensors each job takes, and their shapes: one table that mokd
  * validates against and libmok fills descriptors from. */
 #ifndef MOK_SLOTS_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok status codes: one table, shared by mokd, libmok, the wire and Python.
  *
  * Every reply and every job completion carries one of these plus a message a

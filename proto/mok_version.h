@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The version of mok: the one place it is written. mokd, mokctl and libmok
  * report it (mokd --version, mokctl --version, mok_version()), the Python
  * binding reads it through libmok, and the Makefile takes it from here for

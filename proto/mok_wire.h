@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok wire formats shared by mokd and libmok (not part of the public API).
  *
  *  - the control-socket frame header (a protobuf message follows it);

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A small test harness for mok's C tests.
  *
  * Each test is a function registered in a table; the runner runs each in a

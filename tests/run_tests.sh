@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs every test: the C test binaries (unit and integration) and the Python
 # tests. Prints each suite's own lines, then one closing line:
 #   "N passed, N failed"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libmok: the client library of mokd, the Mixture-of-Experts daemon.
  *
  * A trainer connects to its GPU's mokd, registers the memory its tensors

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Connection, handshake, control requests. */
 #include <errno.h>
 #include <poll.h>

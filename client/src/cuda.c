@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* CUDA device memory and stream ordering in libmok (docs/cuda.md).
  *
  * libmok never links libcuda: the driver is opened with dlopen only when a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert-parallel groups: JoinGroup / LeaveGroup (docs/ep.md). */
 #include <math.h>
 #include <stdlib.h>

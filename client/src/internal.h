@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libmok internals shared by its source files (and by white-box tests). */
 #ifndef MOK_CLIENT_INTERNAL_H
 #define MOK_CLIENT_INTERNAL_H

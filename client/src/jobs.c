@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Jobs: descriptors into the submission ring, completions out of the other. */
 #include <errno.h>
 #include <poll.h>

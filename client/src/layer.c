@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Layers: creation, destruction and the sizes of the buffers jobs use. */
 #include <stdlib.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared host memory: sealed memfds registered with the daemon. */
 #include <errno.h>
 #include <fcntl.h>

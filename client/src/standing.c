@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Standing jobs (mok.h; proto/mok_wire.h mok_standing_words; docs/cuda.md
  * "Capture and replay").
  *

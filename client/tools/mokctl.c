@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mokctl: ask a running mokd how it is doing.
  *
  *   mokctl [--socket PATH] status [--json]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The five grouped products of the layer and the one parameter block both
  * GEMM kernels (mma.sync in mok_gemm.cu, Hopper in mok_gemm_sm90.cu) run
  * them from. mok_gemm.cu fills it once per product; the mma.sync kernel

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* PTX helpers every kernel generation uses: shared-memory addresses and
  * named barriers. */
 #ifndef MOK_COMMON_PTX_CUH

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* PTX wrappers of the mma.sync kernel (sm_80 instructions, run on sm_90):
  * cp.async copies into shared memory, ldmatrix, mma.sync m16n8k16 bf16. */
 #ifndef MOK_COMMON_PTX_MMA_SYNC_CUH

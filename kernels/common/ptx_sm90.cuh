@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Hopper (sm_90a) PTX wrappers for the wgmma/TMA GEMMs: mbarriers, TMA tile
  * loads (also multicast to a cluster), thread-block clusters, wgmma with
  * shared-memory descriptors, register reallocation. Inline PTX only (no

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The SwiGLU (+ clamp) pieces of the GEMM epilogues (docs/math.md), one
  * copy for every kernel: results must agree bit for bit between the
  * mma.sync and the Hopper kernels, so every operation is an explicitly

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Where a GEMM tile lies in the routed buffer, and the order in which the
  * persistent kernel walks its tiles; one copy for both GEMM kernels.
  *

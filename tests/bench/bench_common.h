@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What mok_bench and mok_bench_daemon share: the benchmark shapes (docs/design.md), the
  * configuration order of tests/bench/torch_baseline.py, the routing recipe
  * and the routing files the baseline writes, small host helpers, the CUDA

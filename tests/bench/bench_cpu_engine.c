@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bench_cpu_engine: GFLOP/s of the cpu engine's forward and backward.
  *
  *   bench_cpu_engine [T H I E K I_s dtype(f32|bf16) threads(0: all) iters]

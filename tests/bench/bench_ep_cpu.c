@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert parallelism on the cpu engine (docs/ep.md): per-rank dispatch (pull)
  * and combine (push) bytes/s, layer times, and how long a restarted client
  * takes to run its first job in a group its daemon still holds.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Expert parallelism on the cuda engine (docs/ep.md): the EP bench.
  *
  *   bench_ep_cuda kernels [W] [T] [H] [K] [GPUS]

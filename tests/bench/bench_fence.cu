@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* bench_fence: what the daemon boundary costs a job that does nothing.
  *
  *   bench_fence [--n N]                      (MOK_SOCKET: a mokd with the cuda engine)

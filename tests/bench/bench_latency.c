@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Round-trip latency of an empty job through the rings, and the rate of
  * empty jobs with the ring kept full. Starts its own mokd (cpu engine)
  * unless MOK_SOCKET names a running one.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mokd's device memory for a session of L layers of one shape (docs/cuda.md,
  * "Workspaces").
  *

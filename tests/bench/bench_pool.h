@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Where mok_bench's operands live (--memory), to separate the cost of the
  * memory a kernel reads from the kernel itself:
  *

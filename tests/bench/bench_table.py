@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Merge torch_baseline.py's and mok_bench's JSON into the benchmark table (docs/design.md, "Benchmark shapes").
 
     python3 tests/bench/bench_table.py BASELINE.json MOK.json [--daemon DAEMON.json]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The daemon boundary's table from run_boundary.sh's files: for each
 configuration, the layer in one process (mok_bench) against the same layer
 through mokd (mok_bench_daemon), forward and backward, and the cost in %.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A 61-layer MoE model through mokd and through PyTorch: memory and step time.
 
     python3 tests/bench/model61.py --backend mokd|torch [--out FILE.json] [--layers 61]

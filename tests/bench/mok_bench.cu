@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok_bench: the benchmark shapes (docs/design.md) through the kernel library (kernels/mok_kernels.h),
  * in-process, timed the way tests/bench/torch_baseline.py times PyTorch.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mok_bench_daemon: the benchmark shapes (docs/design.md) through mokd (--engine cuda) and libmok,
  * the "through the daemon" column of tests/bench/run_bench.sh.
  *

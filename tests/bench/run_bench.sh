@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The kernel benchmark (docs/design.md, "Benchmark shapes") in one command, on a machine with an sm_90 GPU, nvcc and
 # a python3 with PyTorch (>= 2.8, for torch._grouped_mm):
 #

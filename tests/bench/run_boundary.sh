@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The daemon boundary in one command: the layer in one process (mok_bench)
 # and through mokd (mok_bench_daemon), under MPS and without, in one call,
 # then the table of what the boundary costs (boundary_table.py).

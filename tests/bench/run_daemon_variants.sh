@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The layer through mokd without and with MPS: mok_bench_daemon against a
 # fresh mokd for each (the cost of the daemon boundary; compare with the
 # in-process mok.json of the same call, from run_bench.sh or mok_bench).

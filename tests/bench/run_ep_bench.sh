@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The EP bench on a machine with a GPU, one command:
 #   tests/bench/run_ep_bench.sh [--out DIR] [GPUS] [W] [T] [H] [I] [E] [K]
 # 1. the data path in one process (bench_ep_cuda kernels: pull, push, barrier)

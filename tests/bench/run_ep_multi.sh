@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The multi-GPU EP run (one mokd per GPU), one command on a machine with
 # several GPUs:   tests/bench/run_ep_multi.sh [--out DIR] [T_LIST] [SHAPES]
 # 1. the EP integration tests with the daemons spread over the GPUs

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The cost of the daemon boundary on a job that does nothing (bench_fence),
 # without and with MPS, for two settings of idle-spin-us (how long mokd
 # polls its rings before it sleeps).

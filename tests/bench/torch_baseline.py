@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The PyTorch baseline of the kernel benchmark: the MoE layer as a strong PyTorch user writes it.
 
     python3 tests/bench/torch_baseline.py [--out FILE.json] [--routing-dir DIR]

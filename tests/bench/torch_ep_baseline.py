@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The PyTorch baseline of the multi-GPU EP issue: torch.distributed
 all_to_all_single dispatch and combine around the layer of tests/bench/torch_baseline.py.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer: mokd's configuration parser (daemon/config.c) on arbitrary
  * text, from the defaults, as mokd reads /etc/mok/mokd.conf. */
 #include <stdint.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer: the metrics endpoint's HTTP request parser (daemon/http.c) on
  * arbitrary bytes, at most a request buffer's worth, as mokd feeds it.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer: job descriptor validation (daemon/job_check.c) against a
  * session's region table (daemon/region.c) and a layer, as the engine
  * thread runs it on each descriptor it copies out of a submission ring.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The input layout of fuzz_job_check (shared with gen_corpus.c). */
 #ifndef MOK_FUZZ_JOB_CHECK_H
 #define MOK_FUZZ_JOB_CHECK_H

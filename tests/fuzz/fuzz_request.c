@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer: one control frame as mokd receives it, through the production
  * code: frame header (proto/frame.c), protobuf Request decoding and the
  * envelope rules (daemon/request.c), each message's validation, including

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer: schedules a client hands back (daemon/schedule.c).
  *
  * Mode 0: arbitrary schedule ints through mok_schedule_validate; an

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Writes the fuzzers' seed corpora: golden messages as mokd and libmok
  * really exchange them (every Request body, valid job descriptors for every
  * op on a few layers, built schedules, a full configuration).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs each libFuzzer target for a fixed time from its seed corpora and
 # prints, per target, executions, corpus size and whether it crashed.
 #   tests/fuzz/run.sh BUILD SECONDS TARGET...

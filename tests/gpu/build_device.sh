@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds mokd, libmok and the device test for the GPU test machine, which
 # lacks libuv, protobuf-c and libsystemd: libuv and protobuf-c are linked
 # statically into the programs, libsystemd is replaced by no-op stubs

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds, on a machine with nvcc (no GPU needed), every binary that
 # tests/gpu/run_kernels_v3.sh runs on the GPU machine, so that no device
 # time goes into compiling:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the NCCL group test (tests/gpu/test_nccl_group.cu) into .devbuild/nccl/
 # (git-ignored) for the GPU machine: the kernels library through the Makefile's
 # own rules (as `make gpu`), daemon/nccl_group.c with the daemon's warnings

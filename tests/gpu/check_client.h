@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The status checks that the GPU tests' and benches' clients (plain C and
  * CUDA C++ alike) share: a CUDA runtime call (CK) and a libmok call (MK),
  * each stopping the program with what failed and why. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* What the CUDA test and bench programs share: the CUDA and mok status
  * checks that stop the program, the EXPECT counter of failed checks, and the
  * device fill of random bf16 (hash of the index: the same bits for the same

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Host helpers the GPU tests share: bf16 <-> float (round to nearest even,
  * NaN kept quiet) and a seeded splitmix64 generator of test data. Each test
  * program gets its own copy of the state (static), so runs are repeatable. */

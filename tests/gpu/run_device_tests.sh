@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The cuda engine on a GPU machine, end to end, in one call:
 #   1. the kernel library's own tests (tests/gpu/run_kernel_tests.sh)
 #   2. mokd --engine cuda + tests/gpu/test_cuda_engine through libmok:

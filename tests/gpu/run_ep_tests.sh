@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Expert parallelism on the cuda engine (docs/ep.md): the EP integration
 # tests (tests/integration/test_ep.c) with every daemon on the cuda engine,
 # under MPS so that the members' kernels run at the same time, then

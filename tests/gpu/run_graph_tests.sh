@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # CUDA graphs and torch.compile(fullgraph=True) through mokd, on a GPU machine, in one call
 # (docs/cuda.md "Capture and replay"):
 #   1. test_standing on the cuda engine (the CI test of standing jobs, host-triggered)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Tenant isolation and memory of the cuda engine on a GPU machine (docs/cuda.md):
 #   hostile          a client racing its own topk_ids, ctx and schedules from a side
 #                    stream (and one from a thread, host memory) while its jobs run,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds and runs the GPU kernel tests (needs nvcc and an sm_90 GPU).
 #
 #   tests/gpu/run_kernel_tests.sh [--out DIR] [STEP...]     STEP: build correct time sanitize all

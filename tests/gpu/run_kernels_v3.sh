@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The v3 kernel step in one GPU call (one H200, about 6 minutes): every
 # kernel path's bitwise and correctness tests, the tile variants swept on
 # the benchmark shapes (docs/design.md), ncu on one configuration per GEMM, a summary table.

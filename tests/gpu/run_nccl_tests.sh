@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The NCCL group module's test (and bench) on the GPU machine (docs/ep_nccl.md).
 # Build first (bash tests/gpu/build_nccl_test.sh, no GPU needed), copy .devbuild to
 # the machine with the GPUs, then:

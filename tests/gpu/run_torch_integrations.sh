@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # mok's PyTorch integrations on a GPU machine, in one call:
 #   group  tests/gpu/test_torch_group.py under torchrun (2 ranks): mok.torch.MoE on a
 #          torch.distributed process group (mok.distributed.join), each rank with its own

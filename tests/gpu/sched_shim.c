@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* C11 side of the GPU kernel tests: proto/mok_wire.h and daemon/schedule.c
  * are C11-only (atomics), so the C++ test reaches them through these. */
 #include <stdint.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* No-op stand-ins for the libsystemd calls mokd makes, for builds that run
  * where libsystemd.so.0 is missing (the GPU test machine): link this object
  * with SD_LIBS=... instead of -lsystemd. Not for production builds. */

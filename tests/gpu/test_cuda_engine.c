@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cuda engine through the real daemon (libmok -> mokd --engine cuda).
  *
  *   test_cuda_engine correct       shapes vs ref64 and vs the cpu engine (in process),

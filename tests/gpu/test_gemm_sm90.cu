@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Device test and focused bench of the Hopper GEMMs
  * (kernels/mok_gemm_sm90.cu) against the mma.sync kernels and a float64
  * host reference.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch under CUDA graphs and torch.compile(fullgraph=True), on a GPU with mokd
 (docs/cuda.md "Capture and replay"). Run by tests/gpu/run_graph_tests.sh.
 

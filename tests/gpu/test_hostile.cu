@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A hostile tenant against mokd's cuda engine (docs/cuda.md, "Copy, check, use").
  *
  *   test_hostile attacker SECONDS [host]

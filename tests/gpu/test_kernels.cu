@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* GPU tests of the kernel library (kernels/mok_kernels.h).
  *
  *   test_kernels correct   every shape against the float64 reference, 5-run

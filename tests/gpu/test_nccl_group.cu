@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The NCCL group module (daemon/nccl_group.h, docs/ep_nccl.md) on the GPU machine.
  *
  *   test_nccl_group all W [FAKE_OLD_LIB]

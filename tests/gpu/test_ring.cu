@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The ring (kernels/mok_ring.cu) on the device: running the routed experts
  * macrobatch by macrobatch gives the bits of one pass, forward and backward,
  * on both GEMM backends (Hopper, in each of its tile variants, and mma.sync):

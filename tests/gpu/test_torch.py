@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python binding with torch CUDA tensors on mokd --engine cuda (device only).
 
 Runs one layer through numpy (host memory, staged) and through torch CUDA

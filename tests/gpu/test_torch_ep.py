@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch.MoE on an expert-parallel group (device only; docs/ep.md, docs/torch.md).
 
 Starts W mokd (cuda engine; rank r's on GPU r % GPUs) and W worker processes.

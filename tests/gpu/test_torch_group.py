@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch.MoE(group=process_group) on the GPU (device only; docs/torch.md).
 
 Run by torchrun, one process per rank, each with its own cuda-engine mokd

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torchtitan and mok.hf_transformers through mokd on the GPU (device only).
 
 One process, one cuda-engine mokd at $MOK_SOCKET (tests/gpu/run_torch_integrations.sh).

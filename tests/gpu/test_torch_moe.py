@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch on mokd --engine cuda (device only; $MOK_SOCKET; $MOKCTL names mokctl).
 
 Checks what docs/torch.md claims:

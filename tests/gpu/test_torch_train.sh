@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # mok.torch on a GPU machine, in one call:
 #   1. tests/gpu/test_torch_moe.py: MoE vs plain PyTorch, recompute, determinism,
 #      .grad accumulation, registration counter vs mokd's count, torch.compile

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The compact table of one tests/gpu/run_kernels_v3.sh run.
 
     v3_summary.py OUTDIR [--shape kimi-k2.7 --T 8192]

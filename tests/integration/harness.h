@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Shared helpers for integration tests that run a real mokd: start one on a
  * private socket with extra configuration, stop it, talk raw frames to it,
  * and measure what it holds (open fds, resident memory) from /proc. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: who may connect, and what one uid may hold.
  *
  * The socket's group and mode come from the configuration; allow-uids /

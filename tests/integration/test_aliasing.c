@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: memory a job may not be pointed at.
  *
  * One memfd registered twice is one memory: a job whose output lies over

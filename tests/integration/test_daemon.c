@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: a real mokd, driven through libmok and through raw sockets.
  *
  * Each test starts its own mokd (cpu engine) on a private socket, so a test

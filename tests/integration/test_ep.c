@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: expert parallelism across real mokd processes (docs/ep.md).
  *
  * Each test starts W daemons (cpu engine, one worker thread each) and, per

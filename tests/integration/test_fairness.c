@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A tenant's huge job beside another tenant's small ones, and scratch given
  * back after its session idles (docs/security.md).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: clients dying at any moment cost the daemon nothing.
  *
  * Clients are SIGKILLed at random moments (mid-registration, mid-job, with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: where expert-parallel group segments live.
  *
  * The group directory is writable only by the daemons' uid, so no tenant

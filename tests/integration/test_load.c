@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: load with faults.
  *
  * LOAD_CLIENTS checked client processes each run LOAD_JOBS forward jobs

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Hostile clients racing their own shared memory (docs/security.md).
  *
  * An attacker session submits every op while a thread of its own keeps

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: mokd's /metrics endpoint (docs/metrics.md) scraped over TCP
  * and its Unix socket while a client runs jobs (one of them failing), and
  * hostile scrapers: oversized and malformed requests, other methods, a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: standing jobs (mok.h mok_standing_*; docs/cuda.md "Capture
  * and replay") on a real mokd, triggered from the host (the cpu engine).
  *

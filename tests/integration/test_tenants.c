@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Integration: tenants of one mokd, as real uids.
  *
  * An attacking uid takes all it is allowed (sessions, regions, bytes,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The metrics test against the real Prometheus parser, in a venv of its own:
 #   tests/python/ci_metrics.sh OUTDIR
 # makes OUTDIR/venv (prometheus_client, numpy, pytest from PyPI), then runs

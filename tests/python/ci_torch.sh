@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # mok's PyTorch parts on a CPU machine: makes a virtual environment in OUTDIR with
 # torch (CPU use of the PyPI build), numpy, pytest and transformers, then runs the
 # torch tests of tests/python against the build in $MOK_BUILD (default build/; make it

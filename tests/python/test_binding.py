@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python binding (client/python/mok) against a real mokd on the cpu engine.
 
 Run: /usr/bin/python3 -m pytest -q tests/python   (or make test; $MOK_BUILD names

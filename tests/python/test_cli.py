@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The operator's side of mokd and mokctl: usage, versions, errors on a bad
 command line, the man pages (held to the code's own tables so they cannot
 drift), where make install puts them, the socket directory message and the

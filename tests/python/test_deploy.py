@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Deployment: systemd units, sd_notify, socket activation, make install.
 
 These run the real mokd from the build tree (or from a DESTDIR install) the

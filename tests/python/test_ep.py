@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python group API (docs/ep.md): two real mokd processes, one client per rank
 (threads of this process), results bitwise equal to EP=1 and close to the float64
 reference; errors as mok.Error."""

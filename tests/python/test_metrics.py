@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mokd's /metrics endpoint read by the real Prometheus parser
 (prometheus_client.parser.text_string_to_metric_families), docs/metrics.md.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The metrics' paper trail, without a daemon: every series the page renders
 (daemon/metrics.c) is listed in docs/metrics.md, every series the Grafana
 dashboard (deploy/grafana/mokd.json) queries is one the page renders, and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch's custom ops on a CPU machine: torch.compile(fullgraph=True) traces a model
 holding mok.torch.MoE into one graph, forward and backward, through the ops' fake kernels.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.distributed.join over torch.distributed (gloo) with cpu-engine mokd daemons.
 
 Three worker processes (tests/python/torchdist_worker.py), three mokd: a group over

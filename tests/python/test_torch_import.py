@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch without a GPU: `import mok` never imports torch, `import mok.torch` works
 without PyTorch and says so (ImportError) only when a name of it is used."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torchtitan and mok.hf_transformers on the CPU (backend="torch": moe_reference, no
 daemon): the weight mappings (the same Parameter objects, no copies where the layouts
 agree), the grouped rows' expert ids, torchtitan's load-balancing counts, and results

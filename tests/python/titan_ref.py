@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A stand-in for torchtitan's MoE layer (torchtitan is not installed on the test
 machines), written from its documented behaviour for the tests of mok.torchtitan:
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One process of tests/python/test_torch_distributed.py (spawned; gloo, cpu-engine mokd).
 
 Runs every scenario in order and pickles {scenario: result} into OUTDIR/rank<r>.pkl:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* ref64: float64 reference of the MoE layer, straight from docs/design.md ("The layer").
  *
  * Deliberately naive: one (token, slot) at a time, every value in double,

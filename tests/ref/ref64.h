@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* ref64: an independent float64 reference of the MoE layer (docs/design.md, "The layer").
  *
  * Written from the math, not from any engine: plain loops, every

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The configuration file parser. */
 #include "check.h"
 #include "config.h"

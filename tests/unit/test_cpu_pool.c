@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* cpu_pool: every item runs exactly once, chunks are contiguous and never
  * empty, the pool is reusable, concurrent callers are never wait for each other (a
  * short run beside a long one finishes long before it), and (under TSan)

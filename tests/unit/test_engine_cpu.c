@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The cpu engine against the float64 reference, and its bitwise promises.
  *
  *  - ref64 itself against central finite differences;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* fd_exchange: a group member's buffer fd reaches a peer of the same uid
  * that names the right server pid, and nobody else. */
 #include <pwd.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Frames: parsing, and sending/receiving with file descriptors. */
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* group.c in one process: two "daemons" (two tables) join two ranks of a
  * group; the engine-state hook, the peer record, breaking a group, and the
  * state freed exactly once when the daemon leaves. The segments' directory:

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The metrics endpoint's HTTP request parser (daemon/http.c): what it
  * serves, everything it refuses and with which status, fed whole and byte
  * by byte. */

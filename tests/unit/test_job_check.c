@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Job descriptor validation: every reference checked before any engine work. */
 #include <stdint.h>
 

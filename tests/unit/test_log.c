@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* mokd's log lines: UTC timestamps on plain stderr, none for the journal. */
 #include <regex.h>
 #include <sys/stat.h>

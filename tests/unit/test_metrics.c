@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The metrics registry and page (daemon/metrics.c): counts as the engine
  * and the loop report them, the histogram's consistency, bounded label
  * sets (folded into "other" without losing a count), refusal reasons from

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The client limits' bookkeeping (daemon/quota.c): reservations, refusals
  * that name their setting, groups that linger after their session and go
  * when left, and users forgotten once they hold nothing. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* Schedules: build follows docs/math.md (prefix sums, ascending t*K+k per
  * expert, alignment padding), validate accepts what build writes and rejects
  * every kind of corruption without reading out of bounds. */

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A Hugging Face transformers v5 MoE model with its experts run by mokd.
 
 Builds a tiny Qwen3-MoE causal LM from a config with random weights (nothing is

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A few training steps of one MoE layer on mokd, checked against float64.
 
     build/bin/mokd --socket /tmp/mok.sock --engine cpu &

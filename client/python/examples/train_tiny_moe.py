@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Train a tiny MoE transformer through mokd (mok.torch.MoE) on sequence reversal.
 
 The task (--task revadd): N random tokens s, a separator, then

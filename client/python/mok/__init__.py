@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok: run Mixture-of-Experts layers on mokd from Python (a ctypes binding of libmok).
 
     import mok

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Python binding proper: Client, Layer, Context, shared staging memory.
 
 Memory (see also the package docstring):

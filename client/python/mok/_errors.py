@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.Error: every failure of the binding and of mokd."""
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ctypes declarations of libmok (client/include/mok.h) and its constants.
 
 libmok is found through $MOK_LIBRARY, else the build tree when this package

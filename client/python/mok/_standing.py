@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Standing jobs in Python (mok.h mok_standing_*; docs/cuda.md "Capture and replay").
 
 layer.standing(op, T, tensors, flags=0) -> Standing: a forward or backward whose every

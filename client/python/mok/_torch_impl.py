@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The PyTorch side of the binding (imported by mok.torch once torch is there).
 
 MoEFunction (torch.autograd.Function) runs one layer's forward and backward

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bfloat16 <-> float32 on numpy arrays, with no dependency on libmok.
 
 bfloat16 is the top half of an IEEE float32. numpy has no bfloat16 dtype of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.distributed: expert-parallel groups formed from a torch.distributed process group.
 
     import torch.distributed as dist, mok, mok.distributed

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.hf_transformers: Hugging Face transformers v5 MoE experts on mokd (needs PyTorch).
 
 transformers v5 keeps a MoE layer's experts in one module (Qwen3MoeExperts,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """An independent float64 reference of the mok MoE layer (docs/design.md, "The layer").
 
 Written from the math, not from any engine: numpy in float64, every

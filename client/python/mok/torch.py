@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torch: MoE layers on mokd as PyTorch modules (autograd, zero copy, current stream).
 
     import torch, mok.torch

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """mok.torchtitan: torchtitan MoE layers on mokd (needs PyTorch; not torchtitan itself).
 
 Two ways in, both on the weights torchtitan already holds (no copies of bf16 weights):
