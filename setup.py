@@ -13,6 +13,7 @@ The wheel is tagged for this platform (it holds a native library) but for
 any Python 3: the library is plain C, called through ctypes.
 """
 import os
+import re
 import shutil
 import subprocess
 
@@ -85,7 +86,18 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", plat
 
 
+def project_version():
+    """The one version of mok (proto/mok_version.h), which libmok, mokd and mokctl report."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proto", "mok_version.h")
+    with open(path) as f:
+        m = re.search(r'^#define MOK_VERSION "([^"]+)"$', f.read(), re.M)
+    if not m:
+        raise RuntimeError("proto/mok_version.h defines no MOK_VERSION")
+    return m.group(1)
+
+
 setup(
+    version=project_version(),
     cmdclass={"build_py": BuildPyWithLibmok, "bdist_wheel": PlatformWheel},
     # setuptools' build folder apart from the Makefile's build/lib, build/bin
     options={"build": {"build_base": os.path.join("build", "python")}},

@@ -28,7 +28,7 @@ def read(path):
 
 
 def test_version_is_the_daemons():
-    daemon = re.search(r'#define MOK_VERSION "([^"]+)"', read("daemon/server.h")).group(1)
+    daemon = re.search(r'#define MOK_VERSION "([^"]+)"', read("proto/mok_version.h")).group(1)
     assert mok.__version__ == daemon
 
 
@@ -39,7 +39,8 @@ def test_pyproject_names_the_package_and_its_files():
     assert 'package-dir = {"" = "client/python"}' in text
     assert 'packages = ["mok"]' in text
     assert 'mok = ["py.typed"]' in text
-    assert 'version = {attr = "mok.__version__"}' in text
+    assert 'dynamic = ["version"]' in text  # setup.py reads proto/mok_version.h
+    assert "proto\", \"mok_version.h\"" in read("setup.py")
     assert 'ml_dtypes' in text  # the bf16 extra
     assert os.path.isfile(os.path.join(PY, "mok", "py.typed"))
     assert "BUNDLED = \"%s\"" % _lib.BUNDLED_NAME in read("setup.py")

@@ -43,6 +43,7 @@ import numpy.typing as npt
 from . import _lib
 from ._errors import Error
 from ._lib import OP, SLOT, JOB_RECOMPUTE, TensorArray
+from ._standing import Standing
 from .bf16 import bf16_dtype, is_bf16
 
 __all__ = ["connect", "Client", "Group", "Layer", "Context", "Stats", "Grads", "ComputeGrads",
@@ -340,7 +341,7 @@ class Client:
         if st:
             _raise(st)
 
-    def check_standing(self):
+    def check_standing(self) -> None:
         """Raise the first failure of any standing job of this client (a CUDA graph
         replay reports mokd's errors here, after the replay was synchronised)."""
         for sj in list(self._standing_jobs):
@@ -856,10 +857,9 @@ class Layer:
     def rows_capacity(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
 
-    def standing(self, op, T, tensors, flags=0):
+    def standing(self, op: str, T: int, tensors: Mapping[str, Any], flags: int = 0) -> "Standing":
         """A standing job (mok/_standing.py): op "forward" or "backward" at T tokens with
         every tensor fixed (a dict slot name -> torch CUDA tensor or shared numpy array)."""
-        from ._standing import Standing
         return Standing(self, op, T, tensors, flags)
 
     def _expect(self, T, slot):
