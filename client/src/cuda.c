@@ -30,6 +30,7 @@ typedef unsigned long long CUdeviceptr;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef int CUstreamCaptureMode; /* CU_STREAM_CAPTURE_MODE_{GLOBAL,THREAD_LOCAL,RELAXED} */
 typedef struct {
   char reserved[64];
 } CUipcMemHandle;
@@ -45,6 +46,7 @@ enum {
   CU_STREAM_WRITE_VALUE_DEFAULT = 0,
   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
   CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+  CU_STREAM_CAPTURE_MODE_RELAXED = 2,
 };
 
 typedef struct cuda_api {
@@ -66,6 +68,7 @@ typedef struct cuda_api {
   CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
   CUresult (*write64)(CUstream, CUdeviceptr, unsigned long long, unsigned);
   CUresult (*wait64)(CUstream, CUdeviceptr, unsigned long long, unsigned);
+  CUresult (*exchange_capture_mode)(CUstreamCaptureMode *);
 } cuda_api;
 
 static cuda_api api;
@@ -107,6 +110,7 @@ static int load_api(void) {
       {"cuMemHostGetDevicePointer_v2", (void **)&api.host_get_device_pointer},
       {"cuStreamWriteValue64_v2", (void **)&api.write64},
       {"cuStreamWaitValue64_v2", (void **)&api.wait64},
+      {"cuThreadExchangeStreamCaptureMode", (void **)&api.exchange_capture_mode},
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].fn = dlsym(dl, syms[i].name);
@@ -127,6 +131,27 @@ static int load_api(void) {
   api_state = 1;
   pthread_mutex_unlock(&api_lock);
   return 1;
+}
+
+/* A registration may come while this thread captures a CUDA graph (the first
+ * capture of a standing job names memory the graph's pool just handed out,
+ * and the session's words are registered then). Host registration and IPC
+ * export are not stream work, but the driver refuses them during a global or
+ * thread-local capture; relaxed mode, for this thread and for the call only,
+ * lets them through without touching the capture. */
+static CUstreamCaptureMode capture_relax(void) {
+  CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
+  api.exchange_capture_mode(&m);
+  return m;
+}
+
+static void capture_restore(CUstreamCaptureMode m) { api.exchange_capture_mode(&m); }
+
+static CUresult host_register_relaxed(void *p, size_t bytes) {
+  CUstreamCaptureMode m = capture_relax();
+  CUresult r = api.host_register(p, bytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+  capture_restore(m);
+  return r;
 }
 
 static const char *cu_error(CUresult r) {
@@ -168,7 +193,9 @@ static int register_device(mok_client *c, CUdeviceptr base, size_t size, uint32_
   CUipcMemHandle h;
   int fd = -1;
   if (r == 0 && legacy) {
+    CUstreamCaptureMode m = capture_relax();
     r = api.ipc_get_mem_handle(&h, base);
+    capture_restore(m);
     if (r != 0)
       return mok_set_error(MOK_EINVAL, "cuIpcGetMemHandle of device memory at 0x%llx: %s",
                            (unsigned long long)base, cu_error(r));
@@ -183,7 +210,9 @@ static int register_device(mok_client *c, CUdeviceptr base, size_t size, uint32_
                            "device memory at 0x%llx is neither cudaMalloc memory nor a cuMem "
                            "allocation (%s)",
                            (unsigned long long)base, cu_error(r));
+    CUstreamCaptureMode m = capture_relax();
     r = api.export_to_shareable_handle(&fd, ah, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    capture_restore(m);
     api.mem_release(ah);
     if (r != 0)
       return mok_set_error(MOK_EINVAL,
@@ -299,8 +328,7 @@ static int sync_page_locked(mok_client *c, CUstream stream) {
   if (!ctx)
     return mok_set_error(MOK_EINVAL, "no current CUDA context on this thread (initialise CUDA, "
                          "e.g. cudaSetDevice, before submitting on a stream)");
-  CUresult r = api.host_register(c->shm, MOK_SHM_SQ_OFFSET,
-                                 CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+  CUresult r = host_register_relaxed(c->shm, MOK_SHM_SQ_OFFSET);
   if (r != 0 && r != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
     return mok_set_error(MOK_EUNSUPPORTED, "cannot register the session's GPU sync page "
                          "(cuMemHostRegister: %s)", cu_error(r));
@@ -344,8 +372,7 @@ int mok_cuda_standing_ops_locked(mok_client *c, void *stream, uint32_t slot) {
   mok_cuda_state *cs = c->cuda;
   if (!cs->standing_host) {
     void *p = (char *)c->shm + MOK_SHM_STANDING_OFFSET;
-    CUresult r = api.host_register(p, MOK_SHM_STANDING_BYTES,
-                                   CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+    CUresult r = host_register_relaxed(p, MOK_SHM_STANDING_BYTES);
     if (r != 0 && r != CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
       return mok_set_error(MOK_EUNSUPPORTED, "cannot register the session's standing-job words "
                            "(cuMemHostRegister: %s)", cu_error(r));

@@ -48,7 +48,7 @@ export MOK_BUILD="$BUILD" GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} OMP_NUM_T
 set +e
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs \
   tests/python/test_torch_distributed.py tests/python/test_torch_integrations_cpu.py \
-  tests/python/test_torch_import.py tests/python/test_binding.py 2>&1 | tee "$OUTDIR/pytest.log"
+  tests/python/test_torch_import.py tests/python/test_torch_compile.py tests/python/test_binding.py 2>&1 | tee "$OUTDIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # a skip here means a missing piece, not a passing test
 if grep -q "SKIPPED" "$OUTDIR/pytest.log"; then
