@@ -27,8 +27,8 @@ TORCH_VERSION=${TORCH_VERSION:-2.11.0}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.24.0}
 pkgs=("torch==$TORCH_VERSION" numpy pytest)
 [ "$TRANSFORMERS_VERSION" = none ] || pkgs+=("transformers==$TRANSFORMERS_VERSION")
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
+if [ ! -x "$VENV/bin/pip" ]; then # none yet, or one left half made
+  python3 -m venv --clear "$VENV"
 fi
 # shellcheck disable=SC2086
 if ! "$VENV/bin/pip" install --disable-pip-version-check ${PIP_ARGS:-} "${pkgs[@]}" \

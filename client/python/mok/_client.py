@@ -857,10 +857,11 @@ class Layer:
     def rows_capacity(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
 
-    def standing(self, op: str, T: int, tensors: Mapping[str, Any], flags: int = 0) -> "Standing":
+    def standing(self, op: str, T: int, tensors: Mapping[str, Any], flags: int = 0,
+                 hold: bool = True) -> "Standing":
         """A standing job (mok/_standing.py): op "forward" or "backward" at T tokens with
         every tensor fixed (a dict slot name -> torch CUDA tensor or shared numpy array)."""
-        return Standing(self, op, T, tensors, flags)
+        return Standing(self, op, T, tensors, flags, hold)
 
     def _expect(self, T, slot):
         key = (T, slot)

@@ -20,10 +20,15 @@ def _raise(st):
 
 
 class Standing:
-    def __init__(self, layer, op, T, tensors, flags=0):
+    def __init__(self, layer, op, T, tensors, flags=0, hold=True):
         from ._client import _is_torch_cuda, _torch_dtype
         self.layer, self.op, self.tokens = layer, op, T
-        self._hold = []  # the tensors must outlive the job: their addresses are in it
+        # hold: the tensors must outlive the job, their addresses are in it. A CUDA graph's
+        # own allocations need no holding (the graph's pool keeps their addresses for its
+        # replays, as for its kernels' operands), and must not be held under
+        # torch.compile's CUDA graph trees, which refuse pool memory that outlives a graph
+        # unless it is one of the graph's outputs.
+        self._hold = []
         arr = TensorArray()
         for slot, t in tensors.items():
             if t is None:
@@ -46,7 +51,8 @@ class Standing:
             s.ndim = len(shape)
             for i, d in enumerate(shape):
                 s.shape[i] = d
-            self._hold.append(t)
+            if hold:
+                self._hold.append(t)
         h = c_void_p()
         st = _lib.lib().mok_standing_create(layer._h(), OP[op], flags, T, arr, byref(h))
         if st:

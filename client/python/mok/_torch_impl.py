@@ -567,9 +567,10 @@ class _Runner:
 # (once per layer, op, T and tensor addresses) a standing job and record its three replay-
 # invariant stream operations (docs/cuda.md "Capture and replay"): every replay of the
 # graph then runs the job once. Every tensor the job names is allocated during the capture
-# (the graph's private memory pool keeps those addresses for its replays) or is a
-# Parameter, and the standing job holds a reference to each, so none is freed while the
-# graph may replay. A failure shows at client.check_standing() (mok.torch.check_graphs()).
+# (the graph's private memory pool keeps those addresses for its replays, as it does for
+# the operands of the graph's kernels) or is a Parameter; the standing job holds none of
+# them (torch.compile's CUDA graph trees refuse pool memory kept past a graph unless it
+# is an output; the ctx is one). A failure shows at client.check_standing() (mok.torch.check_graphs()).
 
 _modules = {}  # id -> weakref to the MoE module (ops carry the id, an int)
 _module_ids = itertools.count(1)
@@ -618,7 +619,9 @@ def _standing_run(slot, layer, op, T, tensors, flags):
             sj.close()
             sj = None
     if sj is None:
-        sj = slot.standing[key] = layer.standing(op, T, tensors, flags)
+        # the tensors are Parameters (the module holds them) or the capture's own
+        # allocations (the graph's pool keeps them): not held, see mok/_standing.py
+        sj = slot.standing[key] = layer.standing(op, T, tensors, flags, hold=False)
     sj.enqueue(torch.cuda.current_stream(tensors["x"].device).cuda_stream)
 
 
