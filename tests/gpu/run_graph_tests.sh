@@ -25,48 +25,11 @@ export PYTHONPATH="$ROOT/client/python${PYTHONPATH:+:$PYTHONPATH}"
 export MOK_LIBRARY="$ROOT/$B/lib/libmok.so" MOKD_BIN="$ROOT/$B/bin/mokd" LOGS="$OUTDIR"
 SOCK=/tmp/mok-graphs.sock
 export MOK_SOCKET=$SOCK
-summary=()
-status=0
-note() { printf '== %s\n' "$*"; }
-record() { summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+STEP_LOGS=$OUTDIR
+# shellcheck source=tests/gpu/steps.sh
+. tests/gpu/steps.sh
+build_missing "$B/bin/mokd" "$B/lib/libmok.so" "$B/tests/test_standing"
 
-if [ ! -x "$B/bin/mokd" ] || [ ! -e "$B/lib/libmok.so" ] || [ ! -x "$B/tests/test_standing" ]; then
-  note "building into $B"
-  make -j"$(nproc)" BUILD="$B" all >"$OUTDIR/build.log" 2>&1 || { tail -30 "$OUTDIR/build.log"; exit 1; }
-fi
-
-MOKD_PID=
-start_mokd() {
-  rm -f "$SOCK"
-  "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$OUTDIR/mokd.log" 2>&1 &
-  MOKD_PID=$!
-  for _ in $(seq 1 300); do
-    [ -S "$SOCK" ] && return 0
-    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$OUTDIR/mokd.log"; return 1; }
-    sleep 0.1
-  done
-  echo "mokd did not come up"; return 1
-}
-stop_mokd() {
-  [ -n "$MOKD_PID" ] || return 0
-  kill -TERM "$MOKD_PID" 2>/dev/null
-  local rc=0
-  wait "$MOKD_PID" || rc=$?
-  MOKD_PID=
-  return $rc
-}
-MPS_ON=0
-start_mps() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d >>"$OUTDIR/mps.log" 2>&1; then MPS_ON=1; sleep 1; return 0; fi
-  echo "MPS would not start:"; cat "$OUTDIR/mps.log"; return 1
-}
-stop_mps() {
-  [ $MPS_ON = 1 ] && echo quit | nvidia-cuda-mps-control >>"$OUTDIR/mps.log" 2>&1
-  MPS_ON=0
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
 finish() {
   stop_mokd
   stop_mps

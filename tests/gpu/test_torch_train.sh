@@ -3,7 +3,7 @@
 # mok.torch on a GPU machine, in one call:
 #   1. tests/gpu/test_torch_moe.py: MoE vs plain PyTorch, recompute, determinism,
 #      .grad accumulation, registration counter vs mokd's count, torch.compile
-#      (graph break, fullgraph refused, reduce-overhead), CUDA graph capture refused
+#      (no graph break, fullgraph, reduce-overhead), CUDA graph capture
 #   2. client/python/examples/train_tiny_moe.py: a tiny MoE transformer trained
 #      through mokd (loss falls, two runs bitwise equal, pure PyTorch curve), no MPS
 #   3. the same example under MPS (step times), unless MPS=0
@@ -27,38 +27,11 @@ export MOK_LIBRARY="$ROOT/$B/lib/libmok.so" MOKCTL="$ROOT/$B/bin/mokctl"
 SOCK=/tmp/mok-torchtest.sock
 export MOK_SOCKET=$SOCK
 TRAIN_ARGS=${TRAIN_ARGS:-}
-summary=()
-status=0
-note() { printf '== %s\n' "$*"; }
-record() { summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+STEP_LOGS=$LOGS
+# shellcheck source=tests/gpu/steps.sh
+. tests/gpu/steps.sh
+build_missing "$B/bin/mokd" "$B/bin/mokctl" "$B/lib/libmok.so"
 
-if [ ! -x "$B/bin/mokd" ] || [ ! -x "$B/bin/mokctl" ] || [ ! -e "$B/lib/libmok.so" ]; then
-  note "building into $B"
-  make -j"$(nproc)" BUILD="$B" all >"$LOGS/build.log" 2>&1 || { tail -30 "$LOGS/build.log"; exit 1; }
-fi
-
-MOKD_PID=
-start_mokd() {
-  rm -f "$SOCK"
-  "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info >>"$LOGS/mokd.log" 2>&1 &
-  MOKD_PID=$!
-  for _ in $(seq 1 300); do
-    [ -S "$SOCK" ] && return 0
-    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$LOGS/mokd.log"; return 1; }
-    sleep 0.1
-  done
-  echo "mokd did not come up"; return 1
-}
-stop_mokd() {
-  [ -n "$MOKD_PID" ] || return 0
-  kill -TERM "$MOKD_PID" 2>/dev/null
-  local rc=0
-  wait "$MOKD_PID" || rc=$?
-  MOKD_PID=
-  return $rc
-}
-MPS_ON=0
-stop_mps() { [ $MPS_ON = 1 ] && echo quit | nvidia-cuda-mps-control >>"$LOGS/mps.log" 2>&1; MPS_ON=0; }
 finish() {
   stop_mokd
   stop_mps
@@ -88,18 +61,13 @@ step_train() { # [label]
 }
 
 step_mps() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
-    MPS_ON=1
-    sleep 1
+  if start_mps; then
     step_train train_mps
     stop_mps
     sleep 1
   else
-    echo "MPS would not start:"; cat "$LOGS/mps.log"; record train_mps "FAIL (MPS)"
+    record train_mps "FAIL (MPS)"
   fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
 steps=("$@")
