@@ -162,9 +162,13 @@ static void print_metrics(const Mok__StatsReply *s) {
   metric("mok_jobs_total", "counter", "Jobs completed, by result");
   printf("mok_jobs_total{result=\"ok\"} %llu\n", (unsigned long long)s->jobs_done);
   printf("mok_jobs_total{result=\"failed\"} %llu\n", (unsigned long long)s->jobs_failed);
-  metric("mok_job_latency_seconds", "gauge", "Engine time of recent jobs, by quantile");
-  printf("mok_job_latency_seconds{quantile=\"0.5\"} %.9f\n", (double)s->job_latency_p50_ns / 1e9);
-  printf("mok_job_latency_seconds{quantile=\"0.99\"} %.9f\n", (double)s->job_latency_p99_ns / 1e9);
+  /* the median and 99th percentile of recent jobs as two gauges: a quantile
+   * label belongs to a summary, which this snapshot is not (mokd's /metrics
+   * endpoint has the histogram) */
+  metric("mok_job_latency_p50_seconds", "gauge", "Median engine time of recent jobs");
+  printf("mok_job_latency_p50_seconds %.9f\n", (double)s->job_latency_p50_ns / 1e9);
+  metric("mok_job_latency_p99_seconds", "gauge", "99th percentile engine time of recent jobs");
+  printf("mok_job_latency_p99_seconds %.9f\n", (double)s->job_latency_p99_ns / 1e9);
   metric("mok_sessions", "gauge", "Sessions connected now (mokctl's own included)");
   printf("mok_sessions %zu\n", s->n_sessions);
   metric("mok_sessions_total", "counter", "Sessions accepted since start");
