@@ -124,7 +124,7 @@ def worker(sock, key, rank, world, gpu, n, path):
         torch.cuda.current_stream().wait_stream(s)
         static = [t.clone() for t in data[WARMUP]]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as test_graphs.py
             loss = step_fn(torch, cmodel, copt, *static)
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -453,8 +453,9 @@ class MoE(torch.nn.Module):
         # replays take its turns in the group, so every rank replays its graphs in the same
         # order (docs/ep.md "Capture and replay on a group"). Compiling: the ops for layers
         # without a group (their fake kernels size the ctx without a group).
-        if torch.cuda.is_current_stream_capturing() or (
-                self.group is None and torch.compiler.is_compiling()):
+        # (is_compiling first: dynamo must not trace the capture query)
+        if (self.group is None if torch.compiler.is_compiling()
+                else torch.cuda.is_current_stream_capturing()):
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
 
