@@ -70,6 +70,8 @@ typedef struct esession {
   uint32_t *groups; /* group ids this session joined (one entry per join) */
   size_t n_groups, cap_groups;
   mok_standing_set standing; /* standing jobs (standing.h) */
+  mok_standing_group_ops standing_group; /* their group layers' turns (ctx: this session) */
+  struct mok_engine_thread *thread;      /* the one that serves it */
   struct esession *next;
 } esession;
 
@@ -193,9 +195,24 @@ static void release_layer_state(mok_engine_thread *t, mok_engine_layer *l) {
 /* Jobs or standing instances of the session still run. */
 static bool session_busy(const esession *s) { return s->n_pend || s->standing.running; }
 
+static bool standing_group_ready(void *ctx, const mok_standing_entry *st);
+static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry *st,
+                                            const mok_job_args *a, mok_engine_result *res);
+static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_entry *st,
+                                                int status, const char *msg,
+                                                mok_engine_result *res);
+static void standing_group_ended(void *ctx, const mok_standing_entry *st,
+                                 const mok_engine_result *res);
+
 static mok_standing_env standing_env(mok_engine_thread *t, esession *s) {
+  s->thread = t;
+  s->standing_group = (mok_standing_group_ops){
+      .ready = standing_group_ready, .start = standing_group_start,
+      .fail_turn = standing_group_fail_turn, .ended = standing_group_ended, .ctx = s};
+  bool groups = t->groups && (t->ops->start_group || t->ops->run_group);
   return (mok_standing_env){.ops = t->ops, .engine = t->engine, .es = s->es, .shm = s->shm.hdr,
-                            .fence_timeout_ns = t->fence_timeout_ns, .session_id = s->id};
+                            .fence_timeout_ns = t->fence_timeout_ns, .session_id = s->id,
+                            .group = groups ? &s->standing_group : NULL};
 }
 
 /* Regions and layers dropped while jobs ran: release them once none does. */
@@ -634,6 +651,81 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
   p.status = res->status;
   snprintf(p.msg, sizeof p.msg, "%.*s", (int)sizeof p.msg - 1, res->message); /* cut */
   (void)mok_ep_group_job_post(g, &p, err, sizeof err);
+}
+
+/* ---- standing jobs of group layers (standing.h mok_standing_group_ops) ----
+ *
+ * A standing instance of a layer on a group takes the member's turn when
+ * the engine thread takes its trigger, exactly as a ring job of the layer
+ * takes it when the engine thread takes its descriptor: the same engine
+ * entry points (start_group, or run_group on the engine thread), the same
+ * failure rules. So a member's group jobs are numbered in the order its
+ * triggers and descriptors are taken, and members must trigger in the same
+ * order (docs/ep.md "Capture and replay on a group"). */
+
+/* cpu: the group job runs here, on the session's scratch, after the
+ * session's other jobs and instances (as a ring group job waits for them);
+ * cuda: the session's stream orders it. */
+static bool standing_group_ready(void *ctx, const mok_standing_entry *st) {
+  (void)st;
+  esession *s = ctx;
+  return s->thread->ops->start_group || (!s->n_pend && !s->standing.running);
+}
+
+static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry *st,
+                                            const mok_job_args *a, mok_engine_result *res) {
+  esession *s = ctx;
+  mok_engine_thread *t = s->thread;
+  mok_ep_group *g = session_group(t, s, st->layer.group_id);
+  if (!g) {
+    res->status = MOK_ENOENT;
+    snprintf(res->message, sizeof res->message,
+             "%s: the layer's group %u was left; re-join and create the layer and its standing "
+             "jobs again", mok_op_name(a->op), st->layer.group_id);
+    return NULL;
+  }
+  if (t->ops->start_group) return t->ops->start_group(t->engine, g, a, res);
+  t->ops->run_group(t->engine, g, a, res);
+  return NULL;
+}
+
+static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_entry *st,
+                                                int status, const char *msg,
+                                                mok_engine_result *res) {
+  esession *s = ctx;
+  mok_engine_thread *t = s->thread;
+  mok_ep_group *g = session_group(t, s, st->layer.group_id);
+  if (!g) return NULL; /* left: no turn to take */
+  if (!mok_ep_group_is_nccl(g)) { /* the posts travel through the host segment */
+    mok_job_desc d = {.op = (uint16_t)st->args.op, .flags = (uint16_t)st->args.flags,
+                      .tokens = st->args.tokens};
+    mok_engine_result r = {.status = status};
+    snprintf(r.message, sizeof r.message, "%s", msg);
+    post_group_failure(g, &d, &st->layer, &r);
+    return NULL;
+  }
+  if (!t->ops->start_group) return NULL;
+  /* on the device: a NOP carrying the failure takes the turn, then writes the flag */
+  mok_job_args a;
+  memset(&a, 0, sizeof a);
+  a.op = MOK_OP_NOP;
+  a.session = s->es;
+  a.group_failed = status;
+  a.standing_flag = st->args.standing_flag;
+  a.standing_slot = st->args.standing_slot;
+  return t->ops->start_group(t->engine, g, &a, res);
+}
+
+/* A peer that never arrived at a device barrier: the group cannot go on
+ * (as for a ring job: poll_session). */
+static void standing_group_ended(void *ctx, const mok_standing_entry *st,
+                                 const mok_engine_result *res) {
+  esession *s = ctx;
+  mok_engine_thread *t = s->thread;
+  if (res->status != MOK_ETIMEOUT || !t->groups || !t->ops->start_group) return;
+  mok_ep_group *g = mok_ep_group_find(t->groups, st->layer.group_id);
+  if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g);
+  if (g) mok_ep_group_mark_broken(g, res->message);
 }
 
 /* The layer as the engine would run it (group fields filled, prepared). */

@@ -37,6 +37,8 @@ static void cancel(mok_standing_entry *st, mok_standing_words *w, const mok_stan
                    uint32_t slot, int status, const char *why) {
   if (st->cancelled) return;
   st->cancelled = true;
+  st->cancel_status = status;
+  snprintf(st->cancel_msg, sizeof st->cancel_msg, "%s", why);
   post_error(st, w, status, why);
   log_info("session %llu: standing job %u (%s) cancelled: %s",
            (unsigned long long)env->session_id, slot, mok_op_name(st->args.op), why);
@@ -55,9 +57,9 @@ int mok_standing_add(mok_standing_set *set, const mok_standing_env *env, uint32_
              mok_op_name(args->op));
     return MOK_EINVAL;
   }
-  if (layer->group_id) {
-    snprintf(err, errlen, "standing jobs of a layer on an expert-parallel group are not "
-             "supported yet (each member's turn is taken at submission)");
+  if (layer->group_id && !env->group) {
+    snprintf(err, errlen, "this engine runs no standing jobs of a layer on an expert-parallel "
+             "group");
     return MOK_EUNSUPPORTED;
   }
   if (!set->items && !(set->items = calloc(MOK_STANDING_MAX, sizeof *set->items))) {
@@ -127,10 +129,19 @@ int mok_standing_remove(mok_standing_set *set, const mok_standing_env *env, uint
   return MOK_OK;
 }
 
+static bool on_group(const mok_standing_entry *st) { return st->layer.group_id != 0; }
+
 /* An instance ended (res): count it, post a failure, release the client. */
 static void instance_done(mok_standing_set *set, const mok_standing_env *env, uint32_t slot,
                           mok_standing_entry *st, const mok_engine_result *res) {
   mok_standing_words *w = mok_shm_standing(env->shm, slot);
+  if (on_group(st) && env->group) env->group->ended(env->group->ctx, st, res);
+  if (st->turn_only) { /* a cancelled slot's turn: no instance, the error is set */
+    st->turn_only = false;
+    if (dying(st)) free_slot(set, st);
+    else if (!res->flag_written) store_u64(&w->flag, 1);
+    return;
+  }
   st->finished++;
   if (dying(st)) {
     free_slot(set, st);
@@ -152,6 +163,34 @@ static void answer(mok_standing_words *w) {
   store_u64(&w->flag, 1);
 }
 
+/* A trigger of a cancelled slot of a group layer: the member still takes
+ * its turn as a failed job, so its peers fail that job at once with this
+ * slot's message; then the client is released like any cancelled slot. */
+static void answer_cancelled(mok_standing_set *set, const mok_standing_env *env,
+                             mok_standing_entry *st, mok_standing_words *w, bool *fatal,
+                             char *why, size_t whylen) {
+  if (!on_group(st) || !env->group) {
+    answer(w);
+    return;
+  }
+  store_u64(&w->trigger, 0);
+  mok_engine_result res = {.status = MOK_OK};
+  mok_engine_job *j = env->group->fail_turn(
+      env->group->ctx, st, st->cancel_status != MOK_OK ? st->cancel_status : MOK_ECLOSED,
+      st->cancel_msg[0] ? st->cancel_msg : "the standing job was cancelled", &res);
+  if (res.fatal) {
+    *fatal = true;
+    snprintf(why, whylen, "%s", res.message);
+  }
+  if (j) { /* its flag comes when the turn on the device ended (instance_done) */
+    st->running = j;
+    st->turn_only = true;
+    set->running++;
+    return;
+  }
+  store_u64(&w->flag, 1);
+}
+
 bool mok_standing_turn(mok_standing_set *set, const mok_standing_env *env, uint64_t now,
                        bool take, bool *fatal, char *why, size_t whylen) {
   bool worked = false;
@@ -165,7 +204,7 @@ bool mok_standing_turn(mok_standing_set *set, const mok_standing_env *env, uint6
       if (!env->ops->poll(env->engine, st->running, now, &res)) {
         uint64_t tv = w->trigger; /* one read: the copy is what we judge */
         if (tv == 0) st->trigger_seen_ns = 0;
-        else if (!st->trigger_seen_ns) st->trigger_seen_ns = now;
+        else if (!st->trigger_seen_ns) st->trigger_seen_ns = now, st->trigger_deferred = false;
         continue;
       }
       if (res.fatal) {
@@ -182,10 +221,15 @@ bool mok_standing_turn(mok_standing_set *set, const mok_standing_env *env, uint6
     uint64_t tv = w->trigger; /* one read: the copy is what we judge */
     if (tv == 0) {
       st->trigger_seen_ns = 0;
+      st->trigger_deferred = false;
       continue;
     }
     if (st->cancelled) {
-      answer(w);
+      /* a group slot's answer is the member's turn, in the order of its
+       * triggers: only where triggers are taken */
+      if (on_group(st) && !take) continue;
+      answer_cancelled(set, env, st, w, fatal, why, whylen);
+      worked |= on_group(st);
       continue;
     }
     if (!take) continue;
@@ -194,25 +238,34 @@ bool mok_standing_turn(mok_standing_set *set, const mok_standing_env *env, uint6
       snprintf(m, sizeof m, "trigger word holds %llu (0 or 1 expected); standing job cancelled",
                (unsigned long long)tv);
       cancel(st, w, env, slot, MOK_EPROTO, m);
-      answer(w);
+      answer_cancelled(set, env, st, w, fatal, why, whylen);
       continue;
     }
     if (st->trigger_seen_ns && now - st->trigger_seen_ns > env->fence_timeout_ns) {
       char m[MOK_STANDING_MSG];
-      snprintf(m, sizeof m, "a trigger waited %llu ms for its previous instance; cancelled",
-               (unsigned long long)((now - st->trigger_seen_ns) / 1000000ull));
+      snprintf(m, sizeof m, "a trigger waited %llu ms for %s; cancelled",
+               (unsigned long long)((now - st->trigger_seen_ns) / 1000000ull),
+               st->trigger_deferred ? "the session's earlier jobs" : "its previous instance");
       cancel(st, w, env, slot, MOK_ETIMEOUT, m);
-      answer(w);
+      answer_cancelled(set, env, st, w, fatal, why, whylen);
+      continue;
+    }
+    if (on_group(st) && !env->group->ready(env->group->ctx, st)) {
+      if (!st->trigger_seen_ns) st->trigger_seen_ns = now;
+      st->trigger_deferred = true;
       continue;
     }
     /* take it, then start one instance with the arguments checked at creation */
     store_u64(&w->trigger, 0);
     st->trigger_seen_ns = 0;
+    st->trigger_deferred = false;
     set->hot_until_ns = now + HOT_NS;
     mok_job_args a = st->args;
     st->started++;
     mok_engine_result res = {.status = MOK_OK};
-    mok_engine_job *j = env->ops->start(env->engine, &a, &res);
+    /* a group layer's instance takes the member's turn in the group now */
+    mok_engine_job *j = on_group(st) ? env->group->start(env->group->ctx, st, &a, &res)
+                                     : env->ops->start(env->engine, &a, &res);
     worked = true;
     if (res.fatal) {
       *fatal = true;

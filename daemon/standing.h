@@ -11,6 +11,11 @@
  * `done`, records a failure in `error`/`message`, and writes the flag
  * (unless the engine's stream wrote it already: writes_standing_flag).
  *
+ * A standing job of a layer on an expert-parallel group runs the same way;
+ * taking its trigger takes this member's turn in the group (its sequence
+ * number, the group's barriers), so the members' triggers must come in the
+ * same order (docs/ep.md "Capture and replay on a group").
+ *
  * A standing job ends in a cancelled state, never silently: a trigger word
  * holding anything but 0 or 1, a region it names unregistered, its layer
  * destroyed, a trigger not taken within the fence timeout. A cancelled slot
@@ -41,7 +46,11 @@ typedef struct mok_standing_entry {
   uint64_t started, finished;
   uint64_t instance_t0;
   uint64_t trigger_seen_ns; /* a trigger waits since (0: none waits) */
+  bool trigger_deferred;    /* it waits for the session's other work (a group slot) */
+  bool turn_only;           /* running is a cancelled group slot's failed turn */
   bool failed;              /* error/message were written */
+  int cancel_status;        /* why it was cancelled (MOK_OK: not cancelled) */
+  char cancel_msg[MOK_STANDING_MSG]; /* and the message (never read back from the words) */
 } mok_standing_entry;
 
 typedef struct mok_standing_set {
@@ -51,6 +60,31 @@ typedef struct mok_standing_set {
   uint64_t hot_until_ns; /* triggers came recently: the engine thread polls closely */
 } mok_standing_set;
 
+/* Instances of a standing job of a layer on an expert-parallel group
+ * (layer.group_id) take this member's turn in the group's job order when
+ * their trigger is taken: the engine thread runs them (engine_thread.c)
+ * through these hooks. */
+typedef struct mok_standing_group_ops {
+  /* May an instance start now? false: the session's other work must end
+   * first (the cpu engine runs a group job on the engine thread, on the
+   * session's scratch); the trigger is kept for a later turn. */
+  bool (*ready)(void *ctx, const mok_standing_entry *st);
+  /* Start an instance: take the member's turn (res filled; NULL: it ended
+   * already). */
+  mok_engine_job *(*start)(void *ctx, const mok_standing_entry *st, const mok_job_args *a,
+                           mok_engine_result *res);
+  /* A trigger of a cancelled slot: the member still takes its turn as a
+   * failed job (status, message), so that its peers fail it at once instead
+   * of waiting out the group's timeout. Returns the job that takes the turn
+   * on the device (writing the slot's flag), or NULL (the turn was taken on
+   * the host, or cannot be: the session left the group). */
+  mok_engine_job *(*fail_turn)(void *ctx, const mok_standing_entry *st, int status,
+                               const char *msg, mok_engine_result *res);
+  /* An instance ended (a device barrier's timeout breaks the group). */
+  void (*ended)(void *ctx, const mok_standing_entry *st, const mok_engine_result *res);
+  void *ctx;
+} mok_standing_group_ops;
+
 /* What the set needs of its session and engine. */
 typedef struct mok_standing_env {
   const mok_engine_ops *ops;
@@ -59,6 +93,7 @@ typedef struct mok_standing_env {
   void *shm;                 /* the session memory (mok_shm_standing) */
   uint64_t fence_timeout_ns; /* a trigger not taken this long cancels */
   uint64_t session_id;       /* for the log */
+  const mok_standing_group_ops *group; /* NULL: group layers are refused */
 } mok_standing_env;
 
 /* Create slot `slot` from a validated job (args from mok_job_check on the

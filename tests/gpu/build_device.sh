@@ -16,7 +16,7 @@ gcc -O2 -fPIC -c tests/gpu/sd_stub.c -o "$B/sd_stub.o"
 make -j"$(nproc)" BUILD="$B" PB_LIBS=-lprotobuf-c "$B/lib/libmok.so"
 make -j"$(nproc)" BUILD="$B" UV_LIBS="$LIBDIR/libuv_a.a" PB_LIBS="$LIBDIR/libprotobuf-c.a" \
   SD_LIBS="$PWD/$B/sd_stub.o" "$B/bin/mokd" "$B/bin/mokctl" "$B/tests/gpu/test_cuda_engine" \
-  "$B/tests/test_ep" "$B/tests/test_standing" "$B/tests/test_scrape" "$B/bench/bench_memory"
+  "$B/tests/test_ep" "$B/tests/test_standing" "$B/tests/test_standing_ep" "$B/tests/test_scrape" "$B/bench/bench_memory"
 cp -L "$LIBDIR/libprotobuf-c.so.1" "$B/lib/"
 rm -rf "$B/python" && mkdir -p "$B/python" && cp -r client/python/mok "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +

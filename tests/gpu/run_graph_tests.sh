@@ -8,8 +8,12 @@
 #   3. test_graphs.py compile: fullgraph=True and reduce-overhead follow eager (under MPS)
 #   4. test_graphs.py kill: mokd killed during replays -> an error within the timeout
 #   5. test_graphs.py bench: step time eager vs captured, mokd vs the PyTorch layer (MPS)
+#   6. ep: an expert-parallel group (EP=2) of two mokd on one GPU under MPS:
+#      test_standing_ep on the cuda engine (standing jobs of group layers, host-triggered),
+#      then tests/gpu/test_graphs_ep.py (a captured training step with two group layers
+#      replayed 50 times per rank, losses and weights bitwise equal to eager)
 # Binaries: $MOK_DEVBUILD (default .devbuild, tests/gpu/build_device.sh), else `make`.
-#   tests/gpu/run_graph_tests.sh OUTDIR [STEP...]   STEP: standing bitwise compile kill bench
+#   tests/gpu/run_graph_tests.sh OUTDIR [STEP...]   STEP: standing bitwise compile kill bench ep
 # Logs and a summary go to OUTDIR. Exit 0 when every step passed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -28,7 +32,7 @@ export MOK_SOCKET=$SOCK
 STEP_LOGS=$OUTDIR
 # shellcheck source=tests/gpu/steps.sh
 . tests/gpu/steps.sh
-build_missing "$B/bin/mokd" "$B/lib/libmok.so" "$B/tests/test_standing"
+build_missing "$B/bin/mokd" "$B/lib/libmok.so" "$B/tests/test_standing" "$B/tests/test_standing_ep"
 
 finish() {
   stop_mokd
@@ -64,8 +68,21 @@ step_kill() {
   record kill "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
+step_ep() {
+  note "test_standing_ep on the cuda engine (EP=2, two mokd on one GPU, MPS)"
+  MOK_TEST_ENGINE=cuda MOK_BUILD="$B" timeout 300 "$B/tests/test_standing_ep" 2>&1 |
+    tee "$OUTDIR/standing_ep.log"
+  local rc=${PIPESTATUS[0]}
+  record standing_ep "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+  note "test_graphs_ep.py (EP=2 on one GPU: its own two mokd, MPS)"
+  timeout 600 python3 tests/gpu/test_graphs_ep.py --mokd "$ROOT/$B/bin/mokd" --world 2 \
+    --replays 50 --logs "$OUTDIR" 2>&1 | tee "$OUTDIR/graphs_ep.log"
+  rc=${PIPESTATUS[0]}
+  record graphs_ep "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(standing bitwise compile kill bench)
+[ ${#steps[@]} = 0 ] && steps=(standing bitwise compile kill bench ep)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 python3 -c 'import torch; print("torch", torch.__version__)'
 for s in "${steps[@]}"; do
@@ -75,6 +92,7 @@ for s in "${steps[@]}"; do
     compile) start_mps; step_py compile --steps 30; stop_mps ;;
     kill) step_kill ;;
     bench) start_mps; step_py bench --steps 100; stop_mps ;;
+    ep) start_mps; step_ep; stop_mps ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done

@@ -133,13 +133,13 @@ def registrations(client: Optional[Client] = None) -> int:
 # ---- the autograd Function -----------------------------------------------------------------
 
 def _check_capture(what):
-    # MoE modules without a group take the custom-op path under capture (standing jobs);
-    # this Function (eager jobs through the ring) refuses capture
+    # MoE modules (with or without a group) take the custom-op path under capture
+    # (standing jobs); this Function (eager jobs through the ring) refuses capture
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "mok.torch: %s of a layer on an expert-parallel group inside CUDA graph capture is "
-            "not supported: standing jobs (what a captured graph replays) are not available "
-            "for group layers yet. Keep that layer outside the captured region" % what)
+            "mok.torch: %s through moe() or a weights-holding runner inside CUDA graph "
+            "capture is not supported: it submits ring jobs, which a replay does not submit "
+            "again. mok.torch.MoE runs under capture (its custom ops use standing jobs)" % what)
 
 
 def aligned(t):
@@ -449,8 +449,13 @@ class MoE(torch.nn.Module):
             return moe_reference(x, topk_ids, router_weights, self.w_gate, self.w_up,
                                  self.w_down, self.s_gate, self.s_up, self.s_down,
                                  self.swiglu_limit)
-        if self.group is None and (torch.compiler.is_compiling() or
-                                   torch.cuda.is_current_stream_capturing()):
+        # capture: the custom ops (standing jobs), group layers included; a group layer's
+        # replays take its turns in the group, so every rank replays its graphs in the same
+        # order (docs/ep.md "Capture and replay on a group"). Compiling: the ops for layers
+        # without a group (their fake kernels size the ctx without a group).
+        # (is_compiling first: dynamo must not trace the capture query)
+        if (self.group is None if torch.compiler.is_compiling()
+                else torch.cuda.is_current_stream_capturing()):
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
 
