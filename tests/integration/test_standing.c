@@ -18,67 +18,23 @@
 #include <sys/wait.h>
 
 #include "harness.h"
+#include "job_bufs.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok_slots.h"
 
-typedef struct job_bufs {
-  void *p[MOK_SLOT_COUNT_];
-  uint64_t bytes[MOK_SLOT_COUNT_];
-} job_bufs;
-
-static unsigned rng(unsigned *s) {
-  *s ^= *s << 13, *s ^= *s >> 17, *s ^= *s << 5;
-  return *s;
+/* ids uniform over the experts */
+static void uniform_ids(int32_t *ids, uint64_t n, const mok_layer *l, unsigned *s) {
+  for (uint64_t i = 0; i < n; i++) ids[i] = (int32_t)(job_rng(s) % l->cfg.experts);
 }
 
-/* Buffers for op at T (required slots, and ctx for forward): random values,
- * valid routing ids. */
 static void alloc_bufs(mok_client *c, mok_layer *l, uint32_t op, uint32_t T, job_bufs *b,
                        unsigned seed) {
-  unsigned s = seed;
-  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
-    int need = mok_job_slot_need(&l->cfg, op, 0, slot);
-    if (need != MOK_NEED_REQUIRED && !(slot == MOK_SLOT_CTX && need != MOK_NEED_NONE)) continue;
-    if (b->p[slot]) continue;
-    uint32_t dt, nd;
-    uint64_t shape[MOK_MAX_DIMS], n = 1;
-    mok_job_slot_shape(&l->cfg, T, slot, &dt, &nd, shape);
-    for (uint32_t i = 0; i < nd; i++) n *= shape[i];
-    b->bytes[slot] = n * mok_dtype_size(dt);
-    b->p[slot] = mok_host_alloc(c, b->bytes[slot]);
-    CHECK(b->p[slot] != NULL);
-    if (slot == MOK_SLOT_TOPK_IDS) {
-      int32_t *ids = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) ids[i] = (int32_t)(rng(&s) % l->cfg.experts);
-    } else if (dt == MOK_DTYPE_F32) {
-      float *f = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) f[i] = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
-    } else if (dt == MOK_DTYPE_BF16 && slot != MOK_SLOT_OUT) {
-      uint16_t *h = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) {
-        float v = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
-        uint32_t u;
-        memcpy(&u, &v, sizeof u);
-        h[i] = (uint16_t)(u >> 16);
-      }
-    } else {
-      memset(b->p[slot], 0, b->bytes[slot]);
-    }
-  }
+  job_bufs_alloc(c, l, op, T, b, seed, uniform_ids);
 }
 
 static void tensors_of(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b, mok_tensor *t) {
-  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
-  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
-    if (b->p[slot] && mok_job_slot_need(&l->cfg, op, 0, slot) != MOK_NEED_NONE)
-      t[slot] = mok_tensor_for(l, T, slot, b->p[slot]);
-}
-
-/* f32 on the cpu engine; bf16 (all it runs) when the GPU machine runs this
- * test on the cuda engine (MOK_TEST_ENGINE=cuda) */
-static uint32_t test_dtype(void) {
-  return harness_engine_is_cuda() ? MOK_DTYPE_BF16 : MOK_DTYPE_F32;
+  job_bufs_tensors(l, op, T, b, t);
 }
 
 static mok_layer *small_layer(mok_client *c, uint32_t T) {
@@ -117,7 +73,7 @@ static void test_runs_equal_ring_jobs(void) {
   unsigned s = 99;
   for (int i = 0; i < 5; i++) {
     uint8_t *x = f.p[MOK_SLOT_X];
-    x[rng(&s) % f.bytes[MOK_SLOT_X]] ^= 0x10; /* values are read at each run */
+    x[job_rng(&s) % f.bytes[MOK_SLOT_X]] ^= 0x10; /* values are read at each run */
     CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
     CHECK_EQ_INT(mok_standing_wait(sf, 10000), MOK_OK);
     run_ring(l, MOK_OP_FORWARD, T, &ref);
@@ -250,8 +206,8 @@ static void *scribble(void *arg) {
   scribbler *sc = arg;
   unsigned s = sc->seed;
   while (!atomic_load(&sc->stop)) {
-    uint64_t v = rng(&s) % 4 == 0 ? ((uint64_t)rng(&s) << 32 | rng(&s)) : rng(&s) % 3;
-    switch (rng(&s) % 5) {
+    uint64_t v = job_rng(&s) % 4 == 0 ? ((uint64_t)job_rng(&s) << 32 | job_rng(&s)) : job_rng(&s) % 3;
+    switch (job_rng(&s) % 5) {
     case 0: sc->w->trigger = v; break;
     case 1: sc->w->flag = v; break;
     case 2: sc->w->done = v; break;

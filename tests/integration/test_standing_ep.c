@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "harness.h"
+#include "job_bufs.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok_slots.h"
@@ -48,64 +49,23 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static unsigned rng(unsigned *s) {
-  *s ^= *s << 13, *s ^= *s >> 17, *s ^= *s << 5;
-  return *s;
+/* distinct pairs within each token; every 5th slot dropped */
+static void pair_ids(int32_t *ids, uint64_t n, const mok_layer *l, unsigned *s) {
+  (void)l;
+  for (uint64_t i = 0; i < n; i++)
+    ids[i] = i % 5 == 4 ? -1
+                        : (int32_t)((i % K_ ? ids[i - 1] + 1 + job_rng(s) % (E_ - 1)
+                                             : job_rng(s)) % E_);
 }
-
-/* f32 on the cpu engine; bf16 (all it runs) on the cuda engine */
-static uint32_t test_dtype(void) {
-  return harness_engine_is_cuda() ? MOK_DTYPE_BF16 : MOK_DTYPE_F32;
-}
-
-typedef struct job_bufs {
-  void *p[MOK_SLOT_COUNT_];
-  uint64_t bytes[MOK_SLOT_COUNT_];
-} job_bufs;
 
 /* Buffers for op at T (required slots, and ctx): random values, valid ids. */
 static void alloc_bufs(mok_client *c, mok_layer *l, uint32_t op, uint32_t T, job_bufs *b,
                        unsigned seed) {
-  unsigned s = seed;
-  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
-    int need = mok_job_slot_need(&l->cfg, op, 0, slot);
-    if (need != MOK_NEED_REQUIRED && !(slot == MOK_SLOT_CTX && need != MOK_NEED_NONE)) continue;
-    if (b->p[slot]) continue;
-    uint32_t dt, nd;
-    uint64_t shape[MOK_MAX_DIMS], n = 1;
-    mok_job_slot_shape(&l->cfg, T, slot, &dt, &nd, shape);
-    for (uint32_t i = 0; i < nd; i++) n *= shape[i];
-    b->bytes[slot] = n * mok_dtype_size(dt);
-    b->p[slot] = mok_host_alloc(c, b->bytes[slot]);
-    CHECK_MSG(b->p[slot] != NULL, "mok_host_alloc: %s", mok_last_error());
-    if (slot == MOK_SLOT_TOPK_IDS) {
-      int32_t *ids = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) /* distinct pairs; every 5th slot dropped */
-        ids[i] = i % 5 == 4 ? -1
-                            : (int32_t)((i % K_ ? ids[i - 1] + 1 + rng(&s) % (E_ - 1)
-                                                 : rng(&s)) % E_);
-    } else if (dt == MOK_DTYPE_F32) {
-      float *f = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) f[i] = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
-    } else if (dt == MOK_DTYPE_BF16 && slot != MOK_SLOT_OUT) {
-      uint16_t *h = b->p[slot];
-      for (uint64_t i = 0; i < n; i++) {
-        float v = (float)((int)(rng(&s) % 2001) - 1000) / 4000.0f;
-        uint32_t u;
-        memcpy(&u, &v, sizeof u);
-        h[i] = (uint16_t)(u >> 16);
-      }
-    } else {
-      memset(b->p[slot], 0, b->bytes[slot]);
-    }
-  }
+  job_bufs_alloc(c, l, op, T, b, seed, pair_ids);
 }
 
 static void tensors_of(mok_layer *l, uint32_t op, uint32_t T, const job_bufs *b, mok_tensor *t) {
-  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
-  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
-    if (b->p[slot] && mok_job_slot_need(&l->cfg, op, 0, slot) != MOK_NEED_NONE)
-      t[slot] = mok_tensor_for(l, T, slot, b->p[slot]);
+  job_bufs_tensors(l, op, T, b, t);
   if (op == MOK_OP_BACKWARD) t[MOK_SLOT_TOPK_IDS].data = NULL; /* the ctx's schedule */
 }
 
@@ -217,8 +177,8 @@ static void run_standing(mok_standing *s, const char *what) {
 static void new_inputs(rank_state *rs, unsigned *seed) {
   uint8_t *x = rs->f.p[MOK_SLOT_X], *dout = rs->b.p[MOK_SLOT_D_OUT];
   for (int i = 0; i < 4; i++) {
-    x[rng(seed) % rs->f.bytes[MOK_SLOT_X]] ^= 0x10;
-    dout[rng(seed) % rs->b.bytes[MOK_SLOT_D_OUT]] ^= 0x08;
+    x[job_rng(seed) % rs->f.bytes[MOK_SLOT_X]] ^= 0x10;
+    dout[job_rng(seed) % rs->b.bytes[MOK_SLOT_D_OUT]] ^= 0x08;
   }
 }
 
