@@ -776,7 +776,7 @@ static mok_status schedule_build(job_env *env, const int32_t *ids, int32_t *out,
   int32_t *sched = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
   if (!ids_copy || !sched) return env->res->status;
   memcpy(ids_copy, ids, n_ids * sizeof(int32_t));
-  char msg[MOK_COMPLETION_MSG];
+  char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_build(&env->shape, ids_copy, sched, ints, msg, sizeof msg);
   if (st != MOK_OK) return job_fail(env, st, "%s", msg);
   if (out) memcpy(out, sched, ints * sizeof(int32_t));
@@ -791,7 +791,7 @@ static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *r
   int32_t *copy = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
   if (!copy) return env->res->status;
   memcpy(copy, sched, ints * sizeof(int32_t));
-  char msg[MOK_COMPLETION_MSG];
+  char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_validate(&env->shape, copy, ints, msg, sizeof msg);
   if (st != MOK_OK) return job_fail(env, st, "%s", msg);
   *ret = mok_schedule_view(&env->shape, copy);
@@ -1202,7 +1202,7 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
     return job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
   if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD)
     return job_fail(env, MOK_EINVAL, "the recompute flag applies to backward only");
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   mok_status st = check_layer(c, err, sizeof err);
   if (st != MOK_OK) return job_fail(env, st, "%s", err);
   if (a->tokens > c->max_tokens)
@@ -1394,7 +1394,7 @@ mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
 }
 
 mok_status cpu_job_fail(job_env *env, mok_status st, const char *fmt, ...) {
-  char buf[MOK_COMPLETION_MSG];
+  char buf[MOK_JOB_MESSAGE_MAX];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);

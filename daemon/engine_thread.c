@@ -645,7 +645,7 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
                                const mok_layer_config *layer, const mok_engine_result *res) {
   if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
   if (mok_ep_group_is_nccl(g)) return; /* the engine takes the turn on the device */
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
   mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
   p.status = res->status;
@@ -1059,7 +1059,7 @@ static bool standing_turn(mok_engine_thread *t, esession *s, uint64_t now, bool 
   if (!s->standing.live) return false;
   mok_standing_env env = standing_env(t, s);
   bool fatal = false;
-  char why[MOK_COMPLETION_MSG];
+  char why[MOK_JOB_MESSAGE_MAX];
   bool worked = mok_standing_turn(&s->standing, &env, now, take, &fatal, why, sizeof why);
   if (fatal) engine_fatal(t, why);
   if (worked) release_dead(t, s);

@@ -46,7 +46,7 @@ static mok_status virtual_env(const job_env *l, job_env *v) {
   v->dims = mok_group_routed_dims(c);
   v->rows_cap = (size_t)mok_rows_capacity(&v->dims);
   v->shape = (mok_sched_shape){v->dims, c->experts, c->first_expert};
-  char msg[MOK_COMPLETION_MSG];
+  char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_shape_check(&v->shape, msg, sizeof msg);
   if (st != MOK_OK) return cpu_job_fail(v, st, "group batch: %s", msg);
   return MOK_OK;
@@ -269,7 +269,7 @@ static void group_fail(job_env *l, int st, const char *err) {
 }
 
 static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
   const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
   const void *x = slot_tensor(l, MOK_SLOT_X);
@@ -428,7 +428,7 @@ static mok_status ring_backward(job_env *v, const mok_ep_group *g, group_ctx *gc
 }
 
 static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
   const bool recompute = (l->args->flags & MOK_JOB_RECOMPUTE) != 0;
   const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);

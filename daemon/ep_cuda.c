@@ -447,7 +447,7 @@ static uint64_t barrier_value(const mok_ep_group *g, uint32_t phase) {
  * buffers. false: the job failed (c says why) and nothing more is enqueued. */
 static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
   job_ctx *c = j->c;
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   mok_ep_group_post post =
       mok_ep_group_post_for(c->a->layer, c->a->op, c->a->flags, c->a->tokens);
   post.status = own_status;
@@ -491,7 +491,7 @@ static void device_barrier(ep_job *j, uint32_t phase);
  * peers fail the job with it instead of waiting. */
 static bool device_protocol(ep_job *j, int own_status) {
   job_ctx *c = j->c;
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   mok_ep_group_post post =
       mok_ep_group_post_for(c->a->layer, c->a->op, c->a->flags, c->a->tokens);
   int r = mok_ep_group_job_post(j->g, &post, err, sizeof err); /* usable? the sequence */
@@ -821,7 +821,7 @@ mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_a
     return cuda_job_end(&c, res);
   }
   ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
-  char err[MOK_COMPLETION_MSG];
+  char err[MOK_JOB_MESSAGE_MAX];
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
     cuda_job_fail(&c, st, "%s", err);

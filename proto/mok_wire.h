@@ -135,7 +135,7 @@ typedef struct mok_shm_header {
 #define MOK_SHM_STANDING_OFFSET \
   ((MOK_SHM_MSG_OFFSET + MOK_RING_ENTRIES * MOK_JOB_MESSAGE_MAX + 4095u) & ~(size_t)4095u)
 #define MOK_STANDING_MAX 128u /* standing jobs a session holds at once */
-#define MOK_SHM_STANDING_BYTES ((size_t)MOK_STANDING_MAX * 128u)
+#define MOK_SHM_STANDING_BYTES ((size_t)MOK_STANDING_MAX * 512u)
 #define MOK_SHM_BYTES (MOK_SHM_STANDING_OFFSET + MOK_SHM_STANDING_BYTES)
 _Static_assert(sizeof(mok_shm_header) <= MOK_SHM_SQ_OFFSET, "header fits its page");
 
@@ -189,7 +189,7 @@ static inline volatile uint64_t *mok_shm_sync_done(void *page) {
  * flag, done, error and message it writes and never reads back to
  * decide anything; a client rewriting them fools only itself. */
 #define MOK_JOB_STANDING 0x8000u /* descriptor flag: create / destroy a standing job */
-#define MOK_STANDING_MSG 96u
+#define MOK_STANDING_MSG 480u /* a failed run's message, whole as a job's (MOK_JOB_MESSAGE_MAX) but for its tail */
 
 typedef struct mok_standing_words {
   alignas(64) volatile uint64_t trigger;
@@ -199,7 +199,7 @@ typedef struct mok_standing_words {
   volatile uint32_t generation; /* the daemon: +1 at each creation in the slot */
   char message[MOK_STANDING_MSG];
 } mok_standing_words;
-_Static_assert(sizeof(mok_standing_words) == 128, "standing words are 128 bytes");
+_Static_assert(sizeof(mok_standing_words) == 512, "standing words are 512 bytes");
 
 static inline mok_standing_words *mok_shm_standing(void *shm, uint32_t slot) {
   return (mok_standing_words *)((char *)shm + MOK_SHM_STANDING_OFFSET) + slot;
