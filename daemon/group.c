@@ -27,7 +27,8 @@
 #include "mok_status.h"
 
 #define SEG_MAGIC 0x5045474bu /* "KGEP" */
-#define SEG_VERSION 4u /* 3: capacity and ring in the sizing; 4: member incarnations */
+#define SEG_VERSION 5u /* 3: capacity and ring in the sizing; 4: member incarnations;
+                          * 5: whole failure messages in the posts */
 #define SEG_ALIGN 4096u
 #define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
 
@@ -42,7 +43,7 @@ typedef struct seg_rank {
   alignas(64) mok_ep_group_post post[2];
   uint64_t fin_seq;
   int32_t fin_status;
-  char fin_msg[MOK_COMPLETION_MSG];
+  char fin_msg[MOK_JOB_MESSAGE_MAX];
 } seg_rank;
 
 typedef struct seg_header {

@@ -60,7 +60,7 @@ typedef struct mok_ep_group_post {
   uint32_t tag, intermediate, shared_intermediate, has_limit;
   float swiglu_limit;
   int32_t status; /* this member's own checks before barrier 1 */
-  char msg[MOK_COMPLETION_MSG];
+  char msg[MOK_JOB_MESSAGE_MAX]; /* its whole message: a peer's failure reaches every client */
 } mok_ep_group_post;
 
 /* The segment's buffers, as the cpu engine addresses them (host memory). */
