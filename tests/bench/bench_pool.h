@@ -45,15 +45,28 @@ typedef struct bench_pool {
   CUmemGenericAllocationHandle vmm;
 } bench_pool;
 
+/* --memory's names and what bench_pool_start says it made */
+static const struct {
+  const char *name, *made;
+} POOL_KINDS[] = {
+    [POOL_OWN] = {"own", "one cudaMalloc per tensor"},
+    [POOL_LOCAL] = {"pool", "local cudaMalloc"},
+    [POOL_IPC] = {"ipc", "IPC-imported cudaMalloc"},
+    [POOL_VMM] = {"vmm", "local cuMemCreate"},
+    [POOL_VMM_IPC] = {"vmm-ipc", "fd-imported cuMemCreate"},
+    [POOL_IPC_TOUCHED] = {"ipc-touched", "IPC-imported cudaMalloc (written by its owner)"},
+};
+
 static int bench_pool_kind(const char *s) {
-  if (!strcmp(s, "own")) return POOL_OWN;
-  if (!strcmp(s, "pool")) return POOL_LOCAL;
-  if (!strcmp(s, "ipc")) return POOL_IPC;
-  if (!strcmp(s, "vmm")) return POOL_VMM;
-  if (!strcmp(s, "vmm-ipc")) return POOL_VMM_IPC;
-  if (!strcmp(s, "ipc-touched")) return POOL_IPC_TOUCHED;
+  for (int k = 0; k < (int)(sizeof POOL_KINDS / sizeof POOL_KINDS[0]); k++)
+    if (!strcmp(s, POOL_KINDS[k].name)) return k;
   return -1;
 }
+
+/* legacy CUDA IPC of a cudaMalloc another process made */
+static int pool_is_ipc(int kind) { return kind == POOL_IPC || kind == POOL_IPC_TOUCHED; }
+static int pool_is_vmm(int kind) { return kind == POOL_VMM || kind == POOL_VMM_IPC; }
+static int pool_has_child(int kind) { return pool_is_ipc(kind) || kind == POOL_VMM_IPC; }
 
 static void pool_die(const char *what, int r) {
   fprintf(stderr, "bench_pool: %s failed (%d)\n", what, r);
@@ -65,25 +78,26 @@ static void pool_die(const char *what, int r) {
     if (r_ != CUDA_SUCCESS) pool_die(#call, (int)r_); \
   } while (0)
 
-static size_t vmm_granularity(void) {
+/* device 0 memory a POSIX fd can export (how libmok exports cuMem memory) */
+static CUmemAllocationProp vmm_prop(void) {
   CUmemAllocationProp p;
   memset(&p, 0, sizeof p);
   p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   p.location.id = 0;
   p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return p;
+}
+
+static size_t vmm_granularity(void) {
+  CUmemAllocationProp p = vmm_prop();
   size_t g = 0;
   CU_OK(cuMemGetAllocationGranularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   return g;
 }
 
 static CUmemGenericAllocationHandle vmm_create(size_t size) {
-  CUmemAllocationProp p;
-  memset(&p, 0, sizeof p);
-  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  p.location.id = 0;
-  p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmemAllocationProp p = vmm_prop();
   CUmemGenericAllocationHandle h;
   CU_OK(cuMemCreate(&h, size, &p, 0));
   return h;
@@ -100,6 +114,13 @@ static char *vmm_map(CUmemGenericAllocationHandle h, size_t size) {
   a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   CU_OK(cuMemSetAccess(va, size, &a, 1));
   return (char *)(uintptr_t)va;
+}
+
+/* undoes vmm_map and vmm_create (or the import) */
+static void vmm_unmap_release(char *base, size_t size, CUmemGenericAllocationHandle h) {
+  CU_OK(cuMemUnmap((CUdeviceptr)(uintptr_t)base, size));
+  CU_OK(cuMemAddressFree((CUdeviceptr)(uintptr_t)base, size));
+  CU_OK(cuMemRelease(h));
 }
 
 static void send_fd(int sock, int fd) {
@@ -149,7 +170,7 @@ static void read_all(int fd, void *p, size_t n) {
 
 /* The child: make the memory, hand it over, wait for EOF, free it. */
 static void pool_child(int kind, size_t size, int sock) {
-  if (kind == POOL_IPC || kind == POOL_IPC_TOUCHED) {
+  if (pool_is_ipc(kind)) {
     void *p = NULL;
     if (cudaMalloc(&p, size) != cudaSuccess) _exit(3);
     if (kind == POOL_IPC_TOUCHED &&
@@ -183,14 +204,13 @@ static void bench_pool_start(bench_pool *P, int kind, size_t size) {
   P->kind = kind;
   P->sock = -1;
   if (kind == POOL_OWN) return;
-  if (kind == POOL_VMM || kind == POOL_VMM_IPC) {
-    /* the granularity query needs the driver; in the parent it initialises CUDA
-     * only after the fork below, so ask in a throwaway way: 2 MiB on every GPU
-     * this runs on, checked against the driver's answer once mapped */
+  if (pool_is_vmm(kind)) {
+    /* the granularity query would initialise the driver before the fork: take
+     * 2 MiB (every GPU this runs on), checked against the driver's answer below */
     size = (size + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
   }
   P->size = size;
-  if (kind == POOL_IPC || kind == POOL_VMM_IPC || kind == POOL_IPC_TOUCHED) {
+  if (pool_has_child(kind)) {
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) pool_die("socketpair", errno);
     pid_t pid = fork();
@@ -208,7 +228,7 @@ static void bench_pool_start(bench_pool *P, int kind, size_t size) {
   CUDA_CHECK(cudaFree(0)); /* the runtime's primary context, current from here on */
   if (kind == POOL_LOCAL) {
     CUDA_CHECK(cudaMalloc((void **)&P->base, size));
-  } else if (kind == POOL_IPC || kind == POOL_IPC_TOUCHED) {
+  } else if (pool_is_ipc(kind)) {
     cudaIpcMemHandle_t h;
     read_all(P->sock, &h, sizeof h);
     CUDA_CHECK(cudaIpcOpenMemHandle((void **)&P->base, h, cudaIpcMemLazyEnablePeerAccess));
@@ -224,10 +244,7 @@ static void bench_pool_start(bench_pool *P, int kind, size_t size) {
     }
     P->base = vmm_map(P->vmm, size);
   }
-  fprintf(stderr, "bench_pool: %s pool of %.1f GiB at %p\n",
-          kind == POOL_LOCAL ? "local cudaMalloc" : kind == POOL_IPC ? "IPC-imported cudaMalloc"
-          : kind == POOL_IPC_TOUCHED ? "IPC-imported cudaMalloc (written by its owner)"
-          : kind == POOL_VMM ? "local cuMemCreate" : "fd-imported cuMemCreate",
+  fprintf(stderr, "bench_pool: %s pool of %.1f GiB at %p\n", POOL_KINDS[kind].made,
           size / 1073741824.0, (void *)P->base);
 }
 
@@ -251,12 +268,10 @@ static void bench_pool_stop(bench_pool *P) {
   if (P->kind == POOL_OWN) return;
   CUDA_CHECK(cudaDeviceSynchronize());
   if (P->kind == POOL_LOCAL) CUDA_CHECK(cudaFree(P->base));
-  else if (P->kind == POOL_IPC || P->kind == POOL_IPC_TOUCHED)
+  else if (pool_is_ipc(P->kind))
     CUDA_CHECK(cudaIpcCloseMemHandle(P->base));
   else {
-    CU_OK(cuMemUnmap((CUdeviceptr)(uintptr_t)P->base, P->size));
-    CU_OK(cuMemAddressFree((CUdeviceptr)(uintptr_t)P->base, P->size));
-    CU_OK(cuMemRelease(P->vmm));
+    vmm_unmap_release(P->base, P->size, P->vmm);
   }
   if (P->sock >= 0) close(P->sock);
   if (P->child > 0) waitpid(P->child, NULL, 0);

@@ -106,7 +106,8 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   size_t pool_bytes = total + 256;
   CUmemGenericAllocationHandle pool_vmm = 0;
   if (g_vmm) { /* cuMemCreate memory: libmok exports it as a POSIX fd, mokd maps it */
-    pool_bytes = (pool_bytes + vmm_granularity() - 1) / vmm_granularity() * vmm_granularity();
+    const size_t g = vmm_granularity();
+    pool_bytes = (pool_bytes + g - 1) / g * g;
     pool_vmm = vmm_create(pool_bytes);
     pool = vmm_map(pool_vmm, pool_bytes);
   } else {
@@ -239,9 +240,7 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   mok_cuda_forget(c, pool);
   if (g_vmm) {
     CUDA_CHECK(cudaDeviceSynchronize());
-    CU_OK(cuMemUnmap((CUdeviceptr)(uintptr_t)pool, pool_bytes));
-    CU_OK(cuMemAddressFree((CUdeviceptr)(uintptr_t)pool, pool_bytes));
-    CU_OK(cuMemRelease(pool_vmm));
+    vmm_unmap_release(pool, pool_bytes, pool_vmm);
   } else {
     CUDA_CHECK(cudaFree(pool));
   }

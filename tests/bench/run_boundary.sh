@@ -28,29 +28,21 @@ mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0
 rc=0
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "MPS would not start"; return 1; }
-  sleep 1
-}
-mps_off() {
-  echo quit | nvidia-cuda-mps-control
-  sleep 1
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
-start_mokd() { # SOCK LOG [wrapper...]
+STEP_LOGS=$OUTDIR
+# shellcheck source=tests/gpu/steps.sh
+. tests/gpu/steps.sh # start_mps, stop_mps
+mokd_up() { # SOCK LOG [wrapper...]
   local sock=$1 log=$2; shift 2
   "$@" "$B/bin/mokd" --engine cuda --socket "$sock" --log-level warn >"$log" 2>&1 &
   MOKD_PID=$!
   for _ in $(seq 1 600); do [ -S "$sock" ] && return 0; sleep 0.1; done
   echo "mokd did not come up ($log)"; return 1
 }
-stop_mokd() {
+mokd_down() {
   kill -TERM "$MOKD_PID" 2>/dev/null; wait "$MOKD_PID" 2>/dev/null; rm -f "$1"
 }
 for v in $MODES; do
-  [ "$v" = mps ] && { mps_on || { rc=1; continue; }; }
+  [ "$v" = mps ] && { start_mps || { rc=1; continue; }; }
   for k in $INPROC; do
     echo "== in-process, $v, --memory $k"
     timeout 300 "$KB/mok_bench" --variants cluster --T "$TS" --reps "$REPS" --memory "$k" \
@@ -59,14 +51,14 @@ for v in $MODES; do
   done
   for m in $DAEMON; do
     SOCK=/tmp/mok-boundary-$$.sock
-    start_mokd "$SOCK" "$OUTDIR/mokd_${v}_$m.log" || { rc=1; continue; }
+    mokd_up "$SOCK" "$OUTDIR/mokd_${v}_$m.log" || { rc=1; continue; }
     echo "== through mokd, $v, client memory $m"
     MOK_SOCKET=$SOCK timeout 300 "$B/bench/mok_bench_daemon" --T "$TS" --reps "$REPS" \
       --memory "$m" --piped "${PIPED:-0}" --out "$OUTDIR/daemon_${v}_$m.json" >"$OUTDIR/daemon_${v}_$m.log" 2>&1 || rc=1
     grep -E "through mokd|fail|rror" "$OUTDIR/daemon_${v}_$m.log" | sed 's/^/  /'
-    stop_mokd "$SOCK"
+    mokd_down "$SOCK"
   done
-  [ "$v" = mps ] && mps_off
+  [ "$v" = mps ] && { stop_mps; sleep 1; }
 done
 if [ -n "${NCU_SHAPE:-}" ] && command -v ncu >/dev/null; then
   NC=(ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct --csv --page raw)
@@ -75,7 +67,7 @@ if [ -n "${NCU_SHAPE:-}" ] && command -v ncu >/dev/null; then
     --warmup 0 --only "$NCU_SHAPE" >"$OUTDIR/ncu_inproc.csv" 2>"$OUTDIR/ncu_inproc.err" || rc=1
   for m in $DAEMON; do
     SOCK=/tmp/mok-boundary-ncu-$$.sock
-    start_mokd "$SOCK" "$OUTDIR/ncu_mokd_$m.csv" timeout 200 "${NC[@]}" --target-processes all || { rc=1; continue; }
+    mokd_up "$SOCK" "$OUTDIR/ncu_mokd_$m.csv" timeout 200 "${NC[@]}" --target-processes all || { rc=1; continue; }
     MOK_SOCKET=$SOCK timeout 150 "$B/bench/mok_bench_daemon" --T "$T1" --reps 1 --warmup 0 \
       --only "$NCU_SHAPE" --memory "$m" >"$OUTDIR/ncu_client_$m.log" 2>&1 || rc=1
     pkill -TERM -x mokd; wait "$MOKD_PID" 2>/dev/null; rm -f "$SOCK"
