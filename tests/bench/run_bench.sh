@@ -75,7 +75,7 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     for p in "${pids[@]}"; do wait "$p" || ok=0; done
     objs=("$BUILD_DIR/mok_bench.o")
     for f in $KERNELS; do objs+=("$BUILD_DIR/$(basename "$f").o"); done
-    if [ $ok = 1 ] && "$NVCC" $ARCH -o "$BIN" "${objs[@]}" -lpthread -lm; then
+    if [ $ok = 1 ] && "$NVCC" $ARCH -o "$BIN" "${objs[@]}" -lcuda -lpthread -lm; then
       echo "$srchash" >"$BIN.srchash"
       grep -hE "spill|Used [0-9]+ registers" "$BUILD_DIR"/ptxas_mok_gemm.log | sed 's/ptxas info    : //' | sort | uniq -c
     else
@@ -92,7 +92,7 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
       note "mok_bench_daemon: building against $MOK_DEVBUILD/lib/libmok.a"
       "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -Wall,-Wextra \
         -Iclient/include -Iproto -o "$DBIN" tests/bench/mok_bench_daemon.cu \
-        "$MOK_DEVBUILD/lib/libmok.a" "$PBA" -ldl -lpthread && echo "$dsrc" >"$DBIN.srchash"
+        "$MOK_DEVBUILD/lib/libmok.a" "$PBA" -lcuda -ldl -lpthread && echo "$dsrc" >"$DBIN.srchash"
     elif [ -x "$DBIN" ]; then
       note "mok_bench_daemon: using the carried $DBIN (sources differ; no libmok.a to rebuild)"
     else

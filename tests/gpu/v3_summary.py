@@ -138,13 +138,17 @@ def ncu_table(out, shape, T, lines):
     if len(rd) < 3:
         lines.append("ncu: no kernels in ncu.csv")
         return
-    head, data = rd[0], rd[2:]  # second row: units
+    head, units, data = rd[0], rd[1], rd[2:]  # second row: units
     col = {h: i for i, h in enumerate(head)}
+    # ncu picks a unit per metric (ms, Ghz, Gbyte, ...): back to ns, Hz, bytes
+    scale = {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6,
+             "s": 1e9, "second": 1e9, "hz": 1, "khz": 1e3, "mhz": 1e6, "ghz": 1e9,
+             "byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12}
     E, H, I, K = SHAPES.get(shape, SHAPES["kimi-k2.7"])
     variants = []
     vfile = os.path.join(out, "ncu_variants.txt")
     if os.path.exists(vfile):
-        variants = open(vfile).read().split(",")
+        variants = open(vfile).read().strip().split(",")
     lines.append(f"ncu, {shape} T={T}, one launch each (--clock-control none): ms, TFLOP/s, SM GHz, "
                  "L2 hit %, L2 / DRAM throughput % of peak, DRAM GB (x unique), top stalls")
 
@@ -153,7 +157,8 @@ def ncu_table(out, shape, T, lines):
             if n in col and col[n] < len(row):
                 v = num(row[col[n]])
                 if v is not None:
-                    return v
+                    u = units[col[n]].strip().lower() if col[n] < len(units) else ""
+                    return v * scale.get(u, 1)
         return None
 
     for i, row in enumerate(data):
