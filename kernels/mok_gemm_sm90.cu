@@ -78,10 +78,24 @@
 #define S9_STAGE_OUT (64 * S9_BN * 2)
 #define S9_NST(MODE) ((MODE) == MOK_GM_WGRAD ? S9_STAGES_W : S9_STAGES)
 #define S9_SMEM_BYTES (S9_STAGES_W * S9_STAGE_BYTES + 2 * S9_STAGE_OUT + 1024 + 2 * S9_STAGES * 8)
-/* cluster kernels: the schedule's offsets after the ring's barriers */
-#define S9_TABLE_AT (S9_STAGES * S9_STAGE_BYTES + 2 * S9_STAGES * 8)
+/* Ping-pong kernel (the down dgrad): 128x128 tiles, one consumer
+ * warpgroup a tile, a 6-stage ring of A 128x64 + B 64x128. */
+#define S9P_BN 128
+#define S9P_STAGES 6
+#define S9P_STAGE_BYTES (S9_A_BYTES + S9P_BN * S9_BK * 2)
+/* row modes: the schedule's offsets, then its counts, after the ring's
+ * barriers of either kernel (one copy per CTA, taken at the start: see s9_sched) */
+#define S9_RING_END(stages, bytes) ((stages) * (bytes) + 2 * (stages) * 8)
+/* the ping-pong kernel's ring, then its two turn barriers */
+#define S9P_BARS_END (S9_RING_END(S9P_STAGES, S9P_STAGE_BYTES) + 2 * 8)
+#define S9_TABLE_AT                                                \
+  (S9_RING_END(S9_STAGES, S9_STAGE_BYTES) > S9P_BARS_END           \
+       ? S9_RING_END(S9_STAGES, S9_STAGE_BYTES)                    \
+       : S9P_BARS_END)
 #define S9_TABLE_INTS ((S9_SMEM_BYTES - 1024 - S9_TABLE_AT) / 4)
-static_assert(S9_TABLE_INTS >= 1024, "room for the offsets of 1023 experts");
+static_assert(S9_TABLE_INTS >= 2 * 1023 + 1, "room for the offsets and counts of 1023 experts");
+/* the table holds a schedule of E_loc groups */
+#define S9_TABLE_FITS(E_loc) (2 * (long long)(E_loc) + 1 <= S9_TABLE_INTS)
 
 #define S9_SLAB 8192 /* one MN-major box: 64 k rows of 128 B */
 #define S9_HALF_B (S9_B_BYTES / 2)
@@ -126,12 +140,43 @@ __device__ static inline s9_tile s9_locate_w(const s9_params &p, int t) {
   return tl;
 }
 
-/* Row block mb, column tile nb; offsets: the schedule's (or the cluster's
- * copy of them), NULL for one group. */
-__device__ static inline s9_tile s9_tile_rows(const s9_params &p, const int32_t *offsets, int mb,
+/* The schedule a row-mode kernel places its tiles by: the CTA's copy of
+ * the offsets and counts in shared memory (s9_sched_copy), or the global
+ * arrays when they do not fit; offsets NULL for one group. Producer and
+ * consumers read the same copy, so they agree on every tile even if the
+ * global arrays change while the kernel runs, and the consumers' lookup
+ * at the start of each tile (a binary search: ~9 dependent loads) costs
+ * shared-memory latency, not L2 latency, while the tensor cores wait. */
+typedef struct s9_sched {
+  const int32_t *offsets, *counts;
+} s9_sched;
+
+__device__ static inline s9_sched s9_sched_global(const s9_params &p) {
+  s9_sched sc;
+  sc.offsets = p.offsets;
+  sc.counts = p.counts;
+  return sc;
+}
+
+/* Every thread of the CTA (or of rank 0, for a cluster) takes part; the
+ * caller synchronises before the table is read. */
+__device__ static inline s9_sched s9_sched_copy(const s9_params &p, int32_t *table, bool copy) {
+  if (!p.offsets || !S9_TABLE_FITS(p.E_loc)) return s9_sched_global(p);
+  if (copy) {
+    for (int i = threadIdx.x; i <= p.E_loc; i += blockDim.x) table[i] = p.offsets[i];
+    for (int i = threadIdx.x; i < p.E_loc; i += blockDim.x) table[p.E_loc + 1 + i] = p.counts[i];
+  }
+  s9_sched sc;
+  sc.offsets = table;
+  sc.counts = table + p.E_loc + 1;
+  return sc;
+}
+
+/* Row block mb, column tile nb. */
+__device__ static inline s9_tile s9_tile_rows(const s9_params &p, const s9_sched &sc, int mb,
                                               int nb) {
   s9_tile tl;
-  const mok_row_block b = mok_locate_rows(offsets, p.counts, p.E_loc, p.M, mb * S9_BM);
+  const mok_row_block b = mok_locate_rows(sc.offsets, sc.counts, p.E_loc, p.M, mb * S9_BM);
   tl.e = b.e;
   tl.row0 = b.row0;
   tl.used_end = b.used_end;
@@ -143,10 +188,10 @@ __device__ static inline s9_tile s9_tile_rows(const s9_params &p, const int32_t 
   return tl;
 }
 
-__device__ static inline s9_tile s9_locate(const s9_params &p, int t) {
+__device__ static inline s9_tile s9_locate(const s9_params &p, const s9_sched &sc, int t) {
   int mb, nb;
-  mok_tile_at(t, p.order, p.band, p.m_tiles, p.n_tiles, p.offsets, p.E_loc, p.M, &mb, &nb);
-  return s9_tile_rows(p, p.offsets, mb, nb);
+  mok_tile_at(t, p.order, p.band, p.m_tiles, p.n_tiles, sc.offsets, p.E_loc, p.M, &mb, &nb);
+  return s9_tile_rows(p, sc, mb, nb);
 }
 
 /* k blocks of every row-mode tile */
@@ -169,11 +214,11 @@ typedef struct s9_pair {
   int skip;      /* neither block has anything to store */
 } s9_pair;
 
-__device__ static inline s9_pair s9_locate_pair(const s9_params &p, const int32_t *offsets, int q,
+__device__ static inline s9_pair s9_locate_pair(const s9_params &p, const s9_sched &sc, int q,
                                                 int rank) {
   const int pp = q / p.n_tiles, nb = q - pp * p.n_tiles;
-  const s9_tile t0 = s9_tile_rows(p, offsets, 2 * pp, nb);
-  const s9_tile t1 = s9_tile_rows(p, offsets, 2 * pp + 1, nb);
+  const s9_tile t0 = s9_tile_rows(p, sc, 2 * pp, nb);
+  const s9_tile t1 = s9_tile_rows(p, sc, 2 * pp + 1, nb);
   s9_pair r;
   r.mine = rank ? t1 : t0;
   r.multicast = t0.in_use && t1.in_use && t0.e == t1.e;
@@ -260,15 +305,15 @@ template <int MODE> __device__ static inline uint32_t s9_row_bytes(const s9_para
 }
 
 template <int MODE>
-__device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, const CUtensorMap *ma2,
-                                  const CUtensorMap *mb0, const CUtensorMap *mb1, uint32_t base,
-                                  uint32_t bars) {
+__device__ static void s9_produce(const s9_params &p, const s9_sched &sc, const CUtensorMap *ma,
+                                  const CUtensorMap *ma2, const CUtensorMap *mb0,
+                                  const CUtensorMap *mb1, uint32_t base, uint32_t bars) {
   const int total = MODE == MOK_GM_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   constexpr int NST = S9_NST(MODE);
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* the consumers skip it too */
     const int nk = s9_tile_nk<MODE>(p, tl);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
@@ -298,7 +343,7 @@ __device__ static void s9_produce(const s9_params &p, const CUtensorMap *ma, con
  * full k loop. A stage is written only after both CTAs' consumers have
  * released it (the empty barrier counts both). */
 template <int MODE>
-__device__ static void s9_produce_pairs(const s9_params &p, const int32_t *offsets,
+__device__ static void s9_produce_pairs(const s9_params &p, const s9_sched &sc,
                                         const CUtensorMap *ma, const CUtensorMap *ma2,
                                         const CUtensorMap *mb0, const CUtensorMap *mb1,
                                         uint32_t base, uint32_t bars, int rank) {
@@ -307,7 +352,7 @@ __device__ static void s9_produce_pairs(const s9_params &p, const int32_t *offse
   const int nk = s9_full_nk<MODE>(p);
   int s = 0, ph = 0;
   for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
-    const s9_pair pr = s9_locate_pair(p, offsets, q, rank);
+    const s9_pair pr = s9_locate_pair(p, sc, q, rank);
     if (pr.skip) continue; /* the peer skips it too */
     const s9_tile &tl = pr.mine;
     for (int kb = 0; kb < nk; kb++) {
@@ -337,25 +382,50 @@ __device__ static void s9_produce_pairs(const s9_params &p, const int32_t *offse
  * with ldc = 2N, h to C1); the d_rw partial of each 128-column half equals
  * that kernel's: per thread over its columns (8-column groups ascending,
  * the pair's two in order), then the quad ((q0+q1)+(q2+q3)), then its four
- * 32-column warp slices in order. The thread holds all four slices here. */
+ * 32-column warp slices in order. The thread holds all four slices here.
+ * The saved g and u of a (row, half) are loaded all at once before any of
+ * its stores: loads placed after a store the compiler cannot prove apart
+ * wait for each other, and 32 such rounds of L2 latency a tile left the
+ * tensor cores idle (ncu: 39% busy). Same arithmetic, same order. */
+#ifndef S9_DG_BATCH
+#define S9_DG_BATCH 8 /* column pairs of g and u loaded at once (4, 8 or 16: registers) */
+#endif
 __device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_tile &tl,
                                                 const float (&acc)[128], int cw) {
   const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31, q = lane & 3;
   const int rbase = tl.row0 + 64 * cw + 16 * warp + (lane >> 2), cq = 2 * q;
+  /* the router weights of both rows first: two rounds of latency, not four */
+  int slot[2] = {-1, -1};
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+    if (p.rw && rbase + 8 * hh < tl.used_end) slot[hh] = p.row_slot[rbase + 8 * hh];
+  float wt[2] = {1.0f, 1.0f};
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+    if (rbase + 8 * hh < tl.used_end && p.rw)
+      wt[hh] = (slot[hh] >= 0 && slot[hh] < p.n_slots) ? p.rw[slot[hh]] : 0.0f;
 #pragma unroll
   for (int hh = 0; hh < 2; hh++) {
     const int r = rbase + 8 * hh;
     const bool stored = r < tl.store_end, used = r < tl.used_end;
-    float w = 1.0f;
-    if (used && p.rw) {
-      const int sl = p.row_slot[r];
-      w = (sl >= 0 && sl < p.n_slots) ? p.rw[sl] : 0.0f;
-    }
+    const float w = wt[hh];
 #pragma unroll
     for (int half = 0; half < 2; half++) {
       float v = 0.0f;
+      __nv_bfloat162 gq[S9_DG_BATCH], uq[S9_DG_BATCH];
 #pragma unroll
       for (int wn = 0; wn < 4; wn++) {
+        if ((4 * wn) % S9_DG_BATCH == 0) /* the next S9_DG_BATCH column pairs, all in flight */
+#pragma unroll
+          for (int i = 0; i < S9_DG_BATCH; i++) {
+            const int n = tl.n0 + 8 * (16 * half + 4 * wn + i) + cq;
+            gq[i] = uq[i] = __floats2bfloat162_rn(0.0f, 0.0f);
+            if (used && stored && n < p.N) {
+              const long long at = (long long)r * p.N + n;
+              gq[i] = *(const __nv_bfloat162 *)(p.G + at);
+              uq[i] = *(const __nv_bfloat162 *)(p.U + at);
+            }
+          }
         float rowsum = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
@@ -364,8 +434,8 @@ __device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_til
           const long long at = (long long)r * p.N + n;
           float dg[2] = {0.0f, 0.0f}, du[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
           if (used) {
-            const float2 gp = __bfloat1622float2(*(const __nv_bfloat162 *)(p.G + at));
-            const float2 up = __bfloat1622float2(*(const __nv_bfloat162 *)(p.U + at));
+            const float2 gp = __bfloat1622float2(gq[(4 * wn + j) % S9_DG_BATCH]);
+            const float2 up = __bfloat1622float2(uq[(4 * wn + j) % S9_DG_BATCH]);
             const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
 #pragma unroll
             for (int c = 0; c < 2; c++) {
@@ -590,8 +660,8 @@ template <int CL> __device__ static inline void s9_skip_loop(uint32_t bars, int 
 }
 
 template <int MODE, int PIPE>
-__device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t bars,
-                                  const CUtensorMap *mc0, const CUtensorMap *mc1) {
+__device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32_t base,
+                                  uint32_t bars, const CUtensorMap *mc0, const CUtensorMap *mc1) {
   const int cw = threadIdx.x / 128 - 1; /* rows 64*cw .. of the tile */
   const int total = MODE == MOK_GM_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   float acc[128];
@@ -599,7 +669,7 @@ __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t ba
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* as the producer */
     const int nk = s9_tile_nk<MODE>(p, tl);
     if (MODE == MOK_GM_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
@@ -623,7 +693,7 @@ __device__ static void s9_consume(const s9_params &p, uint32_t base, uint32_t ba
 /* The cluster variant's consumers: the producer's pairs, the full k loop
  * each (math only where this CTA's block has rows). */
 template <int MODE>
-__device__ static void s9_consume_pairs(const s9_params &p, const int32_t *offsets, uint32_t base,
+__device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
                                         uint32_t bars, int rank) {
   const int cw = threadIdx.x / 128 - 1;
   const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
@@ -635,7 +705,7 @@ __device__ static void s9_consume_pairs(const s9_params &p, const int32_t *offse
   for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
     s9_tile tl;
     {
-      const s9_pair pr = s9_locate_pair(p, offsets, q, rank);
+      const s9_pair pr = s9_locate_pair(p, sc, q, rank);
       if (pr.skip) continue;
       tl = pr.mine;
     }
@@ -660,6 +730,10 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   constexpr int NST = S9_NST(MODE);
   /* the stages, WGRAD's staging tiles, then full[NST] and empty[NST] */
   const uint32_t bars = base + NST * S9_STAGE_BYTES + (MODE == MOK_GM_WGRAD ? 2 * S9_STAGE_OUT : 0);
+  /* row modes: the schedule in shared memory (WGRAD's staging tiles take that room; its
+   * lookup is two independent loads a tile) */
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
+  const s9_sched sc = MODE == MOK_GM_WGRAD ? s9_sched_global(p) : s9_sched_copy(p, table, true);
   if (threadIdx.x == 0) {
     s_failed = job_failed(p.status);
     if (!s_failed) {
@@ -678,16 +752,17 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   if (s_failed) return; /* one decision for the whole CTA */
   if (threadIdx.x < 128) {
     regs_dec<40>();
-    if (threadIdx.x == 0) s9_produce<MODE>(p, &map_a, &map_a2, &map_b0, &map_b1, base, bars);
+    if (threadIdx.x == 0) s9_produce<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars);
   } else {
     regs_inc<232>();
-    s9_consume<MODE, PIPE>(p, base, bars, &map_a2, &map_b1);
+    s9_consume<MODE, PIPE>(p, sc, base, bars, &map_a2, &map_b1);
   }
 }
 
 /* The cluster variant (S9_PAIRS_MODE; launched with 2-CTA clusters). Both CTAs
  * take every decision from rank 0's reading: the job's status word and the
- * schedule's offsets (copied into shared memory, rank 1 copies rank 0's). */
+ * schedule's offsets and counts (copied into shared memory, rank 1 copies
+ * rank 0's table). */
 template <int MODE>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -700,7 +775,8 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES;
   int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
   const int rank = (int)cluster_ctarank();
-  const int n_off = p.offsets ? p.E_loc + 1 : 0; /* the launcher keeps it <= S9_TABLE_INTS */
+  /* the launcher keeps the schedule within the table (S9_TABLE_FITS) */
+  const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9_STAGES; i++) {
       mbar_init(bars + 8 * i, 1);
@@ -709,18 +785,16 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     mbar_fence_init();
     if (rank == 0) s_failed = job_failed(p.status);
   }
-  if (rank == 0)
-    for (int i = threadIdx.x; i < n_off; i += blockDim.x) table[i] = p.offsets[i];
+  const s9_sched sc = s9_sched_copy(p, table, rank == 0);
   cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
   if (rank == 1) {
     const uint32_t t0 = cluster_map(smem_u32(table), 0);
-    for (int i = threadIdx.x; i < n_off; i += blockDim.x)
+    for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
       table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
     if (threadIdx.x == 0) s_failed = (int)ld_cluster_u32(cluster_map(smem_u32(&s_failed), 0));
   }
   cluster_sync(); /* rank 1 done reading rank 0's shared memory */
   if (s_failed) return; /* the same value in both CTAs */
-  const int32_t *offsets = p.offsets ? table : NULL;
   if (threadIdx.x < 128) {
     regs_dec<40>();
     if (threadIdx.x == 0) {
@@ -728,15 +802,264 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       tma_prefetch_map(&map_b0);
       if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
       if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
-      s9_produce_pairs<MODE>(p, offsets, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
+      s9_produce_pairs<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
     }
   } else {
     regs_inc<232>();
-    s9_consume_pairs<MODE>(p, offsets, base, bars, rank);
+    s9_consume_pairs<MODE>(p, sc, base, bars, rank);
   }
   /* neither CTA leaves while the other may still write into its shared
    * memory or arrive on its barriers */
   cluster_sync();
+}
+
+/* ---- ping-pong consumers: the down dgrad ---------------------------------------
+ *
+ * The down dgrad's epilogue (the SwiGLU backward of every element, the
+ * saved g and u read, dg, du and h written, the d_rw partials) is as long
+ * as a good part of its k loop, and with both consumer warpgroups on one
+ * tile the tensor cores wait for all of it (v3: 39% busy). Here each
+ * consumer warpgroup owns whole 128x128 tiles, the CTA's tiles taken in
+ * turn (local tile i by warpgroup i % 2), so one warpgroup's epilogue runs
+ * while the other's wgmmas do. The ring is in tile order, and the k loops
+ * take turns on two mbarriers: a warpgroup starts waiting for its tile's
+ * stages only once the other has waited for all of the tile before. That
+ * is also what keeps the ring's parity waits sound: a warpgroup that
+ * passed over the other's stages would otherwise wait for a stage many
+ * phases ahead of the barrier and take an old phase of the same parity
+ * for its own (a tile is ~18 laps of the ring). Each tile is two m64n128 halves (rows 0-63,
+ * 64-127; a half of padding rows issues no wgmma). The products, the
+ * epilogue's arithmetic and the d_rw partials' summation order are those
+ * of the cooperative kernel (the partial of a 128-column tile is the
+ * cooperative kernel's partial of that half), so results are bitwise equal
+ * to it and to mma.sync. */
+
+/* The ring position after n stages more. */
+__device__ static inline void s9_ring_advance(int &s, int &ph, int n, int nst) {
+  s += n;
+  while (s >= nst) {
+    s -= nst;
+    ph ^= 1;
+  }
+}
+
+/* bytes of one k block of a 128-column tile: A and the B slabs inside N */
+__device__ static inline uint32_t s9p_row_bytes(const s9_params &p, const s9_tile &tl) {
+  return S9_A_BYTES + min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64) * S9_SLAB;
+}
+
+__device__ static void s9p_produce(const s9_params &p, const s9_sched &sc, const CUtensorMap *ma,
+                                   const CUtensorMap *mb0, uint32_t base, uint32_t bars) {
+  const int total = p.m_tiles * p.n_tiles;
+  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
+  int s = 0, ph = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const s9_tile tl = s9_locate(p, sc, t);
+    if (tl.skip) continue;
+    const int nk = s9_tile_nk<MOK_GM_DOWN_DGRAD>(p, tl);
+    const int slabs = min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64);
+    for (int kb = 0; kb < nk; kb++) {
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9P_STAGES + s);
+      const uint32_t sa = base + s * S9P_STAGE_BYTES;
+      mbar_wait(empty, ph ^ 1);
+      mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
+      tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+      s9_load_b_mn(sa + S9_A_BYTES, mb0, tl.n0, kb * S9_BK, tl.e, 3, 0, slabs, full, pb, 0);
+      if (++s == S9P_STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
+}
+
+/* One tile's k loop: the halves of rows 0-63 (acc0) and, with SECOND
+ * (its rows 64-127 hold real rows), 64-127 (acc1), B shared. One k block's
+ * wgmmas stay in flight while the next are issued (the stage before is
+ * released once they are known complete): with one warpgroup issuing,
+ * waiting for each batch would leave the tensor cores a gap every k block.
+ * Accumulates onto +0 as the other loops. SECOND is a template argument:
+ * a wgmma under a branch inside the loop makes ptxas serialise them all
+ * (C7520). */
+template <bool SECOND>
+__device__ static inline void s9p_mma_loop(float (&acc0)[64], float (&acc1)[64], uint32_t base,
+                                           uint32_t bars, int nk, int &s, int &ph) {
+  const bool lead = (threadIdx.x & 31) == 0;
+  int prev = -1;
+#pragma unroll
+  for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
+  for (int kb = 0; kb < nk; kb++) {
+    mbar_wait(bars + 8 * s, ph);
+    const uint32_t sa = base + s * S9P_STAGE_BYTES;
+    const uint64_t da0 = wgmma_desc_k128(sa), da1 = wgmma_desc_k128(sa + 64 * 128);
+    const uint64_t db = wgmma_desc_mn128(sa + S9_A_BYTES);
+    acc_fence(acc0);
+    acc_fence(acc1);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < S9_BK / 16; k++) {
+      wgmma_m64n128k16<0, 1>(acc0, da0 + 2 * k, db + 128 * k, 1);
+      if (SECOND) wgmma_m64n128k16<0, 1>(acc1, da1 + 2 * k, db + 128 * k, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    acc_fence(acc0);
+    acc_fence(acc1);
+    mbar_arrive_if(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
+    prev = s;
+    if (++s == S9P_STAGES) {
+      s = 0;
+      ph ^= 1;
+    }
+  }
+  wgmma_wait<0>();
+  acc_fence(acc0);
+  acc_fence(acc1);
+  mbar_arrive_if(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
+}
+
+/* The epilogue of one 64-row half (rows row0h ..): s9_epilogue_dgrad's
+ * body for one 128-column half, the accumulators in m64n128 order (the
+ * same registers as that half's in m64n256 order, less 64 per column
+ * group: acc[4 * j + 2 * hh + c]). */
+__device__ static inline void s9p_epilogue_half(const s9_params &p, const s9_tile &tl,
+                                                const float (&acc)[64], int row0h) {
+  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31, q = lane & 3;
+  const int rbase = row0h + 16 * warp + (lane >> 2), cq = 2 * q;
+  int slot[2] = {-1, -1};
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+    if (p.rw && rbase + 8 * hh < tl.used_end) slot[hh] = p.row_slot[rbase + 8 * hh];
+  float wt[2] = {1.0f, 1.0f};
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+    if (rbase + 8 * hh < tl.used_end && p.rw)
+      wt[hh] = (slot[hh] >= 0 && slot[hh] < p.n_slots) ? p.rw[slot[hh]] : 0.0f;
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int r = rbase + 8 * hh;
+    const bool stored = r < tl.store_end, used = r < tl.used_end;
+    const float w = wt[hh];
+    float v = 0.0f;
+    __nv_bfloat162 gq[S9_DG_BATCH], uq[S9_DG_BATCH];
+#pragma unroll
+    for (int wn = 0; wn < 4; wn++) {
+      if ((4 * wn) % S9_DG_BATCH == 0)
+#pragma unroll
+        for (int i = 0; i < S9_DG_BATCH; i++) {
+          const int n = tl.n0 + 8 * (4 * wn + i) + cq;
+          gq[i] = uq[i] = __floats2bfloat162_rn(0.0f, 0.0f);
+          if (used && stored && n < p.N) {
+            const long long at = (long long)r * p.N + n;
+            gq[i] = *(const __nv_bfloat162 *)(p.G + at);
+            uq[i] = *(const __nv_bfloat162 *)(p.U + at);
+          }
+        }
+      float rowsum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const int jj = 4 * wn + j, n = tl.n0 + 8 * jj + cq;
+        if (!stored || n >= p.N) continue;
+        const long long at = (long long)r * p.N + n;
+        float dg[2] = {0.0f, 0.0f}, du[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
+        if (used) {
+          const float2 gp = __bfloat1622float2(gq[jj % S9_DG_BATCH]);
+          const float2 up = __bfloat1622float2(uq[jj % S9_DG_BATCH]);
+          const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
+#pragma unroll
+          for (int c = 0; c < 2; c++) {
+            const float a = acc[4 * jj + 2 * hh + c];
+            const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
+            hv[c] = sg.h;
+            rowsum = __fadd_rn(rowsum, __fmul_rn(a, hv[c]));
+            dg[c] = sg.dg;
+            du[c] = sg.du;
+          }
+        }
+        store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
+        store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
+        store_bf16x2(p.C1 + at, hv[0], hv[1]);
+      }
+      rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
+      rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
+      v = wn == 0 ? rowsum : __fadd_rn(v, rowsum);
+    }
+    const int pt = tl.n0 / S9P_BN;
+    if (p.partial && q == 0 && stored && pt < p.n_partial) p.partial[(long long)r * p.n_partial + pt] = v;
+  }
+}
+
+__device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint32_t base,
+                                   uint32_t bars) {
+  const int cw = threadIdx.x / 128 - 1;
+  const int total = p.m_tiles * p.n_tiles;
+  const uint32_t turn = bars + 8 * 2 * S9P_STAGES; /* turn[w]: warpgroup w may start */
+  const bool lead = (threadIdx.x & 31) == 0;
+  float acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
+  /* warpgroup 0 has the first turn: its first wait is for the phase
+   * before the barrier's first, which a fresh mbarrier reports complete */
+  int s = 0, ph = 0, i = 0, tp = cw == 0 ? 1 : 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x, i++) {
+    const s9_tile tl = s9_locate(p, sc, t);
+    const int nk = tl.skip ? 0 : s9_tile_nk<MOK_GM_DOWN_DGRAD>(p, tl); /* skipped: nothing loaded */
+    if ((i & 1) != cw) { /* the other warpgroup's tile: pass over its stages */
+      s9_ring_advance(s, ph, nk, S9P_STAGES);
+      continue;
+    }
+    mbar_wait(turn + 8 * cw, tp); /* the other has waited for every stage before ours */
+    tp ^= 1;
+    if (nk > 0 && tl.row0 + 64 < tl.used_end)
+      s9p_mma_loop<true>(acc0, acc1, base, bars, nk, s, ph);
+    else if (nk > 0)
+      s9p_mma_loop<false>(acc0, acc1, base, bars, nk, s, ph);
+    mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a tile with nothing to compute */
+    if (tl.skip) continue;
+    /* the two halves through one copy of the epilogue's code (it is long:
+     * the instruction cache holds one copy better than two) */
+#pragma unroll 1
+    for (int mh = 0; mh < 2; mh++) {
+      s9p_epilogue_half(p, tl, acc0, tl.row0 + 64 * mh);
+      if (mh == 0)
+#pragma unroll
+        for (int k = 0; k < 64; k++) acc0[k] = acc1[k];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(S9_THREADS, 1)
+    s9_gemm_pp_kernel(const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b0, const s9_params p) {
+  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
+  __shared__ int s_failed;
+  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S9P_STAGES * S9P_STAGE_BYTES;
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
+  const s9_sched sc = s9_sched_copy(p, table, true);
+  if (threadIdx.x == 0) {
+    s_failed = job_failed(p.status);
+    if (!s_failed) {
+      for (int i = 0; i < S9P_STAGES; i++) {
+        mbar_init(bars + 8 * i, 1);
+        mbar_init(bars + 8 * (S9P_STAGES + i), S9_CONSUMER_WARPS / 2); /* one warpgroup a stage */
+      }
+      mbar_init(bars + 8 * 2 * S9P_STAGES, S9_CONSUMER_WARPS / 2);     /* turn[0] */
+      mbar_init(bars + 8 * (2 * S9P_STAGES + 1), S9_CONSUMER_WARPS / 2); /* turn[1] */
+      mbar_fence_init();
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b0);
+    }
+  }
+  __syncthreads();
+  if (s_failed) return;
+  if (threadIdx.x < 128) {
+    regs_dec<40>();
+    if (threadIdx.x == 0) s9p_produce(p, sc, &map_a, &map_b0, base, bars);
+  } else {
+    regs_inc<232>();
+    s9p_consume(p, sc, base, bars);
+  }
 }
 
 /* ---- host side ------------------------------------------------------------------ */
@@ -758,7 +1081,8 @@ extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) 
   s9_pol_b = pol_b >= 0 && pol_b <= 2 ? pol_b : 0;
 }
 
-static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {"rows", "expert", "cluster"};
+static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {"rows", "expert", "cluster",
+                                                                   "pingpong"};
 
 extern "C" const char *mok_k_sm90_variant_name(int variant) {
   return variant >= 0 && variant < MOK_K_SM90_VARIANTS ? s9_variant_names[variant] : "?";
@@ -844,7 +1168,7 @@ static int s9_query_pair_clusters(void) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[11] = {(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
+  const void *k[12] = {(const void *)s9_gemm_pp_kernel,(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 1>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 1>,
@@ -856,10 +1180,10 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD>,
                        NULL};
   int st = MOK_OK;
-  for (int i = 0; i < 11 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  for (int i = 0; i < 12 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st != MOK_OK) return st;
   s9_pair_clusters = s9_query_pair_clusters();
-  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster */
+  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong */
   const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
   if (v >= 0) s9_variant = v;
   return MOK_OK;
@@ -912,8 +1236,9 @@ extern "C" int mok_k_sm90_bwd_modes(void) { return s9_bwd_mask; }
  * modes, the schedule's offsets fit its table, the device runs such
  * clusters. */
 static bool s9_use_pairs(int mode, const s9_params &p) {
-  return s9_variant == MOK_K_SM90_CLUSTER && S9_PAIRS_MODE(mode) && s9_pair_clusters > 0 &&
-         (!p.offsets || p.E_loc + 1 <= S9_TABLE_INTS);
+  return (s9_variant == MOK_K_SM90_CLUSTER || s9_variant == MOK_K_SM90_PINGPONG) &&
+         S9_PAIRS_MODE(mode) && s9_pair_clusters > 0 &&
+         (!p.offsets || S9_TABLE_FITS(p.E_loc));
 }
 
 template <int MODE>
@@ -968,7 +1293,8 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
   p.pol_a = s9_pol_a;
   p.pol_b = s9_pol_b;
   p.cluster = s9_use_pairs(mode, p) ? 2 : 0;
-  p.tile_n = mode == MOK_GM_GATE_UP ? S9_BN / 2 : S9_BN;
+  const bool pp = mode == MOK_GM_DOWN_DGRAD && s9_variant == MOK_K_SM90_PINGPONG;
+  p.tile_n = mode == MOK_GM_GATE_UP ? S9_BN / 2 : pp ? S9P_BN : S9_BN;
   p.m_tiles = (p.M + S9_BM - 1) / S9_BM;
   p.n_tiles = (p.N + p.tile_n - 1) / p.tile_n;
   const int groups = p.offsets ? p.E_loc : 1; /* the weights' leading dimension */
@@ -992,6 +1318,12 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
     st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
     if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.N, p.K, groups, p.ldb, p.b_expert_stride, S9_BK);
     if (st != MOK_OK) return st;
+    if (pp) {
+      const int tiles = p.m_tiles * p.n_tiles;
+      if (tiles == 0) return MOK_OK;
+      s9_gemm_pp_kernel<<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(ma, mb0, p);
+      return mok_k_launch_status();
+    }
     return s9_launch<MOK_GM_DOWN_DGRAD>(p, ma, ma, mb0, mb0, stream);
   case MOK_GM_GU_DGRAD: {
     /* K = 2I in two halves from their own maps: the dg and du halves of

@@ -89,15 +89,19 @@ int mok_k_sm90_bwd_modes(void);
  *            tile loaded once for both (TMA multicast), rows order; for
  *            GATE_UP, DOWN and the gate/up dgrad (the down dgrad and the
  *            wgrads run ROWS); the default (PERF.md v3).
- * MOK_GEMM_VARIANT=rows|expert|cluster at mok_k_init, or the setter
+ *   PINGPONG CLUSTER, and the down dgrad on 128x128 tiles with one
+ *            consumer warpgroup a tile, so that one's SwiGLU-backward
+ *            epilogue overlaps the other's k loop (PERF.md v4).
+ * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong at mok_k_init, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0
 #define MOK_K_SM90_EXPERT 1
 #define MOK_K_SM90_CLUSTER 2
-#define MOK_K_SM90_VARIANTS 3
+#define MOK_K_SM90_PINGPONG 3
+#define MOK_K_SM90_VARIANTS 4
 int mok_k_sm90_set_variant(int variant);
 int mok_k_sm90_variant(void);
-const char *mok_k_sm90_variant_name(int variant); /* "rows", "expert", "cluster" */
+const char *mok_k_sm90_variant_name(int variant); /* "rows", "expert", "cluster", "pingpong" */
 int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
 /* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
  * cluster variant falls back to ROWS order on plain CTAs. */
