@@ -1066,10 +1066,11 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
 
 static int s9_grid_override = 0;
 static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
-/* the default: 2-CTA clusters multicasting the weight tile (PERF.md v3, H200: the layer
- * 0.91-1.29x forward, 1.00-1.11x backward the rows order, faster on 15 of 16
- * configurations, bitwise equal); MOK_GEMM_VARIANT picks another */
-static int s9_variant = MOK_K_SM90_CLUSTER;
+/* the default: 2-CTA clusters multicasting the weight tile (PERF.md v3) and the
+ * ping-pong down dgrad (v4; H200, interleaved with cluster in one run: the
+ * backward 2-8% faster on all 16 configurations, bitwise equal);
+ * MOK_GEMM_VARIANT picks another */
+static int s9_variant = MOK_K_SM90_PINGPONG;
 static int s9_pair_clusters = 0; /* co-resident 2-CTA clusters (0: the variant is off) */
 
 extern "C" void mok_k_sm90_set_grid(int ctas) { s9_grid_override = ctas > 0 ? ctas : 0; }

@@ -88,10 +88,10 @@ int mok_k_sm90_bwd_modes(void);
  *   CLUSTER  2-CTA clusters on row blocks 2p, 2p+1: one expert's weight
  *            tile loaded once for both (TMA multicast), rows order; for
  *            GATE_UP, DOWN and the gate/up dgrad (the down dgrad and the
- *            wgrads run ROWS); the default (PERF.md v3).
+ *            wgrads run ROWS) (PERF.md v3).
  *   PINGPONG CLUSTER, and the down dgrad on 128x128 tiles with one
  *            consumer warpgroup a tile, so that one's SwiGLU-backward
- *            epilogue overlaps the other's k loop (PERF.md v4).
+ *            epilogue overlaps the other's k loop; the default (PERF.md v4).
  * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong at mok_k_init, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0

@@ -4,10 +4,12 @@
  *
  *   mok_bench [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N]
  *             [--warmup N] [--deadline S] [--only NAME[,NAME]]
- *             [--variants rows,expert,cluster] [--routing balanced|skewed|both]
+ *             [--variants rows,expert,cluster,pingpong] [--routing balanced|skewed|both]
+ *             [--band N]
  *
  * --variants: each configuration once per Hopper tile variant (mok_gemm_sm90.h,
- * "hmma" for the mma.sync kernels), on the same buffers one after another;
+ * "hmma" for the mma.sync kernels), on the same buffers, the variants taking
+ * turns rep by rep (so a drift of the clocks weighs on all alike);
  * the JSON then has one result per (configuration, variant) with its
  * "variant", and every variant's hash of set 0 must equal the first one's
  * (all paths are bitwise equal). Without it: the backend and variant that
@@ -309,6 +311,8 @@ static int select_path(const bench_path *bp) {
   return bp->backend != MOK_K_GEMM_SM90 || mok_k_sm90_set_variant(bp->variant) == MOK_OK;
 }
 
+#define MAX_PATHS 6 /* --variants: paths a run compares */
+
 /* One configuration on each path (n_paths results in res[]; paths NULL:
  * the init's choice, one result). */
 static void run_config(const config *c, const char *routing_dir, int reps, int warmup,
@@ -327,6 +331,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   d.row_align = mok_k_row_align();
   char err[256];
   const int n_res = paths ? n_paths : 1;
+  const int init_variant = mok_k_sm90_variant();
   memset(res, 0, sizeof *res * (size_t)n_res);
   for (int v = 0; v < n_res; v++) res[v].variant = paths ? v : -1;
   if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
@@ -358,9 +363,13 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
 
   cudaEvent_t ev[FWD_STEPS + 1];
   for (int i = 0; i <= FWD_STEPS; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
-  float *tf = (float *)malloc(sizeof(float) * reps * (FWD_STEPS + 1));
-  float *tb = (float *)malloc(sizeof(float) * reps * (BWD_STEPS + 1));
+  /* the paths take turns rep by rep (path 0, 1, ..., 0, 1, ...), so a
+   * drift of the clocks (power, heat) over the run weighs on all of them
+   * alike instead of on whichever ran last */
+  float *tf = (float *)malloc(sizeof(float) * n_res * reps * (FWD_STEPS + 1));
+  float *tb = (float *)malloc(sizeof(float) * n_res * reps * (BWD_STEPS + 1));
   float *col = (float *)malloc(sizeof(float) * reps);
+  int usable[MAX_PATHS];
 
   for (int v = 0; v < n_res; v++) {
     result *r = &res[v];
@@ -372,38 +381,48 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
       r->max_rows[s] = max_rows[s];
     }
     r->flops_fwd = 6.0 * (double)d.T * d.K * d.H * d.I + 6.0 * (double)d.T * d.H * d.I_s;
-    if (paths && !select_path(&paths[v])) {
+    usable[v] = !paths || select_path(&paths[v]);
+    if (!usable[v]) {
       fprintf(stderr, "%s: path %s not available on this device\n", sh->name, paths[v].name);
       r->status = -2;
-      continue;
     }
-    for (int i = 0; i < warmup + reps; i++) {
+  }
+  for (int i = 0; i < warmup + reps; i++)
+    for (int v = 0; v < n_res; v++) {
+      if (!usable[v] || (paths && !select_path(&paths[v]))) continue;
       enqueue_forward(&L, i % N_SETS, ev, st);
       CUDA_CHECK(cudaEventSynchronize(ev[FWD_STEPS]));
       if (i < warmup) continue;
-      float *row = tf + (size_t)(i - warmup) * (FWD_STEPS + 1);
+      float *row = tf + ((size_t)v * reps + (i - warmup)) * (FWD_STEPS + 1);
       CUDA_CHECK(cudaEventElapsedTime(&row[FWD_STEPS], ev[0], ev[FWD_STEPS]));
       for (int k = 0; k < FWD_STEPS; k++)
         CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
     }
-    for (int i = 0; i < warmup + reps; i++) {
+  for (int i = 0; i < warmup + reps; i++)
+    for (int v = 0; v < n_res; v++) {
+      if (!usable[v] || (paths && !select_path(&paths[v]))) continue;
       enqueue_forward(&L, i % N_SETS, NULL, st);
       enqueue_backward(&L, i % N_SETS, ev, st);
       CUDA_CHECK(cudaEventSynchronize(ev[BWD_STEPS]));
       if (i < warmup) continue;
-      float *row = tb + (size_t)(i - warmup) * (BWD_STEPS + 1);
+      float *row = tb + ((size_t)v * reps + (i - warmup)) * (BWD_STEPS + 1);
       CUDA_CHECK(cudaEventElapsedTime(&row[BWD_STEPS], ev[0], ev[BWD_STEPS]));
       for (int k = 0; k < BWD_STEPS; k++)
         CUDA_CHECK(cudaEventElapsedTime(&row[k], ev[k], ev[k + 1]));
     }
+  for (int v = 0; v < n_res; v++) {
+    result *r = &res[v];
+    if (!usable[v] || (paths && !select_path(&paths[v]))) continue;
+    const float *tfv = tf + (size_t)v * reps * (FWD_STEPS + 1);
+    const float *tbv = tb + (size_t)v * reps * (BWD_STEPS + 1);
     for (int k = 0; k <= FWD_STEPS; k++) {
-      for (int i = 0; i < reps; i++) col[i] = tf[(size_t)i * (FWD_STEPS + 1) + k];
+      for (int i = 0; i < reps; i++) col[i] = tfv[(size_t)i * (FWD_STEPS + 1) + k];
       float m = median_of(col, reps);
       if (k == FWD_STEPS) r->fwd_ms = m;
       else r->fwd_part[k] = m;
     }
     for (int k = 0; k <= BWD_STEPS; k++) {
-      for (int i = 0; i < reps; i++) col[i] = tb[(size_t)i * (BWD_STEPS + 1) + k];
+      for (int i = 0; i < reps; i++) col[i] = tbv[(size_t)i * (BWD_STEPS + 1) + k];
       float m = median_of(col, reps);
       if (k == BWD_STEPS) r->bwd_ms = m;
       else r->bwd_part[k] = m;
@@ -420,9 +439,9 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     if (r->status == 0) r->status = read_status(&L, st);
     r->ok = r->status == 0 && r->nonfinite == 0 && r->deterministic && r->same_as_first;
   }
-  if (paths) { /* back to the defaults */
+  if (paths) { /* back to the init's choice */
     mok_k_set_gemm_backend(MOK_K_GEMM_AUTO);
-    mok_k_sm90_set_variant(MOK_K_SM90_ROWS);
+    mok_k_sm90_set_variant(init_variant);
   }
   free(col);
   free(tf);
@@ -433,7 +452,6 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
 
 /* ---- output ------------------------------------------------------------------------------- */
 
-#define MAX_PATHS 6
 
 typedef struct run_doc {
   const char *path;
@@ -523,8 +541,9 @@ static void write_json(const run_doc *D) {
 static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
-          "[--warmup N] [--deadline S] [--only NAME[,NAME]] [--variants rows,expert,cluster,hmma] "
-          "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N]\n",
+          "[--warmup N] [--deadline S] [--only NAME[,NAME]] [--variants rows,expert,cluster,pingpong,hmma] "
+          "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N] "
+          "[--band N]\n",
           a0);
 }
 
@@ -533,6 +552,7 @@ int main(int argc, char **argv) {
   const char *routing_dir = NULL, *only = NULL, *tlist = "2048,8192", *variants = NULL;
   const char *routing = "both", *memory = "own";
   double deadline = 1e9, pool_gib = 48;
+  int band = 0;
   D.reps = 10;
   D.warmup = 3;
   for (int i = 1; i < argc; i++) {
@@ -557,13 +577,17 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--routing")) routing = v;
     else if (!strcmp(a, "--memory")) memory = v;
     else if (!strcmp(a, "--pool-gib")) pool_gib = atof(v);
+    else if (!strcmp(a, "--band")) band = atoi(v);
     else {
       usage(argv[0]);
       return 2;
     }
     i++;
   }
-  if (D.reps < 1 || D.warmup < 0 ||
+  /* the row-mode tile order in bands of N row blocks (column tiles outer
+   * within a band; 0: row by row): a tuning sweep, results never depend on it */
+  if (band > 0) mok_k_sm90_set_tuning(0, band, 0, 0);
+  if (D.reps < 1 || D.warmup < 0 || band < 0 ||
       (strcmp(routing, "both") && strcmp(routing, "balanced") && strcmp(routing, "skewed"))) {
     usage(argv[0]);
     return 2;
@@ -574,7 +598,7 @@ int main(int argc, char **argv) {
     snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
     const int sv = mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, hmma; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, hmma; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
