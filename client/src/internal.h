@@ -78,12 +78,6 @@ struct mok_group {
 /* Set the thread's last error; returns status for tail calls. */
 int mok_set_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* One request, one reply (the client lock held). The reply is the
- * caller's to free with mok__reply__free_unpacked. fds: sent beside it;
- * ret_fds/ret_nfds (may be NULL) receive the reply's fds. */
-int mok_rpc(mok_client *c, const Mok__Request *req, const int *fds, size_t nfds,
-            Mok__Reply **ret_reply, int *ret_fds, size_t *ret_nfds);
-
 /* Place a descriptor in the ring (the client lock held); user_data is set. */
 int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
 /* For tests: submit a raw descriptor (nothing checked on this side). */
@@ -97,8 +91,15 @@ void mok_forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *
 void mok_backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
                           mok_tensor *t);
 
-/* Find the registered region holding [p, p+bytes); NULL if none. */
+/* memory.c. Find the registered region holding [p, p+bytes); NULL if none. */
 const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes);
+/* memory.c: unmap every host region (mok_close, after Goodbye). */
+void mok_memory_client_free(mok_client *c);
+/* layer.c: destroy every layer the caller did not (mok_close). */
+void mok_layers_client_free(mok_client *c);
+/* group.c: free every group not left, without leaving (mok_close): the
+ * daemon keeps such a group for a restarted client. */
+void mok_groups_client_free(mok_client *c);
 
 /* cuda.c (the client lock held). Find p in registered CUDA memory, or
  * register its allocation; MOK_ENOENT (no message) when p is not device

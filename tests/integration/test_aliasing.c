@@ -13,6 +13,7 @@
 
 #include "harness.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok_slots.h"
 

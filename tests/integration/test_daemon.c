@@ -18,6 +18,7 @@
 #include "frame.h"
 #include "harness.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok.pb-c.h"
 #include "ref64.h"

@@ -18,6 +18,7 @@
 #include "group.h"
 #include "harness.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok_slots.h"
 
