@@ -60,6 +60,7 @@ int mok_connect(const char *socket_path, const char *client_name, mok_client **r
   mok_client *c = calloc(1, sizeof *c);
   if (!c) return mok_set_error(MOK_ENOMEM, "out of memory");
   pthread_mutex_init(&c->lock, NULL);
+  pthread_cond_init(&c->unparked, NULL);
   c->sock = c->doorbell_in = c->doorbell_out = -1;
   c->next_ticket = 1;
   int r = connect_socket(path, &c->sock);
@@ -125,6 +126,7 @@ void mok_close(mok_client *c) {
   mok_standing_client_free(c); /* destroys what the caller did not */
   mok_layers_client_free(c);
   mok_groups_client_free(c);
+  pthread_mutex_lock(&c->lock);
   if (!c->broken && c->sock >= 0) {
     Mok__Goodbye bye = MOK__GOODBYE__INIT;
     Mok__Request req = MOK__REQUEST__INIT;
@@ -134,12 +136,15 @@ void mok_close(mok_client *c) {
     if (mok_rpc(c, &req, NULL, 0, &reply, NULL, NULL) == MOK_OK)
       mok__reply__free_unpacked(reply, NULL);
   }
+  mok_jobs_wake_sleepers_locked(c); /* they poll the fds closed below */
+  pthread_mutex_unlock(&c->lock);
   mok_memory_client_free(c);
   mok_cuda_client_free(c); /* unregisters the sync page before the unmap */
   if (c->shm) munmap(c->shm, c->shm_bytes);
   if (c->sock >= 0) close(c->sock);
   if (c->doorbell_in >= 0) close(c->doorbell_in);
   if (c->doorbell_out >= 0) close(c->doorbell_out);
+  pthread_cond_destroy(&c->unparked);
   pthread_mutex_destroy(&c->lock);
   free(c);
 }

@@ -37,6 +37,9 @@ struct mok_client {
   uint32_t sq_tail, cq_head; /* private copies */
   uint64_t next_ticket;
   uint32_t outstanding; /* submitted, not yet returned by mok_wait */
+  uint32_t parked;       /* threads asleep in park_locked (jobs.c) */
+  bool closing;          /* mok_close has begun: sleepers return MOK_ECLOSED */
+  pthread_cond_t unparked; /* the last sleeper left (mok_close waits for it) */
   job_result results[MOK_RING_ENTRIES];
   host_region *regions;
   size_t n_regions, cap_regions;
@@ -80,6 +83,10 @@ int mok_set_error(int status, const char *fmt, ...) __attribute__((format(printf
 
 /* Place a descriptor in the ring (the client lock held); user_data is set. */
 int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
+/* jobs.c (the client lock held): mark the client closing, wake the threads
+ * asleep in mok_wait or mok_sync and wait until they left (they return
+ * MOK_ECLOSED); mok_close, before it releases what they poll. */
+void mok_jobs_wake_sleepers_locked(mok_client *c);
 /* For tests: submit a raw descriptor (nothing checked on this side). */
 int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
 
