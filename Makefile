@@ -142,9 +142,13 @@ $(BUILD)/lib/libmok.a: $(CLIENT_OBJ) $(WIRE_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 
-$(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ)
+# libmok.so exports mok.h's MOK_EXTERN functions alone, versioned MOK_1
+# (client/libmok.map; tests/unit/test_exports.c checks the list)
+$(CLIENT_OBJ) $(WIRE_OBJ): CFLAGS += -fvisibility=hidden
+$(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ) client/libmok.map
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libmok.so.1 $(LDFLAGS_SAN) -o $@ $^ $(PB_LIBS) $(LDLIBS)
+	$(CC) -shared -Wl,-soname,libmok.so.1 -Wl,--version-script=client/libmok.map $(LDFLAGS_SAN) \
+		-o $@ $(filter %.o,$^) $(PB_LIBS) $(LDLIBS)
 
 DAEMON_DEPS := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(if $(DAEMON_LIBS_CUDA),$(BUILD)/lib/libmokkernels.a)
 DAEMON_LINK := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(DAEMON_LIBS_CUDA) $(UV_LIBS) $(PB_LIBS) $(SD_LIBS) $(LDLIBS)
