@@ -94,7 +94,7 @@ LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
 UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all debug test unit setup clean gpu bench install uninstall units \
+.PHONY: all debug test unit setup clean gpu gpu-tests bench install uninstall units \
 	fuzz fuzz-smoke fuzz-build fuzz-check sanitize
 # keep intermediate objects (bench and test objects are built through chains of
 # pattern rules): no rebuilds, and no "rm" lines after the test summary
@@ -191,7 +191,8 @@ $(BUILD)/tests/gpu/test_cuda_engine: $(OBJ)/tests/gpu/test_cuda_engine.o $(REF_O
 ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_gemm_sm90
 endif
-$(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h $(BUILD)/lib/libmokkernels.a
+$(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h tests/harness/model_shapes.h \
+		$(BUILD)/lib/libmokkernels.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
 
@@ -202,6 +203,43 @@ endif
 $(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/gpu/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
+# the kernels' own test (run_kernel_tests.sh builds it with ptxas reports too)
+$(BUILD)/tests/gpu/test_kernels: tests/gpu/test_kernels.cu $(OBJ)/daemon/schedule.o \
+		$(OBJ)/tests/gpu/sched_shim.o $(REF_OBJ) $(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -o $@ $(filter-out %.a,$^) $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
+# the NCCL group against the kernels (NCCL is loaded at run time, never linked)
+$(BUILD)/tests/gpu/test_nccl_group: tests/gpu/test_nccl_group.cu $(OBJ)/daemon/cuda/nccl.o \
+		$(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Idaemon -Itests/gpu -o $@ $< $(OBJ)/daemon/cuda/nccl.o \
+		$(BUILD)/lib/libmokkernels.a -ldl -lpthread
+
+# CUDA clients of libmok: the hostile tenant, the EP bench, the boundary
+# benches (tests/gpu/build_device.sh links protobuf-c statically through PB_LIBS)
+CUDA_CLIENT_FLAGS = $(NVCCFLAGS) -Iclient/include -Itests/gpu
+# what the nvcc-built tests include (no dependency files for them)
+GPU_TEST_HEADERS := $(wildcard tests/harness/*.h tests/gpu/*.h tests/gpu/*.cuh tests/bench/*.h)
+$(BUILD)/tests/gpu/test_hostile: tests/gpu/test_hostile.cu $(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -ldl -lpthread
+$(BUILD)/bench/bench_ep_cuda: tests/bench/bench_ep_cuda.cu $(BUILD)/lib/libmok.a \
+		$(BUILD)/lib/libmokkernels.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
+		$(PB_LIBS) -ldl -lpthread
+$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon: $(BUILD)/bench/%: tests/bench/%.cu \
+		$(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -lcuda -ldl -lpthread
+
+GPU_CLIENT_BINS := $(BUILD)/tests/gpu/test_hostile $(BUILD)/bench/bench_ep_cuda \
+	$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon
+# every GPU test program and bench (no GPU needed to build them)
+gpu-tests: $(if $(HAVE_CUDA),gpu $(BUILD)/tests/gpu/test_cuda_engine $(BUILD)/tests/gpu/test_kernels \
+		$(BUILD)/tests/gpu/test_nccl_group $(GPU_CLIENT_BINS))
 
 gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
