@@ -200,7 +200,7 @@ $(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf
 ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_ring
 endif
-$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/gpu/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
+$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/harness/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
 

@@ -18,7 +18,7 @@
 
 /* ---- CUDA: error check and random bf16 fill (both programs) ----------------------- */
 
-#include "../gpu/cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 #include "../harness/model_shapes.h"
 
 /* ---- shapes and the plan (same as torch_baseline.py) ------------------------------- */

@@ -18,10 +18,10 @@
 #include <sys/wait.h>
 #include <time.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "cpu/steps.h"
 #include "ep/group.h"
-#include "integration/harness.h"
+#include "harness/daemon.h"
 #include "log.h"
 #include "mok.h"
 #include "mok_slots.h"

@@ -30,7 +30,7 @@
 
 #include "cuda/internal.h"
 #include "mok.h"
-#include "gpu/check_client.h"
+#include "harness/check_client.h"
 
 
 typedef struct bshape {

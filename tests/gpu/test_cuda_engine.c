@@ -33,23 +33,12 @@
 
 #include "engine.h"
 #include "mok.h"
-#include "check_client.h"
+#include "../harness/check_client.h"
 #include "mok_slots.h"
 #include "ref64.h"
 #include "host_bf16_rng.h"
+#include "../harness/expect.h"
 #include "../harness/model_shapes.h"
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                                                    \
-  do {                                                                                       \
-    if (!(cond)) {                                                                           \
-      failures++;                                                                            \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                            \
-      printf(__VA_ARGS__);                                                                   \
-      printf("\n");                                                                          \
-      fflush(stdout);                                                                        \
-    }                                                                                        \
-  } while (0)
 
 static double now_s(void) {
   struct timespec ts;

@@ -57,7 +57,7 @@ extern "C" {
 #include "host_bf16_rng.h"
 }
 
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 #include "../harness/model_shapes.h"
 
 /* ---- device helpers ---------------------------------------------------------------- */

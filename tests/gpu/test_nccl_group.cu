@@ -38,7 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 #include "mok_ep_kernels.h"
 #include "mok_status.h"
 #include "cuda/nccl.h"

@@ -26,9 +26,9 @@
 #endif
 
 #include "bf16.h"
-#include "check.h"
+#include "harness/check.h"
 #include "ep/group.h"
-#include "harness.h"
+#include "harness/daemon.h"
 #include "mok.h"
 #include "ref64.h"
 

@@ -14,7 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "mok.h"
 
 static uint64_t now_ns(void) {

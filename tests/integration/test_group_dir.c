@@ -13,7 +13,7 @@
 #include <sys/stat.h>
 
 #include "ep/group.h"
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 

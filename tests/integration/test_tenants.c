@@ -16,7 +16,7 @@
 #include <sys/mman.h>
 
 #include "ep/group.h"
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "rpc.h"
 #include "mok.h"

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "cpu/pool.h"
 
 typedef struct count_arg {

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "mok.h"
 
 #define MAX_NAMES 256

@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "ep/fd_exchange.h"
 #include "mok_status.h"
 

@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "ep/group.h"
 #include "mok_status.h"
 
