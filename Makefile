@@ -296,9 +296,10 @@ fuzz-smoke: fuzz-build
 
 # ---- sanitizers: the whole test suite under ASan+UBSan, then under TSan ------
 # (RSS may end further above its baseline there: freed memory sits in quarantine)
+# (into $(BUILD)/asan and $(BUILD)/tsan: BUILD=build-x-san keeps them apart)
 sanitize:
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=build/asan test
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=build/tsan test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=$(BUILD)/asan test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=$(BUILD)/tsan test
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]
