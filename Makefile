@@ -49,7 +49,12 @@ LDLIBS := -lm -lpthread
 # ---- sources --------------------------------------------------------------
 PROTO_SRC := $(wildcard proto/*.c)
 GEN_SRC := $(GEN)/mok.pb-c.c
-DAEMON_SRC := $(filter-out daemon/main.c daemon/engine_cuda.c daemon/ep_cuda.c,$(wildcard daemon/*.c))
+# the daemon: the loop, the socket and sessions in daemon/, one folder per
+# engine (cpu/, cuda/) and one for expert-parallel groups (ep/); the cuda
+# engine's files build only with CUDA (cuda/nccl.c builds either way)
+DAEMON_DIRS := daemon daemon/cpu daemon/cuda daemon/ep
+CUDA_ONLY_SRC := daemon/cuda/engine.c daemon/cuda/ep.c
+DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_ONLY_SRC),$(wildcard $(addsuffix /*.c,$(DAEMON_DIRS))))
 CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)
 UNIT_SRC := $(wildcard tests/unit/test_*.c tests/integration/test_*.c)
@@ -60,9 +65,9 @@ ifneq ($(NVCC),)
   HAVE_CUDA := 1
   CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
   NVCCFLAGS ?= -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Ikernels -Iproto
-  CUDA_DAEMON_SRC := daemon/engine_cuda.c daemon/ep_cuda.c
+  CUDA_DAEMON_SRC := $(CUDA_ONLY_SRC)
   # never -lcuda: machines without a GPU have no libcuda.so.1 at run time;
-  # the static runtime loads the driver lazily (daemon/engine_cuda.c)
+  # the static runtime loads the driver lazily (daemon/cuda/engine.c)
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 else
   HAVE_CUDA :=
@@ -89,7 +94,7 @@ LIBS := $(BUILD)/lib/libmok.so $(BUILD)/lib/libmok.a
 UNIT_BINS := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(UNIT_SRC))))
 BENCH_BINS := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all debug test unit setup clean gpu bench install uninstall units \
+.PHONY: all debug test unit setup clean gpu gpu-tests bench install uninstall units \
 	fuzz fuzz-smoke fuzz-build fuzz-check sanitize
 # keep intermediate objects (bench and test objects are built through chains of
 # pattern rules): no rebuilds, and no "rm" lines after the test summary
@@ -142,9 +147,13 @@ $(BUILD)/lib/libmok.a: $(CLIENT_OBJ) $(WIRE_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 
-$(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ)
+# libmok.so exports mok.h's MOK_EXTERN functions alone, versioned MOK_1
+# (client/libmok.map; tests/unit/test_exports.c checks the list)
+$(CLIENT_OBJ) $(WIRE_OBJ): CFLAGS += -fvisibility=hidden
+$(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ) client/libmok.map
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libmok.so.1 $(LDFLAGS_SAN) -o $@ $^ $(PB_LIBS) $(LDLIBS)
+	$(CC) -shared -Wl,-soname,libmok.so.1 -Wl,--version-script=client/libmok.map $(LDFLAGS_SAN) \
+		-o $@ $(filter %.o,$^) $(PB_LIBS) $(LDLIBS)
 
 DAEMON_DEPS := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(if $(DAEMON_LIBS_CUDA),$(BUILD)/lib/libmokkernels.a)
 DAEMON_LINK := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(DAEMON_LIBS_CUDA) $(UV_LIBS) $(PB_LIBS) $(SD_LIBS) $(LDLIBS)
@@ -182,7 +191,8 @@ $(BUILD)/tests/gpu/test_cuda_engine: $(OBJ)/tests/gpu/test_cuda_engine.o $(REF_O
 ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_gemm_sm90
 endif
-$(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h $(BUILD)/lib/libmokkernels.a
+$(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h tests/harness/model_shapes.h \
+		$(BUILD)/lib/libmokkernels.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
 
@@ -190,9 +200,46 @@ $(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf
 ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_ring
 endif
-$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/gpu/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
+$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/harness/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
+# the kernels' own test (run_kernel_tests.sh builds it with ptxas reports too)
+$(BUILD)/tests/gpu/test_kernels: tests/gpu/test_kernels.cu $(OBJ)/daemon/schedule.o \
+		$(OBJ)/tests/gpu/sched_shim.o $(REF_OBJ) $(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -o $@ $(filter-out %.a,$^) $(BUILD)/lib/libmokkernels.a -lpthread -lm
+
+# the NCCL group against the kernels (NCCL is loaded at run time, never linked)
+$(BUILD)/tests/gpu/test_nccl_group: tests/gpu/test_nccl_group.cu $(OBJ)/daemon/cuda/nccl.o \
+		$(BUILD)/lib/libmokkernels.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Idaemon -Itests/gpu -o $@ $< $(OBJ)/daemon/cuda/nccl.o \
+		$(BUILD)/lib/libmokkernels.a -ldl -lpthread
+
+# CUDA clients of libmok: the hostile tenant, the EP bench, the boundary
+# benches (tests/gpu/build_device.sh links protobuf-c statically through PB_LIBS)
+CUDA_CLIENT_FLAGS = $(NVCCFLAGS) -Iclient/include -Itests/gpu
+# what the nvcc-built tests include (no dependency files for them)
+GPU_TEST_HEADERS := $(wildcard tests/harness/*.h tests/gpu/*.h tests/gpu/*.cuh tests/bench/*.h)
+$(BUILD)/tests/gpu/test_hostile: tests/gpu/test_hostile.cu $(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -ldl -lpthread
+$(BUILD)/bench/bench_ep_cuda: tests/bench/bench_ep_cuda.cu $(BUILD)/lib/libmok.a \
+		$(BUILD)/lib/libmokkernels.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
+		$(PB_LIBS) -ldl -lpthread
+$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon: $(BUILD)/bench/%: tests/bench/%.cu \
+		$(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -lcuda -ldl -lpthread
+
+GPU_CLIENT_BINS := $(BUILD)/tests/gpu/test_hostile $(BUILD)/bench/bench_ep_cuda \
+	$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon
+# every GPU test program and bench (no GPU needed to build them)
+gpu-tests: $(if $(HAVE_CUDA),gpu $(BUILD)/tests/gpu/test_cuda_engine $(BUILD)/tests/gpu/test_kernels \
+		$(BUILD)/tests/gpu/test_nccl_group $(GPU_CLIENT_BINS))
 
 gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
@@ -223,7 +270,7 @@ FUZZ_LIBS := $(PB_LIBS) $(SD_LIBS) -lm
 FUZZ_BINS := $(addprefix $(BUILD)/fuzz/fuzz_,$(FUZZ_TARGETS))
 
 define fuzz_rule
-$(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuzz/*.h proto/*.h daemon/*.h)
+$(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuzz/*.h proto/*.h $(addsuffix /*.h,$(DAEMON_DIRS)))
 	@mkdir -p $$(dir $$@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $$@ $(FUZZ_SRC_$(1)) $(FUZZ_LIBS)
 endef
@@ -249,9 +296,10 @@ fuzz-smoke: fuzz-build
 
 # ---- sanitizers: the whole test suite under ASan+UBSan, then under TSan ------
 # (RSS may end further above its baseline there: freed memory sits in quarantine)
+# (into $(BUILD)/asan and $(BUILD)/tsan: BUILD=build-x-san keeps them apart)
 sanitize:
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=build/asan test
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=build/tsan test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=$(BUILD)/asan test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=$(BUILD)/tsan test
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]

@@ -14,7 +14,10 @@
  * the calling thread, written for a person. Objects are owned by the
  * caller: every mok_connect() needs a mok_close(), every layer a
  * mok_layer_destroy() (or the client's close). A mok_client may be used
- * from several threads; its calls are serialised inside.
+ * from several threads; its calls are serialised inside, and a thread
+ * waiting (mok_wait, mok_sync) does not hold up the others' calls. A thread
+ * still inside mok_wait or mok_sync when mok_close begins returns
+ * MOK_ECLOSED; no other call may overlap mok_close.
  *
  * The math of each job is docs/design.md ("The layer") and docs/math.md; shapes are those of
  * docs/math.md's slot table.
@@ -33,6 +36,14 @@
 extern "C" {
 #endif
 
+/* The library's interface: the only symbols libmok.so exports (it is built
+ * with hidden visibility; client/libmok.map gives them the version MOK_1). */
+#if defined(__GNUC__)
+#define MOK_EXTERN __attribute__((visibility("default")))
+#else
+#define MOK_EXTERN
+#endif
+
 #define MOK_DEFAULT_SOCKET "/run/mok/mokd-0.sock"
 
 typedef struct mok_client mok_client;
@@ -42,39 +53,39 @@ typedef struct mok_group mok_group;
 /* ---- errors ---- */
 
 /* The message of the last failed call on this thread ("" if none). */
-const char *mok_last_error(void);
+MOK_EXTERN const char *mok_last_error(void);
 /* "EINVAL" etc. for a status code. */
-const char *mok_status_name(int status);
+MOK_EXTERN const char *mok_status_name(int status);
 /* This libmok's version, e.g. "0.1.0" (MOK_VERSION of the headers it was
  * built with; compare with MOK_VERSION to catch a mismatched library). */
-const char *mok_version(void);
+MOK_EXTERN const char *mok_version(void);
 
 /* ---- connection ---- */
 
 /* Connect and say Hello. socket_path NULL: $MOK_SOCKET, else
  * MOK_DEFAULT_SOCKET. client_name is shown by mokctl. */
-int mok_connect(const char *socket_path, const char *client_name, mok_client **ret);
+MOK_EXTERN int mok_connect(const char *socket_path, const char *client_name, mok_client **ret);
 /* Say Goodbye, release every layer and registration; accepts NULL. Jobs
  * still in flight are waited for first (up to a few seconds). */
-void mok_close(mok_client *c);
+MOK_EXTERN void mok_close(mok_client *c);
 
-const char *mok_client_engine(const mok_client *c); /* "cpu" or "cuda" */
-const char *mok_client_device(const mok_client *c);
-uint64_t mok_client_session(const mok_client *c);
+MOK_EXTERN const char *mok_client_engine(const mok_client *c); /* "cpu" or "cuda" */
+MOK_EXTERN const char *mok_client_device(const mok_client *c);
+MOK_EXTERN uint64_t mok_client_session(const mok_client *c);
 
 typedef struct mok_daemon_stats {
   uint64_t uptime_ms, jobs_done, jobs_failed, sessions_now, sessions_total;
   uint64_t latency_p50_ns, latency_p99_ns;
 } mok_daemon_stats;
-int mok_stats(mok_client *c, mok_daemon_stats *ret);
+MOK_EXTERN int mok_stats(mok_client *c, mok_daemon_stats *ret);
 
 /* ---- memory the daemon can address ---- */
 
 /* Shared host memory (a sealed memfd), registered with the daemon: tensors
  * placed here travel without copies. Returns NULL on failure. */
-void *mok_host_alloc(mok_client *c, size_t bytes);
+MOK_EXTERN void *mok_host_alloc(mok_client *c, size_t bytes);
 /* Unregister and unmap. Jobs using it must have completed. */
-int mok_host_free(mok_client *c, void *ptr);
+MOK_EXTERN int mok_host_free(mok_client *c, void *ptr);
 
 /* ---- layers ---- */
 
@@ -95,9 +106,9 @@ typedef struct mok_layer_desc {
   uint32_t group_tag; /* names the layer in the group's job signature */
 } mok_layer_desc;
 
-int mok_layer_create(mok_client *c, const mok_layer_desc *desc, mok_layer **ret);
+MOK_EXTERN int mok_layer_create(mok_client *c, const mok_layer_desc *desc, mok_layer **ret);
 /* accepts NULL */
-void mok_layer_destroy(mok_layer *l);
+MOK_EXTERN void mok_layer_destroy(mok_layer *l);
 
 /* What a layer of this description would cost, asked before creating it
  * (the same checks as mok_layer_create; nothing is created, no quota is
@@ -114,7 +125,7 @@ typedef struct mok_layer_cost_info {
 } mok_layer_cost_info;
 /* An engine that does not account its memory reports layer_bytes and
  * workspace_bytes 0 (the cpu engine keeps no per-layer state). */
-int mok_layer_cost(mok_client *c, const mok_layer_desc *desc, mok_layer_cost_info *ret);
+MOK_EXTERN int mok_layer_cost(mok_client *c, const mok_layer_desc *desc, mok_layer_cost_info *ret);
 
 /* ---- expert-parallel groups (docs/ep.md) ---- */
 
@@ -152,7 +163,7 @@ typedef struct mok_group_sizing {
  * mokd (rank 0's: that mokd hosts NCCL's bootstrap until the group formed).
  * The trainer passes it to every rank by its own means. A new id forms a
  * new communicator: re-joining a broken group needs one. */
-int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]);
+MOK_EXTERN int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]);
 
 /* Join rank `rank` of the group `key` (scoped to this client's uid) through
  * this client's mokd; each rank joins through its own GPU's mokd. Joining a
@@ -161,27 +172,27 @@ int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]);
  * a missing or stalled rank fails the job with MOK_ETIMEOUT and leaves the
  * group broken until every rank joins again (call mok_group_join again);
  * a rank running another op or layer fails the job with MOK_EINVAL. */
-int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world,
-                   const mok_group_sizing *sizing, mok_group **ret);
+MOK_EXTERN int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world,
+                              const mok_group_sizing *sizing, mok_group **ret);
 /* Leave: the daemon releases the group at once when no session holds it.
  * mok_close frees every group it did not leave, without leaving: the daemon
  * keeps such a group warm for a restarted client (60 s), then releases it.
  * Accepts NULL. Layers on the group must be destroyed first. */
-int mok_group_leave(mok_group *g);
-uint32_t mok_group_rank(const mok_group *g);
-uint32_t mok_group_world(const mok_group *g);
-uint32_t mok_group_local_experts(const mok_group *g);
-uint32_t mok_group_first_expert(const mok_group *g);
-uint64_t mok_group_generation(const mok_group *g);
-int mok_group_rejoined(const mok_group *g); /* the daemon already held it */
+MOK_EXTERN int mok_group_leave(mok_group *g);
+MOK_EXTERN uint32_t mok_group_rank(const mok_group *g);
+MOK_EXTERN uint32_t mok_group_world(const mok_group *g);
+MOK_EXTERN uint32_t mok_group_local_experts(const mok_group *g);
+MOK_EXTERN uint32_t mok_group_first_expert(const mok_group *g);
+MOK_EXTERN uint64_t mok_group_generation(const mok_group *g);
+MOK_EXTERN int mok_group_rejoined(const mok_group *g); /* the daemon already held it */
 
-uint32_t mok_layer_row_align(const mok_layer *l);
-uint32_t mok_layer_local_experts(const mok_layer *l);
+MOK_EXTERN uint32_t mok_layer_row_align(const mok_layer *l);
+MOK_EXTERN uint32_t mok_layer_local_experts(const mok_layer *l);
 /* Sizes of the buffers a job at T tokens exchanges (docs/math.md). */
-uint64_t mok_layer_ctx_bytes(const mok_layer *l, uint32_t tokens);
-uint64_t mok_layer_acts_bytes(const mok_layer *l, uint32_t tokens);
-uint64_t mok_layer_schedule_ints(const mok_layer *l, uint32_t tokens);
-uint64_t mok_layer_rows_capacity(const mok_layer *l, uint32_t tokens);
+MOK_EXTERN uint64_t mok_layer_ctx_bytes(const mok_layer *l, uint32_t tokens);
+MOK_EXTERN uint64_t mok_layer_acts_bytes(const mok_layer *l, uint32_t tokens);
+MOK_EXTERN uint64_t mok_layer_schedule_ints(const mok_layer *l, uint32_t tokens);
+MOK_EXTERN uint64_t mok_layer_rows_capacity(const mok_layer *l, uint32_t tokens);
 
 /* ---- jobs ---- */
 
@@ -195,22 +206,23 @@ typedef struct mok_tensor {
 } mok_tensor;
 
 /* The tensor the layer expects in slot at T tokens, placed at data. */
-mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, const void *data);
+MOK_EXTERN mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot,
+                                     const void *data);
 
 /* Submit a job (op: MOK_OP_*; tensors indexed by MOK_SLOT_*). Returns at
  * once with a ticket for mok_wait(). MOK_EBUSY when the ring holds as many
  * un-waited jobs as it has entries (wait for some first). */
-int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-               const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket);
+MOK_EXTERN int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                          const mok_tensor tensors[MOK_SLOT_COUNT_], uint64_t *ret_ticket);
 /* An empty job through the rings (latency measurement). */
-int mok_submit_nop(mok_client *c, uint64_t *ret_ticket);
+MOK_EXTERN int mok_submit_nop(mok_client *c, uint64_t *ret_ticket);
 /* Wait for a job; returns its status (message in mok_last_error()).
  * timeout_ms < 0 waits for ever; MOK_ETIMEOUT leaves the job pending. */
-int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms);
+MOK_EXTERN int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms);
 /* 1 while mok_wait has not yet returned the job's own status. A job can
  * itself fail with MOK_ETIMEOUT (a group peer that never came): after
  * mok_wait returned MOK_ETIMEOUT, this tells the two cases apart. */
-int mok_job_pending(mok_client *c, uint64_t ticket);
+MOK_EXTERN int mok_job_pending(mok_client *c, uint64_t ticket);
 
 /* The whole layer, typed. Pointers into registered memory; s_* NULL
  * without a shared expert; ctx (mok_layer_ctx_bytes) NULL to not save it. */
@@ -230,9 +242,10 @@ typedef struct mok_backward_args {
   float *d_router_weights;
 } mok_backward_args;
 
-int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a, uint64_t *ret_ticket);
-int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backward_args *a,
-                 uint64_t *ret_ticket);
+MOK_EXTERN int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                           uint64_t *ret_ticket);
+MOK_EXTERN int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
+                            const mok_backward_args *a, uint64_t *ret_ticket);
 
 /* ---- CUDA memory and streams (the cuda engine; docs/cuda.md) ----
  *
@@ -250,26 +263,27 @@ int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags, const mok_backwa
  * reaped by itself, and a failure is reported by mok_async_error(). A job
  * that fails still releases the stream (its outputs are then undefined).
  * When MOK_RING_ENTRIES jobs are in flight, the call waits for one. */
-int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-                         const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
-                         uint64_t *ret_ticket);
+MOK_EXTERN int mok_submit_on_stream(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                                    const mok_tensor tensors[MOK_SLOT_COUNT_], void *stream,
+                                    uint64_t *ret_ticket);
 /* An empty job ordered on a stream: the fences alone, no kernels (what the
  * daemon boundary costs a job; tests/bench/bench_fence.cu). */
-int mok_submit_nop_on_stream(mok_client *c, void *stream, uint64_t *ret_ticket);
-int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a, void *stream,
-                          uint64_t *ret_ticket);
-int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,
-                           const mok_backward_args *a, void *stream, uint64_t *ret_ticket);
+MOK_EXTERN int mok_submit_nop_on_stream(mok_client *c, void *stream, uint64_t *ret_ticket);
+MOK_EXTERN int mok_forward_on_stream(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                                     void *stream, uint64_t *ret_ticket);
+MOK_EXTERN int mok_backward_on_stream(mok_layer *l, uint32_t tokens, uint32_t flags,
+                                      const mok_backward_args *a, void *stream,
+                                      uint64_t *ret_ticket);
 /* The first failure among the jobs submitted without a ticket since the
  * last call (MOK_OK if none; message in mok_last_error()); clears it. */
-int mok_async_error(mok_client *c);
+MOK_EXTERN int mok_async_error(mok_client *c);
 /* Wait on the host until every job submitted so far has completed (those
  * with tickets stay waitable). Returns mok_async_error() after that. */
-int mok_sync(mok_client *c, int timeout_ms);
+MOK_EXTERN int mok_sync(mok_client *c, int timeout_ms);
 /* Drop the registration of the CUDA allocation holding dev_ptr (before
  * freeing it, to release the daemon's mapping early; libmok also notices
  * reallocations by itself). */
-int mok_cuda_forget(mok_client *c, const void *dev_ptr);
+MOK_EXTERN int mok_cuda_forget(mok_client *c, const void *dev_ptr);
 
 /* ---- standing jobs: capturable submissions (docs/cuda.md "Capture and replay") ----
  *
@@ -290,28 +304,28 @@ int mok_cuda_forget(mok_client *c, const void *dev_ptr);
  * undefined. At most MOK_STANDING_MAX (128) standing jobs a session. */
 typedef struct mok_standing mok_standing;
 
-int mok_standing_create(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
-                        const mok_tensor tensors[MOK_SLOT_COUNT_], mok_standing **ret);
+MOK_EXTERN int mok_standing_create(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                                   const mok_tensor tensors[MOK_SLOT_COUNT_], mok_standing **ret);
 /* Typed forms (the arguments of mok_forward / mok_backward). */
-int mok_standing_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
-                         mok_standing **ret);
-int mok_standing_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
-                          const mok_backward_args *a, mok_standing **ret);
+MOK_EXTERN int mok_standing_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                                    mok_standing **ret);
+MOK_EXTERN int mok_standing_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
+                                     const mok_backward_args *a, mok_standing **ret);
 /* Record one run on a CUDA stream (capturable; the same three operations
  * each time). Work enqueued after it starts after the job. */
-int mok_standing_enqueue(mok_standing *s, void *stream);
+MOK_EXTERN int mok_standing_enqueue(mok_standing *s, void *stream);
 /* From the host: run it once (MOK_EBUSY while the previous trigger is not
  * taken yet), then wait for that run (timeout_ms < 0: for ever). wait
  * returns mok_standing_status(). */
-int mok_standing_trigger(mok_standing *s);
-int mok_standing_wait(mok_standing *s, int timeout_ms);
+MOK_EXTERN int mok_standing_trigger(mok_standing *s);
+MOK_EXTERN int mok_standing_wait(mok_standing *s, int timeout_ms);
 /* MOK_OK, or the first failure of the job (message in mok_last_error());
  * it stays set: a failed standing job is destroyed and created again. */
-int mok_standing_status(mok_standing *s);
+MOK_EXTERN int mok_standing_status(mok_standing *s);
 /* Runs finished so far (mokd's count). */
-uint64_t mok_standing_done(const mok_standing *s);
+MOK_EXTERN uint64_t mok_standing_done(const mok_standing *s);
 /* Accepts NULL. Streams and graphs that still enqueue it must be done. */
-void mok_standing_destroy(mok_standing *s);
+MOK_EXTERN void mok_standing_destroy(mok_standing *s);
 
 #ifdef __cplusplus
 }

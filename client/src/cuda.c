@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "rpc.h"
 
 /* The few driver types and values used here (cuda.h, CUDA 12/13 ABI). */
 typedef int CUresult;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "rpc.h"
 
 int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world,
                    const mok_group_sizing *sz, mok_group **ret) {
@@ -118,4 +119,11 @@ int mok_group_nccl_id(mok_client *c, uint8_t id[MOK_NCCL_ID_BYTES]) {
   if (r == MOK_OK) memcpy(id, reply->group_id->nccl_id.data, MOK_NCCL_ID_BYTES);
   if (reply) mok__reply__free_unpacked(reply, NULL);
   return r;
+}
+
+void mok_groups_client_free(mok_client *c) {
+  for (size_t i = 0; i < c->n_groups; i++) free(c->groups[i]);
+  free(c->groups);
+  c->groups = NULL;
+  c->n_groups = c->cap_groups = 0;
 }

@@ -37,6 +37,9 @@ struct mok_client {
   uint32_t sq_tail, cq_head; /* private copies */
   uint64_t next_ticket;
   uint32_t outstanding; /* submitted, not yet returned by mok_wait */
+  uint32_t parked;       /* threads asleep in park_locked (jobs.c) */
+  bool closing;          /* mok_close has begun: sleepers return MOK_ECLOSED */
+  pthread_cond_t unparked; /* the last sleeper left (mok_close waits for it) */
   job_result results[MOK_RING_ENTRIES];
   host_region *regions;
   size_t n_regions, cap_regions;
@@ -78,14 +81,12 @@ struct mok_group {
 /* Set the thread's last error; returns status for tail calls. */
 int mok_set_error(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* One request, one reply (the client lock held). The reply is the
- * caller's to free with mok__reply__free_unpacked. fds: sent beside it;
- * ret_fds/ret_nfds (may be NULL) receive the reply's fds. */
-int mok_rpc(mok_client *c, const Mok__Request *req, const int *fds, size_t nfds,
-            Mok__Reply **ret_reply, int *ret_fds, size_t *ret_nfds);
-
 /* Place a descriptor in the ring (the client lock held); user_data is set. */
 int mok_submit_desc_locked(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
+/* jobs.c (the client lock held): mark the client closing, wake the threads
+ * asleep in mok_wait or mok_sync and wait until they left (they return
+ * MOK_ECLOSED); mok_close, before it releases what they poll. */
+void mok_jobs_wake_sleepers_locked(mok_client *c);
 /* For tests: submit a raw descriptor (nothing checked on this side). */
 int mok_submit_desc(mok_client *c, mok_job_desc *desc, uint64_t *ret_ticket);
 
@@ -97,8 +98,15 @@ void mok_forward_tensors(mok_layer *l, uint32_t tokens, const mok_forward_args *
 void mok_backward_tensors(mok_layer *l, uint32_t tokens, const mok_backward_args *a,
                           mok_tensor *t);
 
-/* Find the registered region holding [p, p+bytes); NULL if none. */
+/* memory.c. Find the registered region holding [p, p+bytes); NULL if none. */
 const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes);
+/* memory.c: unmap every host region (mok_close, after Goodbye). */
+void mok_memory_client_free(mok_client *c);
+/* layer.c: destroy every layer the caller did not (mok_close). */
+void mok_layers_client_free(mok_client *c);
+/* group.c: free every group not left, without leaving (mok_close): the
+ * daemon keeps such a group for a restarted client. */
+void mok_groups_client_free(mok_client *c);
 
 /* cuda.c (the client lock held). Find p in registered CUDA memory, or
  * register its allocation; MOK_ENOENT (no message) when p is not device

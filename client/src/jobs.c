@@ -114,7 +114,7 @@ int mok_submit(mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
 }
 
 static bool drain_completions(mok_client *c);
-static int park(mok_client *c, int timeout_ms);
+static void park_locked(mok_client *c, int timeout_ms, bool release);
 
 /* The stream-ordered part of a submission: room in the ring, the fence the
  * job waits for, the job, the wait for its done value (c->lock held). */
@@ -134,7 +134,7 @@ static int submit_on_stream_locked(mok_client *c, mok_job_desc *desc, void *stre
                         c->outstanding);
       break;
     }
-    park(c, 10);
+    park_locked(c, 10, false); /* the descriptor built names regions: keep them */
   }
   uint64_t ticket = c->next_ticket, signal = 0;
   if (r == MOK_OK) r = mok_cuda_fence_before_locked(c, stream, ticket, &signal);
@@ -198,12 +198,16 @@ int mok_sync(mok_client *c, int timeout_ms) {
       pthread_mutex_unlock(&c->lock);
       return mok_set_error(MOK_ECLOSED, "mokd went away with jobs in flight");
     }
+    if (c->closing) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ECLOSED, "the client was closed with jobs in flight");
+    }
     uint64_t now = now_ns();
     if (now >= deadline) {
       pthread_mutex_unlock(&c->lock);
       return mok_set_error(MOK_ETIMEOUT, "jobs still running after %d ms", timeout_ms);
     }
-    park(c, 10);
+    park_locked(c, 10, true);
   }
   pthread_mutex_unlock(&c->lock);
   return mok_async_error(c);
@@ -253,29 +257,54 @@ static bool drain_completions(mok_client *c) {
   return true;
 }
 
-/* Sleep until the daemon rings or the socket shows it went away. */
-static int park(mok_client *c, int timeout_ms) {
+/* Is mokd gone? Asked with the client lock held, so no request of ours is
+ * in flight: mokd never speaks unasked, so a readable or hung-up socket
+ * means it went away. */
+static bool daemon_gone_locked(const mok_client *c) {
+  struct pollfd p = {.fd = c->sock, .events = POLLIN};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR | POLLIN));
+}
+
+/* Sleep until the daemon rings, the socket shows it went away, mok_close
+ * starts or timeout_ms pass. Called and returns with the client lock held;
+ * with release, the lock is dropped for the sleep so that other threads'
+ * calls go on meanwhile. NEED_WAKEUP stays set while any thread sleeps. */
+static void park_locked(mok_client *c, int timeout_ms, bool release) {
   mok_shm_header *h = c->shm;
-  atomic_store_explicit(&h->cq_flags.value, MOK_RING_NEED_WAKEUP, memory_order_relaxed);
+  if (c->parked++ == 0)
+    atomic_store_explicit(&h->cq_flags.value, MOK_RING_NEED_WAKEUP, memory_order_relaxed);
+  /* pairs with the daemon's fence between posting a completion and reading the flag */
   atomic_thread_fence(memory_order_seq_cst);
   uint32_t tail = atomic_load_explicit(&h->cq_tail.value, memory_order_acquire);
-  int r = 0;
-  if (tail == c->cq_head) {
+  if (tail == c->cq_head && !c->closing) {
     struct pollfd p[2] = {{.fd = c->doorbell_out, .events = POLLIN},
                           {.fd = c->sock, .events = POLLIN}};
-    r = poll(p, 2, timeout_ms);
-    if (r > 0 && (p[1].revents & (POLLHUP | POLLERR | POLLIN))) {
-      /* mokd never speaks unasked: readable or hung up means it is gone */
+    if (release) pthread_mutex_unlock(&c->lock);
+    int r = poll(p, 2, timeout_ms);
+    if (release) pthread_mutex_lock(&c->lock);
+    /* unlocked, the socket may have been readable with another thread's
+     * reply: ask again now that no request can be in flight */
+    if (r > 0 && (p[1].revents & (POLLHUP | POLLERR | POLLIN)) && (!release || daemon_gone_locked(c)))
       c->broken = true;
-    }
     if (r > 0 && (p[0].revents & POLLIN)) {
       uint64_t v;
       ssize_t n = read(c->doorbell_out, &v, sizeof v);
-      (void)n;
+      (void)n; /* EAGAIN: another sleeper took the ring's count */
     }
   }
-  atomic_store_explicit(&h->cq_flags.value, 0, memory_order_relaxed);
-  return r;
+  if (--c->parked == 0) {
+    atomic_store_explicit(&h->cq_flags.value, 0, memory_order_relaxed);
+    if (c->closing) pthread_cond_broadcast(&c->unparked);
+  }
+}
+
+void mok_jobs_wake_sleepers_locked(mok_client *c) {
+  c->closing = true;
+  if (!c->parked) return;
+  uint64_t one = 1; /* the doorbell is an eventfd: our write wakes our own pollers */
+  ssize_t n = write(c->doorbell_out, &one, sizeof one);
+  (void)n;
+  while (c->parked) pthread_cond_wait(&c->unparked, &c->lock);
 }
 
 int mok_job_pending(mok_client *c, uint64_t ticket) {
@@ -301,11 +330,22 @@ int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
       pthread_mutex_unlock(&c->lock);
       return mok_set_error(MOK_EPROTO, "the completion ring is corrupt");
     }
+    /* while this thread slept unlocked, another may have waited for it */
+    if (jr->ticket != ticket) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ENOENT, "ticket %llu was waited for by another thread",
+                           (unsigned long long)ticket);
+    }
     if (jr->done) break;
     /* the daemon may have died after posting: check completions before giving up */
     if (c->broken) {
       pthread_mutex_unlock(&c->lock);
       return mok_set_error(MOK_ECLOSED, "mokd went away before job %llu completed",
+                           (unsigned long long)ticket);
+    }
+    if (c->closing) {
+      pthread_mutex_unlock(&c->lock);
+      return mok_set_error(MOK_ECLOSED, "the client was closed before job %llu completed",
                            (unsigned long long)ticket);
     }
     uint64_t now = now_ns();
@@ -316,7 +356,8 @@ int mok_wait(mok_client *c, uint64_t ticket, int timeout_ms) {
     }
     if (now - start < SPIN_NS) continue;
     uint64_t left_ms = (deadline - now) / 1000000ull;
-    park(c, deadline == UINT64_MAX ? 1000 : (int)(left_ms < 1000 ? left_ms + 1 : 1000));
+    park_locked(c, deadline == UINT64_MAX ? 1000 : (int)(left_ms < 1000 ? left_ms + 1 : 1000),
+                true);
   }
   int status = jr->status;
   if (status != MOK_OK) mok_set_error(status, "%s", jr->message);

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "rpc.h"
 #include "mok_slots.h"
 
 /* The wire form of a layer description (CreateLayer, LayerCost). */
@@ -158,4 +159,11 @@ mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, co
   mok_job_slot_shape(&l->cfg, tokens, slot, &t.dtype, &t.ndim, shape);
   for (int i = 0; i < 4; i++) t.shape[i] = shape[i];
   return t;
+}
+
+void mok_layers_client_free(mok_client *c) {
+  while (c->n_layers) mok_layer_destroy(c->layers[c->n_layers - 1]);
+  free(c->layers);
+  c->layers = NULL;
+  c->cap_layers = 0;
 }

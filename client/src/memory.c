@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "rpc.h"
 
 const host_region *mok_find_region(const mok_client *c, const void *p, uint64_t bytes) {
   uintptr_t a = (uintptr_t)p;
@@ -97,4 +98,11 @@ int mok_host_free(mok_client *c, void *ptr) {
   pthread_mutex_unlock(&c->lock);
   munmap(hr.ptr, hr.bytes);
   return r;
+}
+
+void mok_memory_client_free(mok_client *c) {
+  for (size_t i = 0; i < c->n_regions; i++) munmap(c->regions[i].ptr, c->regions[i].bytes);
+  free(c->regions);
+  c->regions = NULL;
+  c->n_regions = c->cap_regions = 0;
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 
 static Mok__StatsReply *fetch_stats(mok_client *c, Mok__Reply **ret_reply) {

@@ -18,7 +18,8 @@
 
 /* ---- CUDA: error check and random bf16 fill (both programs) ----------------------- */
 
-#include "../gpu/cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
+#include "../harness/model_shapes.h"
 
 /* ---- shapes and the plan (same as torch_baseline.py) ------------------------------- */
 
@@ -27,14 +28,10 @@ typedef struct bench_shape {
   int E, H, I, K;
 } bench_shape;
 
-static const bench_shape SHAPES[] = {
-    {"kimi-k2.7", 384, 7168, 2048, 8},
-    {"glm-5.2", 256, 6144, 2048, 8},
-    {"qwen3.5-397b", 512, 4096, 1024, 10},
-    {"deepseek-v4-pro", 384, 7168, 3072, 6},
-};
+#define BENCH_SHAPE_(name, E, H, I, K) {name, E, H, I, K},
+static const bench_shape SHAPES[] = {MOK_MODEL_SHAPES(BENCH_SHAPE_)};
 #define N_SHAPES 4
-#define EP 8
+#define EP MOK_MODEL_EP
 static const int T8192_ORDER[N_SHAPES] = {0, 3, 1, 2}; /* kimi, deepseek, glm, qwen */
 
 typedef struct config {

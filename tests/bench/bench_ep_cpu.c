@@ -18,10 +18,10 @@
 #include <sys/wait.h>
 #include <time.h>
 
-#include "check.h"
-#include "cpu_steps.h"
-#include "group.h"
-#include "integration/harness.h"
+#include "harness/check.h"
+#include "cpu/steps.h"
+#include "ep/group.h"
+#include "harness/daemon.h"
 #include "log.h"
 #include "mok.h"
 #include "mok_slots.h"
@@ -141,7 +141,7 @@ static void engine_rank(uint32_t r, const char *key, rank_out *o) {
     mok_engine_cpu.run_group(e, g, &fa, &res);
     double t1 = now_s();
     CHECK_MSG(res.status == MOK_OK, "forward: %s", res.message);
-    mok_ep_cpu_timing tm = mok_ep_cpu_last_timing;
+    mok_ep_cpu_timing tm = *mok__cpu_ep_last_timing(e);
     mok_engine_cpu.run_group(e, g, &ba, &res);
     double t2 = now_s();
     CHECK_MSG(res.status == MOK_OK, "backward: %s", res.message);

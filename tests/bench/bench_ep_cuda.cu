@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../gpu/cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 #include "mok.h"
 #include "mok_ep_kernels.h"
 

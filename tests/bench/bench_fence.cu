@@ -28,7 +28,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "check_client.h"
+#include "../harness/check_client.h"
 #include "mok.h"
 
 

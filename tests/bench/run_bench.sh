@@ -56,7 +56,7 @@ note() { printf '== %s\n' "$*"; }
 
 # ---- build -------------------------------------------------------------------------
 KERNELS=$(ls kernels/*.cu | sed 's/\.cu$//')
-SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/gpu/cuda_check.cuh"
+SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h"
 srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
 {
   if [ -x "$BIN" ] && [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && "$BIN" --version >/dev/null 2>&1; then
@@ -84,7 +84,7 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     fi
   fi
   if [ "${BENCH_DAEMON:-1}" != 0 ]; then
-    dsrc=$(cat tests/bench/mok_bench_daemon.cu tests/bench/bench_common.h tests/gpu/cuda_check.cuh client/include/mok.h proto/mok_enums.h | sha256sum | cut -d' ' -f1)
+    dsrc=$(cat tests/bench/mok_bench_daemon.cu tests/bench/bench_common.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h client/include/mok.h proto/mok_enums.h | sha256sum | cut -d' ' -f1)
     PBA=${PROTOBUF_C_A:-/usr/lib/x86_64-linux-gnu/libprotobuf-c.a}
     if [ -x "$DBIN" ] && [ "$(cat "$DBIN.srchash" 2>/dev/null)" = "$dsrc" ]; then
       note "mok_bench_daemon: reusing $DBIN"

@@ -55,7 +55,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
-# The four benchmark shapes of docs/design.md (global E; E_loc = E/8 is what one GPU holds).
+# The four benchmark shapes of docs/design.md (global E; E_loc = E/8 is what one GPU holds):
+# tests/harness/model_shapes.h, which tests/python/test_model_shapes.py holds this copy to.
 SHAPES = [
     # name,             E,   H,    I,    K
     ("kimi-k2.7",       384, 7168, 2048, 8),

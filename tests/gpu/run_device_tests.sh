@@ -40,42 +40,10 @@ export NCCL_NVLS_ENABLE=0
 SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 SOCK=/tmp/mok-devtest.sock
 TEST=$B/tests/gpu/test_cuda_engine
-declare -A result
-summary=()
-status=0
-note() { printf '== %s\n' "$*"; }
-record() { result[$1]=$2; summary+=("$1: $2"); [ "$2" = PASS ] || status=1; }
+STEP_LOGS=$LOGS
+. tests/gpu/steps.sh # note, record, build_missing, start_mokd [PREFIX...], stop_mokd, start_mps, stop_mps
 
-if [ ! -x "$B/bin/mokd" ] || [ ! -x "$TEST" ]; then
-  note "building into $B"
-  make -j"$(nproc)" BUILD="$B" all >"$LOGS/build.log" 2>&1 || { tail -30 "$LOGS/build.log"; exit 1; }
-fi
-
-MOKD_PID=
-start_mokd() { # [prefix...]
-  rm -f "$SOCK"
-  "$@" "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level "${MOKD_LOG_LEVEL:-info}" >>"$LOGS/mokd.log" 2>&1 &
-  MOKD_PID=$!
-  for _ in $(seq 1 300); do
-    [ -S "$SOCK" ] && return 0
-    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$LOGS/mokd.log"; return 1; }
-    sleep 0.1
-  done
-  echo "mokd did not come up"; return 1
-}
-stop_mokd() {
-  [ -n "$MOKD_PID" ] || return 0
-  # under compute-sanitizer, mokd is the sanitizer's child: stop mokd itself
-  local child="" p
-  for p in $(pgrep -x mokd 2>/dev/null); do # the mokd on our socket (ours), by id
-    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--socket $SOCK" && child=$p
-  done
-  kill -TERM "${child:-$MOKD_PID}" 2>/dev/null
-  local rc=0
-  wait "$MOKD_PID" || rc=$?
-  MOKD_PID=
-  return $rc
-}
+build_missing "$B/bin/mokd" "$TEST"
 trap 'stop_mokd; echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
 export MOK_SOCKET=$SOCK
 
@@ -121,10 +89,7 @@ step_concurrent() {
   stop_mokd || ok=0
   note "4 concurrent clients under MPS"
   local mps_ok=1
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mok-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mok-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
-    sleep 1
+  if start_mps; then
     if start_mokd; then
       concurrent_hashes mps || mps_ok=0
       grep -q "$single" "$LOGS/hashes_mps.txt" || mps_ok=0
@@ -132,12 +97,11 @@ step_concurrent() {
     else
       mps_ok=0
     fi
-    echo quit | nvidia-cuda-mps-control >>"$LOGS/mps.log" 2>&1
-    sleep 1
+    stop_mps
   else
-    echo "MPS would not start:"; cat "$LOGS/mps.log"; mps_ok=0
+    stop_mps # no daemon to quit: forget its folders
+    mps_ok=0
   fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   record concurrent "$([ $ok = 1 ] && echo PASS || echo FAIL)"
   record concurrent_mps "$([ $mps_ok = 1 ] && echo PASS || echo FAIL)"
 }

@@ -38,62 +38,22 @@ export MOK_SOCKET=$SOCK
 HOSTILE=$B/tests/gpu/test_hostile
 ENGINE_TEST=$B/tests/gpu/test_cuda_engine
 MPS_DIR=/tmp/mok-isolation-mps
-summary=()
-status=0
-note() { printf '== %s\n' "$*"; }
-record() { summary+=("$1: $2"); [ "${2%% *}" = PASS ] || status=1; }
+STEP_LOGS=$OUTDIR MOKD_START_TRIES=600 MPS_PIPE_DIR=$MPS_DIR/pipe MPS_LOG_DIR=$MPS_DIR/log
+. tests/gpu/steps.sh # note, record, start_mokd [PREFIX...], mokd_self, stop_mokd, start_mps, stop_mps
 
 for f in "$B/bin/mokd" "$HOSTILE" "$ENGINE_TEST" "$B/bench/bench_memory"; do
   [ -x "$f" ] || { echo "missing $f: build with MOK_DEVBUILD=$B tests/gpu/build_device.sh"; exit 2; }
 done
 
-MOKD_PID=
 MOKD_LOG=
-start_mokd() { # LOGNAME [env VAR=... ...] [prefix...]   (MOKD_ARGS: more mokd options)
+start_step_mokd() { # LOGNAME [env VAR=... ...] [prefix...]   (MOKD_ARGS: more mokd options)
   MOKD_LOG=$OUTDIR/$1.mokd.log
   shift
-  rm -f "$SOCK"
-  # shellcheck disable=SC2086 # MOKD_ARGS: extra options, word-split on purpose
-  "$@" "$B/bin/mokd" --engine cuda --socket "$SOCK" --log-level info ${MOKD_ARGS:-} \
-    >>"$MOKD_LOG" 2>&1 &
-  MOKD_PID=$!
-  for _ in $(seq 1 600); do
-    [ -S "$SOCK" ] && return 0
-    kill -0 "$MOKD_PID" 2>/dev/null || { echo "mokd exited at start:"; tail -5 "$MOKD_LOG"; return 1; }
-    sleep 0.1
-  done
-  echo "mokd did not come up"
-  return 1
-}
-# the mokd process itself (under compute-sanitizer it is the sanitizer's child)
-mokd_self() {
-  local p
-  for p in $(pgrep -x mokd 2>/dev/null); do
-    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--socket $SOCK" && { echo "$p"; return; }
-  done
-  echo "$MOKD_PID"
-}
-stop_mokd() {
-  [ -n "$MOKD_PID" ] || return 0
-  kill -TERM "$(mokd_self)" 2>/dev/null
-  local rc=0
-  wait "$MOKD_PID" || rc=$?
-  MOKD_PID=
-  return $rc
-}
-mps_start() {
-  export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d >>"$OUTDIR/mps.log" 2>&1 && sleep 1
-}
-mps_stop() {
-  echo quit | nvidia-cuda-mps-control >>"$OUTDIR/mps.log" 2>&1
-  sleep 1
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  start_mokd "$@"
 }
 cleanup() {
   stop_mokd
-  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && mps_stop
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && stop_mps
   local p
   for p in "${KIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done
 }
@@ -106,7 +66,7 @@ hostile_run() {
   local label=$1 secs=$2 rounds=$3
   shift 3
   note "hostile tenants ($label): attackers ${secs} s, victim $rounds rounds"
-  start_mokd "$label" "$@" || { record "$label" "FAIL (mokd did not start)"; return; }
+  start_step_mokd "$label" "$@" || { record "$label" "FAIL (mokd did not start)"; return; }
   local L=$OUTDIR/$label
   "$HOSTILE" victim 1 >"$L.victim_ref.txt" 2>&1
   local ref
@@ -153,9 +113,9 @@ hostile_run() {
 # HOSTILE_SECS / HOSTILE_ROUNDS: a shorter attack (default 45 s, 12 victim rounds)
 step_hostile() { hostile_run hostile "${HOSTILE_SECS:-45}" "${HOSTILE_ROUNDS:-12}"; }
 step_hostile_mps() {
-  mps_start || { record hostile_mps "FAIL (MPS would not start)"; return; }
+  start_mps >/dev/null || { record hostile_mps "FAIL (MPS would not start)"; return; }
   hostile_run hostile_mps "${HOSTILE_SECS:-45}" "${HOSTILE_ROUNDS:-12}"
-  mps_stop
+  stop_mps
 }
 step_hostile_memcheck() {
   hostile_run hostile_memcheck 25 1 "$SAN" --tool memcheck --error-exitcode 3 \
@@ -165,7 +125,7 @@ step_hostile_memcheck() {
 # ---- the job watchdog and the workspace ------------------------------------------------
 step_watchdog() {
   note "job watchdog (MOK_JOB_TIMEOUT_MS=2)"
-  start_mokd watchdog env MOK_JOB_TIMEOUT_MS=2 || { record watchdog "FAIL (mokd)"; return; }
+  start_step_mokd watchdog env MOK_JOB_TIMEOUT_MS=2 || { record watchdog "FAIL (mokd)"; return; }
   timeout 180 "$ENGINE_TEST" watchdog 2>&1 | tee "$OUTDIR/watchdog.txt"
   local rc=${PIPESTATUS[0]}
   stop_mokd || rc=1
@@ -178,7 +138,7 @@ step_watchdog() {
 
 step_workspace() {
   note "session workspace (MOK_WORKSPACE_IDLE_MS=2000)"
-  start_mokd workspace env MOK_WORKSPACE_IDLE_MS=2000 || { record workspace "FAIL (mokd)"; return; }
+  start_step_mokd workspace env MOK_WORKSPACE_IDLE_MS=2000 || { record workspace "FAIL (mokd)"; return; }
   timeout 180 "$ENGINE_TEST" workspace 2>&1 | tee "$OUTDIR/workspace.txt"
   local rc=${PIPESTATUS[0]}
   stop_mokd || rc=1
@@ -192,7 +152,7 @@ step_wsfill() {
   note "workspace contents do not reach results (fresh workspaces 0x00 vs 0xff)"
   local fill rc=0
   for fill in 0 255; do
-    start_mokd "wsfill_$fill" env MOK_CUDA_WS_FILL=$fill || { record wsfill "FAIL (mokd)"; return; }
+    start_step_mokd "wsfill_$fill" env MOK_CUDA_WS_FILL=$fill || { record wsfill "FAIL (mokd)"; return; }
     : >"$OUTDIR/wsfill_$fill.txt"
     for shape in 0 1 2 3 4 5; do
       timeout 120 "$ENGINE_TEST" hash $shape | grep '^hash' >>"$OUTDIR/wsfill_$fill.txt" || rc=1
@@ -209,7 +169,7 @@ step_wsfill() {
 # ---- memory ---------------------------------------------------------------------------------
 step_memory() {
   note "mokd device memory for a session of L layers (target: one workspace + L x 1 MiB)"
-  start_mokd memory env MOK_WORKSPACE_IDLE_MS=500 || { record memory "FAIL (mokd)"; return; }
+  start_step_mokd memory env MOK_WORKSPACE_IDLE_MS=500 || { record memory "FAIL (mokd)"; return; }
   local pid rc=0 first=1
   pid=$(mokd_self)
   : >"$OUTDIR/memory.txt"
@@ -230,7 +190,7 @@ step_model61() {
   # 61 layers' weights and gradients exceed the default quota of registered bytes a session
   printf 'max-region-bytes = %s\nmax-region-bytes-per-uid = %s\n' 274877906944 274877906944 \
     >"$OUTDIR/model61.conf"
-  MOKD_ARGS="--config $OUTDIR/model61.conf" start_mokd model61 || { record model61 "FAIL (mokd)"; return; }
+  MOKD_ARGS="--config $OUTDIR/model61.conf" start_step_mokd model61 || { record model61 "FAIL (mokd)"; return; }
   local pid rc=0 pp="$ROOT/client/python"
   pid=$(mokd_self)
   [ -d "$B/python/mok" ] && pp="$ROOT/$B/python"

@@ -33,22 +33,12 @@
 
 #include "engine.h"
 #include "mok.h"
-#include "check_client.h"
+#include "../harness/check_client.h"
 #include "mok_slots.h"
 #include "ref64.h"
 #include "host_bf16_rng.h"
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                                                    \
-  do {                                                                                       \
-    if (!(cond)) {                                                                           \
-      failures++;                                                                            \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                            \
-      printf(__VA_ARGS__);                                                                   \
-      printf("\n");                                                                          \
-      fflush(stdout);                                                                        \
-    }                                                                                        \
-  } while (0)
+#include "../harness/expect.h"
+#include "../harness/model_shapes.h"
 
 static double now_s(void) {
   struct timespec ts;
@@ -690,12 +680,9 @@ typedef struct tshape {
   const char *name;
   int E_loc, H, I, K;
 } tshape;
-static const tshape tshapes[] = {
-    {"kimi-k2.7", 48, 7168, 2048, 8},
-    {"glm-5.2", 32, 6144, 2048, 8},
-    {"qwen3.5-397b", 64, 4096, 1024, 10},
-    {"deepseek-v4-pro", 48, 7168, 3072, 6},
-};
+/* one GPU's slice of each benchmark shape */
+#define TSHAPE_(name, E, H, I, K) {name, (E) / MOK_MODEL_EP, H, I, K},
+static const tshape tshapes[] = {MOK_MODEL_SHAPES(TSHAPE_)};
 
 static void fill_device(void *p, size_t bytes, double scale) {
   /* random bf16 in a 4 MiB block, tiled over the buffer (device to device) */

@@ -57,7 +57,8 @@ extern "C" {
 #include "host_bf16_rng.h"
 }
 
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
+#include "../harness/model_shapes.h"
 
 /* ---- device helpers ---------------------------------------------------------------- */
 
@@ -595,12 +596,9 @@ typedef struct bshape {
   int E_loc, H, I, K;
 } bshape;
 
-static const bshape BSHAPES[] = {
-    {"kimi-k2.7", 48, 7168, 2048, 8},
-    {"glm-5.2", 32, 6144, 2048, 8},
-    {"qwen3.5-397b", 64, 4096, 1024, 10},
-    {"deepseek-v4-pro", 48, 7168, 3072, 6},
-};
+/* one GPU's slice of each benchmark shape */
+#define BSHAPE_(name, E, H, I, K) {name, (E) / MOK_MODEL_EP, H, I, K},
+static const bshape BSHAPES[] = {MOK_MODEL_SHAPES(BSHAPE_)};
 
 static float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());

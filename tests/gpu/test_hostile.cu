@@ -32,9 +32,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 #include "mok.h"
-#include "check_client.h"
+#include "../harness/check_client.h"
 
 
 static double now_s(void) {

@@ -40,7 +40,7 @@ int shim_schedule_validate(int T, int K, int E, int E_loc, int first, int row_al
                            const int32_t *sched, size_t ints);
 }
 
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 
 /* ---- shapes ----------------------------------------------------------------------- */
 

@@ -22,7 +22,7 @@
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
 #include "../../proto/mok_status.h"
-#include "cuda_check.cuh"
+#include "../harness/cuda_check.cuh"
 
 #define POISON 0x7fc1u /* a bf16 NaN no kernel writes */
 

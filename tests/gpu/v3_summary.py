@@ -21,7 +21,8 @@ import os
 import re
 import sys
 
-# the benchmark shapes (docs/design.md) per GPU (E_loc, H, I, K), as tests/gpu/test_gemm_sm90.cu
+# the benchmark shapes (docs/design.md) per GPU (E_loc, H, I, K): tests/harness/model_shapes.h
+# (tests/python/test_model_shapes.py holds this copy to it)
 SHAPES = {
     "kimi-k2.7": (48, 7168, 2048, 8),
     "glm-5.2": (32, 6144, 2048, 8),

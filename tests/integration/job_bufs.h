@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok_slots.h"

@@ -10,7 +10,7 @@
  */
 #include <grp.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 

@@ -11,8 +11,9 @@
 #include <sys/mman.h>
 #include <sys/vfs.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok_slots.h"
 

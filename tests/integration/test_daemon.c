@@ -14,15 +14,16 @@
 #include <sys/un.h>
 #include <time.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "frame.h"
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok.pb-c.h"
 #include "ref64.h"
 
-/* The daemon under test and raw sockets to it: tests/integration/harness.h. */
+/* The daemon under test and raw sockets to it: tests/harness/daemon.h. */
 
 /* ---- raw protocol helpers ---- */
 

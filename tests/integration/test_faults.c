@@ -11,7 +11,7 @@
  * post-hoc label there; deadlines matter for the cuda engine's GPU waits
  * (its fence timeout) and are tested on the device (tests/gpu).
  */
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok_slots.h"

@@ -12,8 +12,8 @@
 #include <grp.h>
 #include <sys/stat.h>
 
-#include "group.h"
-#include "harness.h"
+#include "ep/group.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 

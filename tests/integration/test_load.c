@@ -20,7 +20,7 @@
 #include <sys/mman.h>
 
 #include "engine.h"
-#include "harness.h"
+#include "harness/daemon.h"
 #include "internal.h"
 #include "mok.h"
 #include "mok_slots.h"

@@ -29,7 +29,7 @@
 #include <sys/wait.h>
 #include <time.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "mok.h"
 #include "mok_enums.h"
 

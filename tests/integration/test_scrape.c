@@ -15,8 +15,8 @@
 #include <sys/un.h>
 #include <time.h>
 
-#include "check.h"
-#include "harness.h"
+#include "harness/check.h"
+#include "harness/daemon.h"
 #include "mok.h"
 
 static double now_s(void) {

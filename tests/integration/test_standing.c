@@ -17,7 +17,7 @@
 #include <stdatomic.h>
 #include <sys/wait.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "job_bufs.h"
 #include "internal.h"
 #include "mok.h"

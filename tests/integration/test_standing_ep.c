@@ -26,7 +26,7 @@
 #include <sys/wait.h>
 #include <time.h>
 
-#include "harness.h"
+#include "harness/daemon.h"
 #include "job_bufs.h"
 #include "internal.h"
 #include "mok.h"

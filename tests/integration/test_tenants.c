@@ -15,9 +15,10 @@
 #include <grp.h>
 #include <sys/mman.h>
 
-#include "group.h"
-#include "harness.h"
+#include "ep/group.h"
+#include "harness/daemon.h"
 #include "internal.h"
+#include "rpc.h"
 #include "mok.h"
 #include "mok_slots.h"
 

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The configuration file parser. */
-#include "check.h"
+#include "harness/check.h"
 #include "config.h"
 
 static void test_parses_settings_comments_and_blank_lines(void) {

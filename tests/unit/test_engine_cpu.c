@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "check.h"
+#include "harness/check.h"
 #include "engine.h"
 #include "ref64.h"
 #include "schedule.h"

@@ -11,8 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "check.h"
-#include "fd_exchange.h"
+#include "harness/check.h"
+#include "ep/fd_exchange.h"
 #include "mok_status.h"
 
 static int make_memfd(const char *text) {

@@ -4,7 +4,7 @@
 #include <fcntl.h>
 #include <sys/socket.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "frame.h"
 
 static int count_open_fds(void) {

@@ -2,7 +2,7 @@
 /* The metrics endpoint's HTTP request parser (daemon/http.c): what it
  * serves, everything it refuses and with which status, fed whole and byte
  * by byte. */
-#include "check.h"
+#include "harness/check.h"
 #include "http.h"
 
 static mok_http_verdict parse(const char *s, mok_http_request *r) {

@@ -2,7 +2,7 @@
 /* Job descriptor validation: every reference checked before any engine work. */
 #include <stdint.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "job_check.h"
 
 #define REGION_BYTES (1u << 20)

@@ -4,7 +4,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "log.h"
 
 static void test_stamp_is_iso8601_utc_with_milliseconds(void) {

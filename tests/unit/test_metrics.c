@@ -5,7 +5,7 @@
  * the real messages, privacy (no uid or client labels unless per-uid). */
 #include <math.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "metrics.h"
 #include "mok_slots.h"
 #include "mok_status.h"

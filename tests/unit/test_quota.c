@@ -2,7 +2,7 @@
 /* The client limits' bookkeeping (daemon/quota.c): reservations, refusals
  * that name their setting, groups that linger after their session and go
  * when left, and users forgotten once they hold nothing. */
-#include "check.h"
+#include "harness/check.h"
 #include "mok_status.h"
 #include "quota.h"
 

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "check.h"
+#include "harness/check.h"
 #include "schedule.h"
 
 static mok_sched_shape make_shape(uint64_t T, uint64_t K, uint64_t E, uint64_t E_loc,

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* What the CUDA test and bench programs share: the CUDA and mok status
- * checks that stop the program, the EXPECT counter of failed checks, and the
+ * checks that stop the program, the EXPECT counter of failed checks (expect.h), and the
  * device fill of random bf16 (hash of the index: the same bits for the same
  * arguments, never zero), the median of timings. Included by one .cu file of
  * each program. */
@@ -12,6 +12,8 @@
 #include <stdlib.h>
 
 #include <cuda_runtime.h>
+
+#include "expect.h"
 
 #define CUDA_CHECK(call)                                                                    \
   do {                                                                                      \
@@ -33,17 +35,6 @@
     }                                                                                         \
   } while (0)
 
-static int failures __attribute__((unused)) = 0;
-#define EXPECT(cond, ...)                         \
-  do {                                            \
-    if (!(cond)) {                                \
-      failures++;                                 \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      printf(__VA_ARGS__);                        \
-      printf("\n");                               \
-      fflush(stdout);                             \
-    }                                             \
-  } while (0)
 
 /* the median of n samples (sorts v) */
 static int cmp_d(const void *a, const void *b) {
