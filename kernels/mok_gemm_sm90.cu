@@ -881,7 +881,7 @@ __device__ static void s9p_produce(const s9_params &p, const s9_sched &sc, const
  * Accumulates onto +0 as the other loops. SECOND is a template argument:
  * a wgmma under a branch inside the loop makes ptxas serialise them all
  * (C7520). */
-template <bool SECOND>
+template <bool SECOND, int CL>
 __device__ static inline void s9p_mma_loop(float (&acc0)[64], float (&acc1)[64], uint32_t base,
                                            uint32_t bars, int nk, int &s, int &ph) {
   const bool lead = (threadIdx.x & 31) == 0;
@@ -905,7 +905,7 @@ __device__ static inline void s9p_mma_loop(float (&acc0)[64], float (&acc1)[64],
     wgmma_wait<1>();
     acc_fence(acc0);
     acc_fence(acc1);
-    mbar_arrive_if(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
+    s9_release<CL>(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
     prev = s;
     if (++s == S9P_STAGES) {
       s = 0;
@@ -915,7 +915,7 @@ __device__ static inline void s9p_mma_loop(float (&acc0)[64], float (&acc1)[64],
   wgmma_wait<0>();
   acc_fence(acc0);
   acc_fence(acc1);
-  mbar_arrive_if(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
+  s9_release<CL>(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
 }
 
 /* The epilogue of one 64-row half (rows row0h ..): s9_epilogue_dgrad's
@@ -989,6 +989,19 @@ __device__ static inline void s9p_epilogue_half(const s9_params &p, const s9_til
   }
 }
 
+/* Both halves through one copy of the epilogue's code (it is long: the
+ * instruction cache holds one copy better than two). acc0 is overwritten. */
+__device__ static inline void s9p_epilogue(const s9_params &p, const s9_tile &tl, float (&acc0)[64],
+                                           const float (&acc1)[64]) {
+#pragma unroll 1
+  for (int mh = 0; mh < 2; mh++) {
+    s9p_epilogue_half(p, tl, acc0, tl.row0 + 64 * mh);
+    if (mh == 0)
+#pragma unroll
+      for (int k = 0; k < 64; k++) acc0[k] = acc1[k];
+  }
+}
+
 __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint32_t base,
                                    uint32_t bars) {
   const int cw = threadIdx.x / 128 - 1;
@@ -1011,20 +1024,11 @@ __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint3
     mbar_wait(turn + 8 * cw, tp); /* the other has waited for every stage before ours */
     tp ^= 1;
     if (nk > 0 && tl.row0 + 64 < tl.used_end)
-      s9p_mma_loop<true>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<true, 0>(acc0, acc1, base, bars, nk, s, ph);
     else if (nk > 0)
-      s9p_mma_loop<false>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<false, 0>(acc0, acc1, base, bars, nk, s, ph);
     mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a tile with nothing to compute */
-    if (tl.skip) continue;
-    /* the two halves through one copy of the epilogue's code (it is long:
-     * the instruction cache holds one copy better than two) */
-#pragma unroll 1
-    for (int mh = 0; mh < 2; mh++) {
-      s9p_epilogue_half(p, tl, acc0, tl.row0 + 64 * mh);
-      if (mh == 0)
-#pragma unroll
-        for (int k = 0; k < 64; k++) acc0[k] = acc1[k];
-    }
+    if (!tl.skip) s9p_epilogue(p, tl, acc0, acc1);
   }
 }
 
@@ -1062,6 +1066,146 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   }
 }
 
+/* The ping-pong down dgrad in 2-CTA clusters: the CTAs of a pair take the
+ * row blocks 2q and 2q+1 of one 128-column tile, and when both belong to one
+ * expert each loads its own A and one of the two weight slabs, multicast
+ * into both CTAs' rings (the weight read once for 256 rows, as the forward
+ * GEMMs' pairs do). Within each CTA the two consumer warpgroups still own
+ * the pairs in turn. As in the pairs kernel, every pair runs the full k
+ * loop in both CTAs (a stage is released to both CTAs' producers), and
+ * every decision comes from rank 0's copy of the schedule. */
+__device__ static void s9p_produce_pairs(const s9_params &p, const s9_sched &sc,
+                                         const CUtensorMap *ma, const CUtensorMap *mb0,
+                                         uint32_t base, uint32_t bars, int rank) {
+  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
+  const int nk = s9_full_nk<MOK_GM_DOWN_DGRAD>(p);
+  int s = 0, ph = 0;
+  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
+    const s9_pair pr = s9_locate_pair(p, sc, q, rank);
+    if (pr.skip) continue; /* the peer skips it too */
+    const s9_tile &tl = pr.mine;
+    const int slabs = min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64);
+    for (int kb = 0; kb < nk; kb++) {
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9P_STAGES + s);
+      const uint32_t sa = base + s * S9P_STAGE_BYTES, sb = sa + S9_A_BYTES;
+      mbar_wait(empty, ph ^ 1);
+      if (pr.multicast) { /* own A, own slab to both; the peer sends the other */
+        mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
+        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+        s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, rank, min(rank + 1, slabs), full, pb, 3);
+      } else if (tl.in_use) {
+        mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
+        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+        s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, 0, slabs, full, pb, 0);
+      } else { /* nothing to compute: the consumers only follow the ring */
+        mbar_arrive_if(full, true);
+      }
+      if (++s == S9P_STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
+}
+
+__device__ static void s9p_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
+                                         uint32_t bars, int rank) {
+  const int cw = threadIdx.x / 128 - 1;
+  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const int nk = s9_full_nk<MOK_GM_DOWN_DGRAD>(p);
+  const uint32_t turn = bars + 8 * 2 * S9P_STAGES;
+  const bool lead = (threadIdx.x & 31) == 0;
+  float acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
+  int s = 0, ph = 0, i = 0, tp = cw == 0 ? 1 : 0;
+  for (int q = blockIdx.x / 2; q < pairs; q += clusters, i++) {
+    s9_tile tl;
+    {
+      const s9_pair pr = s9_locate_pair(p, sc, q, rank);
+      if (pr.skip) { /* not loaded: no stages, but its owner's turn passes */
+        if ((i & 1) == cw) {
+          mbar_wait(turn + 8 * cw, tp);
+          tp ^= 1;
+          mbar_arrive_if(turn + 8 * (1 - cw), lead);
+        }
+        continue;
+      }
+      tl = pr.mine;
+    }
+    if ((i & 1) != cw) {
+      s9_ring_advance(s, ph, nk, S9P_STAGES);
+      continue;
+    }
+    mbar_wait(turn + 8 * cw, tp);
+    tp ^= 1;
+    const bool have = tl.in_use && tl.used_end > tl.row0;
+    if (have && tl.row0 + 64 < tl.used_end) {
+      s9p_mma_loop<true, 1>(acc0, acc1, base, bars, nk, s, ph);
+    } else if (have) {
+      s9p_mma_loop<false, 1>(acc0, acc1, base, bars, nk, s, ph);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 64; k++) acc0[k] = acc1[k] = 0.0f;
+      for (int kb = 0; kb < nk; kb++) { /* follow the ring; release in both CTAs */
+        mbar_wait(bars + 8 * s, ph);
+        s9_release<1>(bars + 8 * (S9P_STAGES + s), lead);
+        if (++s == S9P_STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    mbar_arrive_if(turn + 8 * (1 - cw), lead);
+    if (!tl.skip) s9p_epilogue(p, tl, acc0, acc1);
+  }
+}
+
+__global__ void __launch_bounds__(S9_THREADS, 1)
+    s9_gemm_pp_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_b0, const s9_params p) {
+  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
+  __shared__ int s_failed;
+  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S9P_STAGES * S9P_STAGE_BYTES;
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
+  const int rank = (int)cluster_ctarank();
+  const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0; /* the launcher keeps it in the table */
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S9P_STAGES; i++) {
+      mbar_init(bars + 8 * i, 1);
+      mbar_init(bars + 8 * (S9P_STAGES + i), S9_CONSUMER_WARPS); /* one warpgroup, both CTAs */
+    }
+    mbar_init(bars + 8 * 2 * S9P_STAGES, S9_CONSUMER_WARPS / 2);
+    mbar_init(bars + 8 * (2 * S9P_STAGES + 1), S9_CONSUMER_WARPS / 2);
+    mbar_fence_init();
+    if (rank == 0) s_failed = job_failed(p.status);
+  }
+  const s9_sched sc = s9_sched_copy(p, table, rank == 0);
+  cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
+  if (rank == 1) {
+    const uint32_t t0 = cluster_map(smem_u32(table), 0);
+    for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
+      table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
+    if (threadIdx.x == 0) s_failed = (int)ld_cluster_u32(cluster_map(smem_u32(&s_failed), 0));
+  }
+  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  if (s_failed) return; /* the same value in both CTAs */
+  if (threadIdx.x < 128) {
+    regs_dec<40>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b0);
+      s9p_produce_pairs(p, sc, &map_a, &map_b0, base, bars, rank);
+    }
+  } else {
+    regs_inc<232>();
+    s9p_consume_pairs(p, sc, base, bars, rank);
+  }
+  cluster_sync(); /* neither CTA leaves while the other may still write into it */
+}
+
 /* ---- host side ------------------------------------------------------------------ */
 
 static int s9_grid_override = 0;
@@ -1072,6 +1216,10 @@ static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
  * MOK_GEMM_VARIANT picks another */
 static int s9_variant = MOK_K_SM90_PINGPONG;
 static int s9_pair_clusters = 0; /* co-resident 2-CTA clusters (0: the variant is off) */
+/* the ping-pong down dgrad in 2-CTA clusters (bench knob: mok_k_sm90_set_pp_pairs) */
+static int s9_pp_pairs = 1;
+
+extern "C" void mok_k_sm90_set_pp_pairs(int on) { s9_pp_pairs = on ? 1 : 0; }
 
 extern "C" void mok_k_sm90_set_grid(int ctas) { s9_grid_override = ctas > 0 ? ctas : 0; }
 
@@ -1169,7 +1317,7 @@ static int s9_query_pair_clusters(void) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[12] = {(const void *)s9_gemm_pp_kernel,(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
+  const void *k[13] = {(const void *)s9_gemm_pp_kernel, (const void *)s9_gemm_pp_pairs_kernel,(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 1>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 1>,
@@ -1181,7 +1329,7 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD>,
                        NULL};
   int st = MOK_OK;
-  for (int i = 0; i < 12 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  for (int i = 0; i < 13 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st != MOK_OK) return st;
   s9_pair_clusters = s9_query_pair_clusters();
   /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong */
@@ -1284,6 +1432,41 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
   return mok_k_launch_status();
 }
 
+/* The ping-pong down dgrad: in 2-CTA clusters where the device runs them
+ * and the schedule fits the table (as the pairs kernel), else on plain CTAs. */
+static int s9_launch_pp(const s9_params &p, const CUtensorMap &a, const CUtensorMap &b0,
+                        cudaStream_t stream) {
+  const int tiles = p.m_tiles * p.n_tiles;
+  if (tiles == 0) return MOK_OK;
+  if (s9_pp_pairs && s9_pair_clusters > 0 && (!p.offsets || S9_TABLE_FITS(p.E_loc))) {
+    const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles;
+    int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
+    if (clusters > pairs) clusters = pairs;
+    if (clusters < 1) clusters = 1;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(2 * clusters, 1, 1);
+    cfg.blockDim = dim3(S9_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = S9_SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, s9_gemm_pp_pairs_kernel, a, b0, p);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      mok_k_set_cuda_error((int)err);
+      return MOK_EENGINE;
+    }
+    return MOK_OK;
+  }
+  s9_gemm_pp_kernel<<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, p);
+  return mok_k_launch_status();
+}
+
 /* The product p (mok_gemm.cu's parameters) on the Hopper kernels: the
  * tiling, the TMA maps of its operands, the launch. */
 int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
@@ -1319,12 +1502,7 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
     st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
     if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.N, p.K, groups, p.ldb, p.b_expert_stride, S9_BK);
     if (st != MOK_OK) return st;
-    if (pp) {
-      const int tiles = p.m_tiles * p.n_tiles;
-      if (tiles == 0) return MOK_OK;
-      s9_gemm_pp_kernel<<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(ma, mb0, p);
-      return mok_k_launch_status();
-    }
+    if (pp) return s9_launch_pp(p, ma, mb0, stream);
     return s9_launch<MOK_GM_DOWN_DGRAD>(p, ma, ma, mb0, mb0, stream);
   case MOK_GM_GU_DGRAD: {
     /* K = 2I in two halves from their own maps: the dg and du halves of

@@ -106,6 +106,9 @@ int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
 /* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
  * cluster variant falls back to ROWS order on plain CTAs. */
 int mok_k_sm90_pair_clusters(void);
+/* Bench and tests: the pingpong variant's down dgrad in 2-CTA clusters
+ * (1, the default) or on plain CTAs (0). Results do not depend on it. */
+void mok_k_sm90_set_pp_pairs(int on);
 
 /* Tests: persistent CTAs per launch (0: one per SM; the cluster variant
  * rounds up to whole clusters). Results must not depend on it. */

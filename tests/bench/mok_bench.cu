@@ -300,14 +300,16 @@ typedef struct result {
   double flops_fwd, mem_gib;
 } result;
 
-/* A path to time: the GEMM backend and, on the Hopper one, the tile variant. */
+/* A path to time: the GEMM backend and, on the Hopper one, the tile variant
+ * (pp_pairs: its ping-pong down dgrad in 2-CTA clusters or not). */
 typedef struct bench_path {
   const char *name;
-  int backend, variant;
+  int backend, variant, pp_pairs;
 } bench_path;
 
 static int select_path(const bench_path *bp) {
   if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
+  mok_k_sm90_set_pp_pairs(bp->pp_pairs);
   return bp->backend != MOK_K_GEMM_SM90 || mok_k_sm90_set_variant(bp->variant) == MOK_OK;
 }
 
@@ -442,6 +444,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   if (paths) { /* back to the init's choice */
     mok_k_set_gemm_backend(MOK_K_GEMM_AUTO);
     mok_k_sm90_set_variant(init_variant);
+    mok_k_sm90_set_pp_pairs(1);
   }
   free(col);
   free(tf);
@@ -541,7 +544,8 @@ static void write_json(const run_doc *D) {
 static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
-          "[--warmup N] [--deadline S] [--only NAME[,NAME]] [--variants rows,expert,cluster,pingpong,hmma] "
+          "[--warmup N] [--deadline S] [--only NAME[,NAME]] "
+          "[--variants rows,expert,cluster,pingpong,pingpong-plain,hmma] "
           "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N] "
           "[--band N]\n",
           a0);
@@ -596,14 +600,17 @@ int main(int argc, char **argv) {
     const size_t len = strcspn(at, ",");
     char one[32];
     snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
-    const int sv = mok_k_sm90_variant_parse(one);
+    /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs */
+    const int plain = !strcmp(one, "pingpong-plain");
+    const int sv = plain ? MOK_K_SM90_PINGPONG : mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, hmma; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, hmma; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
     bench_path *bp = &D.paths[D.n_paths++];
-    bp->name = sv >= 0 ? mok_k_sm90_variant_name(sv) : "hmma";
+    bp->name = plain ? "pingpong-plain" : sv >= 0 ? mok_k_sm90_variant_name(sv) : "hmma";
+    bp->pp_pairs = !plain;
     bp->backend = sv >= 0 ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
     bp->variant = sv >= 0 ? sv : MOK_K_SM90_ROWS;
     at += len + (at[len] == ',');

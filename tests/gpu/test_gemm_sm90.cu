@@ -895,11 +895,22 @@ static void test_bwd_case(const tcase *c) {
   bwd_run(&L, &b, 7);
   set_variant(MOK_K_SM90_ROWS);
   bwd_compare(c->name, "all on sm90, cluster, NaN padding", bwd_snap(&L, &b), ref_nan);
-  /* the ping-pong down dgrad skips the wgmmas of a padding half itself */
-  set_variant(MOK_K_SM90_PINGPONG);
-  bwd_run(&L, &b, 7);
-  set_variant(MOK_K_SM90_ROWS);
-  bwd_compare(c->name, "all on sm90, pingpong, NaN padding", bwd_snap(&L, &b), ref_nan);
+  /* the ping-pong down dgrad skips the wgmmas of a padding half itself, in
+   * 2-CTA clusters (the default) and on plain CTAs, at grids 132 and 7 */
+  for (int plain = 0; plain < 2; plain++)
+    for (int grid = 0; grid <= 7; grid += 7) {
+      char what[80];
+      snprintf(what, sizeof what, "all on sm90, pingpong%s, grid %d, NaN padding",
+               plain ? " (plain CTAs)" : "", grid ? grid : 132);
+      mok_k_sm90_set_pp_pairs(!plain);
+      mok_k_sm90_set_grid(grid);
+      set_variant(MOK_K_SM90_PINGPONG);
+      bwd_run(&L, &b, 7);
+      set_variant(MOK_K_SM90_ROWS);
+      mok_k_sm90_set_grid(0);
+      mok_k_sm90_set_pp_pairs(1);
+      bwd_compare(c->name, what, bwd_snap(&L, &b), ref_nan);
+    }
   printf("    NaN in %zu padding rows: mma.sync's outputs %s\n", npad,
          ndiff16(ref_nan.dxr, ref.dxr) + ndiff16(ref_nan.dwg, ref.dwg) + ndiff16(ref_nan.dwd, ref.dwd) ==
                  0
