@@ -1358,8 +1358,15 @@ static void cpu_session_close(mok_engine *e, mok_engine_session *s) {
 }
 
 /* Every job of a session goes through its runner, a NOP too, so that jobs
- * complete in submission order; without a session, run it here. */
-static mok_engine_job *cpu_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+ * complete in submission order; without a session, run it here. A job on a
+ * group runs here too, on the session's scratch (MOK_ENGINE_GROUPS_ON_CALLER:
+ * the engine thread waited for the session's earlier jobs). */
+static mok_engine_job *cpu_start(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                 mok_engine_result *res) {
+  if (g) {
+    mok__cpu_run_group(e, g, a, res);
+    return NULL;
+  }
   res->status = MOK_OK;
   res->message[0] = '\0';
   if (!a->session) {
@@ -1385,13 +1392,12 @@ static void cpu_session_memory(mok_engine *e, mok_engine_session *s, mok_session
 
 const mok_engine_ops mok_engine_cpu = {
     .name = "cpu",
+    .groups = MOK_ENGINE_GROUPS_ON_CALLER,
     .wakes_when_done = true,
     .open = cpu_open,
     .close = cpu_close,
     .describe = cpu_describe,
     .prepare_layer = cpu_prepare_layer,
-    .run = cpu_run,
-    .run_group = mok__cpu_run_group,
     .session_open = cpu_session_open,
     .session_close = cpu_session_close,
     .start = cpu_start,

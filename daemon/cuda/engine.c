@@ -1402,8 +1402,8 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
-mok_engine_job *mok__cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                                    mok_engine_result *res) {
+static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
+                                 mok_engine_result *res) {
   res->status = MOK_OK;
   res->message[0] = '\0';
   mok_engine_session *s = a->session;
@@ -1603,7 +1603,7 @@ bool mok__cuda_job_prepare(job_ctx *c) {
   return !c->failed;
 }
 
-mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res) {
+static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
   mok_engine *e = c->e;
   mok_engine_session *s = c->s;
   mok_engine_job *j = c->j;
@@ -1660,7 +1660,8 @@ mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res) {
   return j;
 }
 
-static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
+                                    mok_engine_result *res) {
   mok_engine_session *s = a->session;
   if (s && s->stuck) { /* fail at once; the done value goes out once the stuck job ends */
     res->status = MOK_EBUSY;
@@ -1673,14 +1674,25 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     return NULL;
   }
   job_ctx c;
-  mok_engine_job *j = mok__cuda_job_begin(e, a, &c, res);
+  mok_engine_job *j = job_begin(e, a, &c, res);
   if (!j) return NULL;
   if (mok__cuda_job_prepare(&c)) {
     if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
     else op_step(&c);
   }
-  return mok__cuda_job_end(&c, res);
+  return job_end(&c, res);
+}
+
+/* A job of this daemon alone, or of a layer on group g: the same frame, the
+ * group job's work from cuda/ep.c. */
+static mok_engine_job *cuda_start(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                  mok_engine_result *res) {
+  if (!g) return start_single(e, a, res);
+  job_ctx c;
+  if (!job_begin(e, a, &c, res)) return NULL;
+  mok__cuda_group_job(&c, g, a);
+  return job_end(&c, res);
 }
 
 static const char *status_text(int st, bool device_posts) {
@@ -1768,27 +1780,14 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   return 1;
 }
 
-/* The synchronous form (tools and tests that call run() directly): start,
- * then poll to completion. */
-static void cuda_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
-  mok_engine_job *j = cuda_start(e, a, res);
-  if (!j) return;
-  struct timespec ts = {0, 20000}, now;
-  for (;;) {
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (cuda_poll(e, j, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec, res)) break;
-    nanosleep(&ts, NULL);
-  }
-}
-
 const mok_engine_ops mok_engine_cuda = {
     .name = "cuda",
+    .groups = MOK_ENGINE_GROUPS_ON_STREAM,
     .writes_standing_flag = true,
     .open = cuda_open,
     .close = cuda_close,
     .describe = cuda_describe,
     .prepare_layer = cuda_prepare_layer,
-    .run = cuda_run,
     .session_open = cuda_session_open,
     .session_close = cuda_session_close,
     .layer_open = cuda_layer_open,
@@ -1800,8 +1799,8 @@ const mok_engine_ops mok_engine_cuda = {
     .idle = cuda_idle,
     .start = cuda_start,
     .poll = cuda_poll,
+    .group_new_id = mok__cuda_group_new_id,
     .group_attach = mok__cuda_group_attach,
-    .start_group = mok__cuda_start_group,
     .group_form = mok__cuda_group_form,
     .group_install = mok__cuda_group_install,
     .group_discard = mok__cuda_group_discard,

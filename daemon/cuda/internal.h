@@ -256,29 +256,27 @@ void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **w
                              const uint16_t **wd);
 bool mok__cuda_check_job(job_ctx *c);
 
-/* A job's frame: mok__cuda_job_begin takes a job record, enqueues the wait for
- * the client's fence and the start event, and fills c (NULL: res says why);
- * the caller enqueues the op's work (c->failed: none); mok__cuda_job_end reads
- * back the status word, writes the done fence and records the done event,
- * returning the job for poll() (NULL: it finished, res filled). */
-mok_engine_job *mok__cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                                    mok_engine_result *res);
-/* checks the job, carves its workspace (growing the session's) and resets
- * the status word; false: the job failed (c says why) */
+/* A job's frame (cuda/engine.c start()): the job's record, the wait for
+ * the client's fence and the start event, then the op's work (single-daemon
+ * ops in cuda/engine.c, group jobs in cuda/ep.c; c->failed: none), then the
+ * status word's read-back, the done fence and the done event; poll()
+ * follows the job. Within the frame, mok__cuda_job_prepare checks the job,
+ * carves its workspace (growing the session's) and resets the status word;
+ * false: the job failed (c says why). */
 bool mok__cuda_job_prepare(job_ctx *c);
 /* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
  * far, named; the intervals are logged when the job completes. */
 bool mok__cuda_profiling(void);
 void mok__cuda_mark(job_ctx *c, const char *name);
-mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res);
 
-/* cuda/ep.c */
+/* cuda/ep.c: expert-parallel groups */
+int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen);
 int mok__cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
-void *mok__cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
-                           size_t errlen);
+void *mok__cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status,
+                           char *err, size_t errlen);
 void mok__cuda_group_install(mok_engine *e, struct mok_ep_group *g, void *state);
 void mok__cuda_group_discard(mok_engine *e, void *state);
-mok_engine_job *mok__cuda_start_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
-                                      mok_engine_result *res);
+/* a job of a layer on g, within its frame */
+void mok__cuda_group_job(job_ctx *c, struct mok_ep_group *g, const mok_job_args *a);
 
 #endif /* MOK_ENGINE_CUDA_INTERNAL_H */
