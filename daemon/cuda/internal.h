@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "engine.h"
 #include "mok_kernels.h"
@@ -68,21 +69,8 @@ typedef struct cuda_region {
   vmm_import *vmm;       /* MOK_REGION_CUDA_VMM */
 } cuda_region;
 
-/* Fence watches: a job parked on a client fence is watched by a thread that
- * makes no CUDA calls. The engine thread's own timeout check cannot be
- * relied on: some CUDA calls (cudaHostUnregister, cudaIpcCloseMemHandle)
- * wait for the device, and while a stream is parked on a dead client's
- * fence they would hold the engine thread - and the lock they take blocks
- * its other CUDA calls - for ever. The watchdog writes the awaited value
- * itself once the timeout passes, so the device always drains. */
-#define MAX_FENCE_WATCHES 4096
-enum { WATCH_FREE = 0, WATCH_ARMED, WATCH_CHECKING, WATCH_FORCED };
-typedef struct fence_watch {
-  _Atomic int state;
-  volatile uint64_t *word; /* the client's fence word (the session's sync page) */
-  uint64_t value;          /* what the job waits for */
-  uint64_t deadline_ns;
-} fence_watch;
+/* A watch on a parked job's client fence (cuda/fence.c). */
+typedef struct fence_watch fence_watch;
 
 struct mok_engine {
   int device;
@@ -268,6 +256,27 @@ bool mok__cuda_job_prepare(job_ctx *c);
  * far, named; the intervals are logged when the job completes. */
 bool mok__cuda_profiling(void);
 void mok__cuda_mark(job_ctx *c, const char *name);
+
+static inline uint64_t mok__cuda_mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* cuda/fence.c: client fences a client never writes, released after the
+ * fence timeout by the watchdog (a thread without CUDA calls, started with
+ * the engine) or by the engine thread's check in poll() */
+void mok__cuda_fence_watchdog_start(mok_engine *e); /* none started: poll()'s check alone */
+void mok__cuda_fence_watchdog_stop(mok_engine *e);
+/* watch j's fence (word, the value it waits for); j->watch = -1 when no
+ * watch is free (then only poll()'s check covers it) */
+void mok__cuda_fence_watch(mok_engine *e, mok_engine_job *j, volatile uint64_t *word,
+                           uint64_t value);
+/* stop watching j's fence; true if the watchdog released it */
+bool mok__cuda_fence_unwatch(mok_engine *e, mok_engine_job *j);
+/* poll()'s check of a job still running: releases its fence once the
+ * timeout passed (now UINT64_MAX: at once), setting j->fence_forced */
+void mok__cuda_fence_check(mok_engine *e, mok_engine_job *j, uint64_t now);
 
 /* cuda/ep.c: expert-parallel groups */
 int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen);
