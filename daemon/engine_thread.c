@@ -1069,8 +1069,6 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
   return running;
 }
 
-/* Take and run (or start) one job of s if it has one and room for its
- * completion. Returns true when a job was taken. */
 /* Jobs a uid has submitted and not yet seen complete, over all its sessions:
  * those still in the submission rings and those running. */
 static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
@@ -1118,7 +1116,11 @@ static void standing_desc(mok_engine_thread *t, esession *s, const mok_job_desc 
                                     res->message, sizeof res->message);
 }
 
-static bool run_one_job(mok_engine_thread *t, esession *s) {
+/* Copy s's next descriptor out of its submission ring, if it has one and
+ * room for its completion: once, so that the client cannot change the copy
+ * while it is checked and used. false: none (or s faulted: a ring index
+ * out of bounds). */
+static bool take_desc(mok_engine_thread *t, esession *s, mok_job_desc *desc) {
   if (s->faulted || s->detaching) return false;
   mok_shm_header *h = s->shm.hdr;
   uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
@@ -1137,13 +1139,18 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   /* every running job will post a completion: keep room for all of them */
   if (used + s->n_pend >= MOK_RING_ENTRIES) return false;
 
-  /* copy once, then validate the copy: the client cannot change it under us */
-  mok_job_desc desc;
-  memcpy(&desc, &mok_shm_sq_entries(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof desc);
+  memcpy(desc, &mok_shm_sq_entries(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof *desc);
   s->sq_head++;
   atomic_store_explicit(&h->sq_head.value, s->sq_head, memory_order_release);
   s->seq++;
+  return true;
+}
 
+/* Take and run (or start) one job of s if it has one and room for its
+ * completion. Returns true when a job was taken. */
+static bool run_one_job(mok_engine_thread *t, esession *s) {
+  mok_job_desc desc;
+  if (!take_desc(t, s, &desc)) return false;
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
   uint64_t t0 = now_ns();
