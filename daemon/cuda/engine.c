@@ -122,6 +122,31 @@ bool mok__cuda_context_broken(cudaStream_t stream) {
   return true;
 }
 
+/* ---- regions' imports ------------------------------------------------------------ */
+
+struct ipc_entry {
+  uint8_t handle[64];
+  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
+  CUdeviceptr alloc_base; /* the allocation's first byte in that mapping (its identity) */
+  size_t size;    /* bytes from ptr to the allocation's end (cuMemGetAddressRange) */
+  int refs;
+  struct ipc_entry *next;
+};
+
+typedef struct vmm_import {
+  CUdeviceptr va;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+} vmm_import;
+
+/* r->engine_handle of a CUDA region: the import and who registered it */
+typedef struct cuda_region {
+  mok_engine_session *s; /* counted in s->mapped_bytes (NULL: no session said) */
+  uint64_t bytes;
+  ipc_entry *ipc;        /* MOK_REGION_CUDA_IPC */
+  vmm_import *vmm;       /* MOK_REGION_CUDA_VMM */
+} cuda_region;
+
 /* ---- open / close ---------------------------------------------------------------- */
 
 /* A setting in ms as ns: the environment's value, else the config's, else
