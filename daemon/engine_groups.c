@@ -79,7 +79,7 @@ static void *former_main(void *arg) {
   return NULL;
 }
 
-bool mok__group_forming(const mok_engine_thread *t, uint32_t group_id) {
+static bool group_forming(const mok_engine_thread *t, uint32_t group_id) {
   for (const former *f = t->forming; f; f = f->next)
     if (f->group_id == group_id) return true;
   return false;
@@ -193,7 +193,7 @@ void mok__group_cmd_join(mok_engine_thread *t, esession *s, mok_cmd *c) {
   }
   if (c->in.join.nccl && !check_forms_nccl_groups(t, c)) return;
   mok_ep_group *forming = mok_ep_group_find_key(t->groups, c->in.join.uid, c->in.join.key);
-  if (forming && mok__group_forming(t, mok_ep_group_id(forming))) {
+  if (forming && group_forming(t, mok_ep_group_id(forming))) {
     c->status = MOK_EBUSY;
     snprintf(c->message, sizeof c->message,
              "group '%s' is being formed through another session of this mokd; join again "
@@ -364,4 +364,45 @@ mok_standing_group_ops mok__group_standing_ops(esession *s) {
                                   .fail_turn = standing_group_fail_turn,
                                   .ended = standing_group_ended,
                                   .ctx = s};
+}
+
+/* ---- stats ------------------------------------------------------------------ */
+
+void mok__group_session_stats(mok_engine_thread *t, const esession *s, mok_session_stats *o) {
+  for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
+    mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
+    if (!g) continue;
+    o->groups[o->n_groups++] = (mok_group_stats){
+        .group_id = mok_ep_group_id(g), .rank = mok_ep_group_rank(g),
+        .world = mok_ep_group_get_sizing(g)->world,
+        .generation = mok_ep_group_generation(g), .sequence = mok_ep_group_sequence(g)};
+  }
+}
+
+void mok__group_daemon_stats(mok_engine_thread *t, mok_engine_stats *st) {
+  /* every group of this daemon, lingering ones included */
+  size_t ng = 0;
+  for (mok_ep_group *g = t->groups ? mok_ep_group_next(t->groups, NULL) : NULL; g;
+       g = mok_ep_group_next(t->groups, g))
+    ng++;
+  if (ng > MOK_STATS_DAEMON_GROUPS_MAX) ng = MOK_STATS_DAEMON_GROUPS_MAX;
+  st->groups = ng ? calloc(ng, sizeof *st->groups) : NULL;
+  for (mok_ep_group *g = st->groups ? mok_ep_group_next(t->groups, NULL) : NULL;
+       g && st->n_groups < ng; g = mok_ep_group_next(t->groups, g)) {
+    mok_daemon_group_stats *o = &st->groups[st->n_groups++];
+    o->group_id = mok_ep_group_id(g);
+    o->uid = (uint32_t)mok_ep_group_uid(g);
+    o->rank = mok_ep_group_rank(g);
+    o->world = mok_ep_group_get_sizing(g)->world;
+    o->sessions = mok_ep_group_refs(g);
+    o->generation = mok_ep_group_generation(g);
+    o->sequence = mok_ep_group_sequence(g);
+    o->nccl = mok_ep_group_is_nccl(g);
+    o->broken = mok_ep_group_is_broken(g);
+    o->forming = group_forming(t, o->group_id);
+    snprintf(o->key, sizeof o->key, "%s", mok_ep_group_key(g));
+    o->timeouts = mok_ep_group_timeouts(g);
+    for (uint32_t p = 0; p < o->world && p < MOK_GROUP_MAX_WORLD; p++)
+      o->rank_missed[p] = mok_ep_group_rank_missed(g, p);
+  }
 }

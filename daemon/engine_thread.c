@@ -360,40 +360,9 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     }
     o->sink = s->detaching ? NULL : s->sink;
     if (s->es && t->ops->session_memory) t->ops->session_memory(t->engine, s->es, &o->memory);
-    for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
-      mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
-      if (!g) continue;
-      o->groups[o->n_groups++] = (mok_group_stats){
-          .group_id = mok_ep_group_id(g), .rank = mok_ep_group_rank(g),
-          .world = mok_ep_group_get_sizing(g)->world,
-          .generation = mok_ep_group_generation(g), .sequence = mok_ep_group_sequence(g)};
-    }
+    mok__group_session_stats(t, s, o);
   }
-  /* every group of this daemon, lingering ones included */
-  size_t ng = 0;
-  for (mok_ep_group *g = t->groups ? mok_ep_group_next(t->groups, NULL) : NULL; g;
-       g = mok_ep_group_next(t->groups, g))
-    ng++;
-  if (ng > MOK_STATS_DAEMON_GROUPS_MAX) ng = MOK_STATS_DAEMON_GROUPS_MAX;
-  st->groups = ng ? calloc(ng, sizeof *st->groups) : NULL;
-  for (mok_ep_group *g = st->groups ? mok_ep_group_next(t->groups, NULL) : NULL;
-       g && st->n_groups < ng; g = mok_ep_group_next(t->groups, g)) {
-    mok_daemon_group_stats *o = &st->groups[st->n_groups++];
-    o->group_id = mok_ep_group_id(g);
-    o->uid = (uint32_t)mok_ep_group_uid(g);
-    o->rank = mok_ep_group_rank(g);
-    o->world = mok_ep_group_get_sizing(g)->world;
-    o->sessions = mok_ep_group_refs(g);
-    o->generation = mok_ep_group_generation(g);
-    o->sequence = mok_ep_group_sequence(g);
-    o->nccl = mok_ep_group_is_nccl(g);
-    o->broken = mok_ep_group_is_broken(g);
-    o->forming = mok__group_forming(t, o->group_id);
-    snprintf(o->key, sizeof o->key, "%s", mok_ep_group_key(g));
-    o->timeouts = mok_ep_group_timeouts(g);
-    for (uint32_t p = 0; p < o->world && p < MOK_GROUP_MAX_WORLD; p++)
-      o->rank_missed[p] = mok_ep_group_rank_missed(g, p);
-  }
+  mok__group_daemon_stats(t, st);
   c->status = MOK_OK;
 }
 

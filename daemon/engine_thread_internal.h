@@ -139,7 +139,6 @@ void mok__group_cmd_join(mok_engine_thread *t, esession *s, mok_cmd *c);
 void mok__group_cmd_leave(mok_engine_thread *t, esession *s, mok_cmd *c);
 /* Joins whose group finished forming (wait: every one, at shutdown). */
 void mok__group_poll_formers(mok_engine_thread *t, bool wait);
-bool mok__group_forming(const mok_engine_thread *t, uint32_t group_id);
 /* A layer on a group: its shapes must fit the group's sizing (fills the
  * group fields); then, once the engine prepared it, its rows. */
 int mok__group_layer_config(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
@@ -151,5 +150,9 @@ mok_ep_group *mok__group_of_job(mok_engine_thread *t, esession *s, const mok_job
                                 const mok_layer_config *layer, mok_engine_result *res);
 /* The turns of s's standing instances of group layers (standing.h). */
 mok_standing_group_ops mok__group_standing_ops(esession *s);
+/* Stats: the groups session s joined (o->groups); every group of this
+ * daemon, lingering ones included (st->groups, allocated). */
+void mok__group_session_stats(mok_engine_thread *t, const esession *s, mok_session_stats *o);
+void mok__group_daemon_stats(mok_engine_thread *t, mok_engine_stats *st);
 
 #endif /* MOK_ENGINE_THREAD_INTERNAL_H */
