@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "engine_thread.h"
+#include "engine_thread_internal.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -17,117 +18,14 @@
 #include "job_sink.h"
 #include "log.h"
 #include "mok_status.h"
-#include "cuda/nccl.h"
 #include "region.h"
 #include "standing.h"
 
-#define LATENCY_WINDOW 1024u
-
-typedef struct layer_entry {
-  uint32_t id;
-  mok_layer_config cfg;
-  mok_engine_layer *state; /* the engine's (layer_open), or NULL */
-} layer_entry;
-
-/* A job the engine is still running (asynchronous engines). */
-typedef struct pend {
-  mok_engine_job *job;
-  uint64_t user_data, seq, t0;
-  uint16_t op;
-  int fail_status; /* != MOK_OK: the job failed validation and runs as a fence-only NOP */
-  uint32_t group_id; /* a job of a layer on this group (0: none) */
-  char fail_message[MOK_JOB_MESSAGE_MAX];
-  struct pend *next;
-} pend;
-_Static_assert(sizeof(((pend *)0)->fail_message) == sizeof(((mok_engine_result *)0)->message),
-               "a refused job's message is copied whole");
-
-/* The engine-side half of a session. */
-typedef struct esession {
-  uint64_t id;
-  mok_session_shm shm;
-  mok_session_limits limits;
-  uint32_t uid;
-  mok_region_table regions;
-  layer_entry *layers;
-  size_t n_layers, cap_layers;
-  uint32_t next_layer_id;
-  uint32_t sq_head, cq_tail; /* our private copies: never read back from shared memory */
-  uint64_t seq;
-  uint64_t jobs_done, jobs_failed;
-  mok_job_sink *sink; /* the metrics' (NULL: off) */
-  bool faulted;
-  mok_engine_session *es; /* the engine's (session_open), or NULL */
-  pend *pend_head, *pend_tail;
-  uint32_t n_pend;
-  uint32_t n_pend_refused; /* of those, jobs that failed their checks (fence-only NOPs) */
-  bool detaching; /* the client is gone: freed once its jobs finished */
-  /* released once no job of the session runs any more */
-  mok_region *dead_regions;
-  size_t n_dead_regions, cap_dead_regions;
-  mok_engine_layer **dead_layers;
-  size_t n_dead_layers, cap_dead_layers;
-  uint32_t *groups; /* group ids this session joined (one entry per join) */
-  size_t n_groups, cap_groups;
-  mok_standing_set standing; /* standing jobs (standing.h) */
-  mok_standing_group_ops standing_group; /* their group layers' turns (ctx: this session) */
-  struct mok_engine_thread *thread;      /* the one that serves it */
-  struct esession *next;
-} esession;
-
-/* A group being formed through NCCL on a thread of its own (the join waits
- * for every rank: the engine thread must not). */
-typedef struct former {
-  pthread_t thread;
-  struct mok_engine_thread *t;
-  mok_cmd *cmd;        /* the JoinGroup, answered when the group formed */
-  uint64_t session_id;
-  uint32_t group_id;
-  bool rejoined;
-  mok_ep_group_form form;
-  void *state;         /* the engine's, NULL on failure */
-  int status;
-  char message[256];
-  _Atomic bool done;
-  struct former *next;
-} former;
-
-struct mok_engine_thread {
-  const mok_engine_ops *ops;
-  mok_engine *engine;
-  pthread_t thread;
-  int epfd;
-  int cmd_efd; /* wakes the thread for commands */
-  pthread_mutex_t lock;
-  mok_cmd *cmd_head, *cmd_tail;   /* loop -> engine */
-  mok_cmd *done_head, *done_tail; /* engine -> loop */
-  void (*on_done)(void *);
-  void *on_done_arg;
-  _Atomic bool stopping;
-  uint32_t drain_ms;
-  esession *sessions;
-  esession *rr_next; /* where the next round-robin turn starts */
-  uint64_t jobs_done, jobs_failed;
-  uint64_t latency[LATENCY_WINDOW];
-  uint64_t latency_count;
-  char describe[256];
-  mok_ep_group_table *groups; /* expert-parallel groups this daemon serves a rank of */
-  uint64_t ticked_ns;         /* the last 100 ms housekeeping turn */
-  uint64_t spin_ns;           /* poll this long after the last work before sleeping */
-  former *forming;            /* groups being formed through NCCL */
-  uint64_t fence_timeout_ns;  /* a standing job's trigger not taken this long cancels it */
-};
 
 static uint64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void ring_doorbell(int efd) {
-  uint64_t one = 1;
-  ssize_t r = write(efd, &one, sizeof one);
-  (void)r; /* EAGAIN means the counter is already non-zero: the peer will wake */
 }
 
 static void drain_eventfd(int efd) {
@@ -137,7 +35,7 @@ static void drain_eventfd(int efd) {
 
 /* ---- done queue --------------------------------------------------------- */
 
-static void post_done(mok_engine_thread *t, mok_cmd *c) {
+void mok__thread_post_done(mok_engine_thread *t, mok_cmd *c) {
   c->next = NULL;
   pthread_mutex_lock(&t->lock);
   if (t->done_tail) t->done_tail->next = c;
@@ -167,7 +65,7 @@ void mok_engine_thread_submit(mok_engine_thread *t, mok_cmd *cmd) {
 
 /* ---- sessions ------------------------------------------------------------ */
 
-static esession *find_session(mok_engine_thread *t, uint64_t id) {
+esession *mok__thread_find_session(mok_engine_thread *t, uint64_t id) {
   for (esession *s = t->sessions; s; s = s->next)
     if (s->id == id) return s;
   return NULL;
@@ -195,21 +93,10 @@ static void release_layer_state(mok_engine_thread *t, mok_engine_layer *l) {
 /* Jobs or standing instances of the session still run. */
 static bool session_busy(const esession *s) { return s->n_pend || s->standing.running; }
 
-static bool standing_group_ready(void *ctx, const mok_standing_entry *st);
-static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry *st,
-                                            const mok_job_args *a, mok_engine_result *res);
-static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_entry *st,
-                                                int status, const char *msg,
-                                                mok_engine_result *res);
-static void standing_group_ended(void *ctx, const mok_standing_entry *st,
-                                 const mok_engine_result *res);
-
 static mok_standing_env standing_env(mok_engine_thread *t, esession *s) {
   s->thread = t;
-  s->standing_group = (mok_standing_group_ops){
-      .ready = standing_group_ready, .start = standing_group_start,
-      .fail_turn = standing_group_fail_turn, .ended = standing_group_ended, .ctx = s};
-  bool groups = t->groups && (t->ops->start_group || t->ops->run_group);
+  s->standing_group = mok__group_standing_ops(s);
+  bool groups = t->groups && t->ops->groups != MOK_ENGINE_NO_GROUPS;
   return (mok_standing_env){.ops = t->ops, .engine = t->engine, .es = s->es, .shm = s->shm.hdr,
                             .fence_timeout_ns = t->fence_timeout_ns, .session_id = s->id,
                             .group = groups ? &s->standing_group : NULL};
@@ -356,385 +243,13 @@ static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
   c->out.region_id = r.id;
 }
 
-/* ---- expert-parallel groups (ep/group.h, docs/ep.md) ---------------------------- */
-
-/* The group a session joined (NULL: it did not, or the group is gone). */
-static mok_ep_group *session_group(mok_engine_thread *t, esession *s, uint32_t id) {
-  for (size_t i = 0; i < s->n_groups; i++)
-    if (s->groups[i] == id) return mok_ep_group_find(t->groups, id);
-  return NULL;
-}
-
-/* A layer on a group: its shapes must fit the group's sizing; it holds the
- * rank's local experts. */
-static int group_layer_config(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
-                              size_t errlen) {
-  mok_ep_group *g = session_group(t, s, cfg->group_id);
-  if (!g) {
-    snprintf(err, errlen, "group %u was not joined by this session (JoinGroup first)",
-             cfg->group_id);
-    return MOK_ENOENT;
-  }
-  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
-  if (cfg->hidden != z->hidden || cfg->topk != z->topk || cfg->experts != z->experts ||
-      cfg->dtype != z->dtype || cfg->max_tokens > z->max_tokens) {
-    snprintf(err, errlen,
-             "the layer (hidden %u, topk %u, experts %u, dtype %u, max_tokens %u) does not fit "
-             "its group (hidden %u, topk %u, experts %u, dtype %u, max_tokens up to %u)",
-             cfg->hidden, cfg->topk, cfg->experts, cfg->dtype, cfg->max_tokens, z->hidden,
-             z->topk, z->experts, z->dtype, z->max_tokens);
-    return MOK_EINVAL;
-  }
-  cfg->group_world = z->world;
-  cfg->group_rank = mok_ep_group_rank(g);
-  cfg->group_tokens = z->max_tokens;
-  cfg->group_ring = z->ring_rows;
-  cfg->local_experts = z->experts / z->world;
-  cfg->first_expert = cfg->group_rank * cfg->local_experts;
-  return MOK_OK;
-}
-
-/* The group's capacity in rows of this layer's schedule: it needs the
- * engine's row alignment, known once the engine has prepared the layer. */
-static int group_layer_rows(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
-                            size_t errlen) {
-  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(session_group(t, s, cfg->group_id));
-  cfg->group_rows = mok_group_rows_limit(z->capacity_ppm, z->world, z->max_tokens, z->topk,
-                                         cfg->local_experts, cfg->row_align);
-  if (cfg->group_ring && cfg->group_ring < cfg->row_align) {
-    snprintf(err, errlen,
-             "ring_rows = %u is smaller than one aligned row group of the %s engine (%u rows)",
-             cfg->group_ring, t->ops->name, cfg->row_align);
-    return MOK_EINVAL;
-  }
-  return MOK_OK;
-}
-
-/* ---- groups formed through NCCL, off the engine thread ------------------- */
-
-static void *former_main(void *arg) {
-  former *f = arg;
-  f->state = f->t->ops->group_form(f->t->engine, &f->form, &f->status, f->message,
-                                   sizeof f->message);
-  atomic_store(&f->done, true);
-  ring_doorbell(f->t->cmd_efd); /* the engine thread finishes the join */
-  return NULL;
-}
-
-static bool group_forming(const mok_engine_thread *t, uint32_t group_id) {
-  for (const former *f = t->forming; f; f = f->next)
-    if (f->group_id == group_id) return true;
-  return false;
-}
-
-/* Start forming g for the join c (deferred: answered by finish_former). */
-static int start_former(mok_engine_thread *t, esession *s, mok_cmd *c, mok_ep_group *g,
-                        bool rejoined) {
-  former *f = calloc(1, sizeof *f);
-  if (!f) {
-    snprintf(c->message, sizeof c->message, "out of memory");
-    return MOK_ENOMEM;
-  }
-  f->t = t;
-  f->cmd = c;
-  f->session_id = s->id;
-  f->group_id = mok_ep_group_id(g);
-  f->rejoined = rejoined;
-  f->form = mok_ep_group_form_of(g);
-  int r = pthread_create(&f->thread, NULL, former_main, f);
-  if (r != 0) {
-    free(f);
-    snprintf(c->message, sizeof c->message, "cannot start a thread to form the group: %s",
-             strerror(r));
-    return MOK_EENGINE;
-  }
-  f->next = t->forming;
-  t->forming = f;
-  c->deferred = true;
-  log_info("group %u: forming through NCCL (waits for every rank, at most %u ms)", f->group_id,
-           f->form.timeout_ms);
-  return MOK_OK;
-}
-
-static void join_reply(mok_cmd *c, mok_ep_group *g, bool rejoined);
-static bool session_room_for_group(esession *s);
-
-/* A formation ended: install the state and answer the join, or fail it (the
- * group then goes, as after a failed attach). The session or the group may
- * have gone meanwhile. */
-static void finish_former(mok_engine_thread *t, former *f) {
-  pthread_join(f->thread, NULL);
-  mok_cmd *c = f->cmd;
-  esession *s = find_session(t, f->session_id);
-  mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, f->group_id) : NULL;
-  c->status = f->status;
-  snprintf(c->message, sizeof c->message, "%s", f->message);
-  if (c->status == MOK_OK && (!s || !g)) {
-    c->status = MOK_ECLOSED;
-    snprintf(c->message, sizeof c->message, "the session or group went while the group formed");
-  }
-  if (c->status == MOK_OK && !session_room_for_group(s)) {
-    c->status = MOK_ENOMEM;
-    snprintf(c->message, sizeof c->message, "out of memory");
-  }
-  if (c->status == MOK_OK) {
-    s->groups[s->n_groups++] = f->group_id;
-    t->ops->group_install(t->engine, g, f->state);
-    join_reply(c, g, f->rejoined);
-  } else {
-    if (f->state) t->ops->group_discard(t->engine, f->state);
-    if (g) {
-      mok_ep_group_mark_broken(g, c->message);
-      mok_ep_group_unref(t->groups, g, true);
-    }
-  }
-  c->deferred = false;
-  post_done(t, c);
-  free(f);
-}
-
-/* Joins whose group finished forming (wait: every one, at shutdown). */
-static void poll_formers(mok_engine_thread *t, bool wait) {
-  for (former **p = &t->forming; *p;) {
-    former *f = *p;
-    if (!wait && !atomic_load(&f->done)) {
-      p = &f->next;
-      continue;
-    }
-    *p = f->next;
-    finish_former(t, f);
-  }
-}
-
-/* Groups formed through NCCL keep their buffers on the device: an engine
- * that attaches device state to groups (cuda) forms them. */
-static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_attach != NULL; }
-
-/* false: this engine does not (c says so) */
-static bool check_forms_nccl_groups(mok_engine_thread *t, mok_cmd *c) {
-  if (forms_nccl_groups(t)) return true;
-  c->status = MOK_EUNSUPPORTED;
-  snprintf(c->message, sizeof c->message,
-           "the %s engine forms groups through this host's shared memory only (join without "
-           "an nccl_id); groups through NCCL need the cuda engine",
-           t->ops->name);
-  return false;
-}
-
-static void cmd_group_id(mok_engine_thread *t, mok_cmd *c) {
-  if (check_forms_nccl_groups(t, c))
-    c->status = mok_nccl_unique_id(c->out.nccl_id, c->message, sizeof c->message);
-}
-
-static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  if ((!t->ops->run_group && !t->ops->start_group) || !t->groups) {
-    c->status = MOK_EUNSUPPORTED;
-    snprintf(c->message, sizeof c->message,
-             "the %s engine does not run expert-parallel groups yet", t->ops->name);
-    return;
-  }
-  if (c->in.join.nccl && !check_forms_nccl_groups(t, c)) return;
-  mok_ep_group *forming = mok_ep_group_find_key(t->groups, c->in.join.uid, c->in.join.key);
-  if (forming && group_forming(t, mok_ep_group_id(forming))) {
-    c->status = MOK_EBUSY;
-    snprintf(c->message, sizeof c->message,
-             "group '%s' is being formed through another session of this mokd; join again "
-             "once that join returned",
-             c->in.join.key);
-    return;
-  }
-  if (!session_room_for_group(s)) {
-    c->status = MOK_ENOMEM;
-    snprintf(c->message, sizeof c->message, "out of memory");
-    return;
-  }
-  mok_ep_group *g;
-  bool rejoined = false;
-  c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
-                             sizeof c->message);
-  if (c->status != MOK_OK) return;
-  if (t->ops->group_form && mok_ep_group_is_nccl(g) && !mok_ep_group_engine_state(g)) {
-    /* every rank must join before the group forms: not on this thread */
-    c->status = start_former(t, s, c, g, rejoined);
-    if (c->status != MOK_OK) {
-      mok_ep_group_mark_broken(g, c->message);
-      mok_ep_group_unref(t->groups, g, true);
-    }
-    return;
-  }
-  if (t->ops->group_attach) {
-    c->status = t->ops->group_attach(t->engine, g, c->message, sizeof c->message);
-    if (c->status != MOK_OK) {
-      /* a group re-formed through NCCL lost its old state: its other
-       * sessions' jobs must fail clearly until a join succeeds */
-      if (mok_ep_group_is_nccl(g)) mok_ep_group_mark_broken(g, c->message);
-      mok_ep_group_unref(t->groups, g, true);
-      return;
-    }
-  }
-  s->groups[s->n_groups++] = mok_ep_group_id(g); /* room was made above */
-  join_reply(c, g, rejoined);
-}
-
-/* Room for one more join's entry in the session (false: out of memory). */
-static bool session_room_for_group(esession *s) {
-  if (s->n_groups < s->cap_groups) return true;
-  size_t cap = s->cap_groups ? 2 * s->cap_groups : 4;
-  uint32_t *n = realloc(s->groups, cap * sizeof *n);
-  if (!n) return false;
-  s->groups = n, s->cap_groups = cap;
-  return true;
-}
-
-static void join_reply(mok_cmd *c, mok_ep_group *g, bool rejoined) {
-  const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
-  c->status = MOK_OK;
-  c->out.group.id = mok_ep_group_id(g);
-  c->out.group.local_experts = z->experts / z->world;
-  c->out.group.first_expert = mok_ep_group_rank(g) * (z->experts / z->world);
-  c->out.group.generation = mok_ep_group_generation(g);
-  c->out.group.sequence = mok_ep_group_sequence(g);
-  c->out.group.rejoined = rejoined;
-}
-
-static void cmd_leave_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  for (size_t i = 0; i < s->n_groups; i++) {
-    if (s->groups[i] != c->in.id) continue;
-    s->groups[i] = s->groups[--s->n_groups];
-    mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, c->in.id) : NULL;
-    if (g) mok_ep_group_unref(t->groups, g, true);
-    return;
-  }
-  c->status = MOK_ENOENT;
-  snprintf(c->message, sizeof c->message, "group %u was not joined by this session", c->in.id);
-}
-
-/* A job of a layer on a group that failed its checks still takes its turn
- * in the group, posting the failure, so that every member fails it with the
- * same message instead of waiting for this one until the timeout. */
-static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
-                               const mok_layer_config *layer, const mok_engine_result *res);
-
-/* The group a job of a group layer runs on. NULL when it must not run:
- * the session left the group (res says so), or the job failed its checks
- * (it has posted the failure to the group). */
-static mok_ep_group *job_group(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
-                               const mok_layer_config *layer, mok_engine_result *res) {
-  mok_ep_group *g = session_group(t, s, layer->group_id);
-  if (!g) {
-    res->status = MOK_ENOENT;
-    snprintf(res->message, sizeof res->message,
-             "%s: the layer's group %u was left; re-join and re-create the layer",
-             mok_op_name(desc->op), layer->group_id);
-    return NULL;
-  }
-  if (res->status == MOK_OK) return g;
-  post_group_failure(g, desc, layer, res);
-  return NULL;
-}
-
-/* A group job on an engine that runs it synchronously (cpu). */
-static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
-                          const mok_layer_config *layer, const mok_job_args *args,
-                          mok_engine_result *res) {
-  mok_ep_group *g = job_group(t, s, desc, layer, res);
-  if (g) t->ops->run_group(t->engine, g, args, res);
-}
-
-static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
-                               const mok_layer_config *layer, const mok_engine_result *res) {
-  if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
-  if (mok_ep_group_is_nccl(g)) return; /* the engine takes the turn on the device */
-  char err[MOK_JOB_MESSAGE_MAX];
-  if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
-  mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
-  p.status = res->status;
-  snprintf(p.msg, sizeof p.msg, "%.*s", (int)sizeof p.msg - 1, res->message); /* cut */
-  (void)mok_ep_group_job_post(g, &p, err, sizeof err);
-}
-
-/* ---- standing jobs of group layers (standing.h mok_standing_group_ops) ----
- *
- * A standing instance of a layer on a group takes the member's turn when
- * the engine thread takes its trigger, exactly as a ring job of the layer
- * takes it when the engine thread takes its descriptor: the same engine
- * entry points (start_group, or run_group on the engine thread), the same
- * failure rules. So a member's group jobs are numbered in the order its
- * triggers and descriptors are taken, and members must trigger in the same
- * order (docs/ep.md "Capture and replay on a group"). */
-
-/* cpu: the group job runs here, on the session's scratch, after the
- * session's other jobs and instances (as a ring group job waits for them);
- * cuda: the session's stream orders it. */
-static bool standing_group_ready(void *ctx, const mok_standing_entry *st) {
-  (void)st;
-  esession *s = ctx;
-  return s->thread->ops->start_group || (!s->n_pend && !s->standing.running);
-}
-
-static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry *st,
-                                            const mok_job_args *a, mok_engine_result *res) {
-  esession *s = ctx;
-  mok_engine_thread *t = s->thread;
-  mok_ep_group *g = session_group(t, s, st->layer.group_id);
-  if (!g) {
-    res->status = MOK_ENOENT;
-    snprintf(res->message, sizeof res->message,
-             "%s: the layer's group %u was left; re-join and create the layer and its standing "
-             "jobs again", mok_op_name(a->op), st->layer.group_id);
-    return NULL;
-  }
-  if (t->ops->start_group) return t->ops->start_group(t->engine, g, a, res);
-  t->ops->run_group(t->engine, g, a, res);
-  return NULL;
-}
-
-static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_entry *st,
-                                                int status, const char *msg,
-                                                mok_engine_result *res) {
-  esession *s = ctx;
-  mok_engine_thread *t = s->thread;
-  mok_ep_group *g = session_group(t, s, st->layer.group_id);
-  if (!g) return NULL; /* left: no turn to take */
-  if (!mok_ep_group_is_nccl(g)) { /* the posts travel through the host segment */
-    mok_job_desc d = {.op = (uint16_t)st->args.op, .flags = (uint16_t)st->args.flags,
-                      .tokens = st->args.tokens};
-    mok_engine_result r = {.status = status};
-    snprintf(r.message, sizeof r.message, "%s", msg);
-    post_group_failure(g, &d, &st->layer, &r);
-    return NULL;
-  }
-  if (!t->ops->start_group) return NULL;
-  /* on the device: a NOP carrying the failure takes the turn, then writes the flag */
-  mok_job_args a;
-  memset(&a, 0, sizeof a);
-  a.op = MOK_OP_NOP;
-  a.session = s->es;
-  a.group_failed = status;
-  a.standing_flag = st->args.standing_flag;
-  a.standing_slot = st->args.standing_slot;
-  return t->ops->start_group(t->engine, g, &a, res);
-}
-
-/* A peer that never arrived at a device barrier: the group cannot go on
- * (as for a ring job: poll_session). */
-static void standing_group_ended(void *ctx, const mok_standing_entry *st,
-                                 const mok_engine_result *res) {
-  esession *s = ctx;
-  mok_engine_thread *t = s->thread;
-  if (res->status != MOK_ETIMEOUT || !t->groups || !t->ops->start_group) return;
-  mok_ep_group *g = mok_ep_group_find(t->groups, st->layer.group_id);
-  if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g);
-  if (g) mok_ep_group_mark_broken(g, res->message);
-}
-
 /* The layer as the engine would run it (group fields filled, prepared). */
 static int prepared_layer(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
                           size_t errlen) {
   int st;
-  if (cfg->group_id && (st = group_layer_config(t, s, cfg, err, errlen)) != MOK_OK) return st;
+  if (cfg->group_id && (st = mok__group_layer_config(t, s, cfg, err, errlen)) != MOK_OK) return st;
   if ((st = t->ops->prepare_layer(t->engine, cfg, err, errlen)) != MOK_OK) return st;
-  if (cfg->group_id && (st = group_layer_rows(t, s, cfg, err, errlen)) != MOK_OK) return st;
+  if (cfg->group_id && (st = mok__group_layer_rows(t, s, cfg, err, errlen)) != MOK_OK) return st;
   return MOK_OK;
 }
 
@@ -845,40 +360,9 @@ static void cmd_stats(mok_engine_thread *t, mok_cmd *c) {
     }
     o->sink = s->detaching ? NULL : s->sink;
     if (s->es && t->ops->session_memory) t->ops->session_memory(t->engine, s->es, &o->memory);
-    for (size_t i = 0; i < s->n_groups && o->n_groups < MOK_STATS_GROUPS_MAX; i++) {
-      mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
-      if (!g) continue;
-      o->groups[o->n_groups++] = (mok_group_stats){
-          .group_id = mok_ep_group_id(g), .rank = mok_ep_group_rank(g),
-          .world = mok_ep_group_get_sizing(g)->world,
-          .generation = mok_ep_group_generation(g), .sequence = mok_ep_group_sequence(g)};
-    }
+    mok__group_session_stats(t, s, o);
   }
-  /* every group of this daemon, lingering ones included */
-  size_t ng = 0;
-  for (mok_ep_group *g = t->groups ? mok_ep_group_next(t->groups, NULL) : NULL; g;
-       g = mok_ep_group_next(t->groups, g))
-    ng++;
-  if (ng > MOK_STATS_DAEMON_GROUPS_MAX) ng = MOK_STATS_DAEMON_GROUPS_MAX;
-  st->groups = ng ? calloc(ng, sizeof *st->groups) : NULL;
-  for (mok_ep_group *g = st->groups ? mok_ep_group_next(t->groups, NULL) : NULL;
-       g && st->n_groups < ng; g = mok_ep_group_next(t->groups, g)) {
-    mok_daemon_group_stats *o = &st->groups[st->n_groups++];
-    o->group_id = mok_ep_group_id(g);
-    o->uid = (uint32_t)mok_ep_group_uid(g);
-    o->rank = mok_ep_group_rank(g);
-    o->world = mok_ep_group_get_sizing(g)->world;
-    o->sessions = mok_ep_group_refs(g);
-    o->generation = mok_ep_group_generation(g);
-    o->sequence = mok_ep_group_sequence(g);
-    o->nccl = mok_ep_group_is_nccl(g);
-    o->broken = mok_ep_group_is_broken(g);
-    o->forming = group_forming(t, o->group_id);
-    snprintf(o->key, sizeof o->key, "%s", mok_ep_group_key(g));
-    o->timeouts = mok_ep_group_timeouts(g);
-    for (uint32_t p = 0; p < o->world && p < MOK_GROUP_MAX_WORLD; p++)
-      o->rank_missed[p] = mok_ep_group_rank_missed(g, p);
-  }
+  mok__group_daemon_stats(t, st);
   c->status = MOK_OK;
 }
 
@@ -910,7 +394,7 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
     cmd_stats(t, c);
     return;
   }
-  esession *s = find_session(t, c->session_id);
+  esession *s = mok__thread_find_session(t, c->session_id);
   if (!s) {
     if (c->kind == MOK_CMD_REGISTER && c->in.reg.fd >= 0) close(c->in.reg.fd);
     c->status = MOK_ENOENT;
@@ -942,9 +426,9 @@ static void run_command(mok_engine_thread *t, mok_cmd *c) {
   case MOK_CMD_LAYER_COST: cmd_layer_cost(t, s, c); break;
   case MOK_CMD_DESTROY_LAYER: cmd_destroy_layer(t, s, c); break;
   case MOK_CMD_DETACH: cmd_detach(t, s); break;
-  case MOK_CMD_JOIN_GROUP: cmd_join_group(t, s, c); break;
-  case MOK_CMD_LEAVE_GROUP: cmd_leave_group(t, s, c); break;
-  case MOK_CMD_GROUP_ID: cmd_group_id(t, c); break;
+  case MOK_CMD_JOIN_GROUP: mok__group_cmd_join(t, s, c); break;
+  case MOK_CMD_LEAVE_GROUP: mok__group_cmd_leave(t, s, c); break;
+  case MOK_CMD_GROUP_ID: mok__group_cmd_id(t, c); break;
   default:
     c->status = MOK_EINVAL;
     snprintf(c->message, sizeof c->message, "unknown command %d", (int)c->kind);
@@ -959,7 +443,7 @@ static void run_commands(mok_engine_thread *t) {
   while (c) {
     mok_cmd *next = c->next;
     run_command(t, c);
-    if (!c->deferred) post_done(t, c);
+    if (!c->deferred) mok__thread_post_done(t, c);
     c = next;
   }
 }
@@ -975,7 +459,7 @@ static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
   c->session_id = s->id;
   c->status = MOK_EPROTO;
   snprintf(c->message, sizeof c->message, "%s", why);
-  post_done(t, c);
+  mok__thread_post_done(t, c);
 }
 
 static void post_completion(esession *s, uint64_t user_data, uint64_t seq, int status,
@@ -1098,8 +582,6 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
   return running;
 }
 
-/* Take and run (or start) one job of s if it has one and room for its
- * completion. Returns true when a job was taken. */
 /* Jobs a uid has submitted and not yet seen complete, over all its sessions:
  * those still in the submission rings and those running. */
 static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
@@ -1147,7 +629,11 @@ static void standing_desc(mok_engine_thread *t, esession *s, const mok_job_desc 
                                     res->message, sizeof res->message);
 }
 
-static bool run_one_job(mok_engine_thread *t, esession *s) {
+/* Copy s's next descriptor out of its submission ring, if it has one and
+ * room for its completion: once, so that the client cannot change the copy
+ * while it is checked and used. false: none (or s faulted: a ring index
+ * out of bounds). */
+static bool take_desc(mok_engine_thread *t, esession *s, mok_job_desc *desc) {
   if (s->faulted || s->detaching) return false;
   mok_shm_header *h = s->shm.hdr;
   uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
@@ -1166,13 +652,18 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   /* every running job will post a completion: keep room for all of them */
   if (used + s->n_pend >= MOK_RING_ENTRIES) return false;
 
-  /* copy once, then validate the copy: the client cannot change it under us */
-  mok_job_desc desc;
-  memcpy(&desc, &mok_shm_sq_entries(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof desc);
+  memcpy(desc, &mok_shm_sq_entries(h)[s->sq_head & (MOK_RING_ENTRIES - 1)], sizeof *desc);
   s->sq_head++;
   atomic_store_explicit(&h->sq_head.value, s->sq_head, memory_order_release);
   s->seq++;
+  return true;
+}
 
+/* Take and run (or start) one job of s if it has one and room for its
+ * completion. Returns true when a job was taken. */
+static bool run_one_job(mok_engine_thread *t, esession *s) {
+  mok_job_desc desc;
+  if (!take_desc(t, s, &desc)) return false;
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
   uint64_t t0 = now_ns();
@@ -1197,31 +688,13 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                s->uid, in_flight, s->limits.max_jobs_per_uid);
     }
   }
-  mok_ep_group *group = NULL, *turn = NULL;
-  if (le && le->cfg.group_id && t->ops->start_group) {
-    /* asynchronous group job: a failed one posts its failure to the group,
-     * then runs as the fence-only NOP below like any failed job; on a group
-     * whose posts travel on the device, that NOP takes the turn there */
-    group = job_group(t, s, &desc, &le->cfg, &res);
-    if (!group && res.status != MOK_OK &&
-        (desc.op == MOK_OP_FORWARD || desc.op == MOK_OP_BACKWARD)) {
-      mok_ep_group *g = session_group(t, s, le->cfg.group_id);
-      if (g && mok_ep_group_is_nccl(g)) turn = g;
-    }
-  } else if (le && le->cfg.group_id) {
-    /* synchronous group job (cpu): after the session's earlier jobs, whose
-     * outputs it may read, and on the session's scratch */
-    while (s->n_pend) poll_session_blocking(t, s);
-    args.session = s->es;
-    args.layer_state = le->state;
-    run_group_job(t, s, &desc, &le->cfg, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
-    return true;
-  }
-  if (!t->ops->start) {
-    if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
-    return true;
+  mok_ep_group *group = NULL;
+  if (le && le->cfg.group_id) {
+    /* a job on the engine thread reads the outputs of the session's earlier
+     * jobs: they finish first */
+    if (t->ops->groups == MOK_ENGINE_GROUPS_ON_CALLER)
+      while (s->n_pend) poll_session_blocking(t, s);
+    group = mok__group_of_job(t, s, &desc, &le->cfg, &res);
   }
   pend *p = calloc(1, sizeof *p);
   if (!p) {
@@ -1248,14 +721,10 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   args.session = s->es;
   args.layer_state = le ? le->state : NULL;
   if (group) {
-    p->group_id = le->cfg.group_id;
-    p->job = t->ops->start_group(t->engine, group, &args, &res);
-  } else if (turn) {
-    args.group_failed = p->fail_status;
-    p->job = t->ops->start_group(t->engine, turn, &args, &res);
-  } else {
-    p->job = t->ops->start(t->engine, &args, &res);
+    args.group_failed = p->fail_status; /* a failed job's NOP takes the turn on the device */
+    if (p->fail_status == MOK_OK) p->group_id = le->cfg.group_id;
   }
+  p->job = t->ops->start(t->engine, group, &args, &res);
   if (res.fatal) engine_fatal(t, res.message);
   if (!p->job) {
     if (p->fail_status != MOK_OK) {
@@ -1355,7 +824,7 @@ static void *engine_main(void *arg) {
   uint64_t idle_since = 0;
   for (;;) {
     run_commands(t);
-    if (t->forming) poll_formers(t, false);
+    if (t->forming) mok__group_poll_formers(t, false);
     if (atomic_load(&t->stopping)) break;
     if (now_ns() - t->ticked_ns > 100000000ull) {
       t->ticked_ns = now_ns();
@@ -1385,7 +854,7 @@ static void *engine_main(void *arg) {
     sleep_until_work(t, standing_live ? 1 : 1000);
     idle_since = 0;
   }
-  poll_formers(t, true); /* each ends within its group's timeout */
+  mok__group_poll_formers(t, true); /* each ends within its group's timeout */
   /* drain: what clients submitted before the stop still runs, within a bound */
   uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
   for (;;) {
@@ -1433,7 +902,8 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   ecfg.wake_arg = t;
   int r = ops->open(&ecfg, &t->engine, err, errlen);
   if (r != MOK_OK) goto fail;
-  if ((ops->run_group || ops->start_group) && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
+  if (ops->groups != MOK_ENGINE_NO_GROUPS &&
+      !(t->groups = mok_ep_group_table_create(&t->stopping))) {
     snprintf(err, errlen, "out of memory");
     r = MOK_ENOMEM;
     goto fail;

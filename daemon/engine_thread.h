@@ -8,6 +8,10 @@
  * e.g. uv_async_send). Between commands the engine thread takes jobs from
  * every attached session's submission ring, round-robin, one job per session
  * per turn, validates each and runs it, and posts the completion.
+ *
+ * Files: engine_thread.c (the thread, commands, sessions, jobs),
+ * engine_groups.c (its expert-parallel groups), engine_thread_internal.h
+ * (the state they share).
  */
 #ifndef MOK_ENGINE_THREAD_H
 #define MOK_ENGINE_THREAD_H

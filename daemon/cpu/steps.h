@@ -128,6 +128,8 @@ struct mok_engine {
   mok_ep_cpu_timing ep_timing; /* written by expert-parallel forwards (cpu/ep.c) */
 };
 
+/* ---- cpu/engine.c ------------------------------------------------------- */
+
 /* job_env for a job (layer checks, tensors resolved for args->op). */
 mok_status mok__cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
                              mok_engine_result *res);
@@ -136,6 +138,12 @@ __attribute__((format(printf, 3, 4))) mok_status mok__cpu_job_fail(job_env *env,
 void *mok__cpu_scratch(job_env *env, int id, size_t bytes);
 void mok__cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg);
 
+/* ---- cpu/steps.c -------------------------------------------------------- */
+
+/* dispatch: the schedule of ids (copied out to sched_out when given) and the
+ * routed rows; *ret views the daemon's schedule. */
+mok_status mok__cpu_step_dispatch(job_env *env, const void *x, const int32_t *ids,
+                                  int32_t *sched_out, void *routed_x, mok_sched_view *ret);
 /* routed[r] = src[token of row r], padding rows 0 (dispatch's data movement). */
 void mok__cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed);
 /* compute on routed rows (and the shared expert when env->Is > 0). */
@@ -166,13 +174,13 @@ mok_status mok__cpu_schedule_in(job_env *env, const void *sched, mok_sched_view 
 mok_status mok__cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
                                    mok_sched_view *ret);
 
-/* The timing of e's last expert-parallel forward. */
-const mok_ep_cpu_timing *mok__cpu_ep_last_timing(const mok_engine *e);
+/* ---- cpu/ep.c ----------------------------------------------------------- */
 
-
-/* The expert-parallel job (cpu/ep.c): forward or backward of a group layer. */
+/* The expert-parallel job: forward or backward of a group layer. */
 struct mok_ep_group;
 void mok__cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
                         mok_engine_result *res);
+/* The timing of e's last expert-parallel forward. */
+const mok_ep_cpu_timing *mok__cpu_ep_last_timing(const mok_engine *e);
 
 #endif /* MOK_CPU_STEPS_H */

@@ -122,69 +122,32 @@ bool mok__cuda_context_broken(cudaStream_t stream) {
   return true;
 }
 
+/* ---- regions' imports ------------------------------------------------------------ */
+
+struct ipc_entry {
+  uint8_t handle[64];
+  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
+  CUdeviceptr alloc_base; /* the allocation's first byte in that mapping (its identity) */
+  size_t size;    /* bytes from ptr to the allocation's end (cuMemGetAddressRange) */
+  int refs;
+  struct ipc_entry *next;
+};
+
+typedef struct vmm_import {
+  CUdeviceptr va;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+} vmm_import;
+
+/* r->engine_handle of a CUDA region: the import and who registered it */
+typedef struct cuda_region {
+  mok_engine_session *s; /* counted in s->mapped_bytes (NULL: no session said) */
+  uint64_t bytes;
+  ipc_entry *ipc;        /* MOK_REGION_CUDA_IPC */
+  vmm_import *vmm;       /* MOK_REGION_CUDA_VMM */
+} cuda_region;
+
 /* ---- open / close ---------------------------------------------------------------- */
-
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void *watchdog_main(void *arg) {
-  mok_engine *e = arg;
-  while (!atomic_load(&e->watchdog_stop)) {
-    uint64_t now = mono_ns();
-    for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
-      fence_watch *w = &e->watches[i];
-      int armed = WATCH_ARMED;
-      if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_ARMED) continue;
-      if (now <= w->deadline_ns) continue;
-      /* hold the slot while we touch the word: the job cannot be freed meanwhile */
-      if (!atomic_compare_exchange_strong(&w->state, &armed, WATCH_CHECKING)) continue;
-      int next = WATCH_ARMED;
-      if (*w->word < w->value) {
-        atomic_thread_fence(memory_order_seq_cst);
-        *w->word = w->value;
-        atomic_thread_fence(memory_order_seq_cst);
-        next = WATCH_FORCED;
-        log_warn("cuda engine: a client fence (%llu) was not written within the timeout; "
-                 "released, its job fails", (unsigned long long)w->value);
-      }
-      atomic_store_explicit(&w->state, next, memory_order_release);
-    }
-    usleep(5000);
-  }
-  return NULL;
-}
-
-/* Arm a watch for job j's fence; j->watch = -1 when none is free (then only
- * the engine thread's own check covers it). */
-static void watch_arm(mok_engine *e, mok_engine_job *j, volatile uint64_t *word, uint64_t value) {
-  j->watch = -1;
-  if (!e->watchdog_started) return;
-  for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
-    fence_watch *w = &e->watches[i];
-    if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_FREE) continue;
-    w->word = word;
-    w->value = value;
-    w->deadline_ns = mono_ns() + e->fence_timeout_ns;
-    atomic_store_explicit(&w->state, WATCH_ARMED, memory_order_release);
-    j->watch = i;
-    return;
-  }
-}
-
-/* Disarm j's watch; returns true if the watchdog forced the fence. */
-static bool watch_disarm(mok_engine *e, mok_engine_job *j) {
-  if (j->watch < 0) return false;
-  fence_watch *w = &e->watches[j->watch];
-  j->watch = -1;
-  for (;;) {
-    int st = atomic_load_explicit(&w->state, memory_order_acquire);
-    if (st == WATCH_CHECKING) continue; /* the watchdog is looking at it: a moment */
-    if (atomic_compare_exchange_strong(&w->state, &st, WATCH_FREE)) return st == WATCH_FORCED;
-  }
-}
 
 /* A setting in ms as ns: the environment's value, else the config's, else
  * the default (0 means "the default" in both). */
@@ -356,20 +319,14 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
   snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",
            p.name, p.major, p.minor, p.multiProcessorCount,
            (double)p.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), dev, bus);
-  e->watches = calloc(MAX_FENCE_WATCHES, sizeof *e->watches);
-  /* without the watchdog the engine thread's own check still times fences out */
-  e->watchdog_started = e->watches && pthread_create(&e->watchdog, NULL, watchdog_main, e) == 0;
+  mok__cuda_fence_watchdog_start(e);
   *ret = e;
   return MOK_OK;
 }
 
 static void cuda_close(mok_engine *e) {
   if (!e) return;
-  if (e->watchdog_started) {
-    atomic_store(&e->watchdog_stop, true);
-    pthread_join(e->watchdog, NULL);
-  }
-  free(e->watches);
+  mok__cuda_fence_watchdog_stop(e);
   if (mok__cuda_use_device(e) == MOK_OK) cudaDeviceSynchronize();
   while (e->ipc) { /* every region was released; nothing should be left */
     ipc_entry *n = e->ipc->next;
@@ -606,7 +563,7 @@ static void ws_release(mok_engine *e, mok_engine_session *s, cudaStream_t st) {
   mok__cuda_free_async(s->ws, st);
   s->ws = NULL;
   s->ws_bytes = 0;
-  e->trim_until_ns = mono_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
+  e->trim_until_ns = mok__cuda_mono_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
 }
 
 static void session_free(mok_engine *e, mok_engine_session *s) {
@@ -1402,8 +1359,8 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
-mok_engine_job *mok__cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                                    mok_engine_result *res) {
+static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
+                                 mok_engine_result *res) {
   res->status = MOK_OK;
   res->message[0] = '\0';
   mok_engine_session *s = a->session;
@@ -1452,7 +1409,7 @@ mok_engine_job *mok__cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ct
   if (cr != CUDA_SUCCESS)
     mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", mok__cuda_drv_error(e, cr));
   else if (a->fence_wait && s->sync_dev)
-    watch_arm(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
+    mok__cuda_fence_watch(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
   return j;
 }
@@ -1580,7 +1537,7 @@ static bool job_workspace(job_ctx *c) {
     return false;
   }
   mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
-  c->s->ws_used_ns = mono_ns();
+  c->s->ws_used_ns = mok__cuda_mono_ns();
   if (c->l->owner != c->s) { /* the session whose jobs run the layer holds it */
     if (c->l->owner) c->l->owner->layer_bytes -= sizeof *c->l;
     c->l->owner = c->s;
@@ -1603,7 +1560,7 @@ bool mok__cuda_job_prepare(job_ctx *c) {
   return !c->failed;
 }
 
-mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res) {
+static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
   mok_engine *e = c->e;
   mok_engine_session *s = c->s;
   mok_engine_job *j = c->j;
@@ -1643,12 +1600,12 @@ mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res) {
     res->flag_written = j->flag_written;
     if (!res->fatal) {
       cudaStreamSynchronize(s->stream);
-      watch_disarm(e, j);
+      mok__cuda_fence_unwatch(e, j);
       j->used = false;
       if (j->host_signal) *mok_shm_sync_done(s->sync_host) = j->fence_signal;
       return NULL;
     }
-    watch_disarm(e, j);
+    mok__cuda_fence_unwatch(e, j);
     j->used = false;
     return NULL;
   }
@@ -1660,7 +1617,8 @@ mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res) {
   return j;
 }
 
-static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
+                                    mok_engine_result *res) {
   mok_engine_session *s = a->session;
   if (s && s->stuck) { /* fail at once; the done value goes out once the stuck job ends */
     res->status = MOK_EBUSY;
@@ -1673,14 +1631,25 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     return NULL;
   }
   job_ctx c;
-  mok_engine_job *j = mok__cuda_job_begin(e, a, &c, res);
+  mok_engine_job *j = job_begin(e, a, &c, res);
   if (!j) return NULL;
   if (mok__cuda_job_prepare(&c)) {
     if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
     else op_step(&c);
   }
-  return mok__cuda_job_end(&c, res);
+  return job_end(&c, res);
+}
+
+/* A job of this daemon alone, or of a layer on group g: the same frame, the
+ * group job's work from cuda/ep.c. */
+static mok_engine_job *cuda_start(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                  mok_engine_result *res) {
+  if (!g) return start_single(e, a, res);
+  job_ctx c;
+  if (!job_begin(e, a, &c, res)) return NULL;
+  mok__cuda_group_job(&c, g, a);
+  return job_end(&c, res);
 }
 
 static const char *status_text(int st, bool device_posts) {
@@ -1703,33 +1672,12 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   cudaError_t q = cudaEventQuery(j->ev_done);
   if (q == cudaErrorNotReady) {
     watch_job_time(e, j, now);
-    if (j->fence_wait && !j->fence_forced && s->sync_dev) {
-      if (!j->head_since) {
-        j->head_since = now == UINT64_MAX ? 1 : now;
-        log_debug("cuda engine: a %s job waits for client fence %llu (word %llu now)",
-                  mok_op_name(j->op), (unsigned long long)j->fence_wait,
-                  (unsigned long long)*mok_shm_sync_fence(s->sync_host, j->fence_wait));
-      }
-      if (now == UINT64_MAX || now - j->head_since > e->fence_timeout_ns) {
-        volatile uint64_t *w = mok_shm_sync_fence(s->sync_host, j->fence_wait);
-        if (*w < j->fence_wait) {
-          /* the client never wrote its fence (it died, or its stream stalled):
-           * release the wait ourselves so the stream moves on; the job fails */
-          atomic_thread_fence(memory_order_seq_cst);
-          *w = j->fence_wait;
-          atomic_thread_fence(memory_order_seq_cst);
-          j->fence_forced = true;
-          log_warn("cuda engine: a job waited %.1f s for its client's fence %llu; released",
-                   now == UINT64_MAX ? 0.0 : (double)(now - j->head_since) / 1e9,
-                   (unsigned long long)j->fence_wait);
-        }
-      }
-    }
+    mok__cuda_fence_check(e, j, now);
     return 0;
   }
-  if (watch_disarm(e, j)) j->fence_forced = true; /* the watchdog released the wait */
+  if (mok__cuda_fence_unwatch(e, j)) j->fence_forced = true; /* the watchdog released the wait */
   if (s->stuck == j) unstick(e, s, j, now);
-  s->ws_used_ns = mono_ns();
+  s->ws_used_ns = mok__cuda_mono_ns();
   res->fatal = 0;
   res->flag_written = j->flag_written;
   if (q != cudaSuccess) {
@@ -1768,27 +1716,14 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   return 1;
 }
 
-/* The synchronous form (tools and tests that call run() directly): start,
- * then poll to completion. */
-static void cuda_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
-  mok_engine_job *j = cuda_start(e, a, res);
-  if (!j) return;
-  struct timespec ts = {0, 20000}, now;
-  for (;;) {
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (cuda_poll(e, j, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec, res)) break;
-    nanosleep(&ts, NULL);
-  }
-}
-
 const mok_engine_ops mok_engine_cuda = {
     .name = "cuda",
+    .groups = MOK_ENGINE_GROUPS_ON_STREAM,
     .writes_standing_flag = true,
     .open = cuda_open,
     .close = cuda_close,
     .describe = cuda_describe,
     .prepare_layer = cuda_prepare_layer,
-    .run = cuda_run,
     .session_open = cuda_session_open,
     .session_close = cuda_session_close,
     .layer_open = cuda_layer_open,
@@ -1800,8 +1735,8 @@ const mok_engine_ops mok_engine_cuda = {
     .idle = cuda_idle,
     .start = cuda_start,
     .poll = cuda_poll,
+    .group_new_id = mok__cuda_group_new_id,
     .group_attach = mok__cuda_group_attach,
-    .start_group = mok__cuda_start_group,
     .group_form = mok__cuda_group_form,
     .group_install = mok__cuda_group_install,
     .group_discard = mok__cuda_group_discard,

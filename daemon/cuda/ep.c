@@ -197,6 +197,14 @@ void *mok__cuda_group_form(mok_engine *e, const mok_ep_group_form *f, int *statu
   return st;
 }
 
+/* The id of a group formed through NCCL (the bootstrap root runs in this
+ * process until every member joined). */
+int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen) {
+  (void)e;
+  _Static_assert(MOK_GROUP_NCCL_ID_BYTES == MOK_NCCL_ID_BYTES, "an NCCL unique id");
+  return mok_nccl_unique_id(id, err, errlen);
+}
+
 void mok__cuda_group_install(mok_engine *e, mok_ep_group *g, void *state) {
   (void)e;
   mok_ep_group_set_engine_state(g, state, state_free, 1);
@@ -805,42 +813,42 @@ static int job_fits(const job_ctx *c, const mok_ep_group *g, const ep_state *st,
   return MOK_OK;
 }
 
-mok_engine_job *mok__cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_args *a,
-                                      mok_engine_result *res) {
-  job_ctx c;
-  mok_engine_job *job = mok__cuda_job_begin(e, a, &c, res);
-  if (!job) return NULL;
+/* The work of a job of a layer on g, enqueued into the frame that the
+ * engine's start() opened (internal.h): the group's host protocol on this
+ * thread, the rest on the session's stream. A job that fails before its
+ * exchange still takes the member's turn, so its peers fail it too. */
+void mok__cuda_group_job(job_ctx *c, mok_ep_group *g, const mok_job_args *a) {
   if (a->group_failed) { /* a NOP: this member's job failed before the engine */
-    ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+    ep_job j = {.c = c, .g = g, .st = mok_ep_group_engine_state(g)};
     if (mok_ep_group_is_nccl(g) && j.st && j.st->nccl) device_protocol(&j, a->group_failed);
-    return mok__cuda_job_end(&c, res);
+    return;
   }
   if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
-    mok__cuda_job_fail(&c, MOK_EUNSUPPORTED,
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED,
                        "a layer on a group runs forward and backward; single steps need a layer "
                        "without a group");
-    return mok__cuda_job_end(&c, res);
+    return;
   }
-  ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+  ep_job j = {.c = c, .g = g, .st = mok_ep_group_engine_state(g)};
   char err[MOK_JOB_MESSAGE_MAX];
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
-    mok__cuda_job_fail(&c, st, "%s", err);
-    return mok__cuda_job_end(&c, res);
+    mok__cuda_job_fail(c, st, "%s", err);
+    return;
   }
-  bool ok = mok__cuda_job_prepare(&c);
+  bool ok = mok__cuda_job_prepare(c);
   int fit = MOK_OK;
-  if (ok && (fit = job_fits(&c, g, j.st, err, sizeof err)) != MOK_OK) {
-    mok__cuda_job_fail(&c, fit, "%s", err);
+  if (ok && (fit = job_fits(c, g, j.st, err, sizeof err)) != MOK_OK) {
+    mok__cuda_job_fail(c, fit, "%s", err);
     ok = false;
   }
   if (!ok) {
     /* still take the turn, so that every member fails this job with our message */
     if (!mok_ep_group_is_nccl(g))
-      host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
+      host_protocol(&j, c->j->status != MOK_OK ? c->j->status : MOK_EINVAL, c->j->message);
     else if (j.st && j.st->nccl)
-      device_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL);
-    return mok__cuda_job_end(&c, res);
+      device_protocol(&j, c->j->status != MOK_OK ? c->j->status : MOK_EINVAL);
+    return;
   }
   j.dv = mok__cuda_group_dims(a->layer);
   j.lv = mok_group_routed_dims(a->layer);
@@ -851,5 +859,4 @@ mok_engine_job *mok__cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_
   if (a->op == MOK_OP_FORWARD) ep_forward(&j);
   else ep_backward(&j);
   side_end(&j); /* a job that stopped early still joins its side work */
-  return mok__cuda_job_end(&c, res);
 }

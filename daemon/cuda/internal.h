@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "engine.h"
 #include "mok_kernels.h"
@@ -45,44 +46,10 @@ typedef struct drv_api {
 
 /* ---- engine state ------------------------------------------------------------- */
 
-typedef struct ipc_entry {
-  uint8_t handle[64];
-  void *ptr;      /* cudaIpcOpenMemHandle's mapping */
-  CUdeviceptr alloc_base; /* the allocation's first byte in that mapping (its identity) */
-  size_t size;    /* bytes from ptr to the allocation's end (cuMemGetAddressRange) */
-  int refs;
-  struct ipc_entry *next;
-} ipc_entry;
+typedef struct ipc_entry ipc_entry; /* an opened IPC handle (cuda/engine.c) */
 
-typedef struct vmm_import {
-  CUdeviceptr va;
-  size_t size;
-  CUmemGenericAllocationHandle handle;
-} vmm_import;
-
-/* r->engine_handle of a CUDA region: the import and who registered it */
-typedef struct cuda_region {
-  mok_engine_session *s; /* counted in s->mapped_bytes (NULL: no session said) */
-  uint64_t bytes;
-  ipc_entry *ipc;        /* MOK_REGION_CUDA_IPC */
-  vmm_import *vmm;       /* MOK_REGION_CUDA_VMM */
-} cuda_region;
-
-/* Fence watches: a job parked on a client fence is watched by a thread that
- * makes no CUDA calls. The engine thread's own timeout check cannot be
- * relied on: some CUDA calls (cudaHostUnregister, cudaIpcCloseMemHandle)
- * wait for the device, and while a stream is parked on a dead client's
- * fence they would hold the engine thread - and the lock they take blocks
- * its other CUDA calls - for ever. The watchdog writes the awaited value
- * itself once the timeout passes, so the device always drains. */
-#define MAX_FENCE_WATCHES 4096
-enum { WATCH_FREE = 0, WATCH_ARMED, WATCH_CHECKING, WATCH_FORCED };
-typedef struct fence_watch {
-  _Atomic int state;
-  volatile uint64_t *word; /* the client's fence word (the session's sync page) */
-  uint64_t value;          /* what the job waits for */
-  uint64_t deadline_ns;
-} fence_watch;
+/* A watch on a parked job's client fence (cuda/fence.c). */
+typedef struct fence_watch fence_watch;
 
 struct mok_engine {
   int device;
@@ -256,29 +223,48 @@ void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **w
                              const uint16_t **wd);
 bool mok__cuda_check_job(job_ctx *c);
 
-/* A job's frame: mok__cuda_job_begin takes a job record, enqueues the wait for
- * the client's fence and the start event, and fills c (NULL: res says why);
- * the caller enqueues the op's work (c->failed: none); mok__cuda_job_end reads
- * back the status word, writes the done fence and records the done event,
- * returning the job for poll() (NULL: it finished, res filled). */
-mok_engine_job *mok__cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                                    mok_engine_result *res);
-/* checks the job, carves its workspace (growing the session's) and resets
- * the status word; false: the job failed (c says why) */
+/* A job's frame (cuda/engine.c start()): the job's record, the wait for
+ * the client's fence and the start event, then the op's work (single-daemon
+ * ops in cuda/engine.c, group jobs in cuda/ep.c; c->failed: none), then the
+ * status word's read-back, the done fence and the done event; poll()
+ * follows the job. Within the frame, mok__cuda_job_prepare checks the job,
+ * carves its workspace (growing the session's) and resets the status word;
+ * false: the job failed (c says why). */
 bool mok__cuda_job_prepare(job_ctx *c);
 /* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
  * far, named; the intervals are logged when the job completes. */
 bool mok__cuda_profiling(void);
 void mok__cuda_mark(job_ctx *c, const char *name);
-mok_engine_job *mok__cuda_job_end(job_ctx *c, mok_engine_result *res);
 
-/* cuda/ep.c */
+static inline uint64_t mok__cuda_mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* cuda/fence.c: client fences a client never writes, released after the
+ * fence timeout by the watchdog (a thread without CUDA calls, started with
+ * the engine) or by the engine thread's check in poll() */
+void mok__cuda_fence_watchdog_start(mok_engine *e); /* none started: poll()'s check alone */
+void mok__cuda_fence_watchdog_stop(mok_engine *e);
+/* watch j's fence (word, the value it waits for); j->watch = -1 when no
+ * watch is free (then only poll()'s check covers it) */
+void mok__cuda_fence_watch(mok_engine *e, mok_engine_job *j, volatile uint64_t *word,
+                           uint64_t value);
+/* stop watching j's fence; true if the watchdog released it */
+bool mok__cuda_fence_unwatch(mok_engine *e, mok_engine_job *j);
+/* poll()'s check of a job still running: releases its fence once the
+ * timeout passed (now UINT64_MAX: at once), setting j->fence_forced */
+void mok__cuda_fence_check(mok_engine *e, mok_engine_job *j, uint64_t now);
+
+/* cuda/ep.c: expert-parallel groups */
+int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen);
 int mok__cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
-void *mok__cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
-                           size_t errlen);
+void *mok__cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status,
+                           char *err, size_t errlen);
 void mok__cuda_group_install(mok_engine *e, struct mok_ep_group *g, void *state);
 void mok__cuda_group_discard(mok_engine *e, void *state);
-mok_engine_job *mok__cuda_start_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
-                                      mok_engine_result *res);
+/* a job of a layer on g, within its frame */
+void mok__cuda_group_job(job_ctx *c, struct mok_ep_group *g, const mok_job_args *a);
 
 #endif /* MOK_ENGINE_CUDA_INTERNAL_H */
