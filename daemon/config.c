@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client_limits.h"
 #include "log.h"
 
 /* The defaults, before any file or option (kept here, beside the parser,
@@ -18,25 +19,10 @@ void mok_server_config_defaults(mok_server_config *cfg) {
   cfg->listen_fd = -1;
   cfg->socket_mode = 0660;
   cfg->engine = "cpu";
-  cfg->max_sessions = 256;
   cfg->hello_timeout_ms = 5000;
   cfg->max_pending_requests = 64;
   cfg->drain_ms = 10000;
-  /* The client limits, one table (deploy/mokd.conf documents each key): a
-   * uid's share is a fraction of the daemon, so that one tenant can never
-   * exhaust it for the others. */
-  cfg->session_reserve = 16;          /* of max-sessions, kept for uids with none */
-  cfg->max_regions_total = 32000;     /* mappings; vm.max_map_count is 65530 by default */
-  cfg->limits.max_regions = 4096;     /* per session */
-  cfg->limits.max_region_bytes = 256ull << 30; /* a 61-layer model registers ~75 GiB */
-  cfg->limits.max_layers = 256;
-  cfg->limits.max_jobs_per_uid = 1024;
-  cfg->max_sessions_per_uid = 64;     /* of 256 */
-  cfg->max_regions_per_uid = 8192;    /* a quarter of max-regions-total */
-  cfg->max_region_bytes_per_uid = 256ull << 30;
-  cfg->max_layers_per_uid = 1024;
-  cfg->max_groups_per_uid = 16;
-  cfg->max_group_bytes_per_uid = 32ull << 30;
+  mok_limits_defaults(cfg); /* the client limits: one table (client_limits.c) */
   mok_metrics_config_defaults(&cfg->metrics);
 }
 

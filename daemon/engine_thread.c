@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client_limits.h"
 #include "job_check.h"
 #include "job_sink.h"
 #include "log.h"
@@ -41,6 +42,21 @@ typedef struct pend {
 } pend;
 _Static_assert(sizeof(((pend *)0)->fail_message) == sizeof(((mok_engine_result *)0)->message),
                "a refused job's message is copied whole");
+
+/* One uid's jobs as max-jobs-per-uid counts them. Engine thread only: the
+ * jobs are taken, completed and the sessions attached, faulted and freed on
+ * it, so the counts need no lock. held is a running count (the jobs its
+ * sessions' running lists hold, refused ones left out), changed as a job is
+ * taken or completes and as a session faults or goes; the jobs still queued
+ * in its sessions' rings are read from their tails at the check, because a
+ * client moves its tail without telling the engine (the doorbell is a wake-up,
+ * not a count). */
+typedef struct uid_jobs {
+  uint32_t uid;
+  uint32_t held;
+  struct esession *sessions; /* its sessions, through uid_next */
+  struct uid_jobs *next;
+} uid_jobs;
 
 /* The engine-side half of a session. */
 typedef struct esession {
@@ -72,6 +88,9 @@ typedef struct esession {
   mok_standing_set standing; /* standing jobs (standing.h) */
   mok_standing_group_ops standing_group; /* their group layers' turns (ctx: this session) */
   struct mok_engine_thread *thread;      /* the one that serves it */
+  uid_jobs *uid_jobs;      /* its uid's */
+  uint32_t uid_counted;    /* what it adds to uid_jobs->held now */
+  struct esession *uid_next;
   struct esession *next;
 } esession;
 
@@ -116,6 +135,7 @@ struct mok_engine_thread {
   uint64_t spin_ns;           /* poll this long after the last work before sleeping */
   former *forming;            /* groups being formed through NCCL */
   uint64_t fence_timeout_ns;  /* a standing job's trigger not taken this long cancels it */
+  uid_jobs *uids;             /* of the attached sessions */
 };
 
 static uint64_t now_ns(void) {
@@ -248,8 +268,54 @@ static bool keep_dead_layer(esession *s, mok_engine_layer *l) {
   return true;
 }
 
+/* The session's share of its uid's held jobs, after n_pend, n_pend_refused
+ * or faulted changed (a faulted session counts for nothing). */
+static void uid_jobs_recount(esession *s) {
+  if (!s->uid_jobs) return;
+  uint32_t now = s->faulted ? 0 : s->n_pend - s->n_pend_refused;
+  s->uid_jobs->held = s->uid_jobs->held - s->uid_counted + now;
+  s->uid_counted = now;
+}
+
+/* The session joins its uid's record (made for the uid's first session). */
+static bool uid_jobs_join(mok_engine_thread *t, esession *s) {
+  uid_jobs *u = t->uids;
+  while (u && u->uid != s->uid) u = u->next;
+  if (!u) {
+    if (!(u = calloc(1, sizeof *u))) return false;
+    u->uid = s->uid;
+    u->next = t->uids;
+    t->uids = u;
+  }
+  s->uid_jobs = u;
+  s->uid_next = u->sessions;
+  u->sessions = s;
+  return true;
+}
+
+static void uid_jobs_leave(mok_engine_thread *t, esession *s) {
+  uid_jobs *u = s->uid_jobs;
+  if (!u) return;
+  u->held -= s->uid_counted;
+  s->uid_counted = 0;
+  for (esession **p = &u->sessions; *p; p = &(*p)->uid_next)
+    if (*p == s) {
+      *p = s->uid_next;
+      break;
+    }
+  s->uid_jobs = NULL;
+  if (u->sessions) return;
+  for (uid_jobs **p = &t->uids; *p; p = &(*p)->next)
+    if (*p == u) {
+      *p = u->next;
+      break;
+    }
+  free(u);
+}
+
 /* Only once the session has no job running (see cmd_detach). */
 static void session_free(mok_engine_thread *t, esession *s) {
+  uid_jobs_leave(t, s);
   /* a group outlives the session that joined it (lingering for a re-join) */
   for (size_t i = 0; i < s->n_groups; i++) {
     mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
@@ -283,6 +349,12 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
   s->limits = c->in.attach.limits;
   s->uid = c->in.attach.uid;
   s->sink = c->in.attach.sink;
+  if (!uid_jobs_join(t, s)) {
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory attaching the session");
+    session_free(t, s);
+    return;
+  }
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
   if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, s->shm.doorbell_in, &ev) < 0) {
     c->status = MOK_EIO;
@@ -305,13 +377,14 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
 
 static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
   mok_region r;
-  if (s->regions.count >= s->limits.max_regions) {
+  if (mok_limit_exceeded(MOK_LIMIT_REGIONS, s->limits.max_regions, s->regions.count, 1)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message, "session already has %zu regions (limit %u)",
              s->regions.count, s->limits.max_regions);
     return;
   }
-  if (c->in.reg.bytes > s->limits.max_region_bytes - s->regions.total_bytes) {
+  if (mok_limit_exceeded(MOK_LIMIT_REGION_BYTES, s->limits.max_region_bytes, s->regions.total_bytes,
+                         c->in.reg.bytes)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message,
              "registering %llu bytes would exceed the session's quota of %llu bytes "
@@ -749,7 +822,7 @@ static void cmd_layer_cost(mok_engine_thread *t, esession *s, mok_cmd *c) {
 }
 
 static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  if (s->n_layers >= s->limits.max_layers) {
+  if (mok_limit_exceeded(MOK_LIMIT_LAYERS, s->limits.max_layers, s->n_layers, 1)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message, "session already has %zu layers (limit %u)",
              s->n_layers, s->limits.max_layers);
@@ -969,6 +1042,7 @@ static void run_commands(mok_engine_thread *t) {
 static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
   if (s->faulted) return;
   s->faulted = true;
+  uid_jobs_recount(s);
   mok_cmd *c = calloc(1, sizeof *c);
   if (!c) return; /* the loop will still see the socket close eventually */
   c->kind = MOK_CMD_SESSION_FAULT;
@@ -1030,6 +1104,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
     if (!s->pend_head) s->pend_tail = NULL;
     s->n_pend--;
     if (p->fail_status != MOK_OK) s->n_pend_refused--;
+    uid_jobs_recount(s);
     if (p->fail_status != MOK_OK) { /* the fence-only NOP of a job that failed validation */
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
@@ -1102,14 +1177,15 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
  * completion. Returns true when a job was taken. */
 /* Jobs a uid has submitted and not yet seen complete, over all its sessions:
  * those still in the submission rings and those running. */
-static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
-  uint32_t n = 0;
-  for (esession *q = t->sessions; q; q = q->next) {
-    if (q->uid != uid || q->faulted) continue;
+/* Jobs of s's uid in flight: held (a refused job still waiting for its turn
+ * to complete holds nothing) and queued in its sessions' rings. */
+static uint32_t uid_jobs_in_flight(const esession *s) {
+  uint32_t n = s->uid_jobs->held;
+  for (const esession *q = s->uid_jobs->sessions; q; q = q->uid_next) {
+    if (q->faulted) continue;
     uint32_t tail = atomic_load_explicit(&q->shm.hdr->sq_tail.value, memory_order_acquire);
     uint32_t queued = tail - q->sq_head;
-    /* a refused job still waiting for its turn to complete holds nothing */
-    n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + q->n_pend - q->n_pend_refused;
+    n += queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES;
   }
   return n;
 }
@@ -1190,11 +1266,11 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                              sizeof res.message);
   if (res.status == MOK_OK && s->limits.max_jobs_per_uid) {
     /* a failed job still takes its turn (a group's peers see the failure) */
-    uint32_t in_flight = uid_jobs_in_flight(t, s->uid) + 1; /* this one included */
-    if (in_flight > s->limits.max_jobs_per_uid) {
+    uint32_t in_flight = uid_jobs_in_flight(s);
+    if (mok_limit_exceeded(MOK_LIMIT_JOBS_PER_UID, s->limits.max_jobs_per_uid, in_flight, 1)) {
       res.status = MOK_ELIMIT;
       snprintf(res.message, sizeof res.message, "uid %u has %u jobs in flight (max-jobs-per-uid %u)",
-               s->uid, in_flight, s->limits.max_jobs_per_uid);
+               s->uid, in_flight + 1, s->limits.max_jobs_per_uid); /* this one included */
     }
   }
   mok_ep_group *group = NULL, *turn = NULL;
@@ -1271,6 +1347,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   s->pend_tail = p;
   s->n_pend++;
   if (p->fail_status != MOK_OK) s->n_pend_refused++;
+  uid_jobs_recount(s);
   return true;
 }
 

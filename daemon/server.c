@@ -18,6 +18,7 @@
 #include <systemd/sd-daemon.h>
 #include <uv.h>
 
+#include "client_limits.h"
 #include "frame.h"
 #include "group.h"
 #include "layer.h"
@@ -614,7 +615,7 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
       continue;
     }
     const mok_server_config *cfg = &srv->cfg;
-    if (srv->n_sessions >= cfg->max_sessions) {
+    if (mok_limit_exceeded(MOK_LIMIT_SESSIONS, cfg->max_sessions, srv->n_sessions, 1)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT, "mokd has %u sessions already (max-sessions)",
                         srv->n_sessions);
       continue;
@@ -622,16 +623,17 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
     mok_quota_prune(&srv->quota, now_ms());
     mok_uid_usage *u = mok_quota_user(&srv->quota, cred.uid, false);
     uint32_t held = u ? u->sessions : 0;
-    if (cfg->max_sessions_per_uid && held >= cfg->max_sessions_per_uid) {
+    if (mok_limit_exceeded(MOK_LIMIT_SESSIONS_PER_UID, cfg->max_sessions_per_uid, held, 1)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
                         "uid %d has %u sessions already (max-sessions-per-uid %u)",
                         (int)cred.uid, held, cfg->max_sessions_per_uid);
       continue;
     }
     /* the last free slots are kept for uids that have none yet, so that
-     * one tenant (or a few) can never lock the others out */
-    uint32_t free_slots = cfg->max_sessions - srv->n_sessions;
-    if (held > 0 && free_slots <= cfg->session_reserve) {
+     * one tenant (or a few) can never lock the others out: this session
+     * and the reserve must both fit */
+    if (held > 0 && mok_limit_exceeded(MOK_LIMIT_SESSION_RESERVE, cfg->max_sessions,
+                                       srv->n_sessions, 1 + (uint64_t)cfg->session_reserve)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
                         "mokd has %u of %u sessions in use; the last %u are kept for uids that "
                         "have none (session-reserve), and uid %d has %u",
