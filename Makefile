@@ -49,7 +49,12 @@ LDLIBS := -lm -lpthread
 # ---- sources --------------------------------------------------------------
 PROTO_SRC := $(wildcard proto/*.c)
 GEN_SRC := $(GEN)/mok.pb-c.c
-DAEMON_SRC := $(filter-out daemon/main.c daemon/engine_cuda.c daemon/ep_cuda.c,$(wildcard daemon/*.c))
+# the daemon: the loop, the socket and sessions in daemon/, one folder per
+# engine (cpu/, cuda/) and one for expert-parallel groups (ep/); the cuda
+# engine's files build only with CUDA (cuda/nccl.c builds either way)
+DAEMON_DIRS := daemon daemon/cpu daemon/cuda daemon/ep
+CUDA_ONLY_SRC := daemon/cuda/engine.c daemon/cuda/ep.c
+DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_ONLY_SRC),$(wildcard $(addsuffix /*.c,$(DAEMON_DIRS))))
 CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)
 UNIT_SRC := $(wildcard tests/unit/test_*.c tests/integration/test_*.c)
@@ -60,9 +65,9 @@ ifneq ($(NVCC),)
   HAVE_CUDA := 1
   CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
   NVCCFLAGS ?= -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Ikernels -Iproto
-  CUDA_DAEMON_SRC := daemon/engine_cuda.c daemon/ep_cuda.c
+  CUDA_DAEMON_SRC := $(CUDA_ONLY_SRC)
   # never -lcuda: machines without a GPU have no libcuda.so.1 at run time;
-  # the static runtime loads the driver lazily (daemon/engine_cuda.c)
+  # the static runtime loads the driver lazily (daemon/cuda/engine.c)
   CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 else
   HAVE_CUDA :=
@@ -224,7 +229,7 @@ FUZZ_LIBS := $(PB_LIBS) $(SD_LIBS) -lm
 FUZZ_BINS := $(addprefix $(BUILD)/fuzz/fuzz_,$(FUZZ_TARGETS))
 
 define fuzz_rule
-$(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuzz/*.h proto/*.h daemon/*.h)
+$(BUILD)/fuzz/fuzz_$(1): $(FUZZ_SRC_$(1)) $(GEN)/mok.pb-c.h $(wildcard tests/fuzz/*.h proto/*.h $(addsuffix /*.h,$(DAEMON_DIRS)))
 	@mkdir -p $$(dir $$@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $$@ $(FUZZ_SRC_$(1)) $(FUZZ_LIBS)
 endef

@@ -8,8 +8,8 @@
  * tensor contents (routing ids, the contents of a schedule or ctx a client
  * passed in) the engine checks, failing the job with a status and message.
  *
- * Engines: cpu (engine_cpu.c; reference, f32 and bf16) and cuda
- * (engine_cuda.c; sm_90a kernels, bf16). Both compute docs/math.md exactly.
+ * Engines: cpu (cpu/engine.c; reference, f32 and bf16) and cuda
+ * (cuda/engine.c; sm_90a kernels, bf16). Both compute docs/math.md exactly.
  */
 #ifndef MOK_ENGINE_H
 #define MOK_ENGINE_H
@@ -56,8 +56,8 @@ typedef struct mok_job_args {
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
-struct mok_ep_group;      /* daemon/group.h */
-struct mok_ep_group_form; /* daemon/group.h */
+struct mok_ep_group;      /* daemon/ep/group.h */
+struct mok_ep_group_form; /* daemon/ep/group.h */
 
 typedef struct mok_engine_config {
   int device;      /* GPU ordinal (cuda); ignored by cpu */
@@ -146,7 +146,7 @@ typedef struct mok_engine_ops {
   void (*run)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
   /* Run a validated job of a layer on an expert-parallel group (forward or
    * backward; docs/ep.md), talking to the group's other members through g
-   * (daemon/group.h). NULL: the engine has no expert parallelism yet, and
+   * (daemon/ep/group.h). NULL: the engine has no expert parallelism yet, and
    * JoinGroup is refused. */
   void (*run_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
                     mok_engine_result *res);

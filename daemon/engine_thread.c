@@ -18,7 +18,7 @@
 #include "job_sink.h"
 #include "log.h"
 #include "mok_status.h"
-#include "nccl_group.h"
+#include "cuda/nccl.h"
 #include "region.h"
 #include "standing.h"
 
@@ -429,7 +429,7 @@ static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
   c->out.region_id = r.id;
 }
 
-/* ---- expert-parallel groups (group.h, docs/ep.md) ---------------------------- */
+/* ---- expert-parallel groups (ep/group.h, docs/ep.md) ---------------------------- */
 
 /* The group a session joined (NULL: it did not, or the group is gone). */
 static mok_ep_group *session_group(mok_engine_thread *t, esession *s, uint32_t id) {

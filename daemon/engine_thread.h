@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #include "engine.h"
-#include "group.h"
+#include "ep/group.h"
 #include "session_shm.h"
 
 struct mok_job_sink; /* job_sink.h: where finished jobs count for the metrics */
@@ -30,7 +30,7 @@ typedef enum mok_cmd_kind {
   MOK_CMD_STATS,
   MOK_CMD_DETACH,       /* release everything of the session */
   MOK_CMD_SESSION_FAULT, /* engine -> loop only: the session broke its ring */
-  MOK_CMD_JOIN_GROUP,    /* join (or re-join) an expert-parallel group (group.h) */
+  MOK_CMD_JOIN_GROUP,    /* join (or re-join) an expert-parallel group (ep/group.h) */
   MOK_CMD_LEAVE_GROUP,
   MOK_CMD_GROUP_ID,      /* a fresh NCCL unique id for forming a group */
   MOK_CMD_LAYER_COST     /* what a layer would cost (CreateLayer's checks, no layer) */

@@ -102,7 +102,7 @@ static int take_activated_socket(mok_server_config *cfg) {
 
 int main(int argc, char **argv) {
   /* groups formed through NCCL never use NVLink multicast (docs/ep_nccl.md); set
-   * here, before any thread runs, so nccl_group.c never has to */
+   * here, before any thread runs, so cuda/nccl.c never has to */
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   mok_server_config cfg;
   mok_server_config_defaults(&cfg);

@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "group.h"
+#include "ep/group.h"
 
 typedef struct mok_quota_limits {
   /* 0: no limit */

@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "group.h"
+#include "ep/group.h"
 #include "layer.h"
 #include "mok_status.h"
 #include "region.h"
@@ -114,7 +114,7 @@ mok_request_verdict mok_request_validate(mok_request *req, size_t nfds, bool hel
   case MOK__REQUEST__BODY_LAYER_COST:
     return validate_layer(req, pb->layer_cost->config, "LayerCost");
   case MOK__REQUEST__BODY_JOIN_GROUP: {
-    /* the rest (sizing, rank, world) is checked where the group lives (group.c) */
+    /* the rest (sizing, rank, world) is checked where the group lives (ep/group.c) */
     const char *key = pb->join_group->group_key;
     size_t n = key ? strlen(key) : 0;
     if (n == 0 || n > 128)

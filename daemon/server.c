@@ -20,7 +20,7 @@
 
 #include "client_limits.h"
 #include "frame.h"
-#include "group.h"
+#include "ep/group.h"
 #include "layer.h"
 #include "log.h"
 #include "metrics.h"
@@ -1100,7 +1100,7 @@ static void set_up_limits(server *srv) {
     log_warn("max-regions-per-uid %u lets one uid take every region of max-regions-total %u",
              cfg->max_regions_per_uid, cfg->max_regions_total);
   uint32_t linger = MOK_GROUP_LINGER_MS;
-  const char *e = getenv("MOK_GROUP_LINGER_MS"); /* the engine's test override (group.c) */
+  const char *e = getenv("MOK_GROUP_LINGER_MS"); /* the engine's test override (ep/group.c) */
   if (e && *e) linger = (uint32_t)strtoul(e, NULL, 10);
   if (cfg->engine_cfg.group_linger_set) linger = cfg->engine_cfg.group_linger_ms;
   srv->quota.lim = (mok_quota_limits){

@@ -19,8 +19,8 @@
 #include <time.h>
 
 #include "check.h"
-#include "cpu_steps.h"
-#include "group.h"
+#include "cpu/steps.h"
+#include "ep/group.h"
 #include "integration/harness.h"
 #include "log.h"
 #include "mok.h"

@@ -28,7 +28,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine_cuda_internal.h"
+#include "cuda/internal.h"
 #include "mok.h"
 #include "gpu/check_client.h"
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Builds the NCCL group test (tests/gpu/test_nccl_group.cu) into .devbuild/nccl/
 # (git-ignored) for the GPU machine: the kernels library through the Makefile's
-# own rules (as `make gpu`), daemon/nccl_group.c with the daemon's warnings
+# own rules (as `make gpu`), daemon/cuda/nccl.c with the daemon's warnings
 # (with and without CUDA), and a fake libnccl.so.2 whose ncclGetVersion says
 # 2.27.3 (the "too old" check). Needs nvcc and NCCL's headers (nccl.h,
 # nccl_device.h) where nvcc finds them; needs no GPU and no libnccl: NCCL is
@@ -18,8 +18,8 @@ WARN="-Wall -Wextra -Werror -Wshadow -Wno-unused-parameter -Wstrict-prototypes"
 CF="-std=c11 -D_GNU_SOURCE -pthread -fPIC -O2 -g $WARN -Iproto -Ikernels -Idaemon"
 
 make -j"$(nproc)" BUILD="$B/mk" NVCC="$NVCC" "$B/mk/lib/libmokkernels.a"
-gcc $CF -c daemon/nccl_group.c -o "$B/nccl_group_nocuda.o"   # the build without CUDA compiles too
-gcc $CF -DMOK_HAVE_CUDA=1 -I"$CUDA_HOME/include" -c daemon/nccl_group.c -o "$B/nccl_group.o"
+gcc $CF -c daemon/cuda/nccl.c -o "$B/nccl_group_nocuda.o"   # the build without CUDA compiles too
+gcc $CF -DMOK_HAVE_CUDA=1 -I"$CUDA_HOME/include" -c daemon/cuda/nccl.c -o "$B/nccl_group.o"
 "$NVCC" -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Iproto -Ikernels -Idaemon -Itests/gpu \
   -o "$B/test_nccl_group" tests/gpu/test_nccl_group.cu "$B/nccl_group.o" "$B/mk/lib/libmokkernels.a" \
   -ldl -lpthread

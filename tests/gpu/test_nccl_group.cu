@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The NCCL group module (daemon/nccl_group.h, docs/ep_nccl.md) on the GPU machine.
+/* The NCCL group module (daemon/cuda/nccl.h, docs/ep_nccl.md) on the GPU machine.
  *
  *   test_nccl_group all W [FAKE_OLD_LIB]
  *     W = GPUs (>= 2). The parent never touches CUDA or NCCL; it forks the
@@ -41,7 +41,7 @@
 #include "cuda_check.cuh"
 #include "mok_ep_kernels.h"
 #include "mok_status.h"
-#include "nccl_group.h"
+#include "cuda/nccl.h"
 
 static double now_s(void) {
   struct timespec ts;

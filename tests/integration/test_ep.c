@@ -27,7 +27,7 @@
 
 #include "bf16.h"
 #include "check.h"
-#include "group.h"
+#include "ep/group.h"
 #include "harness.h"
 #include "mok.h"
 #include "ref64.h"
@@ -905,7 +905,7 @@ static void test_group_dir_and_linger_from_config(void) {
                          .dtype = engine_dtype(MOK_DTYPE_F32), .timeout_ms = 1000};
   mok_group *g;
   CHECK_MSG(mok_group_join(c, key, 0, 1, &sz, &g) == MOK_OK, "%s", mok_last_error());
-  int found = 0; /* the segment's name hashes the key (group.c): count what is there */
+  int found = 0; /* the segment's name hashes the key (daemon/ep/group.c): count what is there */
   DIR *dd = opendir(dir);
   CHECK(dd != NULL);
   for (struct dirent *e; (e = readdir(dd));)

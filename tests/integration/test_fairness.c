@@ -3,7 +3,7 @@
  * back after its session idles (docs/security.md).
  *
  * Each session's jobs run on a runner of their own and share the engine's
- * worker pool, where no caller waits for another's run (daemon/cpu_pool.h).
+ * worker pool, where no caller waits for another's run (daemon/cpu/pool.h).
  * So a small job submitted while a huge one runs finishes in a time set by
  * its own size and the machine's load, not by the huge job: the test
  * measures the victim's worst round trip beside a job that runs for

@@ -12,7 +12,7 @@
 #include <grp.h>
 #include <sys/stat.h>
 
-#include "group.h"
+#include "ep/group.h"
 #include "harness.h"
 #include "internal.h"
 #include "mok.h"

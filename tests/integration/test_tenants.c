@@ -15,7 +15,7 @@
 #include <grp.h>
 #include <sys/mman.h>
 
-#include "group.h"
+#include "ep/group.h"
 #include "harness.h"
 #include "internal.h"
 #include "mok.h"

@@ -153,7 +153,7 @@ def test_fixed_sources_still_compile(fixed_copy):
     assert r.returncode == 0, r.stderr  # the .proto with its // header
     inc = ["-I" + d for d in ("proto", gen, "daemon", "client/include", "client/src", "kernels",
                               "tests", "tests/ref", "tests/fuzz")]
-    cuda_only = ("daemon/engine_cuda.c", "daemon/ep_cuda.c")
+    cuda_only = ("daemon/cuda/engine.c", "daemon/cuda/ep.c")
     failures = []
     compiled = 0
     for f in files:

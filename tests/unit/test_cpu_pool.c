@@ -10,7 +10,7 @@
 #include <time.h>
 
 #include "check.h"
-#include "cpu_pool.h"
+#include "cpu/pool.h"
 
 typedef struct count_arg {
   unsigned char *hits; /* each item written by exactly one chunk */

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "fd_exchange.h"
+#include "ep/fd_exchange.h"
 #include "mok_status.h"
 
 static int make_memfd(const char *text) {

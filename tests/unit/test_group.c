@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* group.c in one process: two "daemons" (two tables) join two ranks of a
+/* daemon/ep/group.c in one process: two "daemons" (two tables) join two ranks of a
  * group; the engine-state hook, the peer record, breaking a group, and the
  * state freed exactly once when the daemon leaves. The segments' directory:
  * only the daemon's uid may write it; segments are made exclusively, and
@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "group.h"
+#include "ep/group.h"
 #include "mok_status.h"
 
 static int freed;

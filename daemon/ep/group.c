@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Expert-parallel groups on one host: the shared segment, membership,
  * generations, job ordering and the two host barriers (docs/ep.md). */
-#include "group.h"
+#include "ep/group.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -8,7 +8,7 @@
  * workers, for one slice of its items; a caller that finds them taken runs
  * its slice on its own thread instead of waiting, so no caller ever waits
  * for another's run (the kernel shares the cores among the threads). */
-#include "cpu_pool.h"
+#include "cpu/pool.h"
 
 #include <errno.h>
 #include <pthread.h>

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The cuda engine's internals, shared by engine_cuda.c (single-daemon jobs)
- * and ep_cuda.c (jobs of a layer on an expert-parallel group). Not an
+/* The cuda engine's internals, shared by cuda/engine.c (single-daemon jobs)
+ * and cuda/ep.c (jobs of a layer on an expert-parallel group). Not an
  * interface: both files are one engine. */
 #ifndef MOK_ENGINE_CUDA_INTERNAL_H
 #define MOK_ENGINE_CUDA_INTERNAL_H
@@ -228,7 +228,7 @@ typedef struct acts_ptrs {
   uint16_t *g, *u, *gs, *us;
 } acts_ptrs;
 
-/* ---- helpers (engine_cuda.c) ---- */
+/* ---- helpers (cuda/engine.c) ---- */
 int cuda_use_device(mok_engine *e);
 int cuda_select(mok_engine *e, char *err, size_t errlen); /* cuda_use_device, or err says why */
 const char *cuda_drv_error(const mok_engine *e, CUresult r);
@@ -270,7 +270,7 @@ bool cuda_profiling(void);
 void cuda_mark(job_ctx *c, const char *name);
 mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res);
 
-/* ep_cuda.c */
+/* cuda/ep.c */
 int cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
 void *cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
                       size_t errlen);

@@ -4,7 +4,7 @@
  *
  * Jobs are asynchronous. start() enqueues a job on its session's stream:
  *   [wait for the client's fence] -> event0 -> reset the status word ->
- *   the steps of the op (the same chain as engine_cpu.c) -> copy the status
+ *   the steps of the op (the same chain as cpu/engine.c) -> copy the status
  *   word to pinned host memory -> [write the job's done value] -> event1
  * and returns at once; poll() asks event1 (cudaEventQuery) and only then
  * reads the job's status word. No host read of a device value happens
@@ -46,7 +46,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine_cuda_internal.h"
+#include "cuda/internal.h"
 #include "engine.h"
 #include "log.h"
 #include "mok_ep_kernels.h"

@@ -5,7 +5,7 @@
  * can have unfinished); job n uses record n % MOK_RING_ENTRIES. Three
  * counters order everything: submitted (engine thread), finished (runner),
  * reaped (engine thread, by poll, oldest first). All guarded by mu. */
-#include "cpu_runner.h"
+#include "cpu/runner.h"
 
 #include <errno.h>
 #include <pthread.h>

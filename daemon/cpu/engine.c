@@ -33,17 +33,17 @@
 #include <unistd.h>
 
 #include "bf16.h"
-#include "cpu_pool.h"
-#include "cpu_runner.h"
+#include "cpu/pool.h"
+#include "cpu/runner.h"
 #include "engine.h"
 #include "mok_slots.h"
 #include "schedule.h"
-#include "cpu_steps.h"
+#include "cpu/steps.h"
 
 /* ---- engine state and scratch --------------------------------------------- */
 
 struct mok_engine {
-  cpu_pool *pool; /* shared by every session's runner (cpu_pool.h) */
+  cpu_pool *pool; /* shared by every session's runner (cpu/pool.h) */
   char description[64];
   cpu_scratch_set direct; /* run() without a session (tools, tests) */
   /* scratch of every set together may not pass the limit: a job that would
@@ -1300,7 +1300,7 @@ static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res
   if (st != MOK_OK && res->status == MOK_OK) job_fail(&env, MOK_EENGINE, "failed (status %d)", st);
 }
 
-/* ---- sessions: jobs on the session's runner (cpu_runner.h) ------------------- */
+/* ---- sessions: jobs on the session's runner (cpu/runner.h) ------------------- */
 
 static void session_run(void *arg, const mok_job_args *a, mok_engine_result *res) {
   mok_engine_session *s = arg;
@@ -1383,7 +1383,7 @@ const mok_engine_ops mok_engine_cpu = {
     .session_memory = cpu_session_memory,
 };
 
-/* ---- exported wrappers for the expert-parallel path (cpu_steps.h) ----------- */
+/* ---- exported wrappers for the expert-parallel path (cpu/steps.h) ----------- */
 
 mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
                         mok_engine_result *res) {

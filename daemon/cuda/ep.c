@@ -5,7 +5,7 @@
  * Each member allocates one device buffer (mok_k_ep_layout: arrival words,
  * status words, x, d_out, ids, rw, landing rows, landing d_rw) with the VMM
  * API, exportable as a POSIX fd, and serves the fd to its peers
- * (fd_exchange.h). After the first host barrier of a job every member has
+ * (ep/fd_exchange.h). After the first host barrier of a job every member has
  * joined and published its buffer, so a member maps the peers' buffers it
  * does not hold yet (or holds from a mokd that since restarted).
  *
@@ -37,13 +37,13 @@
 #include <sys/random.h>
 #include <unistd.h>
 
-#include "engine_cuda_internal.h"
-#include "fd_exchange.h"
-#include "group.h"
+#include "cuda/internal.h"
+#include "ep/fd_exchange.h"
+#include "ep/group.h"
 #include "log.h"
 #include "mok_ep_kernels.h"
 #include "mok_slots.h"
-#include "nccl_group.h"
+#include "cuda/nccl.h"
 
 typedef struct mapping {
   CUmemGenericAllocationHandle handle;

@@ -23,8 +23,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cpu_steps.h"
-#include "group.h"
+#include "cpu/steps.h"
+#include "ep/group.h"
 #include "mok_slots.h"
 
 static void *slot_tensor(const job_env *env, int slot) { return env->tensors[slot]; }

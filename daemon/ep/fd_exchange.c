@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Passing a group member's buffer fd between daemons (fd_exchange.h). */
-#include "fd_exchange.h"
+#include "ep/fd_exchange.h"
 
 #include <errno.h>
 #include <fcntl.h>

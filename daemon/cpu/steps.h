@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The cpu engine's steps, for the expert-parallel path (ep_cpu.c).
+/* The cpu engine's steps, for the expert-parallel path (cpu/ep.c).
  *
- * engine_cpu.c keeps its step functions static; the cpu_* functions below
+ * cpu/engine.c keeps its step functions static; the cpu_* functions below
  * are thin exported wrappers around them, so the whole-layer ops and the
  * group path run literally the same code (and give the same bits). All of
  * them run on the engine thread, on the engine's scratch; a failure fills
@@ -52,7 +52,7 @@ enum scratch_id {
   SCR_GROUPS,
   SCR_GEMM_JOBS,
   SCR_GEMM_TASKS,
-  /* expert-parallel jobs (ep_cpu.c) */
+  /* expert-parallel jobs (cpu/ep.c) */
   SCR_EP_OWN_IDS, /* the daemon's copy of the rank's own routing ids */
   SCR_EP_SLOT_ROW,
   SCR_EP_DRW,
@@ -154,7 +154,7 @@ typedef struct mok_ep_cpu_timing {
 } mok_ep_cpu_timing;
 extern mok_ep_cpu_timing mok_ep_cpu_last_timing;
 
-/* The expert-parallel job (ep_cpu.c): forward or backward of a group layer. */
+/* The expert-parallel job (cpu/ep.c): forward or backward of a group layer. */
 struct mok_ep_group;
 void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
                    mok_engine_result *res);

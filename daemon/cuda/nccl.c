@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Symmetric memory for an expert-parallel group through NCCL (nccl_group.h).
+/* Symmetric memory for an expert-parallel group through NCCL (cuda/nccl.h).
  *
  * NCCL is reached through dlopen/dlsym only: the types below mirror the few
  * of nccl.h that are used (ABI of NCCL 2.28: ncclResult_t is an int-sized
@@ -23,7 +23,7 @@
  *   a check that base[rank] is the allocation (a word written through one
  *     is read through the other, in the private page).
  */
-#include "nccl_group.h"
+#include "cuda/nccl.h"
 
 #include <dlfcn.h>
 #include <errno.h>

@@ -12,7 +12,7 @@
  *
  * Everything here runs on the engine thread (the group table belongs to it).
  * Engine-neutral: the cpu engine moves data through the segment's buffers
- * (ep_cpu.c); a GPU engine would keep its symmetric buffers in device
+ * (cpu/ep.c); a GPU engine would keep its symmetric buffers in device
  * memory and use the same membership, ordering and failure rules.
  */
 #ifndef MOK_GROUP_H
@@ -33,7 +33,7 @@
 #define MOK_GROUP_LINGER_MS 60000u /* a group no session holds is kept this long */
 #define MOK_GROUP_MAX_BYTES (64ull << 30)
 #define MOK_GROUP_MAX_RING_ROWS (1u << 26)
-#define MOK_GROUP_NCCL_ID_BYTES 128u /* an NCCL unique id (nccl_group.h) */
+#define MOK_GROUP_NCCL_ID_BYTES 128u /* an NCCL unique id (cuda/nccl.h) */
 #define MOK_GROUP_DIR_DEFAULT "/run/mok/groups" /* where segments live (group-dir) */
 
 typedef struct mok_ep_group_sizing {
