@@ -3,6 +3,8 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -239,4 +241,38 @@ int mok_config_load(mok_server_config *cfg, const char *path, char *err, size_t 
   free(text);
   if (r < 0) snprintf(err, errlen, "%s: %s", path, sub);
   return r;
+}
+
+/* The environment variables that override settings, in one table (docs/design.md's
+ * "Environment" lists them with the ones read elsewhere, and why). Each is
+ * read once, here, at start-up, into the configuration, which carries it
+ * down to the modules. Precedence is per variable: most win over mokd.conf
+ * (the tests set them under a shipped configuration); one with a `set` flag
+ * only stands in for a key the configuration left unset. */
+#define CFG_FIELD(member) offsetof(mok_server_config, member)
+static const struct {
+  const char *name;
+  size_t field;    /* a uint32_t of mok_server_config */
+  size_t set_flag; /* its bool "set by the configuration", or 0: the variable wins */
+} env_overrides[] = {
+    {"MOK_FENCE_TIMEOUT_MS", CFG_FIELD(engine_cfg.fence_timeout_ms), 0},
+    {"MOK_JOB_TIMEOUT_MS", CFG_FIELD(engine_cfg.job_timeout_ms), 0},
+    {"MOK_WORKSPACE_IDLE_MS", CFG_FIELD(engine_cfg.workspace_idle_ms), 0},
+    {"MOK_GROUP_LINGER_MS", CFG_FIELD(engine_cfg.group_linger_ms),
+     CFG_FIELD(engine_cfg.group_linger_set)},
+};
+
+void mok_config_apply_env(mok_server_config *cfg) {
+  for (size_t i = 0; i < sizeof env_overrides / sizeof env_overrides[0]; i++) {
+    const char *v = getenv(env_overrides[i].name);
+    if (!v || !*v) continue;
+    if (env_overrides[i].set_flag) {
+      bool *set = (bool *)((char *)cfg + env_overrides[i].set_flag);
+      if (*set) continue; /* the configuration's key wins */
+      *set = true;
+    }
+    /* read as the modules read it before: strtoul, so a bad value is 0 (the default) */
+    uint32_t ms = (uint32_t)strtoul(v, NULL, 10);
+    memcpy((char *)cfg + env_overrides[i].field, &ms, sizeof ms);
+  }
 }

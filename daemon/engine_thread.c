@@ -1500,11 +1500,8 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   t->cmd_efd = -1;
   pthread_mutex_init(&t->lock, NULL);
   t->spin_ns = 1000ull * (cfg->idle_spin_us ? cfg->idle_spin_us : MOK_IDLE_SPIN_US);
-  {
-    const char *v = getenv("MOK_FENCE_TIMEOUT_MS");
-    unsigned long ms = v && *v ? strtoul(v, NULL, 10) : cfg->fence_timeout_ms;
-    t->fence_timeout_ns = (uint64_t)(ms ? ms : 30000u) * 1000000ull;
-  }
+  /* MOK_FENCE_TIMEOUT_MS is in it already (config.c's environment table) */
+  t->fence_timeout_ns = (uint64_t)(cfg->fence_timeout_ms ? cfg->fence_timeout_ms : 30000u) * 1000000ull;
   mok_engine_config ecfg = *cfg;
   ecfg.wake = engine_wake;
   ecfg.wake_arg = t;

@@ -152,6 +152,7 @@ int main(int argc, char **argv) {
     }
   }
   if (optind < argc) return usage_error("unexpected argument", argv[optind]);
+  mok_config_apply_env(&cfg);
   if (take_activated_socket(&cfg) < 0) return 2;
   if (cfg.listen_fd < 0 && check_socket_dir(cfg.socket_path) < 0) return 1;
   return mok_server_run(&cfg);

@@ -1099,10 +1099,9 @@ static void set_up_limits(server *srv) {
       (!cfg->max_regions_per_uid || cfg->max_regions_per_uid >= cfg->max_regions_total))
     log_warn("max-regions-per-uid %u lets one uid take every region of max-regions-total %u",
              cfg->max_regions_per_uid, cfg->max_regions_total);
-  uint32_t linger = MOK_GROUP_LINGER_MS;
-  const char *e = getenv("MOK_GROUP_LINGER_MS"); /* the engine's test override (ep/group.c) */
-  if (e && *e) linger = (uint32_t)strtoul(e, NULL, 10);
-  if (cfg->engine_cfg.group_linger_set) linger = cfg->engine_cfg.group_linger_ms;
+  /* group-linger-ms, or MOK_GROUP_LINGER_MS standing in for it (config.c) */
+  uint32_t linger =
+      cfg->engine_cfg.group_linger_set ? cfg->engine_cfg.group_linger_ms : MOK_GROUP_LINGER_MS;
   srv->quota.lim = (mok_quota_limits){
       .max_regions_total = cfg->max_regions_total,
       .max_regions_per_uid = cfg->max_regions_per_uid,

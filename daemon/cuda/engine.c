@@ -186,12 +186,10 @@ static bool watch_disarm(mok_engine *e, mok_engine_job *j) {
   }
 }
 
-/* A setting in ms as ns: the environment's value, else the config's, else
- * the default (0 means "the default" in both). */
-static uint64_t ms_setting(const char *env, uint32_t configured, uint32_t dflt) {
-  const char *v = getenv(env);
-  unsigned long ms = v && *v ? strtoul(v, NULL, 10) : configured;
-  return (uint64_t)(ms ? ms : dflt) * 1000000ull;
+/* A setting in ms as ns: the config's (its MOK_*_MS environment override
+ * applied by config.c), else the default (0 means "the default"). */
+static uint64_t ms_setting(uint32_t configured, uint32_t dflt) {
+  return (uint64_t)(configured ? configured : dflt) * 1000000ull;
 }
 
 /* The pool session workspaces come from. Its memory is kept across frees
@@ -344,13 +342,10 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     return st;
   }
   e->vmm_fd_identity = vmm_fds_name_allocations(e);
-  /* mokd.conf's keys; the environment still wins (tests use it) */
-  e->fence_timeout_ns =
-      ms_setting("MOK_FENCE_TIMEOUT_MS", cfg ? cfg->fence_timeout_ms : 0, DEFAULT_FENCE_TIMEOUT_MS);
-  e->job_timeout_ns =
-      ms_setting("MOK_JOB_TIMEOUT_MS", cfg ? cfg->job_timeout_ms : 0, DEFAULT_JOB_TIMEOUT_MS);
-  e->workspace_idle_ns = ms_setting("MOK_WORKSPACE_IDLE_MS", cfg ? cfg->workspace_idle_ms : 0,
-                                    MOK_WORKSPACE_IDLE_MS);
+  /* mokd.conf's keys (the environment's overrides are in them: config.c) */
+  e->fence_timeout_ns = ms_setting(cfg ? cfg->fence_timeout_ms : 0, DEFAULT_FENCE_TIMEOUT_MS);
+  e->job_timeout_ns = ms_setting(cfg ? cfg->job_timeout_ms : 0, DEFAULT_JOB_TIMEOUT_MS);
+  e->workspace_idle_ns = ms_setting(cfg ? cfg->workspace_idle_ms : 0, MOK_WORKSPACE_IDLE_MS);
   char bus[32] = "";
   cudaDeviceGetPCIBusId(bus, sizeof bus, dev);
   snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",

@@ -278,9 +278,7 @@ mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort) {
   mok_ep_group_table *t = calloc(1, sizeof *t);
   if (!t) return NULL;
   t->abort = abort;
-  t->linger_ms = MOK_GROUP_LINGER_MS;
-  const char *e = getenv("MOK_GROUP_LINGER_MS");
-  if (e && *e) t->linger_ms = (uint32_t)strtoul(e, NULL, 10);
+  t->linger_ms = MOK_GROUP_LINGER_MS; /* group-linger-ms: mok_ep_group_set_linger_ms */
   return t;
 }
 
