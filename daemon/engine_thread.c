@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "client_limits.h"
+#include "clock.h"
 #include "job_check.h"
 #include "job_sink.h"
 #include "log.h"
@@ -137,12 +138,6 @@ struct mok_engine_thread {
   uint64_t fence_timeout_ns;  /* a standing job's trigger not taken this long cancels it */
   uid_jobs *uids;             /* of the attached sessions */
 };
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void ring_doorbell(int efd) {
   uint64_t one = 1;
@@ -1115,7 +1110,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
       if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g); /* a device barrier's */
       if (g) mok_ep_group_mark_broken(g, res.message);
     }
-    uint64_t end = now == UINT64_MAX ? now_ns() : now;
+    uint64_t end = now == UINT64_MAX ? mok_clock_ns() : now;
     if (!s->detaching) finish_job(t, s, p->user_data, p->seq, p->op, &res, end - p->t0);
     free(p);
   }
@@ -1145,8 +1140,8 @@ static bool standing_turn(mok_engine_thread *t, esession *s, uint64_t now, bool 
  * its memory released); no new standing instance starts meanwhile. */
 static void poll_session_blocking(mok_engine_thread *t, esession *s) {
   for (;;) {
-    bool jobs = poll_session(t, s, now_ns());
-    standing_turn(t, s, now_ns(), false);
+    bool jobs = poll_session(t, s, mok_clock_ns());
+    standing_turn(t, s, mok_clock_ns(), false);
     if (!jobs && !s->standing.running) break;
     pause_briefly();
   }
@@ -1251,10 +1246,10 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
 
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
-  uint64_t t0 = now_ns();
+  uint64_t t0 = mok_clock_ns();
   if (desc.flags & MOK_JOB_STANDING) {
     standing_desc(t, s, &desc, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
 
@@ -1291,19 +1286,19 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
     args.session = s->es;
     args.layer_state = le->state;
     run_group_job(t, s, &desc, &le->cfg, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
   if (!t->ops->start) {
     if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
   pend *p = calloc(1, sizeof *p);
   if (!p) {
     res.status = MOK_ENOMEM;
     snprintf(res.message, sizeof res.message, "out of memory taking the job");
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
   p->user_data = desc.user_data;
@@ -1338,7 +1333,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
     }
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     free(p);
     return true;
   }
@@ -1434,13 +1429,13 @@ static void *engine_main(void *arg) {
     run_commands(t);
     if (t->forming) poll_formers(t, false);
     if (atomic_load(&t->stopping)) break;
-    if (now_ns() - t->ticked_ns > 100000000ull) {
-      t->ticked_ns = now_ns();
+    if (mok_clock_ns() - t->ticked_ns > 100000000ull) {
+      t->ticked_ns = mok_clock_ns();
       if (t->groups) mok_ep_group_tick(t->groups); /* groups nobody re-joined in time */
       if (t->ops->idle) t->ops->idle(t->engine, t->ticked_ns); /* idle workspaces go back */
     }
     bool took = run_jobs_round(t);
-    uint64_t now = now_ns();
+    uint64_t now = mok_clock_ns();
     bool running = poll_all(t, now);
     if (took) {
       idle_since = 0;
@@ -1464,9 +1459,9 @@ static void *engine_main(void *arg) {
   }
   poll_formers(t, true); /* each ends within its group's timeout */
   /* drain: what clients submitted before the stop still runs, within a bound */
-  uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
+  uint64_t deadline = mok_clock_ns() + (uint64_t)t->drain_ms * 1000000ull;
   for (;;) {
-    uint64_t now = now_ns();
+    uint64_t now = mok_clock_ns();
     if (now >= deadline) break;
     bool took = run_jobs_round(t);
     bool running = poll_all(t, now);

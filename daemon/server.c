@@ -19,6 +19,7 @@
 #include <uv.h>
 
 #include "client_limits.h"
+#include "clock.h"
 #include "frame.h"
 #include "ep/group.h"
 #include "layer.h"
@@ -102,12 +103,6 @@ typedef struct server {
 
 #define RXBUF_BYTES (MOK_FRAME_MAX + 1) /* one more, so an oversized frame shows */
 
-static uint64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* ---- replies ------------------------------------------------------------ */
 
 static void session_close(session *s, const char *why);
@@ -171,7 +166,7 @@ static void session_maybe_free(session *s) {
   u->region_bytes -= s->region_bytes;
   u->layers -= s->layers;
   srv->quota.regions_total -= s->regions;
-  uint64_t now = now_ms();
+  uint64_t now = mok_clock_ms();
   for (size_t i = 0; i < s->n_joins; i++) /* lingering in the engine now */
     mok_quota_group_drop(&srv->quota, s->joins[i].quota, false, now);
   mok_quota_prune(&srv->quota, now);
@@ -399,7 +394,7 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
   char msg[320];
   mok_quota_group *qg;
   int r = mok_quota_group_reserve(&s->srv->quota, s->user, j->key,
-                                  mok_ep_group_segment_bytes(&j->sizing), now_ms(), &qg, msg,
+                                  mok_ep_group_segment_bytes(&j->sizing), mok_clock_ms(), &qg, msg,
                                   sizeof msg);
   if (r != MOK_OK) {
     free(c);
@@ -579,7 +574,7 @@ static void refuse_connection(server *srv, int fd, const struct ucred *cr, int s
     (void)mok_frame_send(fd, 0, buf, n, NULL, 0); /* non-blocking: best effort */
   }
   close(fd);
-  uint64_t now = now_ms();
+  uint64_t now = mok_clock_ms();
   if (now - srv->refused_window_ms >= 60000) {
     if (srv->refused_in_window > 10)
       log_warn("%u more connections refused in the last minute", srv->refused_in_window - 10);
@@ -620,7 +615,7 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
                         srv->n_sessions);
       continue;
     }
-    mok_quota_prune(&srv->quota, now_ms());
+    mok_quota_prune(&srv->quota, mok_clock_ms());
     mok_uid_usage *u = mok_quota_user(&srv->quota, cred.uid, false);
     uint32_t held = u ? u->sessions : 0;
     if (mok_limit_exceeded(MOK_LIMIT_SESSIONS_PER_UID, cfg->max_sessions_per_uid, held, 1)) {
@@ -686,7 +681,7 @@ static void reply_stats(session *s, mok_cmd *c) {
   sr.daemon_version = MOK_VERSION;
   sr.device = (char *)mok_engine_thread_describe(srv->engine);
   sr.engine = (char *)mok_engine_thread_engine_name(srv->engine);
-  sr.uptime_ms = now_ms() - srv->start_ms;
+  sr.uptime_ms = mok_clock_ms() - srv->start_ms;
   sr.own_uid_only = !all;
   sr.viewer_uid = viewer;
   if (all) {
@@ -890,7 +885,7 @@ static void settle_counts(session *s, const mok_cmd *c) {
     if (c->status != MOK_OK) break;
     for (size_t i = 0; i < s->n_joins; i++) {
       if (s->joins[i].group_id != c->in.id) continue;
-      mok_quota_group_drop(&s->srv->quota, s->joins[i].quota, true, now_ms());
+      mok_quota_group_drop(&s->srv->quota, s->joins[i].quota, true, mok_clock_ms());
       s->joins[i] = s->joins[--s->n_joins];
       break;
     }
@@ -1147,7 +1142,7 @@ static void metrics_page_info(void *arg, mok_metrics_page_info *info) {
   info->version = MOK_VERSION;
   info->engine = srv->engine ? mok_engine_thread_engine_name(srv->engine) : "";
   info->device = srv->engine ? mok_engine_thread_describe(srv->engine) : "";
-  info->uptime_ms = now_ms() - srv->start_ms;
+  info->uptime_ms = mok_clock_ms() - srv->start_ms;
   info->connections = srv->n_sessions;
 }
 
@@ -1159,7 +1154,7 @@ int mok_server_run(const mok_server_config *cfg) {
   set_up_limits(&srv);
   set_up_group_dir(&srv);
   srv.loop = uv_default_loop();
-  srv.start_ms = now_ms();
+  srv.start_ms = mok_clock_ms();
   srv.epoch = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
   srv.rxbuf = malloc(RXBUF_BYTES);
   if (!srv.rxbuf) return 1;

@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "cuda/internal.h"
+#include "clock.h"
 #include "engine.h"
 #include "log.h"
 #include "mok_ep_kernels.h"
@@ -124,16 +125,10 @@ bool cuda_context_broken(cudaStream_t stream) {
 
 /* ---- open / close ---------------------------------------------------------------- */
 
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void *watchdog_main(void *arg) {
   mok_engine *e = arg;
   while (!atomic_load(&e->watchdog_stop)) {
-    uint64_t now = mono_ns();
+    uint64_t now = mok_clock_ns();
     for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
       fence_watch *w = &e->watches[i];
       int armed = WATCH_ARMED;
@@ -167,7 +162,7 @@ static void watch_arm(mok_engine *e, mok_engine_job *j, volatile uint64_t *word,
     if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_FREE) continue;
     w->word = word;
     w->value = value;
-    w->deadline_ns = mono_ns() + e->fence_timeout_ns;
+    w->deadline_ns = mok_clock_ns() + e->fence_timeout_ns;
     atomic_store_explicit(&w->state, WATCH_ARMED, memory_order_release);
     j->watch = i;
     return;
@@ -600,7 +595,7 @@ static void ws_release(mok_engine *e, mok_engine_session *s, cudaStream_t st) {
   cuda_free_async(s->ws, st);
   s->ws = NULL;
   s->ws_bytes = 0;
-  e->trim_until_ns = mono_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
+  e->trim_until_ns = mok_clock_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
 }
 
 static void session_free(mok_engine *e, mok_engine_session *s) {
@@ -1567,7 +1562,7 @@ static bool job_workspace(job_ctx *c) {
     return false;
   }
   cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
-  c->s->ws_used_ns = mono_ns();
+  c->s->ws_used_ns = mok_clock_ns();
   if (c->l->owner != c->s) { /* the session whose jobs run the layer holds it */
     if (c->l->owner) c->l->owner->layer_bytes -= sizeof *c->l;
     c->l->owner = c->s;
@@ -1715,7 +1710,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   }
   if (watch_disarm(e, j)) j->fence_forced = true; /* the watchdog released the wait */
   if (s->stuck == j) unstick(e, s, j, now);
-  s->ws_used_ns = mono_ns();
+  s->ws_used_ns = mok_clock_ns();
   res->fatal = 0;
   res->flag_written = j->flag_written;
   if (q != cudaSuccess) {
