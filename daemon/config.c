@@ -12,12 +12,13 @@
 
 #include "client_limits.h"
 #include "log.h"
+#include "mok_enums.h"
 
 /* The defaults, before any file or option (kept here, beside the parser,
  * so that the parser and its fuzzer need none of the server). */
 void mok_server_config_defaults(mok_server_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
-  cfg->socket_path = "/run/mok/mokd-0.sock";
+  cfg->socket_path = MOK_DEFAULT_SOCKET;
   cfg->listen_fd = -1;
   cfg->socket_mode = 0660;
   cfg->engine = "cpu";
