@@ -51,9 +51,9 @@ PROTO_SRC := $(wildcard proto/*.c)
 GEN_SRC := $(GEN)/mok.pb-c.c
 # the daemon: the loop, the socket and sessions in daemon/, one folder per
 # engine (cpu/, cuda/) and one for expert-parallel groups (ep/); the cuda
-# engine's files build only with CUDA (cuda/nccl.c builds either way)
+# engine's folder builds only with CUDA
 DAEMON_DIRS := daemon daemon/cpu daemon/cuda daemon/ep
-CUDA_ONLY_SRC := daemon/cuda/engine.c daemon/cuda/ep.c
+CUDA_ONLY_SRC := $(wildcard daemon/cuda/*.c)
 DAEMON_SRC := $(filter-out daemon/main.c $(CUDA_ONLY_SRC),$(wildcard $(addsuffix /*.c,$(DAEMON_DIRS))))
 CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)

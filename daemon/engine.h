@@ -8,8 +8,8 @@
  * tensor contents (routing ids, the contents of a schedule or ctx a client
  * passed in) the engine checks, failing the job with a status and message.
  *
- * Engines: cpu (cpu/engine.c; reference, f32 and bf16) and cuda
- * (cuda/engine.c; sm_90a kernels, bf16). Both compute docs/math.md exactly.
+ * Engines: cpu (daemon/cpu/; reference, f32 and bf16) and cuda
+ * (daemon/cuda/; sm_90a kernels, bf16). Both compute docs/math.md exactly.
  */
 #ifndef MOK_ENGINE_H
 #define MOK_ENGINE_H
@@ -43,9 +43,10 @@ typedef struct mok_job_args {
   uint64_t fence_wait, fence_signal; /* GPU ordering (cuda engine; docs/cuda.md) */
   mok_engine_session *session;       /* from session_open (NULL without it) */
   mok_engine_layer *layer_state;     /* from layer_open (NULL without it) */
-  /* start_group on a group whose job posts travel on the device (formed
-   * through NCCL): this member's job failed its checks with this status; the
-   * NOP (fences only) still takes the member's turn so its peers fail too */
+  /* start() of a NOP on a group whose job posts travel on the device
+   * (formed through NCCL): this member's job failed its checks with this
+   * status; the NOP (fences only) still takes the member's turn so its
+   * peers fail too */
   int group_failed;
   /* an instance of a standing job (docs/cuda.md "Capture and replay"): an
    * engine with writes_standing_flag writes 1 here (host address of the
@@ -104,7 +105,7 @@ typedef struct mok_session_memory {
   uint64_t scratch_bytes;       /* other daemon memory held for the session */
 } mok_session_memory;
 
-/* Results of run()/poll(): status plus a message a person can act on. */
+/* Results of start()/poll(): status plus a message a person can act on. */
 typedef struct mok_engine_result {
   int status; /* mok_status */
   char message[MOK_JOB_MESSAGE_MAX]; /* reaches the client whole (mok_wire.h) */
@@ -123,8 +124,23 @@ typedef struct mok_region_source {
 
 struct mok_region;
 
+/* How an engine runs the jobs of a layer on an expert-parallel group
+ * (docs/ep.md): start() with the group. */
+typedef enum mok_engine_groups {
+  MOK_ENGINE_NO_GROUPS = 0, /* JoinGroup is refused */
+  /* start() runs the job to its end on the calling thread (cpu): the engine
+   * thread first waits for the session's earlier jobs, whose outputs it may
+   * read, and the job runs on the session's scratch */
+  MOK_ENGINE_GROUPS_ON_CALLER,
+  /* start() runs the group's host protocol (job order, signatures, first
+   * barrier) on the calling thread and enqueues the rest, with device
+   * barriers, on the session's stream (cuda); poll() follows it like any job */
+  MOK_ENGINE_GROUPS_ON_STREAM,
+} mok_engine_groups;
+
 typedef struct mok_engine_ops {
   const char *name;
+  mok_engine_groups groups;
   /* the engine calls cfg->wake when an asynchronous job finishes (so the
    * engine thread may sleep while jobs run) */
   bool wakes_when_done;
@@ -142,14 +158,23 @@ typedef struct mok_engine_ops {
   /* Check that the engine can run this layer (dtype, sizes); fills
    * cfg->row_align. Returns a mok_status. */
   int (*prepare_layer)(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen);
-  /* Run one validated job to completion (synchronous engines: cpu). */
-  void (*run)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
-  /* Run a validated job of a layer on an expert-parallel group (forward or
-   * backward; docs/ep.md), talking to the group's other members through g
-   * (daemon/ep/group.h). NULL: the engine has no expert parallelism yet, and
-   * JoinGroup is refused. */
-  void (*run_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
-                    mok_engine_result *res);
+  /* Start a validated job: returns a handle for poll(), or NULL when it
+   * finished already (res filled; synchronous work, a job without a session,
+   * a job refused at once). g: the job is of a layer on that
+   * expert-parallel group (forward or backward, or the NOP of a failed one:
+   * args.group_failed), run with the group's other members through g
+   * (daemon/ep/group.h) as `groups` says; NULL: any other job. The engine
+   * thread then calls poll() (oldest job of each session first; jobs of one
+   * session finish in order) until it returns 1 with res filled. now_ns is
+   * CLOCK_MONOTONIC; UINT64_MAX means "shutting down: give up on anything
+   * the job still waits for". While a job runs, its session, layer and
+   * regions stay alive. A job that failed validation is still started as a
+   * NOP carrying its fences, so that GPU fence values are written in order.
+   * A group job that fails with MOK_ETIMEOUT found a peer missing on the
+   * device; the caller then breaks the group. */
+  mok_engine_job *(*start)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
+                           mok_engine_result *res);
+  int (*poll)(mok_engine *e, mok_engine_job *job, uint64_t now_ns, mok_engine_result *res);
 
   /* ---- optional (NULL: not used); the cuda engine has them all ----------
    *
@@ -174,37 +199,22 @@ typedef struct mok_engine_ops {
   int (*region_import)(mok_engine *e, const mok_region_source *src, struct mok_region *r,
                        char *err, size_t errlen);
   void (*region_release)(mok_engine *e, struct mok_region *r);
-  /* Asynchronous jobs: start() enqueues a validated job and returns a
-   * handle, or NULL when it finished already (res filled). The engine
-   * thread then calls poll() (oldest job of each session first; jobs of
-   * one session finish in order) until it returns 1 with res filled.
-   * now_ns is CLOCK_MONOTONIC; UINT64_MAX means "shutting down: give up
-   * on anything the job still waits for". While a job runs, its session,
-   * layer and regions stay alive. A job that failed validation is still
-   * started as a NOP carrying its fences, so that GPU fence values are
-   * written in order. */
-  mok_engine_job *(*start)(mok_engine *e, const mok_job_args *args, mok_engine_result *res);
-  int (*poll)(mok_engine *e, mok_engine_job *job, uint64_t now_ns, mok_engine_result *res);
-
-  /* Expert parallelism on an asynchronous engine (cuda; docs/ep.md).
-   * group_attach after each successful join: the engine makes its share of
-   * the group's buffers and publishes it (mok_ep_group_set_engine_state);
-   * a rejoin finds it there. start_group is start() for a validated job of
-   * a layer on g: it runs the group's host protocol (job order, signatures,
-   * first barrier) on the calling thread and enqueues the rest, with device
-   * barriers, on the session's stream; poll() follows it like any job. A
-   * job that fails with MOK_ETIMEOUT found a peer missing on the device;
-   * the caller then breaks the group. */
+  /* Expert parallelism through NCCL (cuda; docs/ep_nccl.md); NULL: the
+   * engine forms groups through this host's shared memory only.
+   * group_new_id makes the id every member joins with (the process that
+   * made it must stay up while the group forms). group_attach after each
+   * successful join: the engine makes its share of the group's buffers and
+   * publishes it (mok_ep_group_set_engine_state); a rejoin finds it there.
+   * A group that must still be formed (mok_ep_group_needs_forming) waits
+   * for every rank (at most the group's timeout), so the engine thread runs
+   * group_form on a thread of its own, with a copy of what it needs
+   * (thread-safe: it touches no group); it returns the engine's state for
+   * the group (NULL: *status and err say why). On the engine thread,
+   * group_install hangs a formed state on its group, or group_discard frees
+   * one whose group or session went meanwhile. */
+  int (*group_new_id)(mok_engine *e, uint8_t *id /* MOK_GROUP_NCCL_ID_BYTES */, char *err,
+                      size_t errlen);
   int (*group_attach)(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
-  mok_engine_job *(*start_group)(mok_engine *e, struct mok_ep_group *g, const mok_job_args *args,
-                                 mok_engine_result *res);
-  /* A group formed through NCCL: forming waits for every rank (at most the
-   * group's timeout), so the engine thread runs group_form on a thread of
-   * its own, with a copy of what it needs (thread-safe: it touches no
-   * group); it returns the engine's state for the group (NULL: *status and
-   * err say why). On the engine thread, group_install hangs a formed state
-   * on its group, or group_discard frees one whose group or session went
-   * meanwhile. */
   void *(*group_form)(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
                       size_t errlen);
   void (*group_install)(mok_engine *e, struct mok_ep_group *g, void *state);
@@ -225,5 +235,11 @@ typedef struct mok_engine_ops {
 extern const mok_engine_ops mok_engine_cpu;
 /* NULL when the build has no CUDA. */
 const mok_engine_ops *mok_engine_find(const char *name);
+
+/* Run one validated job without a session (args->session NULL) to
+ * completion on the calling thread: start(), then poll() until it is done
+ * (tools and tests; the engine thread starts and polls jobs itself). */
+void mok_engine_run(const mok_engine_ops *ops, mok_engine *e, const mok_job_args *args,
+                    mok_engine_result *res);
 
 #endif /* MOK_ENGINE_H */

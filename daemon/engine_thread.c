@@ -19,7 +19,6 @@
 #include "job_sink.h"
 #include "log.h"
 #include "mok_status.h"
-#include "cuda/nccl.h"
 #include "region.h"
 #include "standing.h"
 
@@ -224,7 +223,7 @@ static mok_standing_env standing_env(mok_engine_thread *t, esession *s) {
   s->standing_group = (mok_standing_group_ops){
       .ready = standing_group_ready, .start = standing_group_start,
       .fail_turn = standing_group_fail_turn, .ended = standing_group_ended, .ctx = s};
-  bool groups = t->groups && (t->ops->start_group || t->ops->run_group);
+  bool groups = t->groups && t->ops->groups != MOK_ENGINE_NO_GROUPS;
   return (mok_standing_env){.ops = t->ops, .engine = t->engine, .es = s->es, .shm = s->shm.hdr,
                             .fence_timeout_ns = t->fence_timeout_ns, .session_id = s->id,
                             .group = groups ? &s->standing_group : NULL};
@@ -575,8 +574,8 @@ static void poll_formers(mok_engine_thread *t, bool wait) {
 }
 
 /* Groups formed through NCCL keep their buffers on the device: an engine
- * that attaches device state to groups (cuda) forms them. */
-static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_attach != NULL; }
+ * that makes their ids (cuda) forms them. */
+static bool forms_nccl_groups(const mok_engine_thread *t) { return t->ops->group_new_id != NULL; }
 
 /* false: this engine does not (c says so) */
 static bool check_forms_nccl_groups(mok_engine_thread *t, mok_cmd *c) {
@@ -591,11 +590,11 @@ static bool check_forms_nccl_groups(mok_engine_thread *t, mok_cmd *c) {
 
 static void cmd_group_id(mok_engine_thread *t, mok_cmd *c) {
   if (check_forms_nccl_groups(t, c))
-    c->status = mok_nccl_unique_id(c->out.nccl_id, c->message, sizeof c->message);
+    c->status = t->ops->group_new_id(t->engine, c->out.nccl_id, c->message, sizeof c->message);
 }
 
 static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  if ((!t->ops->run_group && !t->ops->start_group) || !t->groups) {
+  if (t->ops->groups == MOK_ENGINE_NO_GROUPS || !t->groups) {
     c->status = MOK_EUNSUPPORTED;
     snprintf(c->message, sizeof c->message,
              "the %s engine does not run expert-parallel groups yet", t->ops->name);
@@ -621,7 +620,7 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   c->status = mok_ep_group_join(t->groups, &c->in.join, &g, &rejoined, c->message,
                              sizeof c->message);
   if (c->status != MOK_OK) return;
-  if (t->ops->group_form && mok_ep_group_is_nccl(g) && !mok_ep_group_engine_state(g)) {
+  if (t->ops->group_form && mok_ep_group_needs_forming(g)) {
     /* every rank must join before the group forms: not on this thread */
     c->status = start_former(t, s, c, g, rejoined);
     if (c->status != MOK_OK) {
@@ -633,9 +632,7 @@ static void cmd_join_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   if (t->ops->group_attach) {
     c->status = t->ops->group_attach(t->engine, g, c->message, sizeof c->message);
     if (c->status != MOK_OK) {
-      /* a group re-formed through NCCL lost its old state: its other
-       * sessions' jobs must fail clearly until a join succeeds */
-      if (mok_ep_group_is_nccl(g)) mok_ep_group_mark_broken(g, c->message);
+      mok_ep_group_attach_failed(g, c->message);
       mok_ep_group_unref(t->groups, g, true);
       return;
     }
@@ -677,15 +674,11 @@ static void cmd_leave_group(mok_engine_thread *t, esession *s, mok_cmd *c) {
   snprintf(c->message, sizeof c->message, "group %u was not joined by this session", c->in.id);
 }
 
-/* A job of a layer on a group that failed its checks still takes its turn
- * in the group, posting the failure, so that every member fails it with the
- * same message instead of waiting for this one until the timeout. */
-static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
-                               const mok_layer_config *layer, const mok_engine_result *res);
-
-/* The group a job of a group layer runs on. NULL when it must not run:
- * the session left the group (res says so), or the job failed its checks
- * (it has posted the failure to the group). */
+/* The group a job of a group layer goes to (start()'s g), or NULL: the
+ * session left the group (res says so), or the job failed its checks and
+ * took its turn in the group through the host segment
+ * (mok_ep_group_post_failure). A failed job on a group whose posts travel on
+ * the device goes to its group as a NOP that takes the turn there. */
 static mok_ep_group *job_group(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
                                const mok_layer_config *layer, mok_engine_result *res) {
   mok_ep_group *g = session_group(t, s, layer->group_id);
@@ -697,28 +690,11 @@ static mok_ep_group *job_group(mok_engine_thread *t, esession *s, const mok_job_
     return NULL;
   }
   if (res->status == MOK_OK) return g;
-  post_group_failure(g, desc, layer, res);
-  return NULL;
-}
-
-/* A group job on an engine that runs it synchronously (cpu). */
-static void run_group_job(mok_engine_thread *t, esession *s, const mok_job_desc *desc,
-                          const mok_layer_config *layer, const mok_job_args *args,
-                          mok_engine_result *res) {
-  mok_ep_group *g = job_group(t, s, desc, layer, res);
-  if (g) t->ops->run_group(t->engine, g, args, res);
-}
-
-static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
-                               const mok_layer_config *layer, const mok_engine_result *res) {
-  if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return;
-  if (mok_ep_group_is_nccl(g)) return; /* the engine takes the turn on the device */
-  char err[MOK_JOB_MESSAGE_MAX];
-  if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return;
-  mok_ep_group_post p = mok_ep_group_post_for(layer, desc->op, desc->flags, desc->tokens);
-  p.status = res->status;
-  snprintf(p.msg, sizeof p.msg, "%.*s", (int)sizeof p.msg - 1, res->message); /* cut */
-  (void)mok_ep_group_job_post(g, &p, err, sizeof err);
+  if (desc->op != MOK_OP_FORWARD && desc->op != MOK_OP_BACKWARD) return NULL;
+  return mok_ep_group_post_failure(g, layer, desc->op, desc->flags, desc->tokens, res->status,
+                                   res->message)
+             ? NULL
+             : g;
 }
 
 /* ---- standing jobs of group layers (standing.h mok_standing_group_ops) ----
@@ -726,10 +702,10 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
  * A standing instance of a layer on a group takes the member's turn when
  * the engine thread takes its trigger, exactly as a ring job of the layer
  * takes it when the engine thread takes its descriptor: the same engine
- * entry points (start_group, or run_group on the engine thread), the same
- * failure rules. So a member's group jobs are numbered in the order its
- * triggers and descriptors are taken, and members must trigger in the same
- * order (docs/ep.md "Capture and replay on a group"). */
+ * entry point (start() with the group), the same failure rules. So a
+ * member's group jobs are numbered in the order its triggers and
+ * descriptors are taken, and members must trigger in the same order
+ * (docs/ep.md "Capture and replay on a group"). */
 
 /* cpu: the group job runs here, on the session's scratch, after the
  * session's other jobs and instances (as a ring group job waits for them);
@@ -737,7 +713,8 @@ static void post_group_failure(mok_ep_group *g, const mok_job_desc *desc,
 static bool standing_group_ready(void *ctx, const mok_standing_entry *st) {
   (void)st;
   esession *s = ctx;
-  return s->thread->ops->start_group || (!s->n_pend && !s->standing.running);
+  return s->thread->ops->groups == MOK_ENGINE_GROUPS_ON_STREAM ||
+         (!s->n_pend && !s->standing.running);
 }
 
 static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry *st,
@@ -752,9 +729,7 @@ static mok_engine_job *standing_group_start(void *ctx, const mok_standing_entry 
              "jobs again", mok_op_name(a->op), st->layer.group_id);
     return NULL;
   }
-  if (t->ops->start_group) return t->ops->start_group(t->engine, g, a, res);
-  t->ops->run_group(t->engine, g, a, res);
-  return NULL;
+  return t->ops->start(t->engine, g, a, res);
 }
 
 static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_entry *st,
@@ -764,15 +739,10 @@ static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_en
   mok_engine_thread *t = s->thread;
   mok_ep_group *g = session_group(t, s, st->layer.group_id);
   if (!g) return NULL; /* left: no turn to take */
-  if (!mok_ep_group_is_nccl(g)) { /* the posts travel through the host segment */
-    mok_job_desc d = {.op = (uint16_t)st->args.op, .flags = (uint16_t)st->args.flags,
-                      .tokens = st->args.tokens};
-    mok_engine_result r = {.status = status};
-    snprintf(r.message, sizeof r.message, "%s", msg);
-    post_group_failure(g, &d, &st->layer, &r);
-    return NULL;
-  }
-  if (!t->ops->start_group) return NULL;
+  if (mok_ep_group_post_failure(g, &st->layer, (uint16_t)st->args.op, (uint16_t)st->args.flags,
+                                st->args.tokens, status, msg))
+    return NULL; /* the turn was taken through the host segment */
+  if (t->ops->groups != MOK_ENGINE_GROUPS_ON_STREAM) return NULL;
   /* on the device: a NOP carrying the failure takes the turn, then writes the flag */
   mok_job_args a;
   memset(&a, 0, sizeof a);
@@ -781,7 +751,7 @@ static mok_engine_job *standing_group_fail_turn(void *ctx, const mok_standing_en
   a.group_failed = status;
   a.standing_flag = st->args.standing_flag;
   a.standing_slot = st->args.standing_slot;
-  return t->ops->start_group(t->engine, g, &a, res);
+  return t->ops->start(t->engine, g, &a, res);
 }
 
 /* A peer that never arrived at a device barrier: the group cannot go on
@@ -790,7 +760,8 @@ static void standing_group_ended(void *ctx, const mok_standing_entry *st,
                                  const mok_engine_result *res) {
   esession *s = ctx;
   mok_engine_thread *t = s->thread;
-  if (res->status != MOK_ETIMEOUT || !t->groups || !t->ops->start_group) return;
+  if (res->status != MOK_ETIMEOUT || !t->groups || t->ops->groups != MOK_ENGINE_GROUPS_ON_STREAM)
+    return;
   mok_ep_group *g = mok_ep_group_find(t->groups, st->layer.group_id);
   if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g);
   if (g) mok_ep_group_mark_broken(g, res->message);
@@ -1268,31 +1239,13 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                s->uid, in_flight + 1, s->limits.max_jobs_per_uid); /* this one included */
     }
   }
-  mok_ep_group *group = NULL, *turn = NULL;
-  if (le && le->cfg.group_id && t->ops->start_group) {
-    /* asynchronous group job: a failed one posts its failure to the group,
-     * then runs as the fence-only NOP below like any failed job; on a group
-     * whose posts travel on the device, that NOP takes the turn there */
+  mok_ep_group *group = NULL;
+  if (le && le->cfg.group_id) {
+    /* a job on the engine thread reads the outputs of the session's earlier
+     * jobs: they finish first */
+    if (t->ops->groups == MOK_ENGINE_GROUPS_ON_CALLER)
+      while (s->n_pend) poll_session_blocking(t, s);
     group = job_group(t, s, &desc, &le->cfg, &res);
-    if (!group && res.status != MOK_OK &&
-        (desc.op == MOK_OP_FORWARD || desc.op == MOK_OP_BACKWARD)) {
-      mok_ep_group *g = session_group(t, s, le->cfg.group_id);
-      if (g && mok_ep_group_is_nccl(g)) turn = g;
-    }
-  } else if (le && le->cfg.group_id) {
-    /* synchronous group job (cpu): after the session's earlier jobs, whose
-     * outputs it may read, and on the session's scratch */
-    while (s->n_pend) poll_session_blocking(t, s);
-    args.session = s->es;
-    args.layer_state = le->state;
-    run_group_job(t, s, &desc, &le->cfg, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
-    return true;
-  }
-  if (!t->ops->start) {
-    if (res.status == MOK_OK) t->ops->run(t->engine, &args, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
-    return true;
   }
   pend *p = calloc(1, sizeof *p);
   if (!p) {
@@ -1319,14 +1272,10 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   args.session = s->es;
   args.layer_state = le ? le->state : NULL;
   if (group) {
-    p->group_id = le->cfg.group_id;
-    p->job = t->ops->start_group(t->engine, group, &args, &res);
-  } else if (turn) {
-    args.group_failed = p->fail_status;
-    p->job = t->ops->start_group(t->engine, turn, &args, &res);
-  } else {
-    p->job = t->ops->start(t->engine, &args, &res);
+    args.group_failed = p->fail_status; /* a failed job's NOP takes the turn on the device */
+    if (p->fail_status == MOK_OK) p->group_id = le->cfg.group_id;
   }
+  p->job = t->ops->start(t->engine, group, &args, &res);
   if (res.fatal) engine_fatal(t, res.message);
   if (!p->job) {
     if (p->fail_status != MOK_OK) {
@@ -1502,7 +1451,7 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   ecfg.wake_arg = t;
   int r = ops->open(&ecfg, &t->engine, err, errlen);
   if (r != MOK_OK) goto fail;
-  if ((ops->run_group || ops->start_group) && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
+  if (ops->groups != MOK_ENGINE_NO_GROUPS && !(t->groups = mok_ep_group_table_create(&t->stopping))) {
     snprintf(err, errlen, "out of memory");
     r = MOK_ENOMEM;
     goto fail;

@@ -265,7 +265,7 @@ bool mok_standing_turn(mok_standing_set *set, const mok_standing_env *env, uint6
     mok_engine_result res = {.status = MOK_OK};
     /* a group layer's instance takes the member's turn in the group now */
     mok_engine_job *j = on_group(st) ? env->group->start(env->group->ctx, st, &a, &res)
-                                     : env->ops->start(env->engine, &a, &res);
+                                     : env->ops->start(env->engine, NULL, &a, &res);
     worked = true;
     if (res.fatal) {
       *fatal = true;

@@ -35,25 +35,12 @@
 #include "bf16.h"
 #include "cpu/pool.h"
 #include "cpu/runner.h"
+#include "cpu/steps.h"
 #include "engine.h"
 #include "mok_slots.h"
 #include "schedule.h"
-#include "cpu/steps.h"
 
 /* ---- engine state and scratch --------------------------------------------- */
-
-struct mok_engine {
-  cpu_pool *pool; /* shared by every session's runner (cpu/pool.h) */
-  char description[64];
-  cpu_scratch_set direct; /* run() without a session (tools, tests) */
-  /* scratch of every set together may not pass the limit: a job that would
-   * fails with ENOMEM (only that job) instead of mokd running out of memory */
-  _Atomic uint64_t scratch_total;
-  uint64_t scratch_limit;
-  uint32_t idle_ms; /* a session's scratch unused this long is given back */
-  void (*wake)(void *);
-  void *wake_arg;
-};
 
 /* A client session: its scratch and the runner that runs its jobs in order. */
 struct mok_engine_session {
@@ -66,8 +53,7 @@ struct mok_engine_session {
  * always means "absent" inside the engine. Never read or written. */
 static max_align_t empty_tensor[1];
 
-__attribute__((format(printf, 3, 4))) static mok_status job_fail(job_env *env, mok_status st,
-                                                                   const char *fmt, ...) {
+mok_status mok__cpu_job_fail(job_env *env, mok_status st, const char *fmt, ...) {
   char *m = env->res->message;
   int n = snprintf(m, sizeof env->res->message, "%s: ", env->op_name);
   if (n < 0 || n >= (int)sizeof env->res->message) n = 0;
@@ -101,30 +87,31 @@ static void scratch_free(void *p, size_t cap) {
 
 /* Returns a buffer of at least `bytes` (64-byte aligned), or NULL after
  * failing the job with MOK_ENOMEM. */
-static void *scratch(job_env *env, int id, size_t bytes) {
+void *mok__cpu_scratch(job_env *env, int id, size_t bytes) {
   cpu_scratch_buf *b = &env->scr->buf[id];
   if (bytes == 0) bytes = 64;
   if (b->cap < bytes) {
     mok_engine *e = env->eng;
     size_t cap = (bytes + 63u) & ~(size_t)63u;
     if (cap < bytes) {
-      job_fail(env, MOK_ENOMEM, "scratch of %zu bytes is too large", bytes);
+      mok__cpu_job_fail(env, MOK_ENOMEM, "scratch of %zu bytes is too large", bytes);
       return NULL;
     }
     uint64_t grow = cap - b->cap;
     uint64_t total = atomic_fetch_add(&e->scratch_total, grow) + grow;
     if (total > e->scratch_limit) {
       atomic_fetch_sub(&e->scratch_total, grow);
-      job_fail(env, MOK_ENOMEM,
-               "%zu MiB more scratch would pass the cpu engine's budget of %llu MiB (held by "
-               "running jobs; retry, or run smaller jobs)",
-               (size_t)(grow >> 20), (unsigned long long)(e->scratch_limit >> 20));
+      mok__cpu_job_fail(
+          env, MOK_ENOMEM,
+          "%zu MiB more scratch would pass the cpu engine's budget of %llu MiB (held by "
+          "running jobs; retry, or run smaller jobs)",
+          (size_t)(grow >> 20), (unsigned long long)(e->scratch_limit >> 20));
       return NULL;
     }
     void *p = scratch_alloc(cap);
     if (!p) {
       atomic_fetch_sub(&e->scratch_total, grow);
-      job_fail(env, MOK_ENOMEM, "out of memory for %zu bytes of scratch", bytes);
+      mok__cpu_job_fail(env, MOK_ENOMEM, "out of memory for %zu bytes of scratch", bytes);
       return NULL;
     }
     scratch_free(b->ptr, b->cap);
@@ -150,14 +137,14 @@ static void scratch_release(mok_engine *e, cpu_scratch_set *set) {
 
 static float *scratch_f32(job_env *env, int id, size_t n) {
   if (n > SIZE_MAX / sizeof(float)) {
-    job_fail(env, MOK_ENOMEM, "scratch of %zu floats is too large", n);
+    mok__cpu_job_fail(env, MOK_ENOMEM, "scratch of %zu floats is too large", n);
     return NULL;
   }
-  return scratch(env, id, n * sizeof(float));
+  return mok__cpu_scratch(env, id, n * sizeof(float));
 }
 
-static void par_for(job_env *env, size_t n, cpu_pool_fn fn, void *arg) {
-  cpu_pool_run(env->eng->pool, n, fn, arg);
+void mok__cpu_par_for(job_env *env, size_t n, cpu_pool_fn fn, void *arg) {
+  mok__cpu_pool_run(env->eng->pool, n, fn, arg);
 }
 
 /* ---- element conversion --------------------------------------------------- */
@@ -220,7 +207,7 @@ static const float *f32_in(job_env *env, int id, const void *src, size_t n) {
   float *dst = scratch_f32(env, id, n);
   if (!dst) return NULL;
   convert_arg c = {env->dtype, src, dst, n};
-  par_for(env, n_blocks(n), widen_blocks, &c);
+  mok__cpu_par_for(env, n_blocks(n), widen_blocks, &c);
   return dst;
 }
 
@@ -234,7 +221,7 @@ static float *f32_out(job_env *env, int id, void *dst, size_t n) {
 static void f32_out_finish(job_env *env, const float *src, void *dst, size_t n) {
   if (env->dtype == MOK_DTYPE_F32) return;
   convert_arg c = {env->dtype, src, dst, n};
-  par_for(env, n_blocks(n), narrow_blocks, &c);
+  mok__cpu_par_for(env, n_blocks(n), narrow_blocks, &c);
 }
 
 /* ---- GEMM: C[m,n] = Σ_k A[m,k]·B[k,n] (+ A2[m,k]·B2[k,n]), k ascending ------
@@ -398,7 +385,7 @@ static mok_status gemm_run(job_env *env, const gemm_job *jobs, size_t n_jobs) {
   for (size_t i = 0; i < n_jobs; i++)
     n_tasks += ceil_div(jobs[i].M, GEMM_MB) * ceil_div(jobs[i].N, GEMM_NB);
   if (n_tasks == 0) return MOK_OK;
-  gemm_task *tasks = scratch(env, SCR_GEMM_TASKS, n_tasks * sizeof *tasks);
+  gemm_task *tasks = mok__cpu_scratch(env, SCR_GEMM_TASKS, n_tasks * sizeof *tasks);
   if (!tasks) return env->res->status;
   size_t t = 0;
   for (size_t i = 0; i < n_jobs; i++)
@@ -409,12 +396,12 @@ static mok_status gemm_run(job_env *env, const gemm_job *jobs, size_t n_jobs) {
         tasks[t++] = (gemm_task){i, m0, m1, n0, n1};
       }
   gemm_batch g = {jobs, tasks};
-  par_for(env, n_tasks, gemm_tasks, &g);
+  mok__cpu_par_for(env, n_tasks, gemm_tasks, &g);
   return MOK_OK;
 }
 
 static gemm_job *gemm_jobs(job_env *env, size_t n) {
-  return scratch(env, SCR_GEMM_JOBS, (n ? n : 1) * sizeof(gemm_job));
+  return mok__cpu_scratch(env, SCR_GEMM_JOBS, (n ? n : 1) * sizeof(gemm_job));
 }
 
 /* ---- transposes (weights into the layout the GEMMs stream) ----------------- */
@@ -558,7 +545,7 @@ static mok_status ffn_forward(job_env *env, const ffn_set *s, const void *x, voi
 
   /* gate and up side by side: wgu_t[w] = [H, 2I] */
   transpose_arg tr = {env->dtype, s->wg, s->wu, I, H, wgu_t, s->groups};
-  par_for(env, s->n_w * H, transpose_rows, &tr);
+  mok__cpu_par_for(env, s->n_w * H, transpose_rows, &tr);
 
   size_t n = 0;
   for (size_t w = 0; w < s->n_w; w++) {
@@ -571,14 +558,14 @@ static mok_status ffn_forward(job_env *env, const ffn_set *s, const void *x, voi
   if (st != MOK_OK) return st;
 
   fwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), gu, hm, acts_g, acts_u};
-  par_for(env, s->n_rows, fwd_epilogue_rows, &ep);
+  mok__cpu_par_for(env, s->n_rows, fwd_epilogue_rows, &ep);
   if (!y) return MOK_OK;
 
   float *wd_t = scratch_f32(env, SCR_W2, s->n_w * I * H);
   float *Y = f32_out(env, SCR_OUT1, y, s->n_rows * H);
   if (!wd_t || !Y) return env->res->status;
   transpose_arg td = {env->dtype, s->wd, NULL, H, I, wd_t, s->groups};
-  par_for(env, s->n_w * I, transpose_rows, &td);
+  mok__cpu_par_for(env, s->n_w * I, transpose_rows, &td);
   n = 0;
   for (size_t w = 0; w < s->n_w; w++) {
     const ffn_group *g = &s->groups[w];
@@ -589,7 +576,7 @@ static mok_status ffn_forward(job_env *env, const ffn_set *s, const void *x, voi
   st = gemm_run(env, jobs, n);
   if (st != MOK_OK) return st;
   zero_rows_arg z = {s, Y, H};
-  par_for(env, s->n_rows, zero_unused_rows, &z);
+  mok__cpu_par_for(env, s->n_rows, zero_unused_rows, &z);
   f32_out_finish(env, Y, y, s->n_rows * H);
   return MOK_OK;
 }
@@ -671,7 +658,7 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
 
   bwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), H, acts_g, acts_u, A, DO, rw_row,
                          dg, du, hm, dy, drw_row};
-  par_for(env, R, bwd_epilogue_rows, &ep);
+  mok__cpu_par_for(env, R, bwd_epilogue_rows, &ep);
   if (!rw_row) dy = (float *)DO; /* rw = 1: dy = rnd(d_out) = d_out */
 
   /* dx = dg · w_gate + du · w_up, one sum over i */
@@ -689,7 +676,7 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
   st = gemm_run(env, jobs, n);
   if (st != MOK_OK) return st;
   zero_rows_arg z = {s, DX, H};
-  par_for(env, R, zero_unused_rows, &z);
+  mok__cpu_par_for(env, R, zero_unused_rows, &z);
   f32_out_finish(env, DX, dx, R * H);
 
   /* weight gradients: sums over the group's rows, ascending */
@@ -722,7 +709,7 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
 static void *tensor(const job_env *env, int slot) { return env->tensors[slot]; }
 
 static mok_status routed_set(job_env *env, const mok_sched_view *v, ffn_set *ret) {
-  ffn_group *groups = scratch(env, SCR_GROUPS, env->E_loc * sizeof *groups);
+  ffn_group *groups = mok__cpu_scratch(env, SCR_GROUPS, env->E_loc * sizeof *groups);
   if (!groups) return env->res->status;
   for (size_t e = 0; e < env->E_loc; e++)
     groups[e] = (ffn_group){(size_t)v->offsets[e], (size_t)v->counts[e]};
@@ -758,9 +745,9 @@ static void gather_rows_fn(void *p, size_t r0, size_t r1) {
 
 /* routed[r] = src[t of row r] (exact copy), padding rows zero: the data
  * movement of dispatch and of combine_backward. */
-static void gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed) {
+void mok__cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed) {
   gather_arg g = {v, src, routed, env->H * env->es};
-  par_for(env, env->rows_cap, gather_rows_fn, &g);
+  mok__cpu_par_for(env, env->rows_cap, gather_rows_fn, &g);
 }
 
 /* The schedule of ids, as docs/math.md builds it: the ids are copied into
@@ -768,17 +755,17 @@ static void gather_rows(job_env *env, const mok_sched_view *v, const void *src, 
  * any moment), the schedule is built in scratch and copied out to out (a
  * client buffer: written, never read back) when out != NULL. *ret views
  * the daemon's copy, which is all that later steps read. */
-static mok_status schedule_build(job_env *env, const int32_t *ids, int32_t *out,
-                                 mok_sched_view *ret) {
+mok_status mok__cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
+                                   mok_sched_view *ret) {
   size_t n_ids = (size_t)(env->dims.tokens * env->dims.topk);
   size_t ints = (size_t)mok_schedule_ints(&env->dims);
-  int32_t *ids_copy = scratch(env, SCR_IDS, n_ids * sizeof(int32_t));
-  int32_t *sched = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
+  int32_t *ids_copy = mok__cpu_scratch(env, SCR_IDS, n_ids * sizeof(int32_t));
+  int32_t *sched = mok__cpu_scratch(env, SCR_SCHED, ints * sizeof(int32_t));
   if (!ids_copy || !sched) return env->res->status;
   memcpy(ids_copy, ids, n_ids * sizeof(int32_t));
   char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_build(&env->shape, ids_copy, sched, ints, msg, sizeof msg);
-  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
+  if (st != MOK_OK) return mok__cpu_job_fail(env, st, "%s", msg);
   if (out) memcpy(out, sched, ints * sizeof(int32_t));
   *ret = mok_schedule_view(&env->shape, sched);
   return MOK_OK;
@@ -786,14 +773,14 @@ static mok_status schedule_build(job_env *env, const int32_t *ids, int32_t *out,
 
 /* A schedule the client brought (a ctx, a single step's input): copied into
  * scratch once, the copy validated, *ret a view of the copy. */
-static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
+mok_status mok__cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
   size_t ints = (size_t)mok_schedule_ints(&env->dims);
-  int32_t *copy = scratch(env, SCR_SCHED, ints * sizeof(int32_t));
+  int32_t *copy = mok__cpu_scratch(env, SCR_SCHED, ints * sizeof(int32_t));
   if (!copy) return env->res->status;
   memcpy(copy, sched, ints * sizeof(int32_t));
   char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_validate(&env->shape, copy, ints, msg, sizeof msg);
-  if (st != MOK_OK) return job_fail(env, st, "%s", msg);
+  if (st != MOK_OK) return mok__cpu_job_fail(env, st, "%s", msg);
   *ret = mok_schedule_view(&env->shape, copy);
   return MOK_OK;
 }
@@ -802,9 +789,9 @@ static mok_status schedule_in(job_env *env, const void *sched, mok_sched_view *r
  * routed rows; *ret views the daemon's schedule. */
 static mok_status step_dispatch(job_env *env, const void *x, const int32_t *ids,
                                 int32_t *sched_out, void *routed_x, mok_sched_view *ret) {
-  mok_status st = schedule_build(env, ids, sched_out, ret);
+  mok_status st = mok__cpu_schedule_build(env, ids, sched_out, ret);
   if (st != MOK_OK) return st;
-  gather_rows(env, ret, x, routed_x);
+  mok__cpu_gather_rows(env, ret, x, routed_x);
   return MOK_OK;
 }
 
@@ -834,8 +821,8 @@ static void acts_zero_padding(const job_env *env, const acts_layout *a) {
 }
 
 /* compute. routed_y / shared_y may be NULL (recompute needs only acts). */
-static mok_status step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
-                               const void *x, void *routed_y, void *shared_y, void *acts) {
+mok_status mok__cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
+                                 const void *x, void *routed_y, void *shared_y, void *acts) {
   acts_layout a = acts_split(env, acts);
   if (acts) acts_zero_padding(env, &a);
   ffn_set rs;
@@ -887,24 +874,24 @@ static void reduce_tokens(void *p, size_t t0, size_t t1) {
     }
 }
 
-static mok_status step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
-                               const float *rw, const void *shared_y, void *out) {
+mok_status mok__cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
+                                 const float *rw, const void *shared_y, void *out) {
   reduce_arg a = {env, v, routed_y, rw, shared_y, out};
-  par_for(env, env->T, reduce_tokens, &a);
+  mok__cpu_par_for(env, env->T, reduce_tokens, &a);
   return MOK_OK;
 }
 
-static mok_status step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
-                                    const void *shared_dx, void *d_x) {
+mok_status mok__cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
+                                      const void *shared_dx, void *d_x) {
   reduce_arg a = {env, v, routed_dx, NULL, shared_dx, d_x};
-  par_for(env, env->T, reduce_tokens, &a);
+  mok__cpu_par_for(env, env->T, reduce_tokens, &a);
   return MOK_OK;
 }
 
-static mok_status step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
-                                   const void *routed_x, const void *routed_dout, const float *rw,
-                                   const void *x, const void *d_out, void *routed_dx, float *d_rw,
-                                   void *shared_dx) {
+mok_status mok__cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
+                                     const void *routed_x, const void *routed_dout, const float *rw,
+                                     const void *x, const void *d_out, void *routed_dx, float *d_rw,
+                                     void *shared_dx) {
   const size_t R = env->rows_cap, n_slots = env->T * env->K;
   float *rw_row = scratch_f32(env, SCR_RW_ROW, R);
   float *drw_row = scratch_f32(env, SCR_DRW_ROW, R);
@@ -929,6 +916,24 @@ static mok_status step_compute_bwd(job_env *env, const mok_sched_view *v, const 
                       tensor(env, MOK_SLOT_D_S_DOWN));
 }
 
+/* The shared expert alone, over env->T tokens: exactly the shared-expert
+ * calls of mok__cpu_step_compute and mok__cpu_step_compute_bwd. */
+mok_status mok__cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
+                                   void *shared_y) {
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_forward(env, &ss, x, acts_g, acts_u, shared_y);
+}
+
+mok_status mok__cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
+                                    const void *acts_u, const void *d_out, void *shared_dx) {
+  ffn_group all_tokens = {0, env->T};
+  ffn_set ss = shared_set(env, &all_tokens);
+  return ffn_backward(env, &ss, x, acts_g, acts_u, d_out, NULL, shared_dx, NULL,
+                      tensor(env, MOK_SLOT_D_S_GATE), tensor(env, MOK_SLOT_D_S_UP),
+                      tensor(env, MOK_SLOT_D_S_DOWN));
+}
+
 /* ---- the ops ---------------------------------------------------------------- */
 
 static size_t routed_bytes(const job_env *env) { return env->rows_cap * env->H * env->es; }
@@ -946,18 +951,18 @@ static mok_status op_forward(job_env *env) {
   void *ctx = tensor(env, MOK_SLOT_CTX), *acts = NULL;
   int32_t *sched_out = NULL;
   if (ctx) ctx_split(env, ctx, &sched_out, &acts);
-  void *routed_x = scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
-  void *routed_y = scratch(env, SCR_LAYER_ROUTED_Y, routed_bytes(env));
-  void *shared_y = env->Is ? scratch(env, SCR_LAYER_SHARED_Y, token_bytes(env)) : NULL;
+  void *routed_x = mok__cpu_scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
+  void *routed_y = mok__cpu_scratch(env, SCR_LAYER_ROUTED_Y, routed_bytes(env));
+  void *shared_y = env->Is ? mok__cpu_scratch(env, SCR_LAYER_SHARED_Y, token_bytes(env)) : NULL;
   if (!routed_x || !routed_y || (env->Is && !shared_y)) return env->res->status;
   const void *x = tensor(env, MOK_SLOT_X);
   mok_sched_view v;
   mok_status st = step_dispatch(env, x, tensor(env, MOK_SLOT_TOPK_IDS), sched_out, routed_x, &v);
   if (st != MOK_OK) return st;
-  st = step_compute(env, &v, routed_x, x, routed_y, shared_y, acts);
+  st = mok__cpu_step_compute(env, &v, routed_x, x, routed_y, shared_y, acts);
   if (st != MOK_OK) return st;
-  return step_combine(env, &v, routed_y, tensor(env, MOK_SLOT_ROUTER_W), shared_y,
-                      tensor(env, MOK_SLOT_OUT));
+  return mok__cpu_step_combine(env, &v, routed_y, tensor(env, MOK_SLOT_ROUTER_W), shared_y,
+                               tensor(env, MOK_SLOT_OUT));
 }
 
 /* The context backward reads: rebuilt (RECOMPUTE; written to the client's
@@ -969,7 +974,7 @@ static mok_status backward_context(job_env *env, mok_sched_view *v, const void *
   void *ctx = tensor(env, MOK_SLOT_CTX);
   if (env->args->flags & MOK_JOB_RECOMPUTE) {
     bool client_ctx = ctx != NULL;
-    if (!ctx) ctx = scratch(env, SCR_LAYER_CTX, mok_ctx_bytes(&env->dims));
+    if (!ctx) ctx = mok__cpu_scratch(env, SCR_LAYER_CTX, mok_ctx_bytes(&env->dims));
     if (!ctx) return env->res->status;
     int32_t *sched;
     void *acts;
@@ -978,32 +983,32 @@ static mok_status backward_context(job_env *env, mok_sched_view *v, const void *
                                   client_ctx ? sched : NULL, routed_x, v);
     if (st != MOK_OK) return st;
     *ret_acts = acts;
-    return step_compute(env, v, routed_x, x, NULL, NULL, acts);
+    return mok__cpu_step_compute(env, v, routed_x, x, NULL, NULL, acts);
   }
-  mok_status st = schedule_in(env, ctx, v);
+  mok_status st = mok__cpu_schedule_in(env, ctx, v);
   if (st != MOK_OK) return st;
   *ret_acts = (const char *)ctx + mok_align256(mok_schedule_bytes(&env->dims));
-  gather_rows(env, v, x, routed_x); /* dispatch's copy, from the saved schedule */
+  mok__cpu_gather_rows(env, v, x, routed_x); /* dispatch's copy, from the saved schedule */
   return MOK_OK;
 }
 
 static mok_status op_backward(job_env *env) {
-  void *routed_x = scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
-  void *routed_dout = scratch(env, SCR_LAYER_ROUTED_DOUT, routed_bytes(env));
-  void *routed_dx = scratch(env, SCR_LAYER_ROUTED_DX, routed_bytes(env));
-  void *shared_dx = env->Is ? scratch(env, SCR_LAYER_SHARED_DX, token_bytes(env)) : NULL;
+  void *routed_x = mok__cpu_scratch(env, SCR_LAYER_ROUTED_X, routed_bytes(env));
+  void *routed_dout = mok__cpu_scratch(env, SCR_LAYER_ROUTED_DOUT, routed_bytes(env));
+  void *routed_dx = mok__cpu_scratch(env, SCR_LAYER_ROUTED_DX, routed_bytes(env));
+  void *shared_dx = env->Is ? mok__cpu_scratch(env, SCR_LAYER_SHARED_DX, token_bytes(env)) : NULL;
   if (!routed_x || !routed_dout || !routed_dx || (env->Is && !shared_dx)) return env->res->status;
   mok_sched_view v;
   const void *acts = NULL;
   mok_status st = backward_context(env, &v, &acts, routed_x);
   if (st != MOK_OK) return st;
   const void *d_out = tensor(env, MOK_SLOT_D_OUT);
-  gather_rows(env, &v, d_out, routed_dout); /* combine_backward */
-  st = step_compute_bwd(env, &v, acts, routed_x, routed_dout, tensor(env, MOK_SLOT_ROUTER_W),
-                        tensor(env, MOK_SLOT_X), d_out, routed_dx, tensor(env, MOK_SLOT_D_RW),
-                        shared_dx);
+  mok__cpu_gather_rows(env, &v, d_out, routed_dout); /* combine_backward */
+  st = mok__cpu_step_compute_bwd(env, &v, acts, routed_x, routed_dout,
+                                 tensor(env, MOK_SLOT_ROUTER_W), tensor(env, MOK_SLOT_X), d_out,
+                                 routed_dx, tensor(env, MOK_SLOT_D_RW), shared_dx);
   if (st != MOK_OK) return st;
-  return step_dispatch_bwd(env, &v, routed_dx, shared_dx, tensor(env, MOK_SLOT_D_X));
+  return mok__cpu_step_dispatch_bwd(env, &v, routed_dx, shared_dx, tensor(env, MOK_SLOT_D_X));
 }
 
 static mok_status op_dispatch(job_env *env) {
@@ -1014,46 +1019,47 @@ static mok_status op_dispatch(job_env *env) {
 
 static mok_status op_compute(job_env *env) {
   mok_sched_view v;
-  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  mok_status st = mok__cpu_schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
   if (st != MOK_OK) return st;
-  return step_compute(env, &v, tensor(env, MOK_SLOT_ROUTED_X), tensor(env, MOK_SLOT_X),
-                      tensor(env, MOK_SLOT_ROUTED_Y), tensor(env, MOK_SLOT_SHARED_Y),
-                      tensor(env, MOK_SLOT_ACTS));
+  return mok__cpu_step_compute(env, &v, tensor(env, MOK_SLOT_ROUTED_X), tensor(env, MOK_SLOT_X),
+                               tensor(env, MOK_SLOT_ROUTED_Y), tensor(env, MOK_SLOT_SHARED_Y),
+                               tensor(env, MOK_SLOT_ACTS));
 }
 
 static mok_status op_combine(job_env *env) {
   mok_sched_view v;
-  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  mok_status st = mok__cpu_schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
   if (st != MOK_OK) return st;
-  return step_combine(env, &v, tensor(env, MOK_SLOT_ROUTED_Y), tensor(env, MOK_SLOT_ROUTER_W),
-                      tensor(env, MOK_SLOT_SHARED_Y), tensor(env, MOK_SLOT_OUT));
+  return mok__cpu_step_combine(env, &v, tensor(env, MOK_SLOT_ROUTED_Y),
+                               tensor(env, MOK_SLOT_ROUTER_W), tensor(env, MOK_SLOT_SHARED_Y),
+                               tensor(env, MOK_SLOT_OUT));
 }
 
 static mok_status op_combine_bwd(job_env *env) {
   mok_sched_view v;
-  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  mok_status st = mok__cpu_schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
   if (st != MOK_OK) return st;
-  gather_rows(env, &v, tensor(env, MOK_SLOT_D_OUT), tensor(env, MOK_SLOT_ROUTED_DOUT));
+  mok__cpu_gather_rows(env, &v, tensor(env, MOK_SLOT_D_OUT), tensor(env, MOK_SLOT_ROUTED_DOUT));
   return MOK_OK;
 }
 
 static mok_status op_compute_bwd(job_env *env) {
   mok_sched_view v;
-  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  mok_status st = mok__cpu_schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
   if (st != MOK_OK) return st;
-  return step_compute_bwd(env, &v, tensor(env, MOK_SLOT_ACTS), tensor(env, MOK_SLOT_ROUTED_X),
-                          tensor(env, MOK_SLOT_ROUTED_DOUT), tensor(env, MOK_SLOT_ROUTER_W),
-                          tensor(env, MOK_SLOT_X), tensor(env, MOK_SLOT_D_OUT),
-                          tensor(env, MOK_SLOT_ROUTED_DX), tensor(env, MOK_SLOT_D_RW),
-                          tensor(env, MOK_SLOT_SHARED_DX));
+  return mok__cpu_step_compute_bwd(
+      env, &v, tensor(env, MOK_SLOT_ACTS), tensor(env, MOK_SLOT_ROUTED_X),
+      tensor(env, MOK_SLOT_ROUTED_DOUT), tensor(env, MOK_SLOT_ROUTER_W), tensor(env, MOK_SLOT_X),
+      tensor(env, MOK_SLOT_D_OUT), tensor(env, MOK_SLOT_ROUTED_DX), tensor(env, MOK_SLOT_D_RW),
+      tensor(env, MOK_SLOT_SHARED_DX));
 }
 
 static mok_status op_dispatch_bwd(job_env *env) {
   mok_sched_view v;
-  mok_status st = schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
+  mok_status st = mok__cpu_schedule_in(env, tensor(env, MOK_SLOT_SCHEDULE), &v);
   if (st != MOK_OK) return st;
-  return step_dispatch_bwd(env, &v, tensor(env, MOK_SLOT_ROUTED_DX),
-                           tensor(env, MOK_SLOT_SHARED_DX), tensor(env, MOK_SLOT_D_X));
+  return mok__cpu_step_dispatch_bwd(env, &v, tensor(env, MOK_SLOT_ROUTED_DX),
+                                    tensor(env, MOK_SLOT_SHARED_DX), tensor(env, MOK_SLOT_D_X));
 }
 
 /* ---- which tensors each op reads and writes --------------------------------
@@ -1150,16 +1156,16 @@ static mok_status check_tensors(job_env *env) {
     slot_expect(env, slot, &dt, &bytes);
     if (!t->ptr) {
       if (!(required & bit)) continue;
-      if (bytes > 0) return job_fail(env, MOK_EINVAL, "tensor '%s' is required", name);
+      if (bytes > 0) return mok__cpu_job_fail(env, MOK_EINVAL, "tensor '%s' is required", name);
       env->tensors[slot] = empty_tensor;
       continue;
     }
     if (t->dtype != dt)
-      return job_fail(env, MOK_ESHAPE, "tensor '%s' has dtype %u, expected %u", name, t->dtype,
-                      dt);
+      return mok__cpu_job_fail(env, MOK_ESHAPE, "tensor '%s' has dtype %u, expected %u", name,
+                               t->dtype, dt);
     if (t->bytes < bytes)
-      return job_fail(env, MOK_ESHAPE, "tensor '%s' has %llu bytes, expected %llu", name,
-                      (unsigned long long)t->bytes, (unsigned long long)bytes);
+      return mok__cpu_job_fail(env, MOK_ESHAPE, "tensor '%s' has %llu bytes, expected %llu", name,
+                               (unsigned long long)t->bytes, (unsigned long long)bytes);
     env->tensors[slot] = t->ptr;
   }
   return MOK_OK;
@@ -1197,17 +1203,17 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
   env->op_name = mok_op_name(a->op);
   env->cfg = a->layer;
   const mok_layer_config *c = a->layer;
-  if (!c) return job_fail(env, MOK_EINVAL, "the job names no layer");
+  if (!c) return mok__cpu_job_fail(env, MOK_EINVAL, "the job names no layer");
   if (a->flags & ~(uint32_t)MOK_JOB_FLAGS_ALL)
-    return job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
+    return mok__cpu_job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
   if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD)
-    return job_fail(env, MOK_EINVAL, "the recompute flag applies to backward only");
+    return mok__cpu_job_fail(env, MOK_EINVAL, "the recompute flag applies to backward only");
   char err[MOK_JOB_MESSAGE_MAX];
   mok_status st = check_layer(c, err, sizeof err);
-  if (st != MOK_OK) return job_fail(env, st, "%s", err);
+  if (st != MOK_OK) return mok__cpu_job_fail(env, st, "%s", err);
   if (a->tokens > c->max_tokens)
-    return job_fail(env, MOK_ELIMIT, "%u tokens exceed the layer's max_tokens %u", a->tokens,
-                    c->max_tokens);
+    return mok__cpu_job_fail(env, MOK_ELIMIT, "%u tokens exceed the layer's max_tokens %u",
+                             a->tokens, c->max_tokens);
   env->dtype = c->dtype;
   env->es = mok_dtype_size(c->dtype);
   env->T = a->tokens;
@@ -1220,6 +1226,14 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
   env->rows_cap = (size_t)mok_rows_capacity(&env->dims);
   env->shape = (mok_sched_shape){env->dims, c->experts, c->first_expert};
   return MOK_OK;
+}
+
+mok_status mok__cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
+                             mok_engine_result *res) {
+  res->status = MOK_OK;
+  res->message[0] = '\0';
+  mok_status st = job_env_init(env, e, a, res);
+  return st == MOK_OK ? check_tensors(env) : st;
 }
 
 /* ---- the engine table ------------------------------------------------------- */
@@ -1243,7 +1257,7 @@ static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, s
     snprintf(err, errlen, "cpu engine: out of memory");
     return MOK_ENOMEM;
   }
-  int rc = cpu_pool_create(threads, &e->pool);
+  int rc = mok__cpu_pool_create(threads, &e->pool);
   if (rc) {
     snprintf(err, errlen, "cpu engine: cannot start %d worker threads: %s", threads, strerror(rc));
     free(e);
@@ -1253,7 +1267,7 @@ static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, s
   e->idle_ms = cfg && cfg->workspace_idle_ms ? cfg->workspace_idle_ms : MOK_WORKSPACE_IDLE_MS;
   e->wake = cfg ? cfg->wake : NULL;
   e->wake_arg = cfg ? cfg->wake_arg : NULL;
-  int n = cpu_pool_threads(e->pool);
+  int n = mok__cpu_pool_threads(e->pool);
   snprintf(e->description, sizeof e->description, "cpu: %d thread%s", n, n == 1 ? "" : "s");
   *ret = e;
   return MOK_OK;
@@ -1261,7 +1275,7 @@ static int cpu_open(const mok_engine_config *cfg, mok_engine **ret, char *err, s
 
 static void cpu_close(mok_engine *e) {
   if (!e) return;
-  cpu_pool_destroy(e->pool);
+  mok__cpu_pool_destroy(e->pool);
   scratch_release(e, &e->direct);
   free(e);
 }
@@ -1295,9 +1309,11 @@ static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res
   case MOK_OP_COMBINE_BWD: st = op_combine_bwd(&env); break;
   case MOK_OP_COMPUTE_BWD: st = op_compute_bwd(&env); break;
   case MOK_OP_DISPATCH_BWD: st = op_dispatch_bwd(&env); break;
-  default: st = job_fail(&env, MOK_EUNSUPPORTED, "op %u is not known to the cpu engine", a->op);
+  default:
+    st = mok__cpu_job_fail(&env, MOK_EUNSUPPORTED, "op %u is not known to the cpu engine", a->op);
   }
-  if (st != MOK_OK && res->status == MOK_OK) job_fail(&env, MOK_EENGINE, "failed (status %d)", st);
+  if (st != MOK_OK && res->status == MOK_OK)
+    mok__cpu_job_fail(&env, MOK_EENGINE, "failed (status %d)", st);
 }
 
 /* ---- sessions: jobs on the session's runner (cpu/runner.h) ------------------- */
@@ -1323,7 +1339,7 @@ static int cpu_session_open(mok_engine *e, void *sync_page, mok_engine_session *
   }
   s->e = e;
   cpu_runner_ops ops = {session_run, session_idle, e->wake, e->wake_arg};
-  int rc = cpu_runner_start(&ops, s, e->idle_ms, &s->runner);
+  int rc = mok__cpu_runner_start(&ops, s, e->idle_ms, &s->runner);
   if (rc) {
     free(s);
     snprintf(err, errlen, "cpu engine: cannot start the session's runner thread: %s",
@@ -1336,21 +1352,28 @@ static int cpu_session_open(mok_engine *e, void *sync_page, mok_engine_session *
 
 static void cpu_session_close(mok_engine *e, mok_engine_session *s) {
   if (!s) return;
-  cpu_runner_stop(s->runner); /* no job of it is unfinished (the engine thread's rule) */
+  mok__cpu_runner_stop(s->runner); /* no job of it is unfinished (the engine thread's rule) */
   scratch_release(e, &s->scr);
   free(s);
 }
 
 /* Every job of a session goes through its runner, a NOP too, so that jobs
- * complete in submission order; without a session, run it here. */
-static mok_engine_job *cpu_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+ * complete in submission order; without a session, run it here. A job on a
+ * group runs here too, on the session's scratch (MOK_ENGINE_GROUPS_ON_CALLER:
+ * the engine thread waited for the session's earlier jobs). */
+static mok_engine_job *cpu_start(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                 mok_engine_result *res) {
+  if (g) {
+    mok__cpu_run_group(e, g, a, res);
+    return NULL;
+  }
   res->status = MOK_OK;
   res->message[0] = '\0';
   if (!a->session) {
     cpu_run(e, a, res);
     return NULL;
   }
-  return cpu_runner_submit(a->session->runner, a, res);
+  return mok__cpu_runner_submit(a->session->runner, a, res);
 }
 
 /* Jobs of the cpu engine wait for nothing outside: now_ns (and shutdown's
@@ -1358,7 +1381,7 @@ static mok_engine_job *cpu_start(mok_engine *e, const mok_job_args *a, mok_engin
 static int cpu_poll(mok_engine *e, mok_engine_job *j, uint64_t now_ns, mok_engine_result *res) {
   (void)e;
   (void)now_ns;
-  return cpu_runner_poll(j, res);
+  return mok__cpu_runner_poll(j, res);
 }
 
 static void cpu_session_memory(mok_engine *e, mok_engine_session *s, mok_session_memory *ret) {
@@ -1369,13 +1392,12 @@ static void cpu_session_memory(mok_engine *e, mok_engine_session *s, mok_session
 
 const mok_engine_ops mok_engine_cpu = {
     .name = "cpu",
+    .groups = MOK_ENGINE_GROUPS_ON_CALLER,
     .wakes_when_done = true,
     .open = cpu_open,
     .close = cpu_close,
     .describe = cpu_describe,
     .prepare_layer = cpu_prepare_layer,
-    .run = cpu_run,
-    .run_group = cpu_run_group,
     .session_open = cpu_session_open,
     .session_close = cpu_session_close,
     .start = cpu_start,
@@ -1383,80 +1405,3 @@ const mok_engine_ops mok_engine_cpu = {
     .session_memory = cpu_session_memory,
 };
 
-/* ---- exported wrappers for the expert-parallel path (cpu/steps.h) ----------- */
-
-mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
-                        mok_engine_result *res) {
-  res->status = MOK_OK;
-  res->message[0] = '\0';
-  mok_status st = job_env_init(env, e, a, res);
-  return st == MOK_OK ? check_tensors(env) : st;
-}
-
-mok_status cpu_job_fail(job_env *env, mok_status st, const char *fmt, ...) {
-  char buf[MOK_JOB_MESSAGE_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return job_fail(env, st, "%s", buf);
-}
-
-void *cpu_scratch(job_env *env, int id, size_t bytes) { return scratch(env, id, bytes); }
-
-void cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg) {
-  par_for(env, n, fn, arg);
-}
-
-void cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed) {
-  gather_rows(env, v, src, routed);
-}
-
-mok_status cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
-                            const void *x, void *routed_y, void *shared_y, void *acts) {
-  return step_compute(env, v, routed_x, x, routed_y, shared_y, acts);
-}
-
-mok_status cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
-                            const float *rw, const void *shared_y, void *out) {
-  return step_combine(env, v, routed_y, rw, shared_y, out);
-}
-
-mok_status cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
-                                 const void *shared_dx, void *d_x) {
-  return step_dispatch_bwd(env, v, routed_dx, shared_dx, d_x);
-}
-
-mok_status cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
-                                const void *routed_x, const void *routed_dout, const float *rw,
-                                const void *x, const void *d_out, void *routed_dx, float *d_rw,
-                                void *shared_dx) {
-  return step_compute_bwd(env, v, acts, routed_x, routed_dout, rw, x, d_out, routed_dx, d_rw,
-                          shared_dx);
-}
-
-/* Exactly the shared-expert calls of step_compute and step_compute_bwd. */
-mok_status cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
-                              void *shared_y) {
-  ffn_group all_tokens = {0, env->T};
-  ffn_set ss = shared_set(env, &all_tokens);
-  return ffn_forward(env, &ss, x, acts_g, acts_u, shared_y);
-}
-
-mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
-                               const void *acts_u, const void *d_out, void *shared_dx) {
-  ffn_group all_tokens = {0, env->T};
-  ffn_set ss = shared_set(env, &all_tokens);
-  return ffn_backward(env, &ss, x, acts_g, acts_u, d_out, NULL, shared_dx, NULL,
-                      tensor(env, MOK_SLOT_D_S_GATE), tensor(env, MOK_SLOT_D_S_UP),
-                      tensor(env, MOK_SLOT_D_S_DOWN));
-}
-
-mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret) {
-  return schedule_in(env, sched, ret);
-}
-
-mok_status cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
-                              mok_sched_view *ret) {
-  return schedule_build(env, ids, out, ret);
-}

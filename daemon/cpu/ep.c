@@ -30,8 +30,6 @@
 
 static void *slot_tensor(const job_env *env, int slot) { return env->tensors[slot]; }
 
-mok_ep_cpu_timing mok_ep_cpu_last_timing;
-
 /* env for the routed part: the virtual batch of all ranks' slots. */
 static mok_status virtual_env(const job_env *l, job_env *v) {
   *v = *l;
@@ -43,7 +41,7 @@ static mok_status virtual_env(const job_env *l, job_env *v) {
   v->shape = (mok_sched_shape){v->dims, c->experts, c->first_expert};
   char msg[MOK_JOB_MESSAGE_MAX];
   mok_status st = mok_schedule_shape_check(&v->shape, msg, sizeof msg);
-  if (st != MOK_OK) return cpu_job_fail(v, st, "group batch: %s", msg);
+  if (st != MOK_OK) return mok__cpu_job_fail(v, st, "group batch: %s", msg);
   return MOK_OK;
 }
 
@@ -70,7 +68,7 @@ static void push_rows(void *p, size_t r0, size_t r1) {
 static void push(job_env *v, const mok_sched_view *sv, const void *rows, void *land,
                  const float *drw_virtual, float *drw_land) {
   push_arg a = {sv, rows, land, v->H * v->es, drw_virtual, drw_land};
-  cpu_par_for(v, sv->rows_used, push_rows, &a);
+  mok__cpu_par_for(v, sv->rows_used, push_rows, &a);
 }
 
 /* ---- the ring: macrobatches of whole local experts -------------------------
@@ -98,10 +96,10 @@ static mok_status next_macrobatch(job_env *v, const mok_sched_view *sv, size_t r
   size_t base = (size_t)sv->offsets[e0], e1 = e0;
   while (e1 < sv->local_experts && (size_t)sv->offsets[e1 + 1] - base <= ring) e1++;
   if (e1 == e0)
-    return cpu_job_fail(v, MOK_EOVERFLOW,
-                        "ring_rows %zu < expert %zu's %d rows: raise ring_rows (to at least "
-                        "world*max_tokens)",
-                        ring, sv->first_expert + e0, sv->offsets[e0 + 1] - sv->offsets[e0]);
+    return mok__cpu_job_fail(v, MOK_EOVERFLOW,
+                             "ring_rows %zu < expert %zu's %d rows: raise ring_rows (to at least "
+                             "world*max_tokens)",
+                             ring, sv->first_expert + e0, sv->offsets[e0 + 1] - sv->offsets[e0]);
   *mb = (macrobatch){e0, e1, base, (size_t)sv->offsets[e1] - base};
   return MOK_OK;
 }
@@ -116,8 +114,8 @@ static void *expert_offset(void *w, size_t e, size_t per_expert) {
 static mok_status macrobatch_env(job_env *v, const mok_sched_view *sv, const macrobatch *mb,
                                  job_env *s, mok_sched_view *ssv) {
   size_t n_exp = mb->e1 - mb->e0, n_slots = v->T * v->K;
-  int32_t *offsets = cpu_scratch(v, SCR_EP_MB_OFFSETS, (v->E_loc + 1) * sizeof(int32_t));
-  int32_t *slot_row = cpu_scratch(v, SCR_EP_MB_SLOT_ROW, n_slots * sizeof(int32_t));
+  int32_t *offsets = mok__cpu_scratch(v, SCR_EP_MB_OFFSETS, (v->E_loc + 1) * sizeof(int32_t));
+  int32_t *slot_row = mok__cpu_scratch(v, SCR_EP_MB_SLOT_ROW, n_slots * sizeof(int32_t));
   if (!offsets || !slot_row) return v->res->status;
   for (size_t e = 0; e <= n_exp; e++) offsets[e] = sv->offsets[mb->e0 + e] - (int32_t)mb->base;
   for (size_t i = 0; i < n_slots; i++) {
@@ -193,7 +191,7 @@ static void copy_in_routing(const job_env *l, const mok_ep_group *g, const int32
  * routed slot, -1 for a dropped one (rows = this rank's landing block). */
 static mok_status own_view(job_env *l, const int32_t *ids, mok_sched_view *v) {
   size_t n = l->T * l->K;
-  int32_t *slot_row = cpu_scratch(l, SCR_EP_SLOT_ROW, n * sizeof(int32_t));
+  int32_t *slot_row = mok__cpu_scratch(l, SCR_EP_SLOT_ROW, n * sizeof(int32_t));
   if (!slot_row) return l->res->status;
   for (size_t i = 0; i < n; i++) slot_row[i] = ids[i] >= 0 ? (int32_t)i : -1;
   memset(v, 0, sizeof *v);
@@ -243,7 +241,7 @@ static group_ctx ctx_split(const job_env *l, const job_env *v, void *ctx, bool z
  * scratch: everything after reads the copy, never the client's buffer. */
 static const int32_t *own_ids_in(job_env *l, const int32_t *ids) {
   size_t bytes = l->T * l->K * sizeof(int32_t);
-  int32_t *copy = cpu_scratch(l, SCR_EP_OWN_IDS, bytes);
+  int32_t *copy = mok__cpu_scratch(l, SCR_EP_OWN_IDS, bytes);
   if (copy) memcpy(copy, ids, bytes);
   return copy;
 }
@@ -260,7 +258,7 @@ static mok_status own_checks(job_env *l, const int32_t *ids, mok_ep_group_post *
 }
 
 static void group_fail(job_env *l, int st, const char *err) {
-  cpu_job_fail(l, st, "%s", err);
+  mok__cpu_job_fail(l, st, "%s", err);
 }
 
 static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
@@ -268,7 +266,7 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   const mok_ep_group_buffers *b = mok_ep_group_bufs(g);
   const float *rw = slot_tensor(l, MOK_SLOT_ROUTER_W);
   const void *x = slot_tensor(l, MOK_SLOT_X);
-  mok_ep_cpu_timing *tm = &mok_ep_cpu_last_timing;
+  mok_ep_cpu_timing *tm = &l->eng->ep_timing;
   memset(tm, 0, sizeof *tm);
   uint64_t t0 = mok_clock_ns();
   int st = mok_ep_group_job_start(g, err, sizeof err);
@@ -281,7 +279,8 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   copy_in_routing(l, g, ids, rw);
   uint64_t t1 = mok_clock_ns();
   tm->copy_in_ns = t1 - t0;
-  mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
+  mok_ep_group_post post =
+      mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
   post.status = own_checks(l, ids, &post);
   st = mok_ep_group_job_post(g, &post, err, sizeof err);
   uint64_t t2 = mok_clock_ns();
@@ -297,21 +296,22 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   if (ctx) gc = ctx_split(l, v, ctx, true);
   const size_t ring = ring_rows(v);
   size_t routed_bytes = (ring ? ring : v->rows_cap) * v->H * v->es;
-  void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
-  void *routed_y = cpu_scratch(v, SCR_LAYER_ROUTED_Y, routed_bytes);
+  void *routed_x = mok__cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
+  void *routed_y = mok__cpu_scratch(v, SCR_LAYER_ROUTED_Y, routed_bytes);
   mok_status local = (routed_x && routed_y) ? MOK_OK : v->res->status;
   mok_sched_view sv;
-  if (local == MOK_OK) local = cpu_schedule_build(v, b->ids, ctx ? gc.sched : NULL, &sv);
+  if (local == MOK_OK) local = mok__cpu_schedule_build(v, b->ids, ctx ? gc.sched : NULL, &sv);
   if (local == MOK_OK) {
     tm->rows = sv.rows_used;
     tm->row_bytes = v->H * v->es;
   }
   if (local == MOK_OK && !ring) {
     uint64_t a = mok_clock_ns();
-    cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
+    mok__cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
     uint64_t bb = mok_clock_ns();
     tm->pull_ns = bb - a;
-    local = cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
+    local =
+        mok__cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
     tm->compute_ns = mok_clock_ns() - bb;
     if (local == MOK_OK) {
       uint64_t c = mok_clock_ns();
@@ -327,13 +327,13 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
     local = next_macrobatch(v, &sv, ring, e0, &mb);
     if (local == MOK_OK) local = macrobatch_env(v, &sv, &mb, &s, &ssv);
     if (local == MOK_OK && ctx &&
-        !(ring_acts = cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
+        !(ring_acts = mok__cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
       local = v->res->status;
     if (local != MOK_OK) break;
     uint64_t a = mok_clock_ns();
-    cpu_gather_rows(&s, &ssv, b->x, routed_x);
+    mok__cpu_gather_rows(&s, &ssv, b->x, routed_x);
     uint64_t bb = mok_clock_ns();
-    local = cpu_step_compute(&s, &ssv, routed_x, NULL, routed_y, NULL, ring_acts);
+    local = mok__cpu_step_compute(&s, &ssv, routed_x, NULL, routed_y, NULL, ring_acts);
     uint64_t c = mok_clock_ns();
     if (local == MOK_OK) {
       if (ctx) acts_rows_copy(v, &s, &mb, gc.acts_routed, ring_acts, true);
@@ -361,15 +361,15 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   if (ctx) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
   void *shared_y = NULL;
   if (l->Is) {
-    shared_y = cpu_scratch(l, SCR_LAYER_SHARED_Y, l->T * l->H * l->es);
+    shared_y = mok__cpu_scratch(l, SCR_LAYER_SHARED_Y, l->T * l->H * l->es);
     if (!shared_y) return;
-    if (cpu_shared_forward(l, x, ctx ? gc.g_shared : NULL, ctx ? gc.u_shared : NULL, shared_y) !=
-        MOK_OK)
+    if (mok__cpu_shared_forward(l, x, ctx ? gc.g_shared : NULL, ctx ? gc.u_shared : NULL,
+                                shared_y) != MOK_OK)
       return;
   }
   mok_sched_view own;
   if (own_view(l, ids, &own) != MOK_OK) return;
-  cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
+  mok__cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
   tm->local_ns = mok_clock_ns() - t4;
 }
 
@@ -383,12 +383,12 @@ static mok_status ring_backward(job_env *v, const mok_ep_group *g, group_ctx *gc
   mok_sched_view sv;
   mok_status local;
   if (recompute) {
-    if ((local = cpu_schedule_build(v, b->ids, gc->sched, &sv)) != MOK_OK) return local;
-  } else if ((local = cpu_schedule_in(v, gc->sched, &sv)) != MOK_OK) {
+    if ((local = mok__cpu_schedule_build(v, b->ids, gc->sched, &sv)) != MOK_OK) return local;
+  } else if ((local = mok__cpu_schedule_in(v, gc->sched, &sv)) != MOK_OK) {
     return local;
   }
   size_t n_slots = v->T * v->K, ring = ring_rows(v);
-  float *drw_mb = cpu_scratch(v, SCR_EP_MB_DRW, n_slots * sizeof(float));
+  float *drw_mb = mok__cpu_scratch(v, SCR_EP_MB_DRW, n_slots * sizeof(float));
   if (!drw_mb) return v->res->status;
   memset(drw_v, 0, n_slots * sizeof(float));
   for (size_t e0 = 0; e0 < sv.local_experts;) {
@@ -399,19 +399,20 @@ static mok_status ring_backward(job_env *v, const mok_ep_group *g, group_ctx *gc
     if ((local = next_macrobatch(v, &sv, ring, e0, &mb)) != MOK_OK ||
         (local = macrobatch_env(v, &sv, &mb, &s, &ssv)) != MOK_OK)
       return local;
-    if (!(ring_acts = cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
+    if (!(ring_acts = mok__cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
       return v->res->status;
-    cpu_gather_rows(&s, &ssv, b->x, routed_x);
+    mok__cpu_gather_rows(&s, &ssv, b->x, routed_x);
     if (recompute) {
-      if ((local = cpu_step_compute(&s, &ssv, routed_x, NULL, NULL, NULL, ring_acts)) != MOK_OK)
+      if ((local = mok__cpu_step_compute(&s, &ssv, routed_x, NULL, NULL, NULL, ring_acts)) !=
+          MOK_OK)
         return local;
       acts_rows_copy(v, &s, &mb, gc->acts_routed, ring_acts, true);
     } else {
       acts_rows_copy(v, &s, &mb, gc->acts_routed, ring_acts, false);
     }
-    cpu_gather_rows(&s, &ssv, b->d_out, routed_dout);
-    local = cpu_step_compute_bwd(&s, &ssv, ring_acts, routed_x, routed_dout, b->rw, NULL, NULL,
-                                 routed_dx, drw_mb, NULL);
+    mok__cpu_gather_rows(&s, &ssv, b->d_out, routed_dout);
+    local = mok__cpu_step_compute_bwd(&s, &ssv, ring_acts, routed_x, routed_dout, b->rw, NULL, NULL,
+                                      routed_dx, drw_mb, NULL);
     if (local != MOK_OK) return local;
     for (size_t i = 0; i < n_slots; i++)
       if (ssv.slot_row[i] >= 0) drw_v[i] = drw_mb[i];
@@ -435,7 +436,7 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
     return;
   }
   group_ctx gc = {0};
-  if (!ctx) ctx = cpu_scratch(l, SCR_LAYER_CTX, mok_group_ctx_bytes(l->cfg, (uint32_t)l->T));
+  if (!ctx) ctx = mok__cpu_scratch(l, SCR_LAYER_CTX, mok_group_ctx_bytes(l->cfg, (uint32_t)l->T));
   /* own routing: the job's topk_ids with recompute, else the forward's
    * copy in ctx (client memory: copied once, checked like any routing) */
   const int32_t *ids = NULL;
@@ -443,7 +444,8 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
     gc = ctx_split(l, v, ctx, recompute);
     ids = own_ids_in(l, recompute ? slot_tensor(l, MOK_SLOT_TOPK_IDS) : gc.ids);
   }
-  mok_ep_group_post post = mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
+  mok_ep_group_post post =
+      mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
   post.status = own_checks(l, ids, &post);
   if (recompute && post.status == MOK_OK) memcpy(gc.ids, ids, l->T * l->K * sizeof(int32_t));
   copy_in_rows(l, g, b->x, x);
@@ -457,28 +459,28 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
 
   const size_t ring = ring_rows(v);
   size_t routed_bytes = (ring ? ring : v->rows_cap) * v->H * v->es;
-  void *routed_x = cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
-  void *routed_dout = cpu_scratch(v, SCR_LAYER_ROUTED_DOUT, routed_bytes);
-  void *routed_dx = cpu_scratch(v, SCR_LAYER_ROUTED_DX, routed_bytes);
-  float *drw_v = cpu_scratch(v, SCR_EP_DRW, v->T * v->K * sizeof(float));
+  void *routed_x = mok__cpu_scratch(v, SCR_LAYER_ROUTED_X, routed_bytes);
+  void *routed_dout = mok__cpu_scratch(v, SCR_LAYER_ROUTED_DOUT, routed_bytes);
+  void *routed_dx = mok__cpu_scratch(v, SCR_LAYER_ROUTED_DX, routed_bytes);
+  float *drw_v = mok__cpu_scratch(v, SCR_EP_DRW, v->T * v->K * sizeof(float));
   mok_status local = (routed_x && routed_dout && routed_dx && drw_v) ? MOK_OK : v->res->status;
   mok_sched_view sv;
   if (local == MOK_OK && ring) {
     local = ring_backward(v, g, &gc, recompute, routed_x, routed_dout, routed_dx, drw_v);
   } else if (local == MOK_OK && recompute) {
-    local = cpu_schedule_build(v, b->ids, gc.sched, &sv);
+    local = mok__cpu_schedule_build(v, b->ids, gc.sched, &sv);
     if (local == MOK_OK) {
-      cpu_gather_rows(v, &sv, b->x, routed_x);
-      local = cpu_step_compute(v, &sv, routed_x, NULL, NULL, NULL, gc.acts_routed);
+      mok__cpu_gather_rows(v, &sv, b->x, routed_x);
+      local = mok__cpu_step_compute(v, &sv, routed_x, NULL, NULL, NULL, gc.acts_routed);
     }
   } else if (local == MOK_OK) {
-    local = cpu_schedule_in(v, gc.sched, &sv);
-    if (local == MOK_OK) cpu_gather_rows(v, &sv, b->x, routed_x);
+    local = mok__cpu_schedule_in(v, gc.sched, &sv);
+    if (local == MOK_OK) mok__cpu_gather_rows(v, &sv, b->x, routed_x);
   }
   if (local == MOK_OK && !ring) {
-    cpu_gather_rows(v, &sv, b->d_out, routed_dout); /* the reverse combine's pull */
-    local = cpu_step_compute_bwd(v, &sv, gc.acts_routed, routed_x, routed_dout, b->rw, NULL,
-                                 NULL, routed_dx, drw_v, NULL);
+    mok__cpu_gather_rows(v, &sv, b->d_out, routed_dout); /* the reverse combine's pull */
+    local = mok__cpu_step_compute_bwd(v, &sv, gc.acts_routed, routed_x, routed_dout, b->rw, NULL,
+                                      NULL, routed_dx, drw_v, NULL);
   }
   if (local == MOK_OK && !ring) push(v, &sv, routed_dx, b->land, drw_v, b->d_rw);
   st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
@@ -494,11 +496,12 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
   void *shared_dx = NULL;
   if (l->Is) {
     if (recompute &&
-        cpu_shared_forward(l, x, gc.g_shared, gc.u_shared, NULL) != MOK_OK)
+        mok__cpu_shared_forward(l, x, gc.g_shared, gc.u_shared, NULL) != MOK_OK)
       return;
-    shared_dx = cpu_scratch(l, SCR_LAYER_SHARED_DX, l->T * l->H * l->es);
+    shared_dx = mok__cpu_scratch(l, SCR_LAYER_SHARED_DX, l->T * l->H * l->es);
     if (!shared_dx) return;
-    if (cpu_shared_backward(l, x, gc.g_shared, gc.u_shared, d_out, shared_dx) != MOK_OK) return;
+    if (mok__cpu_shared_backward(l, x, gc.g_shared, gc.u_shared, d_out, shared_dx) != MOK_OK)
+      return;
   }
   mok_sched_view own;
   if (own_view(l, ids, &own) != MOK_OK) return;
@@ -506,17 +509,17 @@ static void ep_backward(job_env *l, job_env *v, mok_ep_group *g) {
   size_t T_max = mok_ep_group_get_sizing(g)->max_tokens;
   const float *drw_own = b->d_rw + (size_t)mok_ep_group_rank(g) * T_max * l->K;
   for (size_t i = 0; i < l->T * l->K; i++) d_rw[i] = own.slot_row[i] >= 0 ? drw_own[i] : 0.0f;
-  cpu_step_dispatch_bwd(l, &own, own_landing(l, g), shared_dx, slot_tensor(l, MOK_SLOT_D_X));
+  mok__cpu_step_dispatch_bwd(l, &own, own_landing(l, g), shared_dx, slot_tensor(l, MOK_SLOT_D_X));
 }
 
-void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
-                   mok_engine_result *res) {
+void mok__cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                        mok_engine_result *res) {
   job_env l, v;
-  if (cpu_env_init(&l, e, a, res) != MOK_OK) return;
+  if (mok__cpu_env_init(&l, e, a, res) != MOK_OK) return;
   if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
-    cpu_job_fail(&l, MOK_EUNSUPPORTED,
-                 "a layer on a group runs forward and backward; single steps need a layer "
-                 "without a group");
+    mok__cpu_job_fail(&l, MOK_EUNSUPPORTED,
+                      "a layer on a group runs forward and backward; single steps need a layer "
+                      "without a group");
     return;
   }
   const mok_layer_config *c = a->layer;
@@ -524,7 +527,7 @@ void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
   if (c->group_world != sz->world || c->group_tokens != sz->max_tokens ||
       c->group_rank != mok_ep_group_rank(g) || c->hidden != sz->hidden || c->topk != sz->topk ||
       c->experts != sz->experts || c->dtype != sz->dtype) {
-    cpu_job_fail(&l, MOK_EINVAL, "the layer does not fit its group's sizing");
+    mok__cpu_job_fail(&l, MOK_EINVAL, "the layer does not fit its group's sizing");
     return;
   }
   if (virtual_env(&l, &v) != MOK_OK) return;
@@ -533,3 +536,5 @@ void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
   else
     ep_backward(&l, &v, g);
 }
+
+const mok_ep_cpu_timing *mok__cpu_ep_last_timing(const mok_engine *e) { return &e->ep_timing; }

@@ -87,7 +87,7 @@ static int online_cores(void) {
   return (int)n;
 }
 
-int cpu_pool_create(int threads, cpu_pool **ret_pool) {
+int mok__cpu_pool_create(int threads, cpu_pool **ret_pool) {
   if (!ret_pool) return EINVAL;
   *ret_pool = NULL;
   if (threads < 0) return EINVAL;
@@ -127,7 +127,7 @@ int cpu_pool_create(int threads, cpu_pool **ret_pool) {
   return 0;
 
 fail_threads:
-  cpu_pool_destroy(pool); /* joins the started workers and frees everything */
+  mok__cpu_pool_destroy(pool); /* joins the started workers and frees everything */
   return rc;
 fail_workers:
   pthread_cond_destroy(&pool->done_cv);
@@ -140,7 +140,7 @@ fail_mu:
   return rc;
 }
 
-void cpu_pool_destroy(cpu_pool *pool) {
+void mok__cpu_pool_destroy(cpu_pool *pool) {
   if (!pool) return;
   pthread_mutex_lock(&pool->mu);
   pool->stopping = true;
@@ -154,7 +154,7 @@ void cpu_pool_destroy(cpu_pool *pool) {
   free(pool);
 }
 
-int cpu_pool_threads(const cpu_pool *pool) { return pool ? pool->n_threads : 1; }
+int mok__cpu_pool_threads(const cpu_pool *pool) { return pool ? pool->n_threads : 1; }
 
 /* Items [base, base + n) on the workers and the caller, a chunk each.
  * Called with mu held and busy set by this caller; returns with mu held. */
@@ -179,7 +179,7 @@ static void run_slice(cpu_pool *pool, size_t base, size_t n, cpu_pool_fn fn, voi
   while (pool->pending > 0) pthread_cond_wait(&pool->done_cv, &pool->mu);
 }
 
-void cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg) {
+void mok__cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg) {
   if (n_items == 0) return;
   int threads = pool ? pool->n_threads : 1;
   if (threads <= 1 || n_items == 1) { /* nothing to share: skip the hand-off */

@@ -82,7 +82,8 @@ static void *runner_main(void *p) {
   return NULL;
 }
 
-int cpu_runner_start(const cpu_runner_ops *ops, void *arg, uint32_t idle_ms, cpu_runner **ret) {
+int mok__cpu_runner_start(const cpu_runner_ops *ops, void *arg, uint32_t idle_ms,
+                          cpu_runner **ret) {
   *ret = NULL;
   cpu_runner *r = calloc(1, sizeof *r);
   if (!r) return ENOMEM;
@@ -113,7 +114,7 @@ int cpu_runner_start(const cpu_runner_ops *ops, void *arg, uint32_t idle_ms, cpu
   return 0;
 }
 
-void cpu_runner_stop(cpu_runner *r) {
+void mok__cpu_runner_stop(cpu_runner *r) {
   if (!r) return;
   pthread_mutex_lock(&r->mu);
   r->stopping = true;
@@ -125,7 +126,8 @@ void cpu_runner_stop(cpu_runner *r) {
   free(r);
 }
 
-mok_engine_job *cpu_runner_submit(cpu_runner *r, const mok_job_args *a, mok_engine_result *res) {
+mok_engine_job *mok__cpu_runner_submit(cpu_runner *r, const mok_job_args *a,
+                                       mok_engine_result *res) {
   pthread_mutex_lock(&r->mu);
   if (r->submitted - r->reaped >= MOK_RING_ENTRIES) {
     pthread_mutex_unlock(&r->mu);
@@ -147,7 +149,7 @@ mok_engine_job *cpu_runner_submit(cpu_runner *r, const mok_job_args *a, mok_engi
   return j;
 }
 
-int cpu_runner_poll(mok_engine_job *j, mok_engine_result *res) {
+int mok__cpu_runner_poll(mok_engine_job *j, mok_engine_result *res) {
   cpu_runner *r = j->runner;
   pthread_mutex_lock(&r->mu);
   bool done = j->seq < r->finished;

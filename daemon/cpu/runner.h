@@ -37,14 +37,15 @@ typedef struct cpu_runner_ops {
 } cpu_runner_ops;
 
 /* Start a runner; 0 or an errno value. idle_ms 0: never idle. */
-int cpu_runner_start(const cpu_runner_ops *ops, void *arg, uint32_t idle_ms, cpu_runner **ret);
+int mok__cpu_runner_start(const cpu_runner_ops *ops, void *arg, uint32_t idle_ms, cpu_runner **ret);
 /* Stop and join it; only once no job it took is unfinished. Accepts NULL. */
-void cpu_runner_stop(cpu_runner *r);
+void mok__cpu_runner_stop(cpu_runner *r);
 
 /* Queue a job (a copy of a, with a->layer copied too). NULL: the runner
  * already holds MOK_RING_ENTRIES unfinished jobs (res says so). */
-mok_engine_job *cpu_runner_submit(cpu_runner *r, const mok_job_args *a, mok_engine_result *res);
+mok_engine_job *mok__cpu_runner_submit(cpu_runner *r, const mok_job_args *a,
+                                       mok_engine_result *res);
 /* 1 and res filled when j finished (j is then free for reuse), else 0. */
-int cpu_runner_poll(mok_engine_job *j, mok_engine_result *res);
+int mok__cpu_runner_poll(mok_engine_job *j, mok_engine_result *res);
 
 #endif /* MOK_CPU_RUNNER_H */

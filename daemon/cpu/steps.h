@@ -1,11 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The cpu engine's steps, for the expert-parallel path (cpu/ep.c).
- *
- * cpu/engine.c keeps its step functions static; the cpu_* functions below
- * are thin exported wrappers around them, so the whole-layer ops and the
- * group path run literally the same code (and give the same bits). All of
- * them run on the engine thread, on the engine's scratch; a failure fills
- * env->res and returns its status.
+/* The cpu engine's steps, shared by its whole-layer ops (cpu/engine.c) and
+ * its expert-parallel path (cpu/ep.c): both call the same functions, so
+ * they give the same bits. Internal to the cpu engine (mok__cpu_ prefix).
+ * Every step runs on one job's scratch; a failure fills env->res and
+ * returns its status.
  */
 #ifndef MOK_CPU_STEPS_H
 #define MOK_CPU_STEPS_H
@@ -14,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu/pool.h"
 #include "engine.h"
 #include "schedule.h"
 
@@ -107,56 +106,73 @@ typedef struct ffn_set {
   const void *wd;          /* [n_w, H, I] */
 } ffn_set;
 
-/* job_env for a job (layer checks, tensors resolved for args->op). */
-mok_status cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
-                        mok_engine_result *res);
-__attribute__((format(printf, 3, 4))) mok_status cpu_job_fail(job_env *env, mok_status st,
-                                                              const char *fmt, ...);
-void *cpu_scratch(job_env *env, int id, size_t bytes);
-void cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg);
-
-/* routed[r] = src[token of row r], padding rows 0 (dispatch's data movement). */
-void cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed);
-/* compute on routed rows (and the shared expert when env->Is > 0). */
-mok_status cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
-                            const void *x, void *routed_y, void *shared_y, void *acts);
-/* out[t] = rnd(shared_y[t] + sum_k rw[t,k] * rows[slot_row[t,k]]), k ascending. */
-mok_status cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
-                            const float *rw, const void *shared_y, void *out);
-/* d_x[t] = rnd(shared_dx[t] + sum_k rows[slot_row[t,k]]), k ascending. */
-mok_status cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
-                                 const void *shared_dx, void *d_x);
-mok_status cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
-                                const void *routed_x, const void *routed_dout, const float *rw,
-                                const void *x, const void *d_out, void *routed_dx, float *d_rw,
-                                void *shared_dx);
-/* The shared expert alone, over env->T tokens (forward; backward). */
-mok_status cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
-                              void *shared_y);
-mok_status cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
-                               const void *acts_u, const void *d_out, void *shared_dx);
-/* A schedule the engine did not write: copied into scratch once, the copy
- * validated against env->shape, *ret a view of the copy (the client may
- * change its buffer meanwhile: nothing reads it again). */
-mok_status cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret);
-/* The schedule of ids (copied into scratch first, then read only there),
- * built in scratch, *ret a view of it; copied out to out (a client buffer,
- * written, never read back) unless out is NULL. */
-mok_status cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
-                              mok_sched_view *ret);
-
-/* Where the last expert-parallel forward of this process spent its time
- * (benchmarks: tests/bench/bench_ep_cpu.c). rows: routed rows pulled and
- * pushed, row_bytes each. */
+/* Where the last expert-parallel forward of an engine spent its time
+ * (benchmarks: tests/bench/bench_ep_cpu.c asks mok__cpu_ep_last_timing).
+ * rows: routed rows pulled and pushed, row_bytes each. */
 typedef struct mok_ep_cpu_timing {
   uint64_t copy_in_ns, barrier1_ns, pull_ns, compute_ns, push_ns, barrier2_ns, local_ns;
   uint64_t rows, row_bytes;
 } mok_ep_cpu_timing;
-extern mok_ep_cpu_timing mok_ep_cpu_last_timing;
+
+struct mok_engine {
+  cpu_pool *pool; /* shared by every session's runner (cpu/pool.h) */
+  char description[64];
+  cpu_scratch_set direct; /* run() without a session (tools, tests) */
+  /* scratch of every set together may not pass the limit: a job that would
+   * fails with ENOMEM (only that job) instead of mokd running out of memory */
+  _Atomic uint64_t scratch_total;
+  uint64_t scratch_limit;
+  uint32_t idle_ms; /* a session's scratch unused this long is given back */
+  void (*wake)(void *);
+  void *wake_arg;
+  mok_ep_cpu_timing ep_timing; /* written by expert-parallel forwards (cpu/ep.c) */
+};
+
+/* job_env for a job (layer checks, tensors resolved for args->op). */
+mok_status mok__cpu_env_init(job_env *env, mok_engine *e, const mok_job_args *a,
+                             mok_engine_result *res);
+__attribute__((format(printf, 3, 4))) mok_status mok__cpu_job_fail(job_env *env, mok_status st,
+                                                                   const char *fmt, ...);
+void *mok__cpu_scratch(job_env *env, int id, size_t bytes);
+void mok__cpu_par_for(job_env *env, size_t n, void (*fn)(void *, size_t, size_t), void *arg);
+
+/* routed[r] = src[token of row r], padding rows 0 (dispatch's data movement). */
+void mok__cpu_gather_rows(job_env *env, const mok_sched_view *v, const void *src, void *routed);
+/* compute on routed rows (and the shared expert when env->Is > 0). */
+mok_status mok__cpu_step_compute(job_env *env, const mok_sched_view *v, const void *routed_x,
+                                 const void *x, void *routed_y, void *shared_y, void *acts);
+/* out[t] = rnd(shared_y[t] + sum_k rw[t,k] * rows[slot_row[t,k]]), k ascending. */
+mok_status mok__cpu_step_combine(job_env *env, const mok_sched_view *v, const void *routed_y,
+                                 const float *rw, const void *shared_y, void *out);
+/* d_x[t] = rnd(shared_dx[t] + sum_k rows[slot_row[t,k]]), k ascending. */
+mok_status mok__cpu_step_dispatch_bwd(job_env *env, const mok_sched_view *v, const void *routed_dx,
+                                      const void *shared_dx, void *d_x);
+mok_status mok__cpu_step_compute_bwd(job_env *env, const mok_sched_view *v, const void *acts,
+                                     const void *routed_x, const void *routed_dout, const float *rw,
+                                     const void *x, const void *d_out, void *routed_dx, float *d_rw,
+                                     void *shared_dx);
+/* The shared expert alone, over env->T tokens (forward; backward). */
+mok_status mok__cpu_shared_forward(job_env *env, const void *x, void *acts_g, void *acts_u,
+                                   void *shared_y);
+mok_status mok__cpu_shared_backward(job_env *env, const void *x, const void *acts_g,
+                                    const void *acts_u, const void *d_out, void *shared_dx);
+/* A schedule the engine did not write: copied into scratch once, the copy
+ * validated against env->shape, *ret a view of the copy (the client may
+ * change its buffer meanwhile: nothing reads it again). */
+mok_status mok__cpu_schedule_in(job_env *env, const void *sched, mok_sched_view *ret);
+/* The schedule of ids (copied into scratch first, then read only there),
+ * built in scratch, *ret a view of it; copied out to out (a client buffer,
+ * written, never read back) unless out is NULL. */
+mok_status mok__cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
+                                   mok_sched_view *ret);
+
+/* The timing of e's last expert-parallel forward. */
+const mok_ep_cpu_timing *mok__cpu_ep_last_timing(const mok_engine *e);
+
 
 /* The expert-parallel job (cpu/ep.c): forward or backward of a group layer. */
 struct mok_ep_group;
-void cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
-                   mok_engine_result *res);
+void mok__cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                        mok_engine_result *res);
 
 #endif /* MOK_CPU_STEPS_H */

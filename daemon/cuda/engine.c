@@ -93,28 +93,28 @@ static int drv_load(drv_api *d, char *err, size_t errlen) {
 
 static _Thread_local int current_device = -1;
 
-const char *cuda_drv_error(const mok_engine *e, CUresult r) {
+const char *mok__cuda_drv_error(const mok_engine *e, CUresult r) {
   const char *s = NULL;
   if (e->drv.error_string && e->drv.error_string(r, &s) == CUDA_SUCCESS && s) return s;
   return "unknown driver error";
 }
 
-int cuda_use_device(mok_engine *e) {
+int mok__cuda_use_device(mok_engine *e) {
   if (current_device == e->device) return MOK_OK;
   if (cudaSetDevice(e->device) != cudaSuccess) return MOK_EENGINE;
   current_device = e->device;
   return MOK_OK;
 }
 
-int cuda_select(mok_engine *e, char *err, size_t errlen) {
-  if (cuda_use_device(e) == MOK_OK) return MOK_OK;
+int mok__cuda_select(mok_engine *e, char *err, size_t errlen) {
+  if (mok__cuda_use_device(e) == MOK_OK) return MOK_OK;
   snprintf(err, errlen, "cuda engine: cannot select GPU %d", e->device);
   return MOK_EENGINE;
 }
 
 /* After a failed CUDA call: does the context still work? A sticky error
  * (illegal address, trap, ...) poisons it for good. */
-bool cuda_context_broken(cudaStream_t stream) {
+bool mok__cuda_context_broken(cudaStream_t stream) {
   cudaError_t r = stream ? cudaStreamQuery(stream) : cudaDeviceSynchronize();
   if (r == cudaSuccess || r == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -222,7 +222,7 @@ static int ws_pool_create(mok_engine *e, char *err, size_t errlen) {
  * same (st_dev, st_ino), another allocation's export another one. Checked
  * on this driver with two small allocations; false: VMM regions get a
  * backing of their own import (aliasing between them is not seen). */
-CUmemAllocationProp cuda_vmm_fd_prop(const mok_engine *e) {
+CUmemAllocationProp mok__cuda_vmm_fd_prop(const mok_engine *e) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -233,7 +233,7 @@ CUmemAllocationProp cuda_vmm_fd_prop(const mok_engine *e) {
 }
 
 static bool vmm_fds_name_allocations(mok_engine *e) {
-  CUmemAllocationProp prop = cuda_vmm_fd_prop(e);
+  CUmemAllocationProp prop = mok__cuda_vmm_fd_prop(e);
   size_t gran = 0;
   if (e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS)
     return false;
@@ -310,7 +310,7 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
   if (cr != CUDA_SUCCESS || !mem64)
     log_warn("cuda engine: GPU %d reports no 64-bit stream memory operations (%s): jobs "
              "with GPU fences will fail",
-             dev, cr != CUDA_SUCCESS ? cuda_drv_error(e, cr) : "attribute 0");
+             dev, cr != CUDA_SUCCESS ? mok__cuda_drv_error(e, cr) : "attribute 0");
   /* Without MPS the trainer's context and mokd's time-slice: an empty job
    * through mokd measured +285 us on an H200 against +10 us under MPS
    * (tests/bench/bench_fence.cu; docs/cuda.md). Said once, at start. */
@@ -360,7 +360,7 @@ static void cuda_close(mok_engine *e) {
     pthread_join(e->watchdog, NULL);
   }
   free(e->watches);
-  if (cuda_use_device(e) == MOK_OK) cudaDeviceSynchronize();
+  if (mok__cuda_use_device(e) == MOK_OK) cudaDeviceSynchronize();
   while (e->ipc) { /* every region was released; nothing should be left */
     ipc_entry *n = e->ipc->next;
     cudaIpcCloseMemHandle(e->ipc->ptr);
@@ -379,7 +379,7 @@ static const char *cuda_describe(const mok_engine *e) { return e ? e->descriptio
 
 /* ---- layers ------------------------------------------------------------------------- */
 
-mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
+mok_k_dims mok__cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
   mok_k_dims d;
   d.T = (int)tokens;
   d.H = (int)c->hidden;
@@ -399,8 +399,8 @@ mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens) {
 
 /* The routed part of a group layer: the virtual batch of every member's
  * tokens, no shared expert, the group's capacity. */
-mok_k_dims cuda_group_dims(const mok_layer_config *c) {
-  mok_k_dims d = cuda_dims_of(c, c->group_world * c->group_tokens);
+mok_k_dims mok__cuda_group_dims(const mok_layer_config *c) {
+  mok_k_dims d = mok__cuda_dims_of(c, c->group_world * c->group_tokens);
   d.I_s = 0;
   d.rows_limit = (int)c->group_rows;
   /* a member's rows in use are a fraction of the capacity: the kernels skip
@@ -409,8 +409,8 @@ mok_k_dims cuda_group_dims(const mok_layer_config *c) {
   return d;
 }
 
-mok_k_dims cuda_ring_dims(const mok_layer_config *c) {
-  mok_k_dims d = cuda_group_dims(c);
+mok_k_dims mok__cuda_ring_dims(const mok_layer_config *c) {
+  mok_k_dims d = mok__cuda_group_dims(c);
   d.rows_limit = (int)c->group_ring;
   return d;
 }
@@ -419,7 +419,7 @@ mok_k_dims cuda_ring_dims(const mok_layer_config *c) {
  * at least the capacity). */
 static int ring_rows_of(const mok_layer_config *c) {
   if (!c->group_world || !c->group_ring) return 0;
-  mok_k_dims dv = cuda_group_dims(c);
+  mok_k_dims dv = mok__cuda_group_dims(c);
   return (int64_t)c->group_ring < mok_k_rows_capacity(&dv) ? (int)c->group_ring : 0;
 }
 
@@ -433,7 +433,7 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
     return MOK_EUNSUPPORTED;
   }
   cfg->row_align = (uint32_t)mok_k_row_align();
-  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
+  mok_k_dims d = mok__cuda_dims_of(cfg, cfg->max_tokens);
   char kerr[160];
   if (mok_k_check_dims(&d, kerr, sizeof kerr) != MOK_OK) {
     snprintf(err, errlen, "the cuda engine cannot run this layer: %s", kerr);
@@ -450,7 +450,7 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
   }
   if (cfg->group_world) {
     /* the routed part runs on the group's virtual batch */
-    mok_k_dims dv = cuda_group_dims(cfg);
+    mok_k_dims dv = mok__cuda_group_dims(cfg);
     if (mok_k_check_dims(&dv, kerr, sizeof kerr) != MOK_OK) {
       snprintf(err, errlen, "the cuda engine cannot run this layer on its group: %s", kerr);
       return MOK_EUNSUPPORTED;
@@ -461,7 +461,7 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
   return MOK_OK;
 }
 
-void cuda_free_async(void *p, cudaStream_t st) {
+void mok__cuda_free_async(void *p, cudaStream_t st) {
   if (p) cudaFreeAsync(p, st);
 }
 
@@ -477,7 +477,7 @@ static int cuda_layer_open(mok_engine *e, const mok_layer_config *cfg, mok_engin
   }
   l->cfg = *cfg;
   if (cfg->group_world && (l->ring_rows = ring_rows_of(cfg)) > 0) {
-    mok_k_dims dv = cuda_group_dims(cfg);
+    mok_k_dims dv = mok__cuda_group_dims(cfg);
     l->ring_batches = mok_k_ring_batches(mok_k_rows_capacity(&dv), l->ring_rows, dv.E_loc);
   }
   *ret = l;
@@ -503,15 +503,15 @@ static void take(size_t *at, size_t bytes, char *base, void **p) {
 
 static bool stage_weights_enabled(const mok_k_dims *d);
 
-size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
-                      bool brings_acts, bool staging, char *base, job_ws *w) {
+size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
+                           bool brings_acts, bool staging, char *base, job_ws *w) {
   job_ws none;
   if (!w) w = &none;
   memset(w, 0, sizeof *w);
   const bool fwd = op == MOK_OP_FORWARD, bwd = op == MOK_OP_BACKWARD, whole = fwd || bwd;
   const bool builds = fwd || (bwd && (flags & MOK_JOB_RECOMPUTE)) || op == MOK_OP_DISPATCH;
   const bool group = cfg->group_world != 0 && whole;
-  mok_k_dims d = cuda_dims_of(cfg, T);
+  mok_k_dims d = mok__cuda_dims_of(cfg, T);
   mok_layout_dims ld = mok_layer_dims(cfg, T);
   size_t H = cfg->hidden, I = cfg->intermediate, K = cfg->topk, I_s = cfg->shared_intermediate;
   size_t R = (size_t)mok_rows_capacity(&ld), sched = (size_t)mok_schedule_bytes(&ld);
@@ -521,7 +521,7 @@ size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint
   if (group) {
     /* the routed part runs on the group's virtual batch (or a ring of it);
      * the own routing ids are copied into the group's buffer instead */
-    mok_k_dims dv = cuda_group_dims(cfg);
+    mok_k_dims dv = mok__cuda_group_dims(cfg);
     mok_layout_dims lv = mok_group_routed_dims(cfg);
     R = (size_t)mok_rows_capacity(&lv);
     sched = (size_t)mok_schedule_bytes(&lv);
@@ -530,7 +530,7 @@ size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint
     if (ring > 0) {
       /* the GEMMs' workspace for a macrobatch; the schedule build still
        * needs its histogram of the whole batch (dims of one row of capacity) */
-      mok_k_dims dr = cuda_ring_dims(cfg), hist_only = dv;
+      mok_k_dims dr = mok__cuda_ring_dims(cfg), hist_only = dv;
       hist_only.rows_limit = 1;
       R = (size_t)ring;
       kernels = mok_k_workspace_bytes(&dr);
@@ -577,11 +577,12 @@ size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint
 static int cuda_layer_cost(mok_engine *e, const mok_layer_config *cfg,
                            mok_engine_layer_cost *ret, char *err, size_t errlen) {
   (void)e, (void)err, (void)errlen;
-  mok_k_dims d = cuda_dims_of(cfg, cfg->max_tokens);
+  mok_k_dims d = mok__cuda_dims_of(cfg, cfg->max_tokens);
   mok_layout_dims ld = mok_layer_dims(cfg, cfg->max_tokens);
   ret->layer_bytes = sizeof(mok_engine_layer);
-  ret->workspace_bytes = cuda_job_space(cfg, cfg->max_tokens, MOK_OP_BACKWARD, MOK_JOB_RECOMPUTE,
-                                        false, stage_weights_enabled(&d), NULL, NULL);
+  ret->workspace_bytes =
+      mok__cuda_job_space(cfg, cfg->max_tokens, MOK_OP_BACKWARD, MOK_JOB_RECOMPUTE, false,
+                          stage_weights_enabled(&d), NULL, NULL);
   ret->ctx_bytes = cfg->group_world ? mok_group_ctx_bytes(cfg, cfg->max_tokens)
                                     : mok_ctx_bytes(&ld);
   return MOK_OK;
@@ -592,7 +593,7 @@ static int cuda_layer_cost(mok_engine *e, const mok_layer_config *cfg,
 /* The session's workspace goes back (no job of it runs or is queued). */
 static void ws_release(mok_engine *e, mok_engine_session *s, cudaStream_t st) {
   if (!s->ws) return;
-  cuda_free_async(s->ws, st);
+  mok__cuda_free_async(s->ws, st);
   s->ws = NULL;
   s->ws_bytes = 0;
   e->trim_until_ns = mok_clock_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
@@ -617,7 +618,7 @@ static void session_free(mok_engine *e, mok_engine_session *s) {
   if (s->join_ev) cudaEventDestroy(s->join_ev);
   if (s->sync_dev) cudaHostUnregister(s->sync_host);
   if (s->standing_dev) cudaHostUnregister(s->standing_host);
-  cuda_free_async(s->d_status, s->mem_stream);
+  mok__cuda_free_async(s->d_status, s->mem_stream);
   /* the pool counts a stream-ordered free as done only once its stream was
    * synchronised; the memory stream carries nothing but frees */
   cudaStreamSynchronize(s->mem_stream);
@@ -629,7 +630,7 @@ static void session_free(mok_engine *e, mok_engine_session *s) {
 static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session **ret, char *err,
                              size_t errlen) {
   *ret = NULL;
-  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
+  if (mok__cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   mok_engine_session *s = calloc(1, sizeof *s);
   if (!s) {
     snprintf(err, errlen, "out of memory");
@@ -709,7 +710,7 @@ static int cuda_session_open(mok_engine *e, void *sync_page, mok_engine_session 
 
 static void cuda_session_close(mok_engine *e, mok_engine_session *s) {
   if (!s) return;
-  cuda_use_device(e);
+  mok__cuda_use_device(e);
   cudaStreamSynchronize(s->stream); /* nothing should be left; never free under running work */
   session_free(e, s);
 }
@@ -758,7 +759,7 @@ static void ws_pool_trim(mok_engine *e, uint64_t now) {
  * running that were not used for workspace_idle_ms go back, and the pool
  * returns what it no longer holds for anyone to the device. */
 static void cuda_idle(mok_engine *e, uint64_t now) {
-  if (cuda_use_device(e) != MOK_OK) return;
+  if (mok__cuda_use_device(e) != MOK_OK) return;
   bool freed = false;
   for (mok_engine_session *s = e->sessions; s; s = s->next) {
     bool running = false;
@@ -832,7 +833,8 @@ static int import_ipc(mok_engine *e, const mok_region_source *src, mok_region *r
       cudaIpcCloseMemHandle(en->ptr);
       free(en);
       free(cr);
-      snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s", cuda_drv_error(e, dr));
+      snprintf(err, errlen, "cuMemGetAddressRange of an IPC mapping: %s",
+               mok__cuda_drv_error(e, dr));
       return MOK_EENGINE;
     }
     en->alloc_base = base;
@@ -907,7 +909,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
   if (cr != CUDA_SUCCESS) {
     free(v);
     free(rec);
-    snprintf(err, errlen, "cannot import the VMM fd: %s", cuda_drv_error(e, cr));
+    snprintf(err, errlen, "cannot import the VMM fd: %s", mok__cuda_drv_error(e, cr));
     return MOK_EINVAL;
   }
   CUmemAllocationProp prop;
@@ -957,7 +959,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
     d->release(v->handle);
     free(v);
     free(rec);
-    snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, cuda_drv_error(e, cr));
+    snprintf(err, errlen, "importing the VMM buffer: %s: %s", step, mok__cuda_drv_error(e, cr));
     return cr == CUDA_ERROR_INVALID_VALUE ? MOK_EBOUNDS : MOK_EINVAL;
   }
   rec->vmm = v;
@@ -978,7 +980,7 @@ static int import_vmm(mok_engine *e, const mok_region_source *src, mok_region *r
 
 static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_region *r,
                               char *err, size_t errlen) {
-  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
+  if (mok__cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   int st;
   switch (src->kind) {
   case MOK_REGION_HOST_MEMFD: {
@@ -1017,7 +1019,7 @@ static int cuda_region_import(mok_engine *e, const mok_region_source *src, mok_r
 
 static void cuda_region_release(mok_engine *e, mok_region *r) {
   if (!r->engine_handle) return;
-  cuda_use_device(e);
+  mok__cuda_use_device(e);
   if (r->kind == MOK_REGION_HOST_MEMFD) {
     cudaHostUnregister(r->map_base);
     (void)cudaGetLastError();
@@ -1050,8 +1052,7 @@ static void cuda_region_release(mok_engine *e, mok_region *r) {
 
 /* ---- one job ----------------------------------------------------------------------------- */
 
-__attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status,
-                                                          const char *fmt, ...) {
+void mok__cuda_job_fail(job_ctx *c, int status, const char *fmt, ...) {
   if (c->failed) return;
   c->failed = true;
   c->j->status = status;
@@ -1064,37 +1065,39 @@ __attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status,
 }
 
 /* A launcher's result: MOK_EINVAL means the kernels refused the arguments. */
-void cuda_launched(job_ctx *c, int st, const char *what) {
+void mok__cuda_launched(job_ctx *c, int st, const char *what) {
   if (st == MOK_OK || c->failed) return;
   if (st == MOK_EENGINE) {
     int ce = mok_k_last_cuda_error();
-    cuda_job_fail(c, MOK_EENGINE, "%s: CUDA launch failed: %s", what,
+    mok__cuda_job_fail(c, MOK_EENGINE, "%s: CUDA launch failed: %s", what,
              cudaGetErrorString((cudaError_t)ce));
   } else {
-    cuda_job_fail(c, st, "%s: the kernels refused the arguments (alignment or dims)", what);
+    mok__cuda_job_fail(c, st, "%s: the kernels refused the arguments (alignment or dims)", what);
   }
 }
 
 static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
 #define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
 
-void cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
+void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (c->failed || !bytes) return;
   cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  if (r != cudaSuccess)
+    mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
 }
 
 /* On the job's stream, between any of the client's memory (device or
  * device-mapped host) and the workspace. */
-void cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
+void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
   if (c->failed || !bytes) return;
   cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+  if (r != cudaSuccess)
+    mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
 }
 
 /* acts at T (mok_wire.h); the bytes between each array's end and its
  * 256-byte boundary are zeroed as the cpu engine does */
-acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
+acts_ptrs mok__cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   acts_ptrs p = {0};
   uint64_t routed = mok_acts_routed_bytes(&c->ld), shared = mok_acts_shared_bytes(&c->ld);
   char *b = acts;
@@ -1105,10 +1108,10 @@ acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   if (zero_gaps) {
     size_t ru = (size_t)mok_rows_capacity(&c->ld) * c->ld.intermediate * 2;
     size_t su = (size_t)c->ld.tokens * c->ld.shared_intermediate * 2;
-    cuda_memset_async(c, (char *)p.g + ru, routed - ru);
-    cuda_memset_async(c, (char *)p.u + ru, routed - ru);
-    cuda_memset_async(c, (char *)p.gs + su, shared - su);
-    cuda_memset_async(c, (char *)p.us + su, shared - su);
+    mok__cuda_memset_async(c, (char *)p.g + ru, routed - ru);
+    mok__cuda_memset_async(c, (char *)p.u + ru, routed - ru);
+    mok__cuda_memset_async(c, (char *)p.gs + su, shared - su);
+    mok__cuda_memset_async(c, (char *)p.us + su, shared - su);
   }
   return p;
 }
@@ -1117,8 +1120,8 @@ acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
  * zeros between the schedule and the acts too. */
 static acts_ptrs ctx_acts(job_ctx *c, void *ctx, bool writing) {
   uint64_t sb = mok_schedule_bytes(&c->ld);
-  if (writing) cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
-  return cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
+  if (writing) mok__cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
+  return mok__cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
 }
 
 /* ---- copy, check, use (docs/cuda.md) ----------------------------------------------------
@@ -1128,18 +1131,18 @@ static acts_ptrs ctx_acts(job_ctx *c, void *ctx, bool writing) {
 
 /* The job's topk_ids into the workspace; the schedule built from that copy. */
 static void sched_build(job_ctx *c) {
-  cuda_copy_async(c, c->w.ids, T_(c, MOK_SLOT_TOPK_IDS), (size_t)c->d.T * c->d.K * 4);
+  mok__cuda_copy_async(c, c->w.ids, T_(c, MOK_SLOT_TOPK_IDS), (size_t)c->d.T * c->d.K * 4);
   LAUNCH(c, mok_k_schedule_build(&c->d, c->w.ids, c->w.sched, c->w.kernels, c->status, c->st));
 }
 
 /* The workspace's schedule out to the client's (ctx or schedule tensor). */
 static void sched_out(job_ctx *c, void *dst) {
-  cuda_copy_async(c, dst, c->w.sched, (size_t)mok_schedule_bytes(&c->ld));
+  mok__cuda_copy_async(c, dst, c->w.sched, (size_t)mok_schedule_bytes(&c->ld));
 }
 
 /* A schedule the client brings: copied in, validated, and only the copy used. */
 static const int32_t *sched_in(job_ctx *c, const void *src) {
-  cuda_copy_async(c, c->w.sched, src, (size_t)mok_schedule_bytes(&c->ld));
+  mok__cuda_copy_async(c, c->w.sched, src, (size_t)mok_schedule_bytes(&c->ld));
   LAUNCH(c, mok_k_schedule_validate(&c->d, c->w.sched, c->status, c->st));
   return c->w.sched;
 }
@@ -1162,7 +1165,7 @@ static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *route
  * these shapes). The Hopper kernels' TMA boxes read the mapping at full
  * speed (H200, kimi T=2048 through mokd: +11 % over in-process without the
  * copy, +40 % with it), so by default only the mma.sync path stages. The
- * staged weights are a piece of the session's workspace (cuda_job_space).
+ * staged weights are a piece of the session's workspace (mok__cuda_job_space).
  * MOK_CUDA_STAGE_WEIGHTS=1 / 0 forces staging on / off. */
 static bool stage_weights_enabled(const mok_k_dims *d) {
   static int forced = -2; /* -1: not forced */
@@ -1174,8 +1177,8 @@ static bool stage_weights_enabled(const mok_k_dims *d) {
   return !mok_k_backward_on_hopper(d);
 }
 
-void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
-                        const uint16_t **wd) {
+void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
+                             const uint16_t **wd) {
   size_t n = (size_t)c->d.E_loc * c->d.I * c->d.H * 2; /* bytes of one of the three */
   /* no staging piece: not enabled, or no room for it (the client's memory
    * then, slower but right) */
@@ -1183,7 +1186,7 @@ void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
   uint16_t *dst[3] = {c->w.wstage, c->w.wstage + n / 2, c->w.wstage + n};
   const uint16_t **src[3] = {wg, wu, wd};
   for (int i = 0; i < 3; i++) {
-    cuda_copy_async(c, dst[i], *src[i], n);
+    mok__cuda_copy_async(c, dst[i], *src[i], n);
     *src[i] = dst[i];
   }
 }
@@ -1192,7 +1195,7 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
                              const uint16_t *routed_x, const uint16_t *routed_dout,
                              uint16_t *routed_dx, uint16_t *shared_dx) {
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
-  cuda_stage_weights(c, &wg, &wu, &wd);
+  mok__cuda_stage_weights(c, &wg, &wu, &wd);
   LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
                                   (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
                                   (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
@@ -1207,7 +1210,7 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
 static void op_forward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
-  acts_ptrs a = ctx ? ctx_acts(c, ctx, true) : cuda_acts_split(c, w->acts, false);
+  acts_ptrs a = ctx ? ctx_acts(c, ctx, true) : mok__cuda_acts_split(c, w->acts, false);
   sched_build(c);
   if (ctx) sched_out(c, ctx);
   LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF(c, X), w->routed_a, c->status, c->st));
@@ -1223,7 +1226,7 @@ static void op_backward(job_ctx *c) {
   acts_ptrs a;
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
     /* dispatch + compute again, bitwise as forward: acts from the same kernel */
-    a = ctx ? ctx_acts(c, ctx, true) : cuda_acts_split(c, w->acts, false);
+    a = ctx ? ctx_acts(c, ctx, true) : mok__cuda_acts_split(c, w->acts, false);
     sched_build(c);
     if (ctx) sched_out(c, ctx);
     LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
@@ -1233,7 +1236,7 @@ static void op_backward(job_ctx *c) {
       LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
                                      a.gs, a.us, w->shared, w->kernels, c->status, c->st));
   } else if (!ctx) {
-    cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
+    mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
     return;
   } else {
     a = ctx_acts(c, ctx, false);
@@ -1258,7 +1261,7 @@ static void op_step(job_ctx *c) {
   case MOK_OP_COMPUTE: {
     const int32_t *s = sched_in(c, client_sched);
     void *acts = T_(c, MOK_SLOT_ACTS);
-    acts_ptrs a = cuda_acts_split(c, acts ? acts : c->w.acts, acts != NULL);
+    acts_ptrs a = mok__cuda_acts_split(c, acts ? acts : c->w.acts, acts != NULL);
     step_compute(c, s, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
     break;
   }
@@ -1275,7 +1278,7 @@ static void op_step(job_ctx *c) {
   }
   case MOK_OP_COMPUTE_BWD: {
     const int32_t *s = sched_in(c, client_sched);
-    acts_ptrs a = cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
+    acts_ptrs a = mok__cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
     step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
                      BF(c, SHARED_DX));
     break;
@@ -1286,7 +1289,8 @@ static void op_step(job_ctx *c) {
                                       c->status, c->st));
     break;
   }
-  default: cuda_job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
+  default:
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
   }
 }
 
@@ -1334,7 +1338,7 @@ static void unstick(mok_engine *e, mok_engine_session *s, mok_engine_job *j, uin
   if (cr != CUDA_SUCCESS) {
     /* in order from the host instead: after everything on the stream */
     log_warn("cuda engine: session #%u: writing the owed done value on the stream: %s",
-             s->serial, cuda_drv_error(e, cr));
+             s->serial, mok__cuda_drv_error(e, cr));
     cudaStreamSynchronize(s->stream);
     volatile uint64_t *w = mok_shm_sync_done(s->sync_host);
     atomic_thread_fence(memory_order_seq_cst);
@@ -1344,34 +1348,35 @@ static void unstick(mok_engine *e, mok_engine_session *s, mok_engine_job *j, uin
 }
 
 /* Host-side checks the daemon's generic validation does not make. */
-bool cuda_check_job(job_ctx *c) {
+bool mok__cuda_check_job(job_ctx *c) {
   const mok_job_args *a = c->a;
   if (c->s->stuck) {
     char m[MOK_JOB_MESSAGE_MAX];
     stuck_message(c->e, c->s, m, sizeof m);
-    cuda_job_fail(c, MOK_EBUSY, "%s", m);
+    mok__cuda_job_fail(c, MOK_EBUSY, "%s", m);
     return false;
   }
   if (!c->l) {
-    cuda_job_fail(c, MOK_EINVAL, "the layer has no device state");
+    mok__cuda_job_fail(c, MOK_EINVAL, "the layer has no device state");
     return false;
   }
   if (a->layer->dtype != MOK_DTYPE_BF16 || a->layer->row_align != (uint32_t)mok_k_row_align()) {
-    cuda_job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
     return false;
   }
   if (a->tokens == 0 || a->tokens > a->layer->max_tokens) {
-    cuda_job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens, a->layer->max_tokens);
+    mok__cuda_job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens,
+                       a->layer->max_tokens);
     return false;
   }
   if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD) {
-    cuda_job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
+    mok__cuda_job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
     return false;
   }
   for (int s = 0; s < MOK_SLOT_COUNT_; s++) {
     const mok_tensor_view *t = &a->t[s];
     if (t->ptr && ((uintptr_t)t->ptr & 15u)) {
-      cuda_job_fail(c, MOK_EINVAL,
+      mok__cuda_job_fail(c, MOK_EINVAL,
                "tensor '%s' is not 16-byte aligned (address ...%02x): the cuda engine needs "
                "every tensor at a multiple of 16 bytes in its buffer",
                mok_slot_name((uint32_t)s), (unsigned)((uintptr_t)t->ptr & 0xffu));
@@ -1387,12 +1392,12 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
-mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                               mok_engine_result *res) {
+static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
+                                 mok_engine_result *res) {
   res->status = MOK_OK;
   res->message[0] = '\0';
   mok_engine_session *s = a->session;
-  if (!s || cuda_use_device(e) != MOK_OK) {
+  if (!s || mok__cuda_use_device(e) != MOK_OK) {
     res->status = MOK_EENGINE;
     snprintf(res->message, sizeof res->message, "cuda engine: job without a session or device");
     return NULL;
@@ -1423,7 +1428,7 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
                  .status = s->d_status};
 
   if ((a->fence_wait || a->fence_signal) && !s->sync_dev) {
-    cuda_job_fail(c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
              s->sync_error);
     j->host_signal = a->fence_signal != 0; /* still release the client's stream, in order */
   }
@@ -1434,14 +1439,15 @@ mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
     cr = e->drv.wait64(s->stream,
                        s->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (a->fence_wait % MOK_RING_ENTRIES),
                        a->fence_wait, CU_STREAM_WAIT_VALUE_GEQ);
-  if (cr != CUDA_SUCCESS) cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", cuda_drv_error(e, cr));
+  if (cr != CUDA_SUCCESS)
+    mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", mok__cuda_drv_error(e, cr));
   else if (a->fence_wait && s->sync_dev)
     watch_arm(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
   return j;
 }
 
-bool cuda_profiling(void) {
+bool mok__cuda_profiling(void) {
   static int on = -1;
   if (on < 0) {
     const char *v = getenv("MOK_EP_PROFILE");
@@ -1450,7 +1456,7 @@ bool cuda_profiling(void) {
   return on > 0;
 }
 
-void cuda_mark(job_ctx *c, const char *name) {
+void mok__cuda_mark(job_ctx *c, const char *name) {
   mok_engine_job *j = c->j;
   if (c->failed || j->n_marks >= CUDA_MAX_MARKS) return;
   cudaEvent_t *ev = &j->marks[j->n_marks];
@@ -1540,28 +1546,30 @@ static bool job_workspace(job_ctx *c) {
                                  : a->op != MOK_OP_COMPUTE || T_(c, MOK_SLOT_ACTS) != NULL;
   bool staging = (a->op == MOK_OP_BACKWARD || a->op == MOK_OP_COMPUTE_BWD) &&
                  stage_weights_enabled(&c->d);
-  size_t need = cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, NULL,
-                               NULL);
+  size_t need =
+      mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, NULL, NULL);
   if (a->op == MOK_OP_FORWARD && brings_acts) {
     /* training: the backward from this ctx follows; take its room now rather
      * than grow (a growth holds both sizes until the session next idles) */
-    size_t bwd = cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true,
-                                stage_weights_enabled(&c->d), NULL, NULL);
+    size_t bwd = mok__cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true,
+                                     stage_weights_enabled(&c->d), NULL, NULL);
     if (bwd > need) need = bwd;
   }
   cudaError_t r = ws_reserve(c, need);
   if (r != cudaSuccess && staging) { /* without the staged weights: slower, but it runs */
     staging = false;
-    need = cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, false, NULL, NULL);
+    need =
+        mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, false, NULL, NULL);
     r = ws_reserve(c, need);
   }
   if (r != cudaSuccess) {
-    cuda_job_fail(c, r == cudaErrorMemoryAllocation ? MOK_ENOMEM : MOK_EENGINE,
-                  "the session's workspace cannot grow to %zu MiB for this job (%u tokens): %s",
-                  need >> 20, a->tokens, cudaGetErrorString(r));
+    mok__cuda_job_fail(
+        c, r == cudaErrorMemoryAllocation ? MOK_ENOMEM : MOK_EENGINE,
+        "the session's workspace cannot grow to %zu MiB for this job (%u tokens): %s", need >> 20,
+        a->tokens, cudaGetErrorString(r));
     return false;
   }
-  cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
+  mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
   c->s->ws_used_ns = mok_clock_ns();
   if (c->l->owner != c->s) { /* the session whose jobs run the layer holds it */
     if (c->l->owner) c->l->owner->layer_bytes -= sizeof *c->l;
@@ -1571,20 +1579,21 @@ static bool job_workspace(job_ctx *c) {
   return true;
 }
 
-bool cuda_job_prepare(job_ctx *c) {
+bool mok__cuda_job_prepare(job_ctx *c) {
   const mok_job_args *a = c->a;
-  if (a->op == MOK_OP_NOP || c->failed || !cuda_check_job(c)) return false;
-  c->d = cuda_dims_of(a->layer, a->tokens);
+  if (a->op == MOK_OP_NOP || c->failed || !mok__cuda_check_job(c)) return false;
+  c->d = mok__cuda_dims_of(a->layer, a->tokens);
   c->ld = mok_layer_dims(a->layer, a->tokens);
   if (!job_workspace(c)) return false;
   cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  if (r != cudaSuccess)
+    mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
   /* read back at completion only: the word lands in pinned memory before ev_done */
   c->j->reads_status = true;
   return !c->failed;
 }
 
-mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
+static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
   mok_engine *e = c->e;
   mok_engine_session *s = c->s;
   mok_engine_job *j = c->j;
@@ -1594,7 +1603,7 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
                                     cudaMemcpyDeviceToHost, s->stream);
     if (r != cudaSuccess) {
       j->reads_status = false;
-      cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+      mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
     }
   }
   CUresult cr;
@@ -1602,7 +1611,7 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
     cr = e->drv.write64(s->stream, s->sync_dev + MOK_SHM_SYNC_DONE_OFFSET, a->fence_signal,
                         CU_STREAM_WRITE_VALUE_DEFAULT);
     if (cr != CUDA_SUCCESS) {
-      cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64: %s", cuda_drv_error(e, cr));
+      mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64: %s", mok__cuda_drv_error(e, cr));
       j->host_signal = true;
     }
   }
@@ -1612,14 +1621,14 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
                                                     (const char *)s->standing_host);
     cr = e->drv.write64(s->stream, f, 1, CU_STREAM_WRITE_VALUE_DEFAULT);
     if (cr == CUDA_SUCCESS) j->flag_written = true;
-    else cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64 (standing flag): %s",
-                       cuda_drv_error(e, cr));
+    else mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWriteValue64 (standing flag): %s",
+                            mok__cuda_drv_error(e, cr));
   }
   cudaError_t r = cudaEventRecord(j->ev_done, s->stream);
   if (r != cudaSuccess) {
     /* without the event the job cannot be followed: give up on the device */
     res->status = MOK_EENGINE;
-    res->fatal = cuda_context_broken(s->stream);
+    res->fatal = mok__cuda_context_broken(s->stream);
     snprintf(res->message, sizeof res->message, "cudaEventRecord: %s", cudaGetErrorString(r));
     res->flag_written = j->flag_written;
     if (!res->fatal) {
@@ -1633,7 +1642,7 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
     j->used = false;
     return NULL;
   }
-  if (c->failed && j->status == MOK_EENGINE && cuda_context_broken(s->stream)) {
+  if (c->failed && j->status == MOK_EENGINE && mok__cuda_context_broken(s->stream)) {
     res->status = MOK_EENGINE;
     res->fatal = 1;
     snprintf(res->message, sizeof res->message, "%s", j->message);
@@ -1641,7 +1650,8 @@ mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res) {
   return j;
 }
 
-static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
+static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
+                                    mok_engine_result *res) {
   mok_engine_session *s = a->session;
   if (s && s->stuck) { /* fail at once; the done value goes out once the stuck job ends */
     res->status = MOK_EBUSY;
@@ -1654,14 +1664,25 @@ static mok_engine_job *cuda_start(mok_engine *e, const mok_job_args *a, mok_engi
     return NULL;
   }
   job_ctx c;
-  mok_engine_job *j = cuda_job_begin(e, a, &c, res);
+  mok_engine_job *j = job_begin(e, a, &c, res);
   if (!j) return NULL;
-  if (cuda_job_prepare(&c)) {
+  if (mok__cuda_job_prepare(&c)) {
     if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
     else op_step(&c);
   }
-  return cuda_job_end(&c, res);
+  return job_end(&c, res);
+}
+
+/* A job of this daemon alone, or of a layer on group g: the same frame, the
+ * group job's work from cuda/ep.c. */
+static mok_engine_job *cuda_start(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
+                                  mok_engine_result *res) {
+  if (!g) return start_single(e, a, res);
+  job_ctx c;
+  if (!job_begin(e, a, &c, res)) return NULL;
+  mok__cuda_group_job(&c, g, a);
+  return job_end(&c, res);
 }
 
 static const char *status_text(int st, bool device_posts) {
@@ -1680,7 +1701,7 @@ static const char *status_text(int st, bool device_posts) {
 
 static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_result *res) {
   mok_engine_session *s = j->s;
-  cuda_use_device(e);
+  mok__cuda_use_device(e);
   cudaError_t q = cudaEventQuery(j->ev_done);
   if (q == cudaErrorNotReady) {
     watch_job_time(e, j, now);
@@ -1749,27 +1770,14 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   return 1;
 }
 
-/* The synchronous form (tools and tests that call run() directly): start,
- * then poll to completion. */
-static void cuda_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res) {
-  mok_engine_job *j = cuda_start(e, a, res);
-  if (!j) return;
-  struct timespec ts = {0, 20000}, now;
-  for (;;) {
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (cuda_poll(e, j, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec, res)) break;
-    nanosleep(&ts, NULL);
-  }
-}
-
 const mok_engine_ops mok_engine_cuda = {
     .name = "cuda",
+    .groups = MOK_ENGINE_GROUPS_ON_STREAM,
     .writes_standing_flag = true,
     .open = cuda_open,
     .close = cuda_close,
     .describe = cuda_describe,
     .prepare_layer = cuda_prepare_layer,
-    .run = cuda_run,
     .session_open = cuda_session_open,
     .session_close = cuda_session_close,
     .layer_open = cuda_layer_open,
@@ -1781,9 +1789,9 @@ const mok_engine_ops mok_engine_cuda = {
     .idle = cuda_idle,
     .start = cuda_start,
     .poll = cuda_poll,
-    .group_attach = cuda_group_attach,
-    .start_group = cuda_start_group,
-    .group_form = cuda_group_form,
-    .group_install = cuda_group_install,
-    .group_discard = cuda_group_discard,
+    .group_new_id = mok__cuda_group_new_id,
+    .group_attach = mok__cuda_group_attach,
+    .group_form = mok__cuda_group_form,
+    .group_install = mok__cuda_group_install,
+    .group_discard = mok__cuda_group_discard,
 };

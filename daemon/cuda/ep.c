@@ -120,14 +120,14 @@ static void state_free(void *arg) {
      * for peers that may go on or be gone, so abort it; then destroy waits
      * for this GPU's work and frees the buffer (peers that mapped it keep
      * the memory until they unmap it) */
-    cuda_use_device(e);
+    mok__cuda_use_device(e);
     mok_nccl_group_abort(st->nccl);
     mok_nccl_group_destroy(st->nccl);
     free(st);
     return;
   }
   mok_fdx_stop(st->server);
-  cuda_use_device(e);
+  mok__cuda_use_device(e);
   /* nothing of ours may still run against these mappings (a device barrier
    * waits at most the group's timeout) */
   cudaDeviceSynchronize();
@@ -166,8 +166,8 @@ static int group_fits(const mok_ep_group_sizing *sz, char *err, size_t errlen) {
  * the id and registers its buffer as a window; the peers' buffers come
  * mapped (NCCL's LSA pointers). Blocks until every rank joined, at most the
  * group's timeout: the engine thread runs it on a thread of its own. */
-void *cuda_group_form(mok_engine *e, const mok_ep_group_form *f, int *status, char *err,
-                      size_t errlen) {
+void *mok__cuda_group_form(mok_engine *e, const mok_ep_group_form *f, int *status, char *err,
+                           size_t errlen) {
   if ((*status = group_fits(&f->sizing, err, errlen)) != MOK_OK) return NULL;
   ep_state *st = calloc(1, sizeof *st);
   if (!st) {
@@ -197,28 +197,36 @@ void *cuda_group_form(mok_engine *e, const mok_ep_group_form *f, int *status, ch
   return st;
 }
 
-void cuda_group_install(mok_engine *e, mok_ep_group *g, void *state) {
+/* The id of a group formed through NCCL (the bootstrap root runs in this
+ * process until every member joined). */
+int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen) {
+  (void)e;
+  _Static_assert(MOK_GROUP_NCCL_ID_BYTES == MOK_NCCL_ID_BYTES, "an NCCL unique id");
+  return mok_nccl_unique_id(id, err, errlen);
+}
+
+void mok__cuda_group_install(mok_engine *e, mok_ep_group *g, void *state) {
   (void)e;
   mok_ep_group_set_engine_state(g, state, state_free, 1);
 }
 
-void cuda_group_discard(mok_engine *e, void *state) {
+void mok__cuda_group_discard(mok_engine *e, void *state) {
   (void)e;
   if (state) state_free(state);
 }
 
-int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
+int mok__cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) {
   if (mok_ep_group_engine_state(g)) return MOK_OK; /* a re-join: the buffer is there */
   const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
   int fit = group_fits(sz, err, errlen);
   if (fit != MOK_OK) return fit;
-  if (cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
+  if (mok__cuda_select(e, err, errlen) != MOK_OK) return MOK_EENGINE;
   if (mok_ep_group_is_nccl(g)) { /* formed here, on the calling thread */
     mok_ep_group_form f = mok_ep_group_form_of(g);
     int st_form;
-    void *state = cuda_group_form(e, &f, &st_form, err, errlen);
+    void *state = mok__cuda_group_form(e, &f, &st_form, err, errlen);
     if (!state) return st_form;
-    cuda_group_install(e, g, state);
+    mok__cuda_group_install(e, g, state);
     return MOK_OK;
   }
   ep_state *st = calloc(1, sizeof *st);
@@ -233,7 +241,7 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
   st->own_fd = -1;
   st->lay = mok_k_ep_layout_of((int)sz->max_tokens, (int)sz->hidden, (int)sz->topk);
 
-  CUmemAllocationProp prop = cuda_vmm_fd_prop(e);
+  CUmemAllocationProp prop = mok__cuda_vmm_fd_prop(e);
   size_t gran = 0;
   const char *step = "cuMemGetAllocationGranularity";
   CUresult cr = e->drv.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
@@ -252,7 +260,7 @@ int cuda_group_attach(mok_engine *e, mok_ep_group *g, char *err, size_t errlen) 
   }
   if (cr != CUDA_SUCCESS) {
     snprintf(err, errlen, "cuda engine: the group's device buffer (%zu MiB): %s: %s",
-             st->own.size >> 20, step, cuda_drv_error(e, cr));
+             st->own.size >> 20, step, mok__cuda_drv_error(e, cr));
     state_free(st);
     return cr == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EENGINE;
   }
@@ -338,7 +346,7 @@ static int map_peers(ep_state *st, mok_ep_group *g, mok_k_ep *kg, char *err, siz
       unmap(e, m);
       free(m);
       snprintf(err, errlen, "mapping rank %u's device buffer: %s: %s", p, step,
-               cuda_drv_error(e, cr));
+               mok__cuda_drv_error(e, cr));
       return MOK_EENGINE;
     }
     pm->m = m;
@@ -377,7 +385,8 @@ typedef struct ep_job {
 static void fill_async(job_ctx *c, void *dst, int byte, size_t bytes) {
   if (c->failed || !bytes) return;
   cudaError_t r = cudaMemsetAsync(dst, byte, bytes, c->st);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  if (r != cudaSuccess)
+    mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
 }
 
 /* ctx of a group layer (mok_wire.h): virtual schedule | own ids | acts.
@@ -404,12 +413,12 @@ static void group_ctx(ep_job *j, void *ctx, bool writing) {
   if (writing && ctx) { /* the padding is part of the bytes a client keeps: define it */
     size_t routed_used = (size_t)mok_rows_capacity(&lv) * cfg->intermediate * 2;
     size_t shared_used = (size_t)T * cfg->shared_intermediate * 2;
-    cuda_memset_async(c, b + sched_bytes, ids_off - sched_bytes);
-    cuda_memset_async(c, b + ids_off + ids_bytes, acts_off - ids_off - ids_bytes);
-    cuda_memset_async(c, (char *)j->acts.g + routed_used, routed - routed_used);
-    cuda_memset_async(c, (char *)j->acts.u + routed_used, routed - routed_used);
-    cuda_memset_async(c, (char *)j->acts.gs + shared_used, shared - shared_used);
-    cuda_memset_async(c, (char *)j->acts.us + shared_used, shared - shared_used);
+    mok__cuda_memset_async(c, b + sched_bytes, ids_off - sched_bytes);
+    mok__cuda_memset_async(c, b + ids_off + ids_bytes, acts_off - ids_off - ids_bytes);
+    mok__cuda_memset_async(c, (char *)j->acts.g + routed_used, routed - routed_used);
+    mok__cuda_memset_async(c, (char *)j->acts.u + routed_used, routed - routed_used);
+    mok__cuda_memset_async(c, (char *)j->acts.gs + shared_used, shared - shared_used);
+    mok__cuda_memset_async(c, (char *)j->acts.us + shared_used, shared - shared_used);
   }
 }
 
@@ -419,11 +428,11 @@ static void group_ctx(ep_job *j, void *ctx, bool writing) {
 static void copy_in(ep_job *j, const int32_t *ids, bool with_d_out) {
   job_ctx *c = j->c;
   size_t T = c->a->tokens, Tm = j->st->sz.max_tokens, H = c->d.H, K = c->d.K;
-  cuda_copy_async(c, j->own + j->kg.off.x, BF(c, X), T * H * 2);
-  if (with_d_out) cuda_copy_async(c, j->own + j->kg.off.d_out, BF(c, D_OUT), T * H * 2);
-  cuda_copy_async(c, j->own + j->kg.off.ids, ids, T * K * 4);
+  mok__cuda_copy_async(c, j->own + j->kg.off.x, BF(c, X), T * H * 2);
+  if (with_d_out) mok__cuda_copy_async(c, j->own + j->kg.off.d_out, BF(c, D_OUT), T * H * 2);
+  mok__cuda_copy_async(c, j->own + j->kg.off.ids, ids, T * K * 4);
   fill_async(c, j->own + j->kg.off.ids + T * K * 4, 0xff, (Tm - T) * K * 4);
-  cuda_copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
+  mok__cuda_copy_async(c, j->own + j->kg.off.rw, T_(c, MOK_SLOT_ROUTER_W), T * K * 4);
 }
 
 /* After the virtual schedule was built in the workspace: the client's ctx
@@ -431,8 +440,8 @@ static void copy_in(ep_job *j, const int32_t *ids, bool with_d_out) {
 static void ctx_out(ep_job *j) {
   job_ctx *c = j->c;
   if (!j->ctx_sched) return;
-  cuda_copy_async(c, j->ctx_sched, j->sched, (size_t)mok_schedule_bytes(&j->lv));
-  cuda_copy_async(c, j->ctx_ids, j->own_ids, (size_t)c->a->tokens * c->d.K * 4);
+  mok__cuda_copy_async(c, j->ctx_sched, j->sched, (size_t)mok_schedule_bytes(&j->lv));
+  mok__cuda_copy_async(c, j->ctx_ids, j->own_ids, (size_t)c->a->tokens * c->d.K * 4);
 }
 
 /* A group formed through NCCL gets a zeroed window and sequence 0 with
@@ -455,7 +464,7 @@ static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
   int r = mok_ep_group_job_post(j->g, &post, err, sizeof err);
   if (r != MOK_OK) {
     c->failed = false; /* the group's verdict replaces a local message */
-    cuda_job_fail(c, r, "%s", err);
+    mok__cuda_job_fail(c, r, "%s", err);
     return false;
   }
   if (own_status != MOK_OK) return false;
@@ -463,7 +472,7 @@ static bool host_protocol(ep_job *j, int own_status, const char *own_msg) {
   if (r != MOK_OK) {
     /* the peers passed barrier 1 and will wait for us on the device */
     mok_ep_group_mark_broken(j->g, err);
-    cuda_job_fail(c, r, "%s; the group is broken until its members re-join", err);
+    mok__cuda_job_fail(c, r, "%s; the group is broken until its members re-join", err);
     return false;
   }
   return true;
@@ -497,7 +506,7 @@ static bool device_protocol(ep_job *j, int own_status) {
   int r = mok_ep_group_job_post(j->g, &post, err, sizeof err); /* usable? the sequence */
   if (r != MOK_OK) {
     c->failed = false;
-    cuda_job_fail(c, r, "%s", err);
+    mok__cuda_job_fail(c, r, "%s", err);
     return false;
   }
   nccl_peers(j->st, &j->kg);
@@ -552,8 +561,8 @@ static void side_begin(ep_job *j) {
   if (c->failed || !c->d.I_s) return;
   cudaError_t r = cudaEventRecord(c->s->fork_ev, c->st);
   if (r == cudaSuccess) r = cudaStreamWaitEvent(c->s->aux, c->s->fork_ev, 0);
-  if (r != cudaSuccess) cuda_job_fail(c, MOK_EENGINE, "forking the side stream: %s",
-                                      cudaGetErrorString(r));
+  if (r != cudaSuccess) mok__cuda_job_fail(c, MOK_EENGINE, "forking the side stream: %s",
+                                           cudaGetErrorString(r));
   else j->side = true;
 }
 
@@ -566,13 +575,13 @@ static void side_end(ep_job *j) {
   if (r != cudaSuccess) {
     /* the main stream must not run ahead of the side stream's writes */
     cudaStreamSynchronize(c->s->aux);
-    cuda_job_fail(c, MOK_EENGINE, "joining the side stream: %s", cudaGetErrorString(r));
+    mok__cuda_job_fail(c, MOK_EENGINE, "joining the side stream: %s", cudaGetErrorString(r));
   }
 }
 
 #define MARK(j, name)                                                                         \
   do {                                                                                        \
-    if ((j)->profile) cuda_mark((j)->c, (name));                                              \
+    if ((j)->profile) mok__cuda_mark((j)->c, (name));                                              \
   } while (0)
 
 static void device_barrier(ep_job *j, uint32_t phase) {
@@ -624,7 +633,7 @@ static void ring_batch_begin(ep_job *j, int m, const mok_k_dims *dr) {
 static void ring_forward(ep_job *j) {
   job_ctx *c = j->c;
   const job_ws *w = &c->w;
-  mok_k_dims dr = cuda_ring_dims(c->a->layer);
+  mok_k_dims dr = mok__cuda_ring_dims(c->a->layer);
   ring_plan(j);
   for (int m = 0; m < c->l->ring_batches && !c->failed; m++) {
     ring_batch_begin(j, m, &dr);
@@ -645,7 +654,7 @@ static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const u
                           const uint16_t *wd) {
   job_ctx *c = j->c;
   const job_ws *w = &c->w;
-  mok_k_dims dr = cuda_ring_dims(c->a->layer);
+  mok_k_dims dr = mok__cuda_ring_dims(c->a->layer);
   ring_plan(j);
   for (int m = 0; m < c->l->ring_batches && !c->failed; m++) {
     ring_batch_begin(j, m, &dr);
@@ -717,7 +726,7 @@ static void ep_backward(ep_job *j) {
   const bool recompute = (c->a->flags & MOK_JOB_RECOMPUTE) != 0;
   void *ctx = T_(c, MOK_SLOT_CTX);
   if (!recompute && !ctx) {
-    cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
+    mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
     (void)group_turn(j, MOK_EINVAL, c->j->message); /* the peers fail it with us */
     return;
   }
@@ -730,7 +739,7 @@ static void ep_backward(ep_job *j) {
   copy_in(j, ids, true);
   /* a schedule from the ctx: copied in now, validated after barrier 1 */
   if (!recompute)
-    cuda_copy_async(c, j->sched, j->ctx_sched, (size_t)mok_schedule_bytes(&j->lv));
+    mok__cuda_copy_async(c, j->sched, j->ctx_sched, (size_t)mok_schedule_bytes(&j->lv));
   if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
@@ -757,7 +766,7 @@ static void ep_backward(ep_job *j) {
   }
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
   if (c->l->ring_rows) {
-    cuda_stage_weights(c, &wg, &wu, &wd);
+    mok__cuda_stage_weights(c, &wg, &wu, &wd);
     ring_backward(j, recompute, wg, wu, wd);
     exchange_back(j, NULL, w->ep_drw);
   } else {
@@ -771,7 +780,7 @@ static void ep_backward(ep_job *j) {
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, w->routed_b,
                                  c->status, c->st));
     MARK(j, recompute ? "pull+recompute" : "pull");
-    cuda_stage_weights(c, &wg, &wu, &wd);
+    mok__cuda_stage_weights(c, &wg, &wu, &wd);
     LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, w->routed_a,
                                     w->routed_b, w->ep_rw, wg, wu, wd, w->routed_c, w->ep_drw,
                                     BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), w->kernels,
@@ -804,51 +813,50 @@ static int job_fits(const job_ctx *c, const mok_ep_group *g, const ep_state *st,
   return MOK_OK;
 }
 
-mok_engine_job *cuda_start_group(mok_engine *e, mok_ep_group *g, const mok_job_args *a,
-                                 mok_engine_result *res) {
-  job_ctx c;
-  mok_engine_job *job = cuda_job_begin(e, a, &c, res);
-  if (!job) return NULL;
+/* The work of a job of a layer on g, enqueued into the frame that the
+ * engine's start() opened (internal.h): the group's host protocol on this
+ * thread, the rest on the session's stream. A job that fails before its
+ * exchange still takes the member's turn, so its peers fail it too. */
+void mok__cuda_group_job(job_ctx *c, mok_ep_group *g, const mok_job_args *a) {
   if (a->group_failed) { /* a NOP: this member's job failed before the engine */
-    ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+    ep_job j = {.c = c, .g = g, .st = mok_ep_group_engine_state(g)};
     if (mok_ep_group_is_nccl(g) && j.st && j.st->nccl) device_protocol(&j, a->group_failed);
-    return cuda_job_end(&c, res);
+    return;
   }
   if (a->op != MOK_OP_FORWARD && a->op != MOK_OP_BACKWARD) {
-    cuda_job_fail(&c, MOK_EUNSUPPORTED,
-                  "a layer on a group runs forward and backward; single steps need a layer "
-                  "without a group");
-    return cuda_job_end(&c, res);
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED,
+                       "a layer on a group runs forward and backward; single steps need a layer "
+                       "without a group");
+    return;
   }
-  ep_job j = {.c = &c, .g = g, .st = mok_ep_group_engine_state(g)};
+  ep_job j = {.c = c, .g = g, .st = mok_ep_group_engine_state(g)};
   char err[MOK_JOB_MESSAGE_MAX];
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
-    cuda_job_fail(&c, st, "%s", err);
-    return cuda_job_end(&c, res);
+    mok__cuda_job_fail(c, st, "%s", err);
+    return;
   }
-  bool ok = cuda_job_prepare(&c);
+  bool ok = mok__cuda_job_prepare(c);
   int fit = MOK_OK;
-  if (ok && (fit = job_fits(&c, g, j.st, err, sizeof err)) != MOK_OK) {
-    cuda_job_fail(&c, fit, "%s", err);
+  if (ok && (fit = job_fits(c, g, j.st, err, sizeof err)) != MOK_OK) {
+    mok__cuda_job_fail(c, fit, "%s", err);
     ok = false;
   }
   if (!ok) {
     /* still take the turn, so that every member fails this job with our message */
     if (!mok_ep_group_is_nccl(g))
-      host_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL, c.j->message);
+      host_protocol(&j, c->j->status != MOK_OK ? c->j->status : MOK_EINVAL, c->j->message);
     else if (j.st && j.st->nccl)
-      device_protocol(&j, c.j->status != MOK_OK ? c.j->status : MOK_EINVAL);
-    return cuda_job_end(&c, res);
+      device_protocol(&j, c->j->status != MOK_OK ? c->j->status : MOK_EINVAL);
+    return;
   }
-  j.dv = cuda_group_dims(a->layer);
+  j.dv = mok__cuda_group_dims(a->layer);
   j.lv = mok_group_routed_dims(a->layer);
   j.own = (char *)(uintptr_t)j.st->own.va;
   j.kg.off = j.st->lay;
   j.timeout_ns = (uint64_t)mok_ep_group_timeout_ms(g) * 1000000ull;
-  j.profile = cuda_profiling();
+  j.profile = mok__cuda_profiling();
   if (a->op == MOK_OP_FORWARD) ep_forward(&j);
   else ep_backward(&j);
   side_end(&j); /* a job that stopped early still joins its side work */
-  return cuda_job_end(&c, res);
 }

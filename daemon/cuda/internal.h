@@ -150,7 +150,7 @@ struct mok_engine_session {
   cudaStream_t aux;      /* side stream: a group job's shared expert runs beside the exchange */
   cudaEvent_t fork_ev, join_ev;
   /* the workspace: one device allocation for everything a job needs that
-   * is not the client's (cuda_job_space); jobs of a session run in order on
+   * is not the client's (mok__cuda_job_space); jobs of a session run in order on
    * its stream, so one serves every layer of the session */
   char *ws;
   size_t ws_bytes;
@@ -207,8 +207,8 @@ typedef struct job_ws {
  * the job brings its ctx or acts; staging: a backward stages the routed
  * weights). Returns its bytes; with base, fills w with pointers into
  * [base, base + bytes). The one function that both sizes and carves. */
-size_t cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
-                      bool brings_acts, bool staging, char *base, job_ws *w);
+size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
+                           bool brings_acts, bool staging, char *base, job_ws *w);
 
 typedef struct job_ctx {
   mok_engine *e;
@@ -220,7 +220,7 @@ typedef struct job_ctx {
   mok_layout_dims ld;
   cudaStream_t st;
   int32_t *status;
-  job_ws w;    /* the job's pieces of the session's workspace (cuda_job_prepare) */
+  job_ws w;    /* the job's pieces of the session's workspace (mok__cuda_job_prepare) */
   bool failed; /* stop enqueueing kernels */
 } job_ctx;
 
@@ -229,54 +229,54 @@ typedef struct acts_ptrs {
 } acts_ptrs;
 
 /* ---- helpers (cuda/engine.c) ---- */
-int cuda_use_device(mok_engine *e);
-int cuda_select(mok_engine *e, char *err, size_t errlen); /* cuda_use_device, or err says why */
-const char *cuda_drv_error(const mok_engine *e, CUresult r);
-bool cuda_context_broken(cudaStream_t stream);
+int mok__cuda_use_device(mok_engine *e);
+/* mok__cuda_use_device, or err says why */
+int mok__cuda_select(mok_engine *e, char *err, size_t errlen);
+const char *mok__cuda_drv_error(const mok_engine *e, CUresult r);
+bool mok__cuda_context_broken(cudaStream_t stream);
 /* The properties of a pinned device allocation exportable as a POSIX fd. */
-CUmemAllocationProp cuda_vmm_fd_prop(const mok_engine *e);
-void cuda_free_async(void *p, cudaStream_t st);
-mok_k_dims cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
-mok_k_dims cuda_group_dims(const mok_layer_config *c);
+CUmemAllocationProp mok__cuda_vmm_fd_prop(const mok_engine *e);
+void mok__cuda_free_async(void *p, cudaStream_t st);
+mok_k_dims mok__cuda_dims_of(const mok_layer_config *c, uint32_t tokens);
+mok_k_dims mok__cuda_group_dims(const mok_layer_config *c);
 /* A ring's macrobatch: the group dims with the ring's capacity. */
-mok_k_dims cuda_ring_dims(const mok_layer_config *c);
-__attribute__((format(printf, 3, 4))) void cuda_job_fail(job_ctx *c, int status, const char *fmt,
-                                                         ...);
-void cuda_launched(job_ctx *c, int st, const char *what);
+mok_k_dims mok__cuda_ring_dims(const mok_layer_config *c);
+__attribute__((format(printf, 3, 4))) void mok__cuda_job_fail(job_ctx *c, int status,
+                                                              const char *fmt, ...);
+void mok__cuda_launched(job_ctx *c, int st, const char *what);
 #define LAUNCH(c, call)                                                                       \
   do {                                                                                        \
-    if (!(c)->failed) cuda_launched((c), (call), #call);                                      \
+    if (!(c)->failed) mok__cuda_launched((c), (call), #call);                                 \
   } while (0)
 
-void cuda_memset_async(job_ctx *c, void *p, size_t bytes);
-void cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes);
-acts_ptrs cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps);
-void cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu, const uint16_t **wd);
-bool cuda_check_job(job_ctx *c);
+void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes);
+void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes);
+acts_ptrs mok__cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps);
+void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
+                             const uint16_t **wd);
+bool mok__cuda_check_job(job_ctx *c);
 
-/* A job's frame: cuda_job_begin takes a job record, enqueues the wait for
- * the client's fence and the start event, and fills c (NULL: res says why);
- * the caller enqueues the op's work (c->failed: none); cuda_job_end reads
- * back the status word, writes the done fence and records the done event,
- * returning the job for poll() (NULL: it finished, res filled). */
-mok_engine_job *cuda_job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                               mok_engine_result *res);
-/* checks the job, carves its workspace (growing the session's) and resets
- * the status word; false: the job failed (c says why) */
-bool cuda_job_prepare(job_ctx *c);
+/* A job's frame (cuda/engine.c start()): the job's record, the wait for
+ * the client's fence and the start event, then the op's work (single-daemon
+ * ops in cuda/engine.c, group jobs in cuda/ep.c; c->failed: none), then the
+ * status word's read-back, the done fence and the done event; poll()
+ * follows the job. Within the frame, mok__cuda_job_prepare checks the job,
+ * carves its workspace (growing the session's) and resets the status word;
+ * false: the job failed (c says why). */
+bool mok__cuda_job_prepare(job_ctx *c);
 /* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
  * far, named; the intervals are logged when the job completes. */
-bool cuda_profiling(void);
-void cuda_mark(job_ctx *c, const char *name);
-mok_engine_job *cuda_job_end(job_ctx *c, mok_engine_result *res);
+bool mok__cuda_profiling(void);
+void mok__cuda_mark(job_ctx *c, const char *name);
 
-/* cuda/ep.c */
-int cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
-void *cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status, char *err,
-                      size_t errlen);
-void cuda_group_install(mok_engine *e, struct mok_ep_group *g, void *state);
-void cuda_group_discard(mok_engine *e, void *state);
-mok_engine_job *cuda_start_group(mok_engine *e, struct mok_ep_group *g, const mok_job_args *a,
-                                 mok_engine_result *res);
+/* cuda/ep.c: expert-parallel groups */
+int mok__cuda_group_new_id(mok_engine *e, uint8_t *id, char *err, size_t errlen);
+int mok__cuda_group_attach(mok_engine *e, struct mok_ep_group *g, char *err, size_t errlen);
+void *mok__cuda_group_form(mok_engine *e, const struct mok_ep_group_form *f, int *status,
+                           char *err, size_t errlen);
+void mok__cuda_group_install(mok_engine *e, struct mok_ep_group *g, void *state);
+void mok__cuda_group_discard(mok_engine *e, void *state);
+/* a job of a layer on g, within its frame */
+void mok__cuda_group_job(job_ctx *c, struct mok_ep_group *g, const mok_job_args *a);
 
 #endif /* MOK_ENGINE_CUDA_INTERNAL_H */

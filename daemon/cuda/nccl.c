@@ -116,14 +116,6 @@ static void copy_err(char *err, size_t errlen, const char *msg) {
   if (err && errlen) snprintf(err, errlen, "%s", msg);
 }
 
-/* The design never uses NVLink multicast (docs/ep_nccl.md): NCCL_NVLS_ENABLE
- * is 0 before NCCL's first call, whatever the environment said. The one
- * place it is set; setenv only when it is not 0 already. */
-void mok_nccl_no_multicast(void) {
-  const char *nvls = getenv("NCCL_NVLS_ENABLE");
-  if (!nvls || strcmp(nvls, "0") != 0) setenv("NCCL_NVLS_ENABLE", "0", 1);
-}
-
 /* Loads NCCL once. Returns a mok_status; the reason in load_err. */
 static int nccl_load(void) {
   pthread_mutex_lock(&load_lock);

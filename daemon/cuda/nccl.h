@@ -31,6 +31,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "mok_enums.h" /* MOK_NCCL_ID_BYTES */
 
@@ -40,10 +42,15 @@ extern "C" {
 
 #define MOK_NCCL_MIN_VERSION 22800  /* NCCL 2.28.0: windows and the device API */
 
-/* NCCL_NVLS_ENABLE=0, the one place it is set: mokd's main calls it before
- * any thread runs (setenv is not thread-safe), the loader again for
- * in-process users. */
-void mok_nccl_no_multicast(void);
+/* The design never uses NVLink multicast (docs/ep_nccl.md): NCCL_NVLS_ENABLE
+ * is 0 before NCCL's first call, whatever the environment said. The one
+ * place it is set (inline: mokd's main calls it in builds without
+ * cuda/nccl.c too), before any thread runs (setenv is not thread-safe);
+ * the loader again for in-process users, changing nothing once it is 0. */
+static inline void mok_nccl_no_multicast(void) {
+  const char *nvls = getenv("NCCL_NVLS_ENABLE");
+  if (!nvls || strcmp(nvls, "0") != 0) setenv("NCCL_NVLS_ENABLE", "0", 1);
+}
 
 /* MOK_OK when NCCL loads and is recent enough (and this build has CUDA and
  * NCCL's device API); else MOK_EUNSUPPORTED with the reason in err. The

@@ -851,6 +851,14 @@ void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_fr
 
 bool mok_ep_group_is_nccl(const mok_ep_group *g) { return g->nccl; }
 
+bool mok_ep_group_needs_forming(const mok_ep_group *g) { return g->nccl && !g->engine_state; }
+
+void mok_ep_group_attach_failed(mok_ep_group *g, const char *why) {
+  /* a group re-formed through NCCL lost its old state: its other sessions'
+   * jobs must fail clearly until a join succeeds */
+  if (g->nccl) mok_ep_group_mark_broken(g, why);
+}
+
 mok_ep_group_form mok_ep_group_form_of(const mok_ep_group *g) {
   mok_ep_group_form f;
   memset(&f, 0, sizeof f);
@@ -1002,6 +1010,19 @@ mok_ep_group_post mok_ep_group_post_for(const mok_layer_config *l, uint32_t op, 
     p.swiglu_limit = l->has_limit ? l->swiglu_limit : 0.0f;
   }
   return p;
+}
+
+bool mok_ep_group_post_failure(mok_ep_group *g, const mok_layer_config *l, uint32_t op,
+                               uint32_t flags, uint32_t tokens, int status, const char *msg) {
+  if (g->nccl) return false; /* the engine takes the turn on the device */
+  if (op != MOK_OP_FORWARD && op != MOK_OP_BACKWARD) return true;
+  char err[MOK_JOB_MESSAGE_MAX];
+  if (mok_ep_group_job_start(g, err, sizeof err) != MOK_OK) return true;
+  mok_ep_group_post p = mok_ep_group_post_for(l, op, flags, tokens);
+  p.status = status;
+  snprintf(p.msg, sizeof p.msg, "%.*s", (int)sizeof p.msg - 1, msg); /* cut */
+  (void)mok_ep_group_job_post(g, &p, err, sizeof err);
+  return true;
 }
 
 /* "forward tag 3", plus the fields that differ from the other post (the

@@ -159,6 +159,13 @@ mok_ep_group_form mok_ep_group_form_of(const mok_ep_group *g);
 /* Formed through NCCL (no segment; the engine forms the communicator with
  * the id, and compares the job posts on the device). */
 bool mok_ep_group_is_nccl(const mok_ep_group *g);
+/* Formed through NCCL and not formed yet on this daemon (no engine state):
+ * the engine's group_form must form it before it is used. */
+bool mok_ep_group_needs_forming(const mok_ep_group *g);
+/* The engine could not attach to g after a join (why: its message): a
+ * group without a segment (formed through NCCL) lost its old state, so it
+ * is broken until a join succeeds; a group with one is left as it is. */
+void mok_ep_group_attach_failed(mok_ep_group *g, const char *why);
 const uint8_t *mok_ep_group_nccl_id(const mok_ep_group *g); /* NULL: not NCCL */
 void mok_ep_group_set_engine_state(mok_ep_group *g, void *state, void (*state_free)(void *),
                                    uint64_t dev_serial);
@@ -185,7 +192,7 @@ uint64_t mok_ep_group_rank_missed(const mok_ep_group *g, uint32_t p);
 /* Tokens rank p posted for the current job (after barrier 1). */
 uint32_t mok_ep_group_peer_tokens(const mok_ep_group *g, uint32_t p);
 
-/* ---- one group job (the engine's run_group calls these in order) ----------
+/* ---- one group job (an engine's start() on a group calls these in order) --
  *
  *   mok_ep_group_job_start   may this member write its slots? (group healthy)
  *   ... the engine copies its inputs into its slots ...
@@ -207,6 +214,15 @@ int mok_ep_group_job_finish(mok_ep_group *g, int status, const char *msg, char *
 /* The signature of a job on a layer (status/msg left 0). */
 mok_ep_group_post mok_ep_group_post_for(const mok_layer_config *l, uint32_t op, uint32_t flags,
                                   uint32_t tokens);
+
+/* A job of a layer on g (op, flags, tokens) failed before it ran (status,
+ * msg): it still takes this member's turn, so that every member fails it
+ * with the same message instead of waiting for this one until the timeout.
+ * Posted through the host segment here (forward and backward only; true);
+ * false: the group's posts travel on the device (formed through NCCL), and
+ * the engine takes the turn with a NOP (mok_job_args.group_failed). */
+bool mok_ep_group_post_failure(mok_ep_group *g, const mok_layer_config *l, uint32_t op,
+                               uint32_t flags, uint32_t tokens, int status, const char *msg);
 
 /* Check a join against a segment's recorded owner and sizing (the tenant
  * and sizing rules, exposed for unit tests). */

@@ -50,7 +50,7 @@ static void put(mok_job_args *a, int slot, void *ptr, size_t n, uint32_t dt) {
 
 static int run(mok_engine *e, const mok_job_args *a) {
   mok_engine_result res;
-  mok_engine_cpu.run(e, a, &res);
+  mok_engine_run(&mok_engine_cpu, e, a, &res);
   if (res.status != MOK_OK) fprintf(stderr, "job failed: %d: %s\n", res.status, res.message);
   return res.status;
 }

@@ -138,11 +138,11 @@ static void engine_rank(uint32_t r, const char *key, rank_out *o) {
   for (uint32_t it = 0; it <= ITERS; it++) { /* iteration 0 warms up */
     mok_engine_result res;
     double t0 = now_s();
-    mok_engine_cpu.run_group(e, g, &fa, &res);
+    mok_engine_cpu.start(e, g, &fa, &res);
     double t1 = now_s();
     CHECK_MSG(res.status == MOK_OK, "forward: %s", res.message);
-    mok_ep_cpu_timing tm = mok_ep_cpu_last_timing;
-    mok_engine_cpu.run_group(e, g, &ba, &res);
+    mok_ep_cpu_timing tm = *mok__cpu_ep_last_timing(e);
+    mok_engine_cpu.start(e, g, &ba, &res);
     double t2 = now_s();
     CHECK_MSG(res.status == MOK_OK, "backward: %s", res.message);
     if (it == 0) continue;

@@ -14,7 +14,7 @@
  *   device      cudaMemGetInfo's used bytes (the client allocates nothing
  *               meanwhile, so the change is mokd's)
  * both above their values before the first session. The target is one
- * workspace (cuda_job_space of the layer's largest job here, with the
+ * workspace (mok__cuda_job_space of the layer's largest job here, with the
  * engine's headroom) plus 1 MiB per layer. Prints one row per L.
  *
  * mokd must run with MOK_WORKSPACE_IDLE_MS small (the script sets 500).
@@ -153,8 +153,9 @@ int main(int argc, char **argv) {
   CK(cudaDeviceSynchronize());
 
   /* what the engine's workspace should be: the larger of the two jobs, with its headroom */
-  size_t need = cuda_job_space(&cfg, (uint32_t)T, MOK_OP_BACKWARD, 0, true, false, NULL, NULL);
-  size_t need_f = cuda_job_space(&cfg, (uint32_t)T, MOK_OP_FORWARD, 0, true, false, NULL, NULL);
+  size_t need = mok__cuda_job_space(&cfg, (uint32_t)T, MOK_OP_BACKWARD, 0, true, false, NULL, NULL);
+  size_t need_f =
+      mok__cuda_job_space(&cfg, (uint32_t)T, MOK_OP_FORWARD, 0, true, false, NULL, NULL);
   if (need_f > need) need = need_f;
   const size_t round = (size_t)2 << 20;
   double ws_mib = mib((double)((need + need / 8 + round - 1) / round * round));

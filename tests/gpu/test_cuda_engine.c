@@ -408,9 +408,9 @@ static void cpu_engine(const shape *s, const inputs *in, results *r) {
   for (int sl = MOK_SLOT_SCHEDULE; sl < MOK_SLOT_COUNT_; sl++) memset(&b.t[sl], 0, sizeof b.t[sl]);
   b.t[MOK_SLOT_OUT] = (mok_tensor_view){0};
   mok_engine_result res = {0};
-  mok_engine_cpu.run(e, &f, &res);
+  mok_engine_run(&mok_engine_cpu, e, &f, &res);
   EXPECT(res.status == MOK_OK, "cpu forward: %s", res.message);
-  mok_engine_cpu.run(e, &b, &res);
+  mok_engine_run(&mok_engine_cpu, e, &b, &res);
   EXPECT(res.status == MOK_OK, "cpu backward: %s", res.message);
   const int slots[9] = {MOK_SLOT_OUT, MOK_SLOT_D_X, MOK_SLOT_D_RW, MOK_SLOT_D_W_GATE,
                         MOK_SLOT_D_W_UP, MOK_SLOT_D_W_DOWN, MOK_SLOT_D_S_GATE, MOK_SLOT_D_S_UP,

@@ -132,7 +132,7 @@ static void setup_layer(mok_client *c, mok_engine *ref, layer_case *lc, unsigned
     in->want = malloc(in->out_bytes);
     a.t[MOK_SLOT_OUT].ptr = in->want;
     mok_engine_result res = {0};
-    mok_engine_cpu.run(ref, &a, &res);
+    mok_engine_run(&mok_engine_cpu, ref, &a, &res);
     CHECK_MSG(res.status == MOK_OK, "reference: %s", res.message);
   }
 }

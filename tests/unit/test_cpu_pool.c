@@ -28,12 +28,12 @@ static void mark(void *p, size_t begin, size_t end) {
 static void run_and_check(cpu_pool *pool, size_t n) {
   count_arg a = {calloc(n ? n : 1, 1), 0, 0};
   CHECK(a.hits);
-  cpu_pool_run(pool, n, mark, &a);
+  mok__cpu_pool_run(pool, n, mark, &a);
   for (size_t i = 0; i < n; i++)
     CHECK_MSG(a.hits[i] == 1, "item %zu of %zu ran %d times", i, n, a.hits[i]);
   CHECK_EQ_INT(atomic_load(&a.empty_chunks), 0);
   /* at least one chunk per thread that had an item; slices may add more */
-  size_t least = n < (size_t)cpu_pool_threads(pool) ? n : (size_t)cpu_pool_threads(pool);
+  size_t least = n < (size_t)mok__cpu_pool_threads(pool) ? n : (size_t)mok__cpu_pool_threads(pool);
   CHECK(atomic_load(&a.chunks) >= (n > 1 ? least : n));
   CHECK(atomic_load(&a.chunks) <= n);
   free(a.hits);
@@ -42,23 +42,23 @@ static void run_and_check(cpu_pool *pool, size_t n) {
 static void test_items_run_once(void) {
   for (int threads = 1; threads <= 5; threads++) {
     cpu_pool *pool = NULL;
-    CHECK_EQ_INT(cpu_pool_create(threads, &pool), 0);
-    CHECK_EQ_INT(cpu_pool_threads(pool), threads);
+    CHECK_EQ_INT(mok__cpu_pool_create(threads, &pool), 0);
+    CHECK_EQ_INT(mok__cpu_pool_threads(pool), threads);
     const size_t sizes[] = {0, 1, 2, 3, 4, 5, 7, 64, 1000, 4099};
     for (int rep = 0; rep < 50; rep++)
       for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) run_and_check(pool, sizes[i]);
-    cpu_pool_destroy(pool);
+    mok__cpu_pool_destroy(pool);
   }
 }
 
 static void test_default_threads(void) {
   cpu_pool *pool = NULL;
-  CHECK_EQ_INT(cpu_pool_create(0, &pool), 0);
-  CHECK(cpu_pool_threads(pool) >= 1);
+  CHECK_EQ_INT(mok__cpu_pool_create(0, &pool), 0);
+  CHECK(mok__cpu_pool_threads(pool) >= 1);
   run_and_check(pool, 100);
-  cpu_pool_destroy(pool);
-  cpu_pool_destroy(NULL);
-  CHECK(cpu_pool_create(-1, &pool) != 0);
+  mok__cpu_pool_destroy(pool);
+  mok__cpu_pool_destroy(NULL);
+  CHECK(mok__cpu_pool_create(-1, &pool) != 0);
   CHECK(pool == NULL);
 }
 
@@ -79,7 +79,7 @@ static void sum_blocks(void *p, size_t b0, size_t b1) {
 
 static void test_results_visible(void) {
   cpu_pool *pool = NULL;
-  CHECK_EQ_INT(cpu_pool_create(3, &pool), 0);
+  CHECK_EQ_INT(mok__cpu_pool_create(3, &pool), 0);
   enum { BLOCKS = 97 };
   uint32_t *in = malloc(BLOCKS * 256 * sizeof *in);
   uint64_t *partial = malloc(BLOCKS * sizeof *partial);
@@ -89,14 +89,14 @@ static void test_results_visible(void) {
     for (size_t i = 0; i < BLOCKS * 256; i++)
       want += in[i] = (uint32_t)(i * 2654435761u + (size_t)iter);
     sum_arg a = {in, partial};
-    cpu_pool_run(pool, BLOCKS, sum_blocks, &a);
+    mok__cpu_pool_run(pool, BLOCKS, sum_blocks, &a);
     uint64_t got = 0;
     for (int b = 0; b < BLOCKS; b++) got += partial[b];
     CHECK(got == want);
   }
   free(in);
   free(partial);
-  cpu_pool_destroy(pool);
+  mok__cpu_pool_destroy(pool);
 }
 
 static uint64_t now_ns(void) {
@@ -131,7 +131,7 @@ typedef struct caller {
 static void *caller_main(void *p) {
   caller *c = p;
   uint64_t t = now_ns();
-  cpu_pool_run(c->pool, c->n, slow_items, &c->a);
+  mok__cpu_pool_run(c->pool, c->n, slow_items, &c->a);
   c->ns = now_ns() - t;
   return NULL;
 }
@@ -141,7 +141,7 @@ static void *caller_main(void *p) {
  * short run ends within a few slices, not after the long one. */
 static void test_concurrent_callers(void) {
   cpu_pool *pool = NULL;
-  CHECK_EQ_INT(cpu_pool_create(2, &pool), 0);
+  CHECK_EQ_INT(mok__cpu_pool_create(2, &pool), 0);
   caller big = {pool, 1200, {calloc(1200, 1), 0}, 0};
   caller small = {pool, 8, {calloc(8, 1), 0}, 0};
   CHECK(big.a.hits && small.a.hits);
@@ -166,7 +166,7 @@ static void test_concurrent_callers(void) {
             big_done_when_small_ended, big.n, (double)small.ns / 1e6);
   free(big.a.hits);
   free(small.a.hits);
-  cpu_pool_destroy(pool);
+  mok__cpu_pool_destroy(pool);
 }
 
 static const check_case cases[] = {

@@ -308,7 +308,7 @@ static void put_weights(mok_job_args *a, const problem *p) {
 static mok_engine_result run_job(mok_engine *e, const mok_job_args *a) {
   mok_engine_result res;
   memset(&res, 0x5a, sizeof res);
-  mok_engine_cpu.run(e, a, &res);
+  mok_engine_run(&mok_engine_cpu, e, a, &res);
   CHECK(memchr(res.message, 0, sizeof res.message) != NULL);
   return res;
 }
