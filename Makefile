@@ -263,7 +263,8 @@ FUZZ_SRC_request := tests/fuzz/fuzz_request.c proto/frame.c daemon/request.c dae
 	$(GEN)/mok.pb-c.c
 FUZZ_SRC_job_check := tests/fuzz/fuzz_job_check.c daemon/job_check.c daemon/region.c \
 	daemon/layer.c proto/mok_slots.c
-FUZZ_SRC_config := tests/fuzz/fuzz_config.c daemon/config.c daemon/metrics_config.c daemon/log.c
+FUZZ_SRC_config := tests/fuzz/fuzz_config.c daemon/config.c daemon/client_limits.c daemon/metrics_config.c \
+	daemon/log.c
 FUZZ_SRC_schedule := tests/fuzz/fuzz_schedule.c daemon/schedule.c
 FUZZ_SRC_http := tests/fuzz/fuzz_http.c daemon/http.c
 FUZZ_LIBS := $(PB_LIBS) $(SD_LIBS) -lm

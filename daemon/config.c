@@ -3,40 +3,29 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "client_limits.h"
 #include "log.h"
+#include "mok_enums.h"
 
 /* The defaults, before any file or option (kept here, beside the parser,
  * so that the parser and its fuzzer need none of the server). */
 void mok_server_config_defaults(mok_server_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
-  cfg->socket_path = "/run/mok/mokd-0.sock";
+  cfg->socket_path = MOK_DEFAULT_SOCKET;
   cfg->listen_fd = -1;
   cfg->socket_mode = 0660;
   cfg->engine = "cpu";
-  cfg->max_sessions = 256;
   cfg->hello_timeout_ms = 5000;
   cfg->max_pending_requests = 64;
   cfg->drain_ms = 10000;
-  /* The client limits, one table (deploy/mokd.conf documents each key): a
-   * uid's share is a fraction of the daemon, so that one tenant can never
-   * exhaust it for the others. */
-  cfg->session_reserve = 16;          /* of max-sessions, kept for uids with none */
-  cfg->max_regions_total = 32000;     /* mappings; vm.max_map_count is 65530 by default */
-  cfg->limits.max_regions = 4096;     /* per session */
-  cfg->limits.max_region_bytes = 256ull << 30; /* a 61-layer model registers ~75 GiB */
-  cfg->limits.max_layers = 256;
-  cfg->limits.max_jobs_per_uid = 1024;
-  cfg->max_sessions_per_uid = 64;     /* of 256 */
-  cfg->max_regions_per_uid = 8192;    /* a quarter of max-regions-total */
-  cfg->max_region_bytes_per_uid = 256ull << 30;
-  cfg->max_layers_per_uid = 1024;
-  cfg->max_groups_per_uid = 16;
-  cfg->max_group_bytes_per_uid = 32ull << 30;
+  mok_limits_defaults(cfg); /* the client limits: one table (client_limits.c) */
   mok_metrics_config_defaults(&cfg->metrics);
 }
 
@@ -253,4 +242,38 @@ int mok_config_load(mok_server_config *cfg, const char *path, char *err, size_t 
   free(text);
   if (r < 0) snprintf(err, errlen, "%s: %s", path, sub);
   return r;
+}
+
+/* The environment variables that override settings, in one table (docs/design.md's
+ * "Environment" lists them with the ones read elsewhere, and why). Each is
+ * read once, here, at start-up, into the configuration, which carries it
+ * down to the modules. Precedence is per variable: most win over mokd.conf
+ * (the tests set them under a shipped configuration); one with a `set` flag
+ * only stands in for a key the configuration left unset. */
+#define CFG_FIELD(member) offsetof(mok_server_config, member)
+static const struct {
+  const char *name;
+  size_t field;    /* a uint32_t of mok_server_config */
+  size_t set_flag; /* its bool "set by the configuration", or 0: the variable wins */
+} env_overrides[] = {
+    {"MOK_FENCE_TIMEOUT_MS", CFG_FIELD(engine_cfg.fence_timeout_ms), 0},
+    {"MOK_JOB_TIMEOUT_MS", CFG_FIELD(engine_cfg.job_timeout_ms), 0},
+    {"MOK_WORKSPACE_IDLE_MS", CFG_FIELD(engine_cfg.workspace_idle_ms), 0},
+    {"MOK_GROUP_LINGER_MS", CFG_FIELD(engine_cfg.group_linger_ms),
+     CFG_FIELD(engine_cfg.group_linger_set)},
+};
+
+void mok_config_apply_env(mok_server_config *cfg) {
+  for (size_t i = 0; i < sizeof env_overrides / sizeof env_overrides[0]; i++) {
+    const char *v = getenv(env_overrides[i].name);
+    if (!v || !*v) continue;
+    if (env_overrides[i].set_flag) {
+      bool *set = (bool *)((char *)cfg + env_overrides[i].set_flag);
+      if (*set) continue; /* the configuration's key wins */
+      *set = true;
+    }
+    /* read as the modules read it before: strtoul, so a bad value is 0 (the default) */
+    uint32_t ms = (uint32_t)strtoul(v, NULL, 10);
+    memcpy((char *)cfg + env_overrides[i].field, &ms, sizeof ms);
+  }
 }

@@ -19,4 +19,8 @@ int mok_config_parse(mok_server_config *cfg, const char *text, char *err, size_t
 /* Read and parse a file. Returns 0 or -1 with err filled. */
 int mok_config_load(mok_server_config *cfg, const char *path, char *err, size_t errlen);
 
+/* The environment's overrides (config.c's table) into cfg: once, at
+ * start-up, after the files and the command line. */
+void mok_config_apply_env(mok_server_config *cfg);
+
 #endif

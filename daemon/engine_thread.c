@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client_limits.h"
+#include "clock.h"
 #include "job_check.h"
 #include "job_sink.h"
 #include "log.h"
@@ -21,12 +23,6 @@
 #include "region.h"
 #include "standing.h"
 
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void drain_eventfd(int efd) {
   uint64_t v;
@@ -135,8 +131,54 @@ static bool keep_dead_layer(esession *s, mok_engine_layer *l) {
   return true;
 }
 
+/* The session's share of its uid's held jobs, after n_pend, n_pend_refused
+ * or faulted changed (a faulted session counts for nothing). */
+static void uid_jobs_recount(esession *s) {
+  if (!s->uid_jobs) return;
+  uint32_t now = s->faulted ? 0 : s->n_pend - s->n_pend_refused;
+  s->uid_jobs->held = s->uid_jobs->held - s->uid_counted + now;
+  s->uid_counted = now;
+}
+
+/* The session joins its uid's record (made for the uid's first session). */
+static bool uid_jobs_join(mok_engine_thread *t, esession *s) {
+  uid_jobs *u = t->uids;
+  while (u && u->uid != s->uid) u = u->next;
+  if (!u) {
+    if (!(u = calloc(1, sizeof *u))) return false;
+    u->uid = s->uid;
+    u->next = t->uids;
+    t->uids = u;
+  }
+  s->uid_jobs = u;
+  s->uid_next = u->sessions;
+  u->sessions = s;
+  return true;
+}
+
+static void uid_jobs_leave(mok_engine_thread *t, esession *s) {
+  uid_jobs *u = s->uid_jobs;
+  if (!u) return;
+  u->held -= s->uid_counted;
+  s->uid_counted = 0;
+  for (esession **p = &u->sessions; *p; p = &(*p)->uid_next)
+    if (*p == s) {
+      *p = s->uid_next;
+      break;
+    }
+  s->uid_jobs = NULL;
+  if (u->sessions) return;
+  for (uid_jobs **p = &t->uids; *p; p = &(*p)->next)
+    if (*p == u) {
+      *p = u->next;
+      break;
+    }
+  free(u);
+}
+
 /* Only once the session has no job running (see cmd_detach). */
 static void session_free(mok_engine_thread *t, esession *s) {
+  uid_jobs_leave(t, s);
   /* a group outlives the session that joined it (lingering for a re-join) */
   for (size_t i = 0; i < s->n_groups; i++) {
     mok_ep_group *g = t->groups ? mok_ep_group_find(t->groups, s->groups[i]) : NULL;
@@ -170,6 +212,12 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
   s->limits = c->in.attach.limits;
   s->uid = c->in.attach.uid;
   s->sink = c->in.attach.sink;
+  if (!uid_jobs_join(t, s)) {
+    c->status = MOK_ENOMEM;
+    snprintf(c->message, sizeof c->message, "out of memory attaching the session");
+    session_free(t, s);
+    return;
+  }
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
   if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, s->shm.doorbell_in, &ev) < 0) {
     c->status = MOK_EIO;
@@ -192,13 +240,14 @@ static void cmd_attach(mok_engine_thread *t, mok_cmd *c) {
 
 static void cmd_register(mok_engine_thread *t, esession *s, mok_cmd *c) {
   mok_region r;
-  if (s->regions.count >= s->limits.max_regions) {
+  if (mok_limit_exceeded(MOK_LIMIT_REGIONS, s->limits.max_regions, s->regions.count, 1)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message, "session already has %zu regions (limit %u)",
              s->regions.count, s->limits.max_regions);
     return;
   }
-  if (c->in.reg.bytes > s->limits.max_region_bytes - s->regions.total_bytes) {
+  if (mok_limit_exceeded(MOK_LIMIT_REGION_BYTES, s->limits.max_region_bytes, s->regions.total_bytes,
+                         c->in.reg.bytes)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message,
              "registering %llu bytes would exceed the session's quota of %llu bytes "
@@ -264,7 +313,7 @@ static void cmd_layer_cost(mok_engine_thread *t, esession *s, mok_cmd *c) {
 }
 
 static void cmd_create_layer(mok_engine_thread *t, esession *s, mok_cmd *c) {
-  if (s->n_layers >= s->limits.max_layers) {
+  if (mok_limit_exceeded(MOK_LIMIT_LAYERS, s->limits.max_layers, s->n_layers, 1)) {
     c->status = MOK_ELIMIT;
     snprintf(c->message, sizeof c->message, "session already has %zu layers (limit %u)",
              s->n_layers, s->limits.max_layers);
@@ -453,6 +502,7 @@ static void run_commands(mok_engine_thread *t) {
 static void session_fault(mok_engine_thread *t, esession *s, const char *why) {
   if (s->faulted) return;
   s->faulted = true;
+  uid_jobs_recount(s);
   mok_cmd *c = calloc(1, sizeof *c);
   if (!c) return; /* the loop will still see the socket close eventually */
   c->kind = MOK_CMD_SESSION_FAULT;
@@ -514,6 +564,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
     if (!s->pend_head) s->pend_tail = NULL;
     s->n_pend--;
     if (p->fail_status != MOK_OK) s->n_pend_refused--;
+    uid_jobs_recount(s);
     if (p->fail_status != MOK_OK) { /* the fence-only NOP of a job that failed validation */
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
@@ -524,7 +575,7 @@ static bool poll_session(mok_engine_thread *t, esession *s, uint64_t now) {
       if (g && !mok_ep_group_is_broken(g)) mok_ep_group_count_timeout(g); /* a device barrier's */
       if (g) mok_ep_group_mark_broken(g, res.message);
     }
-    uint64_t end = now == UINT64_MAX ? now_ns() : now;
+    uint64_t end = now == UINT64_MAX ? mok_clock_ns() : now;
     if (!s->detaching) finish_job(t, s, p->user_data, p->seq, p->op, &res, end - p->t0);
     free(p);
   }
@@ -554,8 +605,8 @@ static bool standing_turn(mok_engine_thread *t, esession *s, uint64_t now, bool 
  * its memory released); no new standing instance starts meanwhile. */
 static void poll_session_blocking(mok_engine_thread *t, esession *s) {
   for (;;) {
-    bool jobs = poll_session(t, s, now_ns());
-    standing_turn(t, s, now_ns(), false);
+    bool jobs = poll_session(t, s, mok_clock_ns());
+    standing_turn(t, s, mok_clock_ns(), false);
     if (!jobs && !s->standing.running) break;
     pause_briefly();
   }
@@ -584,14 +635,15 @@ static bool poll_all(mok_engine_thread *t, uint64_t now) {
 
 /* Jobs a uid has submitted and not yet seen complete, over all its sessions:
  * those still in the submission rings and those running. */
-static uint32_t uid_jobs_in_flight(mok_engine_thread *t, uint32_t uid) {
-  uint32_t n = 0;
-  for (esession *q = t->sessions; q; q = q->next) {
-    if (q->uid != uid || q->faulted) continue;
+/* Jobs of s's uid in flight: held (a refused job still waiting for its turn
+ * to complete holds nothing) and queued in its sessions' rings. */
+static uint32_t uid_jobs_in_flight(const esession *s) {
+  uint32_t n = s->uid_jobs->held;
+  for (const esession *q = s->uid_jobs->sessions; q; q = q->uid_next) {
+    if (q->faulted) continue;
     uint32_t tail = atomic_load_explicit(&q->shm.hdr->sq_tail.value, memory_order_acquire);
     uint32_t queued = tail - q->sq_head;
-    /* a refused job still waiting for its turn to complete holds nothing */
-    n += (queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES) + q->n_pend - q->n_pend_refused;
+    n += queued <= MOK_RING_ENTRIES ? queued : MOK_RING_ENTRIES;
   }
   return n;
 }
@@ -666,10 +718,10 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   if (!take_desc(t, s, &desc)) return false;
   mok_job_args args;
   mok_engine_result res = {.status = MOK_OK};
-  uint64_t t0 = now_ns();
+  uint64_t t0 = mok_clock_ns();
   if (desc.flags & MOK_JOB_STANDING) {
     standing_desc(t, s, &desc, &res);
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
 
@@ -681,11 +733,11 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
                              sizeof res.message);
   if (res.status == MOK_OK && s->limits.max_jobs_per_uid) {
     /* a failed job still takes its turn (a group's peers see the failure) */
-    uint32_t in_flight = uid_jobs_in_flight(t, s->uid) + 1; /* this one included */
-    if (in_flight > s->limits.max_jobs_per_uid) {
+    uint32_t in_flight = uid_jobs_in_flight(s);
+    if (mok_limit_exceeded(MOK_LIMIT_JOBS_PER_UID, s->limits.max_jobs_per_uid, in_flight, 1)) {
       res.status = MOK_ELIMIT;
       snprintf(res.message, sizeof res.message, "uid %u has %u jobs in flight (max-jobs-per-uid %u)",
-               s->uid, in_flight, s->limits.max_jobs_per_uid);
+               s->uid, in_flight + 1, s->limits.max_jobs_per_uid); /* this one included */
     }
   }
   mok_ep_group *group = NULL;
@@ -700,7 +752,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   if (!p) {
     res.status = MOK_ENOMEM;
     snprintf(res.message, sizeof res.message, "out of memory taking the job");
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     return true;
   }
   p->user_data = desc.user_data;
@@ -731,7 +783,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
       res.status = p->fail_status;
       memcpy(res.message, p->fail_message, sizeof res.message);
     }
-    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, now_ns() - t0);
+    finish_job(t, s, desc.user_data, s->seq, desc.op, &res, mok_clock_ns() - t0);
     free(p);
     return true;
   }
@@ -740,6 +792,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   s->pend_tail = p;
   s->n_pend++;
   if (p->fail_status != MOK_OK) s->n_pend_refused++;
+  uid_jobs_recount(s);
   return true;
 }
 
@@ -826,13 +879,13 @@ static void *engine_main(void *arg) {
     run_commands(t);
     if (t->forming) mok__group_poll_formers(t, false);
     if (atomic_load(&t->stopping)) break;
-    if (now_ns() - t->ticked_ns > 100000000ull) {
-      t->ticked_ns = now_ns();
+    if (mok_clock_ns() - t->ticked_ns > 100000000ull) {
+      t->ticked_ns = mok_clock_ns();
       if (t->groups) mok_ep_group_tick(t->groups); /* groups nobody re-joined in time */
       if (t->ops->idle) t->ops->idle(t->engine, t->ticked_ns); /* idle workspaces go back */
     }
     bool took = run_jobs_round(t);
-    uint64_t now = now_ns();
+    uint64_t now = mok_clock_ns();
     bool running = poll_all(t, now);
     if (took) {
       idle_since = 0;
@@ -856,9 +909,9 @@ static void *engine_main(void *arg) {
   }
   mok__group_poll_formers(t, true); /* each ends within its group's timeout */
   /* drain: what clients submitted before the stop still runs, within a bound */
-  uint64_t deadline = now_ns() + (uint64_t)t->drain_ms * 1000000ull;
+  uint64_t deadline = mok_clock_ns() + (uint64_t)t->drain_ms * 1000000ull;
   for (;;) {
-    uint64_t now = now_ns();
+    uint64_t now = mok_clock_ns();
     if (now >= deadline) break;
     bool took = run_jobs_round(t);
     bool running = poll_all(t, now);
@@ -892,11 +945,8 @@ int mok_engine_thread_start(const mok_engine_ops *ops, const mok_engine_config *
   t->cmd_efd = -1;
   pthread_mutex_init(&t->lock, NULL);
   t->spin_ns = 1000ull * (cfg->idle_spin_us ? cfg->idle_spin_us : MOK_IDLE_SPIN_US);
-  {
-    const char *v = getenv("MOK_FENCE_TIMEOUT_MS");
-    unsigned long ms = v && *v ? strtoul(v, NULL, 10) : cfg->fence_timeout_ms;
-    t->fence_timeout_ns = (uint64_t)(ms ? ms : 30000u) * 1000000ull;
-  }
+  /* MOK_FENCE_TIMEOUT_MS is in it already (config.c's environment table) */
+  t->fence_timeout_ns = (uint64_t)(cfg->fence_timeout_ms ? cfg->fence_timeout_ms : 30000u) * 1000000ull;
   mok_engine_config ecfg = *cfg;
   ecfg.wake = engine_wake;
   ecfg.wake_arg = t;

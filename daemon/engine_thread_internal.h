@@ -42,6 +42,21 @@ typedef struct pend {
 _Static_assert(sizeof(((pend *)0)->fail_message) == sizeof(((mok_engine_result *)0)->message),
                "a refused job's message is copied whole");
 
+/* One uid's jobs as max-jobs-per-uid counts them. Engine thread only: the
+ * jobs are taken, completed and the sessions attached, faulted and freed on
+ * it, so the counts need no lock. held is a running count (the jobs its
+ * sessions' running lists hold, refused ones left out), changed as a job is
+ * taken or completes and as a session faults or goes; the jobs still queued
+ * in its sessions' rings are read from their tails at the check, because a
+ * client moves its tail without telling the engine (the doorbell is a wake-up,
+ * not a count). */
+typedef struct uid_jobs {
+  uint32_t uid;
+  uint32_t held;
+  struct esession *sessions; /* its sessions, through uid_next */
+  struct uid_jobs *next;
+} uid_jobs;
+
 /* The engine-side half of a session. */
 typedef struct esession {
   uint64_t id;
@@ -72,6 +87,9 @@ typedef struct esession {
   mok_standing_set standing; /* standing jobs (standing.h) */
   mok_standing_group_ops standing_group; /* their group layers' turns (ctx: this session) */
   struct mok_engine_thread *thread;      /* the one that serves it */
+  uid_jobs *uid_jobs;      /* its uid's */
+  uint32_t uid_counted;    /* what it adds to uid_jobs->held now */
+  struct esession *uid_next;
   struct esession *next;
 } esession;
 
@@ -116,6 +134,7 @@ struct mok_engine_thread {
   uint64_t spin_ns;           /* poll this long after the last work before sleeping */
   former *forming;            /* groups being formed through NCCL */
   uint64_t fence_timeout_ns;  /* a standing job's trigger not taken this long cancels it */
+  uid_jobs *uids;             /* of the attached sessions */
 };
 
 static inline void ring_doorbell(int efd) {

@@ -16,8 +16,10 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "cuda/nccl.h"
 #include "engine.h"
 #include "log.h"
+#include "mok_enums.h"
 #include "server.h"
 
 #include <systemd/sd-daemon.h>
@@ -27,7 +29,7 @@ static void usage(FILE *to) {
           "usage: mokd [--socket PATH] [--engine cpu|cuda] [--device N] [--config FILE]\n"
           "            [--threads N] [--log-level error|warn|info|debug] [--list-engines]\n"
           "            [--version] [--help]\n"
-          "  --socket PATH     control socket (default /run/mok/mokd-0.sock)\n"
+          "  --socket PATH     control socket (default " MOK_DEFAULT_SOCKET ")\n"
           "  --engine NAME     cpu (reference, runs everywhere) or cuda (sm_90a)\n"
           "  --device N        GPU ordinal for the cuda engine\n"
           "  --config FILE     key = value settings, mokd.conf(5) (repeatable; -FILE: skip\n"
@@ -101,9 +103,9 @@ static int take_activated_socket(mok_server_config *cfg) {
 }
 
 int main(int argc, char **argv) {
-  /* groups formed through NCCL never use NVLink multicast (docs/ep_nccl.md); set
-   * here, before any thread runs, so cuda/nccl.c never has to */
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  /* groups formed through NCCL never use NVLink multicast (docs/ep_nccl.md):
+   * before any thread runs, so that the loader's own call changes nothing */
+  mok_nccl_no_multicast();
   mok_server_config cfg;
   mok_server_config_defaults(&cfg);
   static const struct option opts[] = {
@@ -152,6 +154,7 @@ int main(int argc, char **argv) {
     }
   }
   if (optind < argc) return usage_error("unexpected argument", argv[optind]);
+  mok_config_apply_env(&cfg);
   if (take_activated_socket(&cfg) < 0) return 2;
   if (cfg.listen_fd < 0 && check_socket_dir(cfg.socket_path) < 0) return 1;
   return mok_server_run(&cfg);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client_limits.h"
 #include "mok_status.h"
 
 /* The engine releases a lingering group on its next housekeeping turn
@@ -69,21 +70,22 @@ void mok_quota_free(mok_quota *q) {
 int mok_quota_check(const mok_quota *q, const mok_uid_usage *u, uint32_t regions, uint64_t bytes,
                     uint32_t layers, char *msg, size_t len) {
   const mok_quota_limits *l = &q->lim;
-  if (regions && l->max_regions_total && q->regions_total + regions > l->max_regions_total) {
+  if (regions && mok_limit_exceeded(MOK_LIMIT_REGIONS_TOTAL, l->max_regions_total, q->regions_total,
+                                    regions)) {
     snprintf(msg, len,
              "mokd holds %u regions across all sessions (max-regions-total %u): unregister "
              "buffers, or ask the operator to raise the limit",
              q->regions_total, l->max_regions_total);
     return MOK_ELIMIT;
   }
-  if (regions && l->max_regions_per_uid && u->regions + regions > l->max_regions_per_uid) {
+  if (regions &&
+      mok_limit_exceeded(MOK_LIMIT_REGIONS_PER_UID, l->max_regions_per_uid, u->regions, regions)) {
     snprintf(msg, len, "uid %u already has %u regions across its sessions (max-regions-per-uid %u)",
              (unsigned)u->uid, u->regions, l->max_regions_per_uid);
     return MOK_ELIMIT;
   }
-  if (bytes && l->max_region_bytes_per_uid &&
-      (u->region_bytes > l->max_region_bytes_per_uid ||
-       bytes > l->max_region_bytes_per_uid - u->region_bytes)) {
+  if (bytes && mok_limit_exceeded(MOK_LIMIT_REGION_BYTES_PER_UID, l->max_region_bytes_per_uid,
+                                  u->region_bytes, bytes)) {
     snprintf(msg, len,
              "registering %llu bytes would exceed the quota of uid %u: %llu bytes in use "
              "across its sessions (max-region-bytes-per-uid %llu)",
@@ -91,7 +93,8 @@ int mok_quota_check(const mok_quota *q, const mok_uid_usage *u, uint32_t regions
              (unsigned long long)l->max_region_bytes_per_uid);
     return MOK_ELIMIT;
   }
-  if (layers && l->max_layers_per_uid && u->layers + layers > l->max_layers_per_uid) {
+  if (layers &&
+      mok_limit_exceeded(MOK_LIMIT_LAYERS_PER_UID, l->max_layers_per_uid, u->layers, layers)) {
     snprintf(msg, len, "uid %u already has %u layers across its sessions (max-layers-per-uid %u)",
              (unsigned)u->uid, u->layers, l->max_layers_per_uid);
     return MOK_ELIMIT;
@@ -138,9 +141,8 @@ int mok_quota_group_reserve(mok_quota *q, mok_uid_usage *u, const char *key, uin
      * sizing (the old one lingered and went) counts its extra bytes. */
     if (bytes > g->bytes) {
       uint64_t extra = bytes - g->bytes;
-      if (l->max_group_bytes_per_uid &&
-          (held_bytes > l->max_group_bytes_per_uid ||
-           extra > l->max_group_bytes_per_uid - held_bytes)) {
+      if (mok_limit_exceeded(MOK_LIMIT_GROUP_BYTES_PER_UID, l->max_group_bytes_per_uid, held_bytes,
+                             extra)) {
         snprintf(msg, len,
                  "group '%s' needs %llu bytes of buffers; uid %u holds %llu in its groups "
                  "(max-group-bytes-per-uid %llu): leave a group, or lower max_tokens",
@@ -154,16 +156,15 @@ int mok_quota_group_reserve(mok_quota *q, mok_uid_usage *u, const char *key, uin
     *ret = g;
     return MOK_OK;
   }
-  if (l->max_groups_per_uid && held + 1 > l->max_groups_per_uid) {
+  if (mok_limit_exceeded(MOK_LIMIT_GROUPS_PER_UID, l->max_groups_per_uid, held, 1)) {
     snprintf(msg, len,
              "uid %u already holds %u expert-parallel groups, counting those kept for a re-join "
              "(max-groups-per-uid %u): leave one (mok_group_leave) first",
              (unsigned)u->uid, held, l->max_groups_per_uid);
     return MOK_ELIMIT;
   }
-  if (l->max_group_bytes_per_uid &&
-      (held_bytes > l->max_group_bytes_per_uid ||
-       bytes > l->max_group_bytes_per_uid - held_bytes)) {
+  if (mok_limit_exceeded(MOK_LIMIT_GROUP_BYTES_PER_UID, l->max_group_bytes_per_uid, held_bytes,
+                         bytes)) {
     snprintf(msg, len,
              "group '%s' needs %llu bytes of buffers; uid %u holds %llu in its other groups "
              "(max-group-bytes-per-uid %llu): leave a group, or lower max_tokens",

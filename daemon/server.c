@@ -18,6 +18,8 @@
 #include <systemd/sd-daemon.h>
 #include <uv.h>
 
+#include "client_limits.h"
+#include "clock.h"
 #include "frame.h"
 #include "ep/group.h"
 #include "layer.h"
@@ -101,12 +103,6 @@ typedef struct server {
 
 #define RXBUF_BYTES (MOK_FRAME_MAX + 1) /* one more, so an oversized frame shows */
 
-static uint64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* ---- replies ------------------------------------------------------------ */
 
 static void session_close(session *s, const char *why);
@@ -170,7 +166,7 @@ static void session_maybe_free(session *s) {
   u->region_bytes -= s->region_bytes;
   u->layers -= s->layers;
   srv->quota.regions_total -= s->regions;
-  uint64_t now = now_ms();
+  uint64_t now = mok_clock_ms();
   for (size_t i = 0; i < s->n_joins; i++) /* lingering in the engine now */
     mok_quota_group_drop(&srv->quota, s->joins[i].quota, false, now);
   mok_quota_prune(&srv->quota, now);
@@ -398,7 +394,7 @@ static void handle_join_group(session *s, uint32_t rid, const Mok__JoinGroup *m)
   char msg[320];
   mok_quota_group *qg;
   int r = mok_quota_group_reserve(&s->srv->quota, s->user, j->key,
-                                  mok_ep_group_segment_bytes(&j->sizing), now_ms(), &qg, msg,
+                                  mok_ep_group_segment_bytes(&j->sizing), mok_clock_ms(), &qg, msg,
                                   sizeof msg);
   if (r != MOK_OK) {
     free(c);
@@ -578,7 +574,7 @@ static void refuse_connection(server *srv, int fd, const struct ucred *cr, int s
     (void)mok_frame_send(fd, 0, buf, n, NULL, 0); /* non-blocking: best effort */
   }
   close(fd);
-  uint64_t now = now_ms();
+  uint64_t now = mok_clock_ms();
   if (now - srv->refused_window_ms >= 60000) {
     if (srv->refused_in_window > 10)
       log_warn("%u more connections refused in the last minute", srv->refused_in_window - 10);
@@ -614,24 +610,25 @@ static void on_listen_readable(uv_poll_t *h, int status, int events) {
       continue;
     }
     const mok_server_config *cfg = &srv->cfg;
-    if (srv->n_sessions >= cfg->max_sessions) {
+    if (mok_limit_exceeded(MOK_LIMIT_SESSIONS, cfg->max_sessions, srv->n_sessions, 1)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT, "mokd has %u sessions already (max-sessions)",
                         srv->n_sessions);
       continue;
     }
-    mok_quota_prune(&srv->quota, now_ms());
+    mok_quota_prune(&srv->quota, mok_clock_ms());
     mok_uid_usage *u = mok_quota_user(&srv->quota, cred.uid, false);
     uint32_t held = u ? u->sessions : 0;
-    if (cfg->max_sessions_per_uid && held >= cfg->max_sessions_per_uid) {
+    if (mok_limit_exceeded(MOK_LIMIT_SESSIONS_PER_UID, cfg->max_sessions_per_uid, held, 1)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
                         "uid %d has %u sessions already (max-sessions-per-uid %u)",
                         (int)cred.uid, held, cfg->max_sessions_per_uid);
       continue;
     }
     /* the last free slots are kept for uids that have none yet, so that
-     * one tenant (or a few) can never lock the others out */
-    uint32_t free_slots = cfg->max_sessions - srv->n_sessions;
-    if (held > 0 && free_slots <= cfg->session_reserve) {
+     * one tenant (or a few) can never lock the others out: this session
+     * and the reserve must both fit */
+    if (held > 0 && mok_limit_exceeded(MOK_LIMIT_SESSION_RESERVE, cfg->max_sessions,
+                                       srv->n_sessions, 1 + (uint64_t)cfg->session_reserve)) {
       refuse_connection(srv, fd, &cred, MOK_ELIMIT,
                         "mokd has %u of %u sessions in use; the last %u are kept for uids that "
                         "have none (session-reserve), and uid %d has %u",
@@ -684,7 +681,7 @@ static void reply_stats(session *s, mok_cmd *c) {
   sr.daemon_version = MOK_VERSION;
   sr.device = (char *)mok_engine_thread_describe(srv->engine);
   sr.engine = (char *)mok_engine_thread_engine_name(srv->engine);
-  sr.uptime_ms = now_ms() - srv->start_ms;
+  sr.uptime_ms = mok_clock_ms() - srv->start_ms;
   sr.own_uid_only = !all;
   sr.viewer_uid = viewer;
   if (all) {
@@ -888,7 +885,7 @@ static void settle_counts(session *s, const mok_cmd *c) {
     if (c->status != MOK_OK) break;
     for (size_t i = 0; i < s->n_joins; i++) {
       if (s->joins[i].group_id != c->in.id) continue;
-      mok_quota_group_drop(&s->srv->quota, s->joins[i].quota, true, now_ms());
+      mok_quota_group_drop(&s->srv->quota, s->joins[i].quota, true, mok_clock_ms());
       s->joins[i] = s->joins[--s->n_joins];
       break;
     }
@@ -1097,10 +1094,9 @@ static void set_up_limits(server *srv) {
       (!cfg->max_regions_per_uid || cfg->max_regions_per_uid >= cfg->max_regions_total))
     log_warn("max-regions-per-uid %u lets one uid take every region of max-regions-total %u",
              cfg->max_regions_per_uid, cfg->max_regions_total);
-  uint32_t linger = MOK_GROUP_LINGER_MS;
-  const char *e = getenv("MOK_GROUP_LINGER_MS"); /* the engine's test override (ep/group.c) */
-  if (e && *e) linger = (uint32_t)strtoul(e, NULL, 10);
-  if (cfg->engine_cfg.group_linger_set) linger = cfg->engine_cfg.group_linger_ms;
+  /* group-linger-ms, or MOK_GROUP_LINGER_MS standing in for it (config.c) */
+  uint32_t linger =
+      cfg->engine_cfg.group_linger_set ? cfg->engine_cfg.group_linger_ms : MOK_GROUP_LINGER_MS;
   srv->quota.lim = (mok_quota_limits){
       .max_regions_total = cfg->max_regions_total,
       .max_regions_per_uid = cfg->max_regions_per_uid,
@@ -1146,7 +1142,7 @@ static void metrics_page_info(void *arg, mok_metrics_page_info *info) {
   info->version = MOK_VERSION;
   info->engine = srv->engine ? mok_engine_thread_engine_name(srv->engine) : "";
   info->device = srv->engine ? mok_engine_thread_describe(srv->engine) : "";
-  info->uptime_ms = now_ms() - srv->start_ms;
+  info->uptime_ms = mok_clock_ms() - srv->start_ms;
   info->connections = srv->n_sessions;
 }
 
@@ -1158,7 +1154,7 @@ int mok_server_run(const mok_server_config *cfg) {
   set_up_limits(&srv);
   set_up_group_dir(&srv);
   srv.loop = uv_default_loop();
-  srv.start_ms = now_ms();
+  srv.start_ms = mok_clock_ms();
   srv.epoch = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
   srv.rxbuf = malloc(RXBUF_BYTES);
   if (!srv.rxbuf) return 1;

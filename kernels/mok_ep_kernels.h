@@ -3,7 +3,7 @@
  *
  * Every member of a group owns one device buffer of the same layout (the
  * "symmetric" buffer, mok_k_ep_layout); every member maps every other
- * member's buffer (VMM fds, daemon/ep_cuda.c) and passes the addresses in
+ * member's buffer (VMM fds, daemon/cuda/ep.c) and passes the addresses in
  * mok_k_ep.peers. Rank r's token t of the group's virtual batch is virtual
  * token v = r*T_max + t; a schedule over the virtual batch (T = W*T_max,
  * mok_k_dims of the routed part) names rows by virtual slot v*K + k.

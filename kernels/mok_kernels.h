@@ -2,7 +2,7 @@
 /* mok kernels: the sm_90a CUDA kernels of one MoE layer, behind a C API.
  *
  * Plain C (C11 or C++), no CUDA headers needed: the engine (daemon/
- * engine_cuda.c) calls these launchers with device pointers and a stream.
+ * cuda/engine.c) calls these launchers with device pointers and a stream.
  * The math and its rounding points are docs/math.md; the schedule, acts
  * and ctx layouts are proto/mok_wire.h. bf16 layers only.
  *

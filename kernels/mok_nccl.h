@@ -6,7 +6,7 @@
  * the window's device-side descriptor (struct ncclWindow_vidmem: the LSA
  * team's flat base and its 4 GiB stride) and links no symbol of libnccl, so
  * libmokkernels.a and mokd keep no link-time NCCL dependency (the host side,
- * daemon/nccl_group.c, loads libnccl.so.2 with dlopen).
+ * daemon/cuda/nccl.c, loads libnccl.so.2 with dlopen).
  *
  * Built without NCCL's device headers, the launcher returns
  * MOK_EUNSUPPORTED and mok_k_nccl_device_api() returns 0.

@@ -87,4 +87,8 @@ typedef enum mok_slot {
 #define MOK_JOB_RECOMPUTE 0x1u /* backward: rebuild CTX from the inputs first */
 #define MOK_JOB_FLAGS_ALL 0x1u
 
+/* Shared by mokd, libmok and mokctl (client/python/mok/_lib.py mirrors them). */
+#define MOK_DEFAULT_SOCKET "/run/mok/mokd-0.sock" /* mokd's control socket, GPU 0 */
+#define MOK_NCCL_ID_BYTES 128 /* an NCCL unique id (NCCL_UNIQUE_ID_BYTES), as the wire carries it */
+
 #endif /* MOK_ENUMS_H */

@@ -44,8 +44,6 @@ extern "C" {
 #define MOK_EXTERN
 #endif
 
-#define MOK_DEFAULT_SOCKET "/run/mok/mokd-0.sock"
-
 typedef struct mok_client mok_client;
 typedef struct mok_layer mok_layer;
 typedef struct mok_group mok_group;
@@ -156,8 +154,6 @@ typedef struct mok_group_sizing {
    * every rank. Joining then waits until every rank joined (timeout_ms). */
   const uint8_t *nccl_id;
 } mok_group_sizing;
-
-#define MOK_NCCL_ID_BYTES 128
 
 /* A fresh NCCL unique id for mok_group_sizing.nccl_id, from this client's
  * mokd (rank 0's: that mokd hosts NCCL's bootstrap until the group formed).

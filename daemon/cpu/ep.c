@@ -24,16 +24,11 @@
 #include <time.h>
 
 #include "cpu/steps.h"
+#include "clock.h"
 #include "ep/group.h"
 #include "mok_slots.h"
 
 static void *slot_tensor(const job_env *env, int slot) { return env->tensors[slot]; }
-
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 /* env for the routed part: the virtual batch of all ranks' slots. */
 static mok_status virtual_env(const job_env *l, job_env *v) {
@@ -273,7 +268,7 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   const void *x = slot_tensor(l, MOK_SLOT_X);
   mok_ep_cpu_timing *tm = &l->eng->ep_timing;
   memset(tm, 0, sizeof *tm);
-  uint64_t t0 = mono_ns();
+  uint64_t t0 = mok_clock_ns();
   int st = mok_ep_group_job_start(g, err, sizeof err);
   if (st != MOK_OK) {
     group_fail(l, st, err);
@@ -282,13 +277,13 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   const int32_t *ids = own_ids_in(l, slot_tensor(l, MOK_SLOT_TOPK_IDS));
   copy_in_rows(l, g, b->x, x);
   copy_in_routing(l, g, ids, rw);
-  uint64_t t1 = mono_ns();
+  uint64_t t1 = mok_clock_ns();
   tm->copy_in_ns = t1 - t0;
   mok_ep_group_post post =
       mok_ep_group_post_for(l->cfg, l->args->op, l->args->flags, (uint32_t)l->T);
   post.status = own_checks(l, ids, &post);
   st = mok_ep_group_job_post(g, &post, err, sizeof err);
-  uint64_t t2 = mono_ns();
+  uint64_t t2 = mok_clock_ns();
   tm->barrier1_ns = t2 - t1;
   if (st != MOK_OK) {
     group_fail(l, st, err);
@@ -311,17 +306,17 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
     tm->row_bytes = v->H * v->es;
   }
   if (local == MOK_OK && !ring) {
-    uint64_t a = mono_ns();
+    uint64_t a = mok_clock_ns();
     mok__cpu_gather_rows(v, &sv, b->x, routed_x); /* the pull */
-    uint64_t bb = mono_ns();
+    uint64_t bb = mok_clock_ns();
     tm->pull_ns = bb - a;
     local =
         mok__cpu_step_compute(v, &sv, routed_x, NULL, routed_y, NULL, ctx ? gc.acts_routed : NULL);
-    tm->compute_ns = mono_ns() - bb;
+    tm->compute_ns = mok_clock_ns() - bb;
     if (local == MOK_OK) {
-      uint64_t c = mono_ns();
+      uint64_t c = mok_clock_ns();
       push(v, &sv, routed_y, b->land, NULL, NULL);
-      tm->push_ns = mono_ns() - c;
+      tm->push_ns = mok_clock_ns() - c;
     }
   }
   for (size_t e0 = 0; local == MOK_OK && ring && e0 < sv.local_experts;) {
@@ -335,24 +330,24 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
         !(ring_acts = mok__cpu_scratch(v, SCR_EP_RING_ACTS, mok_acts_bytes(&s.dims))))
       local = v->res->status;
     if (local != MOK_OK) break;
-    uint64_t a = mono_ns();
+    uint64_t a = mok_clock_ns();
     mok__cpu_gather_rows(&s, &ssv, b->x, routed_x);
-    uint64_t bb = mono_ns();
+    uint64_t bb = mok_clock_ns();
     local = mok__cpu_step_compute(&s, &ssv, routed_x, NULL, routed_y, NULL, ring_acts);
-    uint64_t c = mono_ns();
+    uint64_t c = mok_clock_ns();
     if (local == MOK_OK) {
       if (ctx) acts_rows_copy(v, &s, &mb, gc.acts_routed, ring_acts, true);
       push(&s, &ssv, routed_y, b->land, NULL, NULL);
     }
     tm->pull_ns += bb - a;
     tm->compute_ns += c - bb;
-    tm->push_ns += mono_ns() - c;
+    tm->push_ns += mok_clock_ns() - c;
     e0 = mb.e1;
   }
   if (local == MOK_OK && ring && ctx) acts_zero_tail(v, gc.acts_routed, sv.rows_used);
-  uint64_t t3 = mono_ns();
+  uint64_t t3 = mok_clock_ns();
   st = mok_ep_group_job_finish(g, local, local == MOK_OK ? "" : v->res->message, err, sizeof err);
-  uint64_t t4 = mono_ns();
+  uint64_t t4 = mok_clock_ns();
   tm->barrier2_ns = t4 - t3;
   if (st != MOK_OK) {
     l->res->status = MOK_OK; /* the group's verdict replaces a local message */
@@ -375,7 +370,7 @@ static void ep_forward(job_env *l, job_env *v, mok_ep_group *g) {
   mok_sched_view own;
   if (own_view(l, ids, &own) != MOK_OK) return;
   mok__cpu_step_combine(l, &own, own_landing(l, g), rw, shared_y, slot_tensor(l, MOK_SLOT_OUT));
-  tm->local_ns = mono_ns() - t4;
+  tm->local_ns = mok_clock_ns() - t4;
 }
 
 /* The routed part of backward with a ring: per macrobatch, pull x (and with

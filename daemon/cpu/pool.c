@@ -18,6 +18,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
+
 struct cpu_pool {
   int n_threads; /* including the caller */
   int n_started; /* worker threads actually running */
@@ -154,12 +156,6 @@ void mok__cpu_pool_destroy(cpu_pool *pool) {
 
 int mok__cpu_pool_threads(const cpu_pool *pool) { return pool ? pool->n_threads : 1; }
 
-static uint64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Items [base, base + n) on the workers and the caller, a chunk each.
  * Called with mu held and busy set by this caller; returns with mu held. */
 static void run_slice(cpu_pool *pool, size_t base, size_t n, cpu_pool_fn fn, void *arg) {
@@ -199,7 +195,7 @@ void mok__cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg
   while (done < n_items) {
     size_t n = n_items - done < slice ? n_items - done : slice;
     bool mine = !pool->busy;
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = mok_clock_ns();
     if (mine) {
       pool->busy = true;
       run_slice(pool, done, n, fn, arg);
@@ -209,7 +205,7 @@ void mok__cpu_pool_run(cpu_pool *pool, size_t n_items, cpu_pool_fn fn, void *arg
       fn(arg, done, done + n);
       pthread_mutex_lock(&pool->mu);
     }
-    uint64_t dt = mono_ns() - t0;
+    uint64_t dt = mok_clock_ns() - t0;
     done += n;
     if (dt < CPU_POOL_SLICE_NS / 2 && slice < SIZE_MAX / 2) slice *= 2;
     else if (dt > 2 * CPU_POOL_SLICE_NS && slice / 2 >= (size_t)threads) slice /= 2;

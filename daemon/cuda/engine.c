@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "cuda/internal.h"
+#include "clock.h"
 #include "engine.h"
 #include "log.h"
 #include "mok_ep_kernels.h"
@@ -149,12 +150,10 @@ typedef struct cuda_region {
 
 /* ---- open / close ---------------------------------------------------------------- */
 
-/* A setting in ms as ns: the environment's value, else the config's, else
- * the default (0 means "the default" in both). */
-static uint64_t ms_setting(const char *env, uint32_t configured, uint32_t dflt) {
-  const char *v = getenv(env);
-  unsigned long ms = v && *v ? strtoul(v, NULL, 10) : configured;
-  return (uint64_t)(ms ? ms : dflt) * 1000000ull;
+/* A setting in ms as ns: the config's (its MOK_*_MS environment override
+ * applied by config.c), else the default (0 means "the default"). */
+static uint64_t ms_setting(uint32_t configured, uint32_t dflt) {
+  return (uint64_t)(configured ? configured : dflt) * 1000000ull;
 }
 
 /* The pool session workspaces come from. Its memory is kept across frees
@@ -307,13 +306,10 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     return st;
   }
   e->vmm_fd_identity = vmm_fds_name_allocations(e);
-  /* mokd.conf's keys; the environment still wins (tests use it) */
-  e->fence_timeout_ns =
-      ms_setting("MOK_FENCE_TIMEOUT_MS", cfg ? cfg->fence_timeout_ms : 0, DEFAULT_FENCE_TIMEOUT_MS);
-  e->job_timeout_ns =
-      ms_setting("MOK_JOB_TIMEOUT_MS", cfg ? cfg->job_timeout_ms : 0, DEFAULT_JOB_TIMEOUT_MS);
-  e->workspace_idle_ns = ms_setting("MOK_WORKSPACE_IDLE_MS", cfg ? cfg->workspace_idle_ms : 0,
-                                    MOK_WORKSPACE_IDLE_MS);
+  /* mokd.conf's keys (the environment's overrides are in them: config.c) */
+  e->fence_timeout_ns = ms_setting(cfg ? cfg->fence_timeout_ms : 0, DEFAULT_FENCE_TIMEOUT_MS);
+  e->job_timeout_ns = ms_setting(cfg ? cfg->job_timeout_ms : 0, DEFAULT_JOB_TIMEOUT_MS);
+  e->workspace_idle_ns = ms_setting(cfg ? cfg->workspace_idle_ms : 0, MOK_WORKSPACE_IDLE_MS);
   char bus[32] = "";
   cudaDeviceGetPCIBusId(bus, sizeof bus, dev);
   snprintf(e->description, sizeof e->description, "%.64s (sm_%d%d, %d SMs, %.0f GiB) GPU %d %.32s",
@@ -563,7 +559,7 @@ static void ws_release(mok_engine *e, mok_engine_session *s, cudaStream_t st) {
   mok__cuda_free_async(s->ws, st);
   s->ws = NULL;
   s->ws_bytes = 0;
-  e->trim_until_ns = mok__cuda_mono_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
+  e->trim_until_ns = mok_clock_ns() + 10000000000ull; /* idle() trims the pool meanwhile */
 }
 
 static void session_free(mok_engine *e, mok_engine_session *s) {
@@ -1537,7 +1533,7 @@ static bool job_workspace(job_ctx *c) {
     return false;
   }
   mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, c->s->ws, &c->w);
-  c->s->ws_used_ns = mok__cuda_mono_ns();
+  c->s->ws_used_ns = mok_clock_ns();
   if (c->l->owner != c->s) { /* the session whose jobs run the layer holds it */
     if (c->l->owner) c->l->owner->layer_bytes -= sizeof *c->l;
     c->l->owner = c->s;
@@ -1677,7 +1673,7 @@ static int cuda_poll(mok_engine *e, mok_engine_job *j, uint64_t now, mok_engine_
   }
   if (mok__cuda_fence_unwatch(e, j)) j->fence_forced = true; /* the watchdog released the wait */
   if (s->stuck == j) unstick(e, s, j, now);
-  s->ws_used_ns = mok__cuda_mono_ns();
+  s->ws_used_ns = mok_clock_ns();
   res->fatal = 0;
   res->flag_written = j->flag_written;
   if (q != cudaSuccess) {

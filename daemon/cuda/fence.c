@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cuda/internal.h"
+#include "clock.h"
 #include "log.h"
 #include "mok_slots.h"
 #include "mok_wire.h"
@@ -40,7 +41,7 @@ static void release(volatile uint64_t *word, uint64_t value) {
 static void *watchdog_main(void *arg) {
   mok_engine *e = arg;
   while (!atomic_load(&e->watchdog_stop)) {
-    uint64_t now = mok__cuda_mono_ns();
+    uint64_t now = mok_clock_ns();
     for (int i = 0; i < MAX_FENCE_WATCHES; i++) {
       fence_watch *w = &e->watches[i];
       int armed = WATCH_ARMED;
@@ -71,7 +72,7 @@ void mok__cuda_fence_watch(mok_engine *e, mok_engine_job *j, volatile uint64_t *
     if (atomic_load_explicit(&w->state, memory_order_acquire) != WATCH_FREE) continue;
     w->word = word;
     w->value = value;
-    w->deadline_ns = mok__cuda_mono_ns() + e->fence_timeout_ns;
+    w->deadline_ns = mok_clock_ns() + e->fence_timeout_ns;
     atomic_store_explicit(&w->state, WATCH_ARMED, memory_order_release);
     j->watch = i;
     return;

@@ -236,12 +236,6 @@ bool mok__cuda_job_prepare(job_ctx *c);
 bool mok__cuda_profiling(void);
 void mok__cuda_mark(job_ctx *c, const char *name);
 
-static inline uint64_t mok__cuda_mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* cuda/fence.c: client fences a client never writes, released after the
  * fence timeout by the watchdog (a thread without CUDA calls, started with
  * the engine) or by the engine thread's check in poll() */

@@ -34,6 +34,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "mok_ep_kernels.h"
 #include "mok_status.h"
 
@@ -132,9 +133,7 @@ static int nccl_load(void) {
              "NCCL groups: the kernels were built without NCCL's device headers (nccl_device.h)");
     goto out;
   }
-  /* the design never uses NVLink multicast (docs/ep.md); NCCL reads this at its first call */
-  const char *nvls = getenv("NCCL_NVLS_ENABLE");
-  if (!nvls || strcmp(nvls, "0") != 0) setenv("NCCL_NVLS_ENABLE", "0", 1);
+  mok_nccl_no_multicast(); /* mokd did at start; in-process users (tests) get it here */
   const char *name = getenv("MOK_NCCL_LIB");
   if (!name || !*name) name = "libnccl.so.2";
   void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
@@ -267,12 +266,6 @@ struct mok_nccl_group {
   uint64_t base[MOK_K_EP_MAX_WORLD];
 };
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void sleep_us(long us) {
   struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
@@ -311,7 +304,7 @@ static int wait_ready(nccl_comm comm, const char *what, uint64_t deadline_ns, ui
       nccl_err(err, errlen, what, comm, state);
       return MOK_EENGINE;
     }
-    if (now_ns() >= deadline_ns) {
+    if (mok_clock_ns() >= deadline_ns) {
       snprintf(err, errlen,
                "NCCL group: %s did not complete within %u ms (rank %d of %d: a member is missing, "
                "stalled or unreachable); the communicator was aborted",
@@ -358,7 +351,7 @@ static void group_free(mok_nccl_group *g, bool abort_comm) {
     nccl_result r = api.comm_finalize(g->comm);
     int st = (r == NCCL_SUCCESS || r == NCCL_IN_PROGRESS)
                  ? wait_ready(g->comm, "ncclCommFinalize",
-                              now_ns() + (uint64_t)g->timeout_ms * 1000000ull, g->timeout_ms,
+                              mok_clock_ns() + (uint64_t)g->timeout_ms * 1000000ull, g->timeout_ms,
                               g->rank, g->world, tmp, sizeof tmp)
                  : MOK_EENGINE;
     if (st == MOK_OK)
@@ -396,7 +389,7 @@ int mok_nccl_group_create(const uint8_t id[MOK_NCCL_ID_BYTES], int rank, int wor
   g->device = device;
   g->timeout_ms = timeout_ms;
   g->lsa_rank = -1;
-  const uint64_t t0 = now_ns(), deadline = t0 + (uint64_t)timeout_ms * 1000000ull;
+  const uint64_t t0 = mok_clock_ns(), deadline = t0 + (uint64_t)timeout_ms * 1000000ull;
   uint64_t *d_ptrs = NULL;
   int saved_dev = -1;
   cudaError_t cr = cudaGetDevice(&saved_dev);
@@ -440,7 +433,7 @@ int mok_nccl_group_create(const uint8_t id[MOK_NCCL_ID_BYTES], int rank, int wor
   st = wait_ready(g->comm, "forming the communicator (ncclCommInitRankConfig)", deadline,
                   timeout_ms, rank, world, err, errlen);
   if (st != MOK_OK) goto fail;
-  const uint64_t t1 = now_ns();
+  const uint64_t t1 = mok_clock_ns();
   g->init_ms = (double)(t1 - t0) * 1e-6;
 
   /* 2. the symmetric buffer: usable bytes, then one private page */
@@ -481,7 +474,7 @@ int mok_nccl_group_create(const uint8_t id[MOK_NCCL_ID_BYTES], int rank, int wor
     st = MOK_EUNSUPPORTED;
     goto fail;
   }
-  g->register_ms = (double)(now_ns() - t1) * 1e-6;
+  g->register_ms = (double)(mok_clock_ns() - t1) * 1e-6;
 
   /* 3. who is reachable by load/store */
   nccl_team lsa = api.team_lsa(g->comm);

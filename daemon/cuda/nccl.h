@@ -14,7 +14,7 @@
  * MOK_NCCL_LIB): mokd links no NCCL and starts without it or without a GPU;
  * every call here then fails with MOK_EUNSUPPORTED and a message. NCCL 2.28
  * or later is required (windows, the device API). NVLink multicast is never
- * used: the module sets NCCL_NVLS_ENABLE=0 before NCCL starts.
+ * used: NCCL_NVLS_ENABLE is 0 before NCCL starts (mok_nccl_no_multicast).
  *
  * Only peers reachable by load/store (NCCL's LSA team: one NVLink domain)
  * are supported; a group with a peer outside it fails at creation. No
@@ -31,13 +31,26 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mok_enums.h" /* MOK_NCCL_ID_BYTES */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define MOK_NCCL_ID_BYTES 128       /* NCCL_UNIQUE_ID_BYTES */
 #define MOK_NCCL_MIN_VERSION 22800  /* NCCL 2.28.0: windows and the device API */
+
+/* The design never uses NVLink multicast (docs/ep_nccl.md): NCCL_NVLS_ENABLE
+ * is 0 before NCCL's first call, whatever the environment said. The one
+ * place it is set (inline: mokd's main calls it in builds without
+ * cuda/nccl.c too), before any thread runs (setenv is not thread-safe);
+ * the loader again for in-process users, changing nothing once it is 0. */
+static inline void mok_nccl_no_multicast(void) {
+  const char *nvls = getenv("NCCL_NVLS_ENABLE");
+  if (!nvls || strcmp(nvls, "0") != 0) setenv("NCCL_NVLS_ENABLE", "0", 1);
+}
 
 /* MOK_OK when NCCL loads and is recent enough (and this build has CUDA and
  * NCCL's device API); else MOK_EUNSUPPORTED with the reason in err. The

@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 #include "mok_status.h"
 
@@ -136,12 +137,6 @@ void mok_fdx_stop(mok_fdx_server *s) {
   free(s);
 }
 
-static uint64_t mono_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 static int receive(int sock, int *fd, uint64_t *payload, char *err, size_t errlen) {
   char ctl[CMSG_SPACE(sizeof(int))];
   uint64_t val = 0;
@@ -170,7 +165,7 @@ int mok_fdx_fetch(const char *name, pid_t server_pid, uint32_t timeout_ms, int *
   *fd = -1;
   struct sockaddr_un a;
   socklen_t alen = abstract_addr(&a, name);
-  uint64_t deadline = mono_ms() + timeout_ms;
+  uint64_t deadline = mok_clock_ms() + timeout_ms;
   for (;;) {
     int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (sock < 0) {
@@ -192,7 +187,7 @@ int mok_fdx_fetch(const char *name, pid_t server_pid, uint32_t timeout_ms, int *
     }
     int e = errno;
     close(sock);
-    if ((e != ECONNREFUSED && e != ENOENT) || mono_ms() >= deadline) {
+    if ((e != ECONNREFUSED && e != ENOENT) || mok_clock_ms() >= deadline) {
       snprintf(err, errlen, "connecting to the peer's buffer @%s: %s", name, strerror(e));
       return MOK_ETIMEOUT;
     }

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "layer.h"
 #include "log.h"
 #include "mok_slots.h"
@@ -103,12 +104,6 @@ struct mok_ep_group_table {
   char dir[208]; /* "": $MOK_GROUP_DIR or /dev/shm (config: at most 200 bytes) */
   const _Atomic bool *abort;
 };
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 __attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, int status,
                                                       const char *fmt, ...) {
@@ -278,9 +273,7 @@ mok_ep_group_table *mok_ep_group_table_create(const _Atomic bool *abort) {
   mok_ep_group_table *t = calloc(1, sizeof *t);
   if (!t) return NULL;
   t->abort = abort;
-  t->linger_ms = MOK_GROUP_LINGER_MS;
-  const char *e = getenv("MOK_GROUP_LINGER_MS");
-  if (e && *e) t->linger_ms = (uint32_t)strtoul(e, NULL, 10);
+  t->linger_ms = MOK_GROUP_LINGER_MS; /* group-linger-ms: mok_ep_group_set_linger_ms */
   return t;
 }
 
@@ -547,11 +540,11 @@ void mok_ep_group_unref(mok_ep_group_table *t, mok_ep_group *g, bool leave) {
     group_release(g);
     return;
   }
-  g->idle_since_ns = now_ns();
+  g->idle_since_ns = mok_clock_ns();
 }
 
 void mok_ep_group_tick(mok_ep_group_table *t) {
-  uint64_t now = now_ns();
+  uint64_t now = mok_clock_ns();
   for (mok_ep_group **p = &t->groups; *p;) {
     mok_ep_group *g = *p;
     if (g->refs == 0 && now - g->idle_since_ns >= (uint64_t)t->linger_ms * 1000000ull) {
@@ -956,7 +949,7 @@ static int barrier(mok_ep_group *g, uint32_t phase, char *err, size_t errlen) {
   const uint64_t epoch = g->gen << GEN_SHIFT | g->seq << 2 | phase;
   atomic_store_explicit(&h->ranks[g->rank].arrive, epoch, memory_order_release);
   bell_ring(h);
-  uint64_t start = now_ns(), deadline = start + (uint64_t)g->timeout_ms * 1000000ull;
+  uint64_t start = mok_clock_ns(), deadline = start + (uint64_t)g->timeout_ms * 1000000ull;
   for (uint64_t spins = 0;; spins++) {
     uint32_t bell = atomic_load_explicit(&h->bell, memory_order_acquire);
     int r = check_usable(g, err, errlen);
@@ -967,7 +960,7 @@ static int barrier(mok_ep_group *g, uint32_t phase, char *err, size_t errlen) {
       if ((a >> GEN_SHIFT) != g->gen || a < epoch) missing++;
     }
     if (missing == 0) return MOK_OK;
-    uint64_t now = now_ns();
+    uint64_t now = mok_clock_ns();
     if (g->table->abort && atomic_load(g->table->abort)) {
       group_break(g, "a member's mokd is shutting down");
       return fail(err, errlen, MOK_ESHUTDOWN, "mokd is shutting down");

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "mok_enums.h"
 #include "mok_wire.h"
 
 #define MOK_GROUP_MAX_WORLD 64u
@@ -33,7 +34,7 @@
 #define MOK_GROUP_LINGER_MS 60000u /* a group no session holds is kept this long */
 #define MOK_GROUP_MAX_BYTES (64ull << 30)
 #define MOK_GROUP_MAX_RING_ROWS (1u << 26)
-#define MOK_GROUP_NCCL_ID_BYTES 128u /* an NCCL unique id (cuda/nccl.h) */
+#define MOK_GROUP_NCCL_ID_BYTES MOK_NCCL_ID_BYTES /* an NCCL unique id (mok_enums.h) */
 #define MOK_GROUP_DIR_DEFAULT "/run/mok/groups" /* where segments live (group-dir) */
 
 typedef struct mok_ep_group_sizing {

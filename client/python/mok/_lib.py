@@ -42,9 +42,9 @@ SLOT = {n: i for i, n in enumerate(SLOTS)}
 SLOT_COUNT = len(SLOTS)
 
 JOB_RECOMPUTE = 0x1
-NCCL_ID_BYTES = 128  # mok.h MOK_NCCL_ID_BYTES
+NCCL_ID_BYTES = 128  # proto/mok_enums.h MOK_NCCL_ID_BYTES
 MAX_DIMS = 4
-DEFAULT_SOCKET = "/run/mok/mokd-0.sock"
+DEFAULT_SOCKET = "/run/mok/mokd-0.sock"  # proto/mok_enums.h MOK_DEFAULT_SOCKET
 BUNDLED_NAME = "libmok.so"  # beside this file in a pip-installed package
 
 
