@@ -230,10 +230,15 @@ $(BUILD)/bench/bench_ep_cuda: tests/bench/bench_ep_cuda.cu $(BUILD)/lib/libmok.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
 		$(PB_LIBS) -ldl -lpthread
-$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon: $(BUILD)/bench/%: tests/bench/%.cu \
-		$(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
+$(BUILD)/bench/bench_fence: tests/bench/bench_fence.cu $(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -lcuda -ldl -lpthread
+# with the kernel library: --inproc-ab runs the same layer in-process next to mokd's
+$(BUILD)/bench/mok_bench_daemon: tests/bench/mok_bench_daemon.cu $(BUILD)/lib/libmok.a \
+		$(BUILD)/lib/libmokkernels.a $(GPU_TEST_HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
+		$(PB_LIBS) -lcuda -ldl -lpthread
 
 GPU_CLIENT_BINS := $(BUILD)/tests/gpu/test_hostile $(BUILD)/bench/bench_ep_cuda \
 	$(BUILD)/bench/bench_fence $(BUILD)/bench/mok_bench_daemon

@@ -5,10 +5,18 @@ configuration, the layer in one process (mok_bench) against the same layer
 through mokd (mok_bench_daemon), forward and backward, and the cost in %.
 
     boundary_table.py OUTDIR [--inproc KIND] [--markdown]
+    boundary_table.py OUTDIR --ab [--markdown]
+
+--ab: the interleaved files (AB=1 run_boundary.sh: OUTDIR/ab_MODE_KIND.json
+from mok_bench_daemon --inproc-ab 1), where both columns come from one
+process taking turns rep by rep; the cost there is the ratio of the medians,
+and in brackets the median of the per-rep ratios.
 """
+import argparse
 import glob
 import json
 import os
+import statistics
 import sys
 
 
@@ -23,13 +31,69 @@ def load(path):
     return out
 
 
+def ab_table(outdir, md):
+    """The interleaved table: one file per mode and client memory."""
+    files = sorted(glob.glob(os.path.join(outdir, "ab_*_*.json")),
+                   key=lambda p: (os.path.basename(p).startswith("ab_nomps_"), p))
+    if not files:
+        print("boundary_table: no %s/ab_MODE_KIND.json (AB=1 run_boundary.sh)" % outdir,
+              file=sys.stderr)
+        return 1
+    rc = 0
+    for path in files:
+        name = os.path.basename(path)[len("ab_"):-len(".json")]
+        mode, mem = name.split("_", 1)
+        with open(path) as f:
+            doc = json.load(f)
+        rows = [r for r in doc.get("results", []) if r.get("ok") and "inproc_fwd_ms" in r]
+        print("\n%s, interleaved in one process (client memory %s, kernels %s): in-process "
+              "against through mokd" % ("under MPS" if mode == "mps" else "without MPS", mem,
+                                        doc.get("inproc_kernels", "?")))
+        if md:
+            print("| shape | T | routing | in-process fwd | mokd fwd | cost (paired) "
+                  "| in-process bwd | mokd bwd | cost (paired) | same output |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rows, key=lambda r: (r["T"], r["shape"], r["routing"])):
+            same = "yes" if r.get("same_output") else "NO"
+            cells = (r["shape"], r["T"], r["routing"], r["inproc_fwd_ms"], r["fwd_ms"],
+                     r["overhead_fwd_pct"], r["paired_fwd_pct"], r["inproc_bwd_ms"], r["bwd_ms"],
+                     r["overhead_bwd_pct"], r["paired_bwd_pct"], same)
+            if md:
+                print("| %s | %d | %s | %.3f | %.3f | %+.1f %% (%+.1f %%) | %.3f | %.3f "
+                      "| %+.1f %% (%+.1f %%) | %s |" % cells)
+            else:
+                print("  %-16s T=%-5d %-8s fwd %8.3f -> %8.3f ms %+6.1f %% (%+6.1f %%)   "
+                      "bwd %8.3f -> %8.3f ms %+6.1f %% (%+6.1f %%)   same output %s" % cells)
+            if not r.get("same_output"):
+                rc = 1
+        bad = [r for r in doc.get("results", []) if not r.get("ok")]
+        for r in bad:
+            print("  %s T=%d %s FAILED: %s" % (r["shape"], r["T"], r["routing"], r.get("error", "")))
+            rc = 1
+        if not rows:
+            print("  (no configuration)")
+            rc = 1
+            continue
+        for what in ("fwd", "bwd"):
+            c = [r["overhead_%s_pct" % what] for r in rows]
+            p = [r["paired_%s_pct" % what] for r in rows]
+            print("  %s: cost median %+.1f %%, worst %+.1f %%; paired median %+.1f %%, worst %+.1f %%"
+                  "; %d of %d rows at or under +2 %%"
+                  % ("forward" if what == "fwd" else "backward", statistics.median(c), max(c),
+                     statistics.median(p), max(p), sum(1 for x in c if x <= 2.0), len(c)))
+    return rc
+
+
 def main(argv):
-    if len(argv) < 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    outdir, kind, md = argv[1], "own", "--markdown" in argv
-    if "--inproc" in argv:
-        kind = argv[argv.index("--inproc") + 1]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--inproc", default="own")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--ab", action="store_true")
+    args = ap.parse_args(argv[1:])
+    if args.ab:
+        return ab_table(args.outdir, args.markdown)
+    outdir, kind, md = args.outdir, args.inproc, args.markdown
     rc, found = 0, False
     for mode in ("mps", "nomps"):
         ip = os.path.join(outdir, "inproc_%s_%s.json" % (mode, kind))

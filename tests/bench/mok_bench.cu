@@ -43,247 +43,11 @@
 #include <string.h>
 #include <sys/time.h>
 
-#include "../../kernels/mok_gemm_sm90.h"
-#include "../../kernels/mok_kernels.h"
-#include "../../proto/mok_status.h"
-
-
-#define MOK_CHECK(call)                                                                     \
-  do {                                                                                      \
-    int st_ = (call);                                                                       \
-    if (st_ != MOK_OK) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__, __LINE__,     \
-              #call, st_, mok_k_last_cuda_error());                                         \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
-
-#include "bench_common.h"
-#include "bench_pool.h"
-
-/* ---- device helpers --------------------------------------------------------------- */
-
-
-/* order-independent integer hash of a buffer (position-weighted word sum) */
-__global__ void hash_words(const uint32_t *p, size_t n, unsigned long long *out) {
-  unsigned long long acc = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    acc += (unsigned long long)p[i] * (2ull * i + 1ull);
-  atomicAdd(out, acc);
-}
-
-__global__ void count_nonfinite_bf16(const uint16_t *p, size_t n, unsigned long long *out) {
-  unsigned long long c = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    c += (p[i] & 0x7f80u) == 0x7f80u;
-  if (c) atomicAdd(out, c);
-}
-
-/* ---- the layer on the device ----------------------------------------------------- */
-
-#define N_SETS 2
-
-typedef struct layer {
-  mok_k_dims d;
-  long long R, sched_ints;
-  uint16_t *x[N_SETS], *d_out[N_SETS];
-  float *rw[N_SETS];
-  int32_t *ids[N_SETS];
-  uint16_t *wg, *wu, *wd, *sg, *su, *sd;
-  int32_t *sched;
-  uint16_t *routed_x, *acts_g, *acts_u, *acts_gs, *acts_us, *routed_y, *shared_y, *out;
-  uint16_t *routed_d_out, *routed_d_x, *shared_d_x, *d_x, *dwg, *dwu, *dwd, *dsg, *dsu, *dsd;
-  float *d_rw;
-  void *ws;
-  int32_t *status;
-  unsigned long long *scratch;
-  void *allocs[64];
-  int n_allocs;
-  size_t bytes;
-} layer;
+/* the layer, its buffers, the chain and the hashes (shared with mok_bench_daemon --inproc-ab) */
+#include "bench_layer.h"
 
 /* --memory (bench_pool.h): where the client's tensors live */
 static bench_pool g_pool;
-
-static void *dalloc(layer *L, size_t bytes) {
-  void *p = NULL;
-  if (bytes == 0) bytes = 16;
-  CUDA_CHECK(cudaMalloc(&p, bytes));
-  L->allocs[L->n_allocs++] = p;
-  L->bytes += bytes;
-  return p;
-}
-
-/* a tensor a trainer would own (mokd reads it through the client's mapping) */
-static void *client_alloc(layer *L, size_t bytes) {
-  void *p = bench_pool_take(&g_pool, bytes ? bytes : 16);
-  if (!p) return dalloc(L, bytes);
-  L->bytes += bytes;
-  return p;
-}
-
-static void layer_free(layer *L) {
-  for (int i = 0; i < L->n_allocs; i++) CUDA_CHECK(cudaFree(L->allocs[i]));
-  L->n_allocs = 0;
-  bench_pool_reset(&g_pool);
-}
-
-static void fill(uint16_t *p, size_t n, uint32_t seed, float scale) {
-  fill_bf16<<<2048, 256>>>(p, n, seed, scale);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-static void layer_alloc(layer *L, const mok_k_dims *d) {
-  memset(L, 0, sizeof *L);
-  L->d = *d;
-  L->R = mok_k_rows_capacity(d);
-  L->sched_ints = mok_k_schedule_ints(d);
-  const size_t TH = (size_t)d->T * d->H, TK = (size_t)d->T * d->K;
-  const size_t W = (size_t)d->E_loc * d->I * d->H, S = (size_t)d->I_s * d->H;
-  const size_t RH = (size_t)L->R * d->H, RI = (size_t)L->R * d->I, TIs = (size_t)d->T * d->I_s;
-  for (int s = 0; s < N_SETS; s++) {
-    L->x[s] = (uint16_t *)client_alloc(L, TH * 2);
-    L->d_out[s] = (uint16_t *)client_alloc(L, TH * 2);
-    L->rw[s] = (float *)client_alloc(L, TK * 4);
-    L->ids[s] = (int32_t *)client_alloc(L, TK * 4);
-  }
-  L->wg = (uint16_t *)client_alloc(L, W * 2);
-  L->wu = (uint16_t *)client_alloc(L, W * 2);
-  L->wd = (uint16_t *)client_alloc(L, W * 2);
-  L->sg = (uint16_t *)client_alloc(L, S * 2);
-  L->su = (uint16_t *)client_alloc(L, S * 2);
-  L->sd = (uint16_t *)client_alloc(L, S * 2);
-  L->sched = (int32_t *)dalloc(L, (size_t)L->sched_ints * 4);
-  L->routed_x = (uint16_t *)dalloc(L, RH * 2);
-  L->acts_g = (uint16_t *)client_alloc(L, RI * 2);
-  L->acts_u = (uint16_t *)client_alloc(L, RI * 2);
-  L->acts_gs = (uint16_t *)client_alloc(L, TIs * 2);
-  L->acts_us = (uint16_t *)client_alloc(L, TIs * 2);
-  L->routed_y = (uint16_t *)dalloc(L, RH * 2);
-  L->shared_y = (uint16_t *)dalloc(L, TH * 2);
-  L->out = (uint16_t *)client_alloc(L, TH * 2);
-  L->routed_d_out = (uint16_t *)dalloc(L, RH * 2);
-  L->routed_d_x = (uint16_t *)dalloc(L, RH * 2);
-  L->shared_d_x = (uint16_t *)dalloc(L, TH * 2);
-  L->d_x = (uint16_t *)client_alloc(L, TH * 2);
-  L->d_rw = (float *)client_alloc(L, TK * 4);
-  L->dwg = (uint16_t *)client_alloc(L, W * 2);
-  L->dwu = (uint16_t *)client_alloc(L, W * 2);
-  L->dwd = (uint16_t *)client_alloc(L, W * 2);
-  L->dsg = (uint16_t *)client_alloc(L, S * 2);
-  L->dsu = (uint16_t *)client_alloc(L, S * 2);
-  L->dsd = (uint16_t *)client_alloc(L, S * 2);
-  L->ws = dalloc(L, mok_k_workspace_bytes(d));
-  L->status = (int32_t *)dalloc(L, 4);
-  L->scratch = (unsigned long long *)dalloc(L, 8);
-  CUDA_CHECK(cudaMemset(L->status, 0, 4));
-  /* values of the size a trained layer sees: x, d_out ~ U(-sqrt3, sqrt3)
-   * (variance 1), weights variance 1/fan_in; never zero */
-  const float a_in = sqrtf(3.0f);
-  for (int s = 0; s < N_SETS; s++) {
-    fill(L->x[s], TH, 11u + 17u * s, a_in);
-    fill(L->d_out[s], TH, 12u + 17u * s, a_in);
-  }
-  fill(L->wg, W, 3, sqrtf(3.0f / d->H));
-  fill(L->wu, W, 4, sqrtf(3.0f / d->H));
-  fill(L->wd, W, 5, sqrtf(3.0f / d->I));
-  fill(L->sg, S, 6, sqrtf(3.0f / d->H));
-  fill(L->su, S, 7, sqrtf(3.0f / d->H));
-  fill(L->sd, S, 8, sqrtf(3.0f / (d->I_s ? d->I_s : 1)));
-  CUDA_CHECK(cudaDeviceSynchronize());
-}
-
-#define FWD_STEPS 5
-#define BWD_STEPS 4
-static const char *FWD_NAMES[FWD_STEPS] = {"schedule_build", "gather", "expert_forward",
-                                           "shared_forward", "combine"};
-static const char *BWD_NAMES[BWD_STEPS] = {"gather_d_out", "expert_backward", "shared_backward",
-                                           "dispatch_backward"};
-
-/* ev: FWD_STEPS+1 events recorded between the steps (NULL: none) */
-static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
-  const mok_k_dims *d = &L->d;
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
-  MOK_CHECK(mok_k_schedule_build(d, L->ids[s], L->sched, L->ws, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
-  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x[s], L->routed_x, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
-  MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
-                                 L->acts_u, L->routed_y, L->ws, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
-  MOK_CHECK(mok_k_shared_forward(d, L->x[s], L->sg, L->su, L->sd, L->acts_gs, L->acts_us,
-                                 L->shared_y, L->ws, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
-  MOK_CHECK(mok_k_combine(d, L->sched, L->routed_y, L->rw[s], L->shared_y, L->out, L->status,
-                          st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[5], st));
-}
-
-static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
-  const mok_k_dims *d = &L->d;
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
-  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
-  MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
-                                  L->routed_d_out, L->rw[s], L->wg, L->wu, L->wd, L->routed_d_x,
-                                  L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
-  MOK_CHECK(mok_k_shared_backward(d, L->x[s], L->d_out[s], L->acts_gs, L->acts_us, L->sg, L->su,
-                                  L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws, L->status,
-                                  st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
-  MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x, L->status,
-                                    st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
-}
-
-static int32_t read_status(layer *L, cudaStream_t st) {
-  int32_t v = -1;
-  CUDA_CHECK(cudaStreamSynchronize(st));
-  CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaMemcpy(&v, L->status, 4, cudaMemcpyDeviceToHost));
-  return v;
-}
-
-static unsigned long long dev_hash(layer *L, const void *p, size_t bytes, cudaStream_t st) {
-  unsigned long long h = 0;
-  CUDA_CHECK(cudaMemsetAsync(L->scratch, 0, 8, st));
-  hash_words<<<1024, 256, 0, st>>>((const uint32_t *)p, bytes / 4, L->scratch);
-  CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaMemcpyAsync(&h, L->scratch, 8, cudaMemcpyDeviceToHost, st));
-  CUDA_CHECK(cudaStreamSynchronize(st));
-  return h;
-}
-
-static unsigned long long dev_nonfinite(layer *L, const uint16_t *p, size_t n, cudaStream_t st) {
-  unsigned long long c = 0;
-  CUDA_CHECK(cudaMemsetAsync(L->scratch, 0, 8, st));
-  count_nonfinite_bf16<<<1024, 256, 0, st>>>(p, n, L->scratch);
-  CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaMemcpyAsync(&c, L->scratch, 8, cudaMemcpyDeviceToHost, st));
-  CUDA_CHECK(cudaStreamSynchronize(st));
-  return c;
-}
-
-/* hash of every output of one forward+backward of set s */
-static unsigned long long chain_hash(layer *L, int s, cudaStream_t st) {
-  const mok_k_dims *d = &L->d;
-  const size_t TH = (size_t)d->T * d->H, W = (size_t)d->E_loc * d->I * d->H,
-               S = (size_t)d->I_s * d->H;
-  enqueue_forward(L, s, NULL, st);
-  enqueue_backward(L, s, NULL, st);
-  unsigned long long h = dev_hash(L, L->out, TH * 2, st);
-  h = h * 31 + dev_hash(L, L->d_x, TH * 2, st);
-  h = h * 31 + dev_hash(L, L->d_rw, (size_t)d->T * d->K * 4, st);
-  h = h * 31 + dev_hash(L, L->dwg, W * 2, st);
-  h = h * 31 + dev_hash(L, L->dwu, W * 2, st);
-  h = h * 31 + dev_hash(L, L->dwd, W * 2, st);
-  h = h * 31 + dev_hash(L, L->dsg, S * 2, st);
-  h = h * 31 + dev_hash(L, L->dsd, S * 2, st);
-  return h;
-}
 
 /* ---- one configuration ---------------------------------------------------------------- */
 
@@ -321,16 +85,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
                        const bench_path *paths, int n_paths, cudaStream_t st, result *res) {
   const bench_shape *sh = &SHAPES[c->shape];
   mok_k_dims d;
-  memset(&d, 0, sizeof d);
-  d.T = c->T;
-  d.H = sh->H;
-  d.I = sh->I;
-  d.E = sh->E;
-  d.E_loc = sh->E / EP;
-  d.first_expert = 0; /* ids are drawn over the local experts only */
-  d.K = sh->K;
-  d.I_s = sh->I;
-  d.row_align = mok_k_row_align();
+  layer_dims(c, &d);
   char err[256];
   const int n_res = paths ? n_paths : 1;
   const int init_variant = mok_k_sm90_variant();
@@ -342,7 +97,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     return;
   }
   layer L;
-  layer_alloc(&L, &d);
+  layer_alloc(&L, &d, &g_pool, NULL);
 
   const size_t TK = (size_t)d.T * d.K;
   int32_t *ids = (int32_t *)malloc(TK * 4);

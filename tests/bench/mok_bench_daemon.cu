@@ -6,6 +6,8 @@
  *                                   [--reps N] [--warmup N] [--deadline S] [--only NAMES]
  *                                   [--piped 1]   (also jobs back to back: the client ahead)
  *                                   [--memory cudamalloc|cudamalloc-unrounded|vmm]
+ *                                   [--inproc-ab 1]  (the same layer in this process too,
+ *                                                     the two taking turns: see below)
  *   (the client pool: one cudaMalloc rounded up to 2 MiB as PyTorch rounds its
  *   segments, the same not rounded, or cuMemCreate memory mokd maps from an fd)
  *
@@ -20,6 +22,31 @@
  * (experts = E_loc, no group), which is the same computation as the kernel
  * bench's per-GPU slice. Any failed job marks the configuration failed; the
  * first one stops the run (a daemon that fails once is not timed further).
+ *
+ * --inproc-ab 1: the boundary's cost in one process, on one stream, at one
+ * moment. Two separate runs of the same kernels on an H200 at its power cap
+ * differ by up to 12 % (the SM clock drifts under sustained load), more than
+ * the cost to resolve. So each configuration also runs mok_bench's chain
+ * (bench_layer.h: the kernel library called directly, on the client's
+ * stream, in the client's own context, which under MPS is where a
+ * trainer's kernels run), and the two sides take turns run by run, warm-up
+ * included: A = the chain in this process, B = the same forward (backward)
+ * as one mokd job, in the order A B B A A B B A ..., the input set
+ * alternating run by run, so that every run follows a run of the other set
+ * and each side follows itself and the other equally often. Both sides run
+ * the same shapes on the same bytes: the chain reads the very tensors the
+ * jobs get (x, routing, d_out, weights, in the client pool, routing from
+ * --routing-dir as mok_bench's), and writes its own outputs and activations
+ * (carved from the same pool after the jobs' tensors; its schedule, routed
+ * rows and workspace cudaMalloc'd, as mok_bench's and mokd's are). Each run
+ * is timed with CUDA events on the stream and waited for. Reported: both
+ * medians, their ratio (through mokd / in-process - 1, in %) and the median
+ * of the per-rep ratios (each B over the A of its rep), forward and
+ * backward; and whether one forward+backward of set 0 gives bitwise the same
+ * outputs both ways (it must: the same kernels on the same inputs; the
+ * run's exit status is 1 when not). The mokd backward also gathers x again
+ * and copies the ctx's schedule in (routed x is not kept across jobs): that
+ * is part of what the boundary costs.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -30,6 +57,8 @@
 #include "mok.h"
 #include "bench_common.h"
 #include "bench_pool.h"
+/* the in-process layer (--inproc-ab): the kernel library as mok_bench calls it */
+#include "bench_layer.h"
 
 
 
@@ -40,8 +69,9 @@ static int g_vmm;
  * not, and mokd's IPC mapping of such an allocation runs the layer up to 25 %
  * slower (docs/cuda.md, "The daemon boundary, measured") */
 static int g_round_2m = 1;
+/* --inproc-ab 1: the in-process chain and the mokd job take turns */
+static int g_ab;
 
-#define N_SETS 2
 enum { P_X, P_IDS, P_RW, P_DOUT, P_PER_SET };
 /* per-set tensors first (N_SETS each), then the shared ones */
 static const int SET_SLOTS[P_PER_SET] = {MOK_SLOT_X, MOK_SLOT_TOPK_IDS, MOK_SLOT_ROUTER_W,
@@ -65,6 +95,12 @@ typedef struct dres {
   int done, ok, from_file;
   float fwd_ms, bwd_ms;
   float fwd_piped_ms, bwd_piped_ms; /* --piped: jobs back to back, one wait at the end */
+  /* --inproc-ab: the in-process side's medians, the cost (through mokd over
+   * in-process - 1, %) from the medians and as the median of the per-rep
+   * ratios, and whether both sides' outputs are bitwise the same */
+  int ab, same_output;
+  float inproc_fwd_ms, inproc_bwd_ms;
+  double overhead_fwd_pct, overhead_bwd_pct, paired_fwd_pct, paired_bwd_pct;
   double flops_fwd, max_over_mean[N_SETS];
   char error[256];
 } dres;
@@ -102,6 +138,22 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     total += N_SETS * (((set_bytes[k] = slot_bytes(l, T, SET_SLOTS[k])) + 255) & ~(size_t)255);
   for (int k = 0; k < N_ONE; k++)
     total += ((one_bytes[k] = slot_bytes(l, T, ONE_SLOTS[k])) + 255) & ~(size_t)255;
+  /* --inproc-ab: the in-process layer's own client tensors (activations,
+   * outputs, gradients) in the same pool, after the jobs' tensors */
+  mok_k_dims d;
+  layer_dims(cf, &d);
+  size_t ip_at = 0;
+  if (g_ab) {
+    char err[200];
+    if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
+      snprintf(r->error, sizeof r->error, "in-process dims: %s", err);
+      fprintf(stderr, "mok_bench_daemon: %s\n", r->error);
+      mok_layer_destroy(l);
+      return 0;
+    }
+    ip_at = (total + 4095) & ~(size_t)4095;
+    total = ip_at + layer_client_bytes(&d, 0);
+  }
   char *pool = NULL;
   size_t pool_bytes = total + 256;
   CUmemGenericAllocationHandle pool_vmm = 0;
@@ -157,6 +209,33 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   free(rw);
   CUDA_CHECK(cudaDeviceSynchronize());
 
+  /* --inproc-ab: the chain in this process on the jobs' own inputs (the
+   * same shapes, routings, weights: the same bytes) */
+  layer L;
+  bench_pool ip;
+  if (g_ab) {
+    memset(&ip, 0, sizeof ip);
+    ip.kind = POOL_LOCAL;
+    ip.sock = -1;
+    ip.base = pool + ip_at;
+    ip.size = pool_bytes - ip_at;
+    layer_inputs in;
+    memset(&in, 0, sizeof in);
+    for (int s = 0; s < N_SETS; s++) {
+      in.x[s] = (uint16_t *)ps[s][P_X];
+      in.d_out[s] = (uint16_t *)ps[s][P_DOUT];
+      in.rw[s] = (float *)ps[s][P_RW];
+      in.ids[s] = (int32_t *)ps[s][P_IDS];
+    }
+    in.wg = (uint16_t *)po[0];
+    in.wu = (uint16_t *)po[1];
+    in.wd = (uint16_t *)po[2];
+    in.sg = (uint16_t *)po[3];
+    in.su = (uint16_t *)po[4];
+    in.sd = (uint16_t *)po[5];
+    layer_alloc(&L, &d, &ip, &in);
+  }
+
   mok_forward_args fa[N_SETS];
   mok_backward_args ba[N_SETS];
   for (int s = 0; s < N_SETS; s++) {
@@ -189,7 +268,33 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   float *tf = (float *)malloc(sizeof(float) * reps), *tb = (float *)malloc(sizeof(float) * reps);
-  for (int i = 0; ok && i < warmup + reps; i++) {
+  /* --inproc-ab: the in-process side's times */
+  float *af = (float *)malloc(sizeof(float) * reps), *ab = (float *)malloc(sizeof(float) * reps);
+  for (int i = 0; g_ab && ok && i < 2 * (warmup + reps); i++) {
+    /* run i: A (in-process) when i % 4 is 0 or 3, else B (mokd); set i % 2 */
+    const int s = i % N_SETS, in_proc = i % 4 == 0 || i % 4 == 3, rep = i / 2 - warmup;
+    CUDA_CHECK(cudaEventRecord(e0, st));
+    if (in_proc) enqueue_forward(&L, s, NULL, st);
+    else if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_forward_on_stream", st_);
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    if (rep >= 0) CUDA_CHECK(cudaEventElapsedTime(in_proc ? &af[rep] : &tf[rep], e0, e1));
+  }
+  for (int i = 0; g_ab && ok && i < 2 * (warmup + reps); i++) {
+    const int s = i % N_SETS, in_proc = i % 4 == 0 || i % 4 == 3, rep = i / 2 - warmup;
+    if (in_proc) enqueue_forward(&L, s, NULL, st);
+    else if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_forward_on_stream", st_);
+    CUDA_CHECK(cudaEventRecord(e0, st));
+    if (in_proc) enqueue_backward(&L, s, NULL, st);
+    else if (ok && (st_ = mok_backward_on_stream(l, T, 0, &ba[s], st, NULL)) != MOK_OK)
+      ok = fail(r, "mok_backward_on_stream", st_);
+    CUDA_CHECK(cudaEventRecord(e1, st));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    if (rep >= 0) CUDA_CHECK(cudaEventElapsedTime(in_proc ? &ab[rep] : &tb[rep], e0, e1));
+  }
+  for (int i = 0; !g_ab && ok && i < warmup + reps; i++) {
     const int s = i % N_SETS;
     CUDA_CHECK(cudaEventRecord(e0, st));
     if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
@@ -198,7 +303,7 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     CUDA_CHECK(cudaEventSynchronize(e1));
     if (i >= warmup) CUDA_CHECK(cudaEventElapsedTime(&tf[i - warmup], e0, e1));
   }
-  for (int i = 0; ok && i < warmup + reps; i++) {
+  for (int i = 0; !g_ab && ok && i < warmup + reps; i++) {
     const int s = i % N_SETS;
     if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
       ok = fail(r, "mok_forward_on_stream", st_);
@@ -232,11 +337,48 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     r->fwd_ms = median_of(tf, reps);
     r->bwd_ms = median_of(tb, reps);
   }
+  if (ok && g_ab) {
+    /* status nonzero: the chain's kernels returned early; and out, d_x finite */
+    const int32_t ist = read_status(&L, st);
+    const unsigned long long nf = dev_nonfinite(&L, L.out, (size_t)d.T * d.H, st) +
+                                  dev_nonfinite(&L, L.d_x, (size_t)d.T * d.H, st);
+    if (ist != 0 || nf != 0) {
+      snprintf(r->error, sizeof r->error, "in-process chain: status %d, %llu nonfinite", ist, nf);
+      fprintf(stderr, "mok_bench_daemon: %s\n", r->error);
+      ok = 0;
+    }
+  }
+  if (ok && g_ab) {
+    r->ab = 1;
+    r->inproc_fwd_ms = median_of(af, reps);
+    r->inproc_bwd_ms = median_of(ab, reps);
+    r->overhead_fwd_pct = 100.0 * (r->fwd_ms / r->inproc_fwd_ms - 1.0);
+    r->overhead_bwd_pct = 100.0 * (r->bwd_ms / r->inproc_bwd_ms - 1.0);
+    float *q = (float *)malloc(sizeof(float) * reps);
+    for (int i = 0; i < reps; i++) q[i] = 100.0f * (tf[i] / af[i] - 1.0f);
+    r->paired_fwd_pct = median_of(q, reps);
+    for (int i = 0; i < reps; i++) q[i] = 100.0f * (tb[i] / ab[i] - 1.0f);
+    r->paired_bwd_pct = median_of(q, reps);
+    free(q);
+    /* the same kernels on the same inputs: set 0 once each way, bitwise */
+    const unsigned long long h_in = chain_hash(&L, 0, st);
+    if ((st_ = mok_forward_on_stream(l, T, &fa[0], st, NULL)) != MOK_OK ||
+        (st_ = mok_backward_on_stream(l, T, 0, &ba[0], st, NULL)) != MOK_OK ||
+        (st_ = mok_sync(c, 30000)) != MOK_OK) {
+      ok = fail(r, "the comparison's jobs", st_);
+    } else {
+      const layer_outputs o = {po[6], po[8], po[9], po[10], po[11], po[12], po[13], po[15]};
+      r->same_output = outputs_hash(&L, &o, st) == h_in;
+    }
+  }
   free(tf);
   free(tb);
+  free(af);
+  free(ab);
   CUDA_CHECK(cudaEventDestroy(e0));
   CUDA_CHECK(cudaEventDestroy(e1));
   mok_layer_destroy(l);
+  if (g_ab) layer_free(&L);
   mok_cuda_forget(c, pool);
   if (g_vmm) {
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -246,6 +388,13 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   }
   r->ok = ok;
   return ok;
+}
+
+/* what the in-process side runs: the backend and variant mok_k_init chose
+ * (mokd's own mok_k_init chooses from the same environment) */
+static const char *inproc_kernels(void) {
+  return mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "hmma"
+                                                 : mok_k_sm90_variant_name(mok_k_sm90_variant());
 }
 
 static void write_json(const char *path, const char *engine, const char *device, int mps,
@@ -259,8 +408,14 @@ static void write_json(const char *path, const char *engine, const char *device,
     return;
   }
   fprintf(f, "{\n \"tool\": \"mok_bench_daemon\",\n \"engine\": \"%s\",\n \"device\": \"%s\",\n"
-             " \"mps\": %s,\n \"note\": \"%s\",\n \"results\": [",
-          engine, device, mps ? "true" : "false", note);
+             " \"mps\": %s,\n \"note\": \"%s\",\n", engine, device, mps ? "true" : "false", note);
+  if (g_ab)
+    fprintf(f, " \"inproc_ab\": true,\n \"inproc_kernels\": \"%s\",\n"
+               " \"inproc_note\": \"in-process: the kernel library on the client's stream, taking "
+               "turns run by run with the mokd job (A B B A), on the same inputs; overhead_*_pct: "
+               "mokd median / in-process median - 1; paired_*_pct: median of the per-rep ratios\",\n",
+            inproc_kernels());
+  fprintf(f, " \"results\": [");
   int first = 1;
   for (int i = 0; i < n; i++) {
     if (!res[i].done) continue;
@@ -274,6 +429,12 @@ static void write_json(const char *path, const char *engine, const char *device,
       fprintf(f, ", \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.2f, \"bwd_tflops\": %.2f",
               r->fwd_ms, r->bwd_ms, r->flops_fwd / r->fwd_ms * 1e-9,
               2 * r->flops_fwd / r->bwd_ms * 1e-9);
+    if (r->ok && r->ab)
+      fprintf(f, ", \"inproc_fwd_ms\": %.4f, \"inproc_bwd_ms\": %.4f, \"overhead_fwd_pct\": %.2f, "
+                 "\"overhead_bwd_pct\": %.2f, \"paired_fwd_pct\": %.2f, \"paired_bwd_pct\": %.2f, "
+                 "\"same_output\": %s",
+              r->inproc_fwd_ms, r->inproc_bwd_ms, r->overhead_fwd_pct, r->overhead_bwd_pct,
+              r->paired_fwd_pct, r->paired_bwd_pct, r->same_output ? "true" : "false");
     if (r->ok && r->fwd_piped_ms > 0)
       fprintf(f, ", \"fwd_piped_ms\": %.4f, \"bwd_piped_ms\": %.4f", r->fwd_piped_ms,
               r->bwd_piped_ms);
@@ -287,6 +448,16 @@ static void write_json(const char *path, const char *engine, const char *device,
   if (rename(tmp, path) != 0) perror("rename");
 }
 
+static int usage(const char *a0) {
+  fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
+                  "[--deadline S] [--only NAMES] [--piped 0|1] [--memory cudamalloc|cudamalloc-unrounded|vmm] "
+                  "[--inproc-ab 0|1]\n", a0);
+  return 2;
+}
+
+/* "0" or "1", else -1 */
+static int parse_01(const char *v) { return !strcmp(v, "0") ? 0 : !strcmp(v, "1") ? 1 : -1; }
+
 int main(int argc, char **argv) {
   const char *out = NULL, *routing_dir = NULL, *only = NULL, *tlist = "2048,8192";
   int reps = 10, warmup = 3, piped = 0;
@@ -294,14 +465,14 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--version")) {
-      printf("mok_bench_daemon 1\n");
+      printf("mok_bench_daemon 2\n");
       return 0;
     }
-    if (!v) {
-      fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
-                      "[--deadline S] [--only NAMES] [--piped 0|1] [--memory cudamalloc|cudamalloc-unrounded|vmm]\n", argv[0]);
-      return 2;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(argv[0]);
+      return 0;
     }
+    if (!v) return usage(argv[0]);
     if (!strcmp(a, "--out")) out = v;
     else if (!strcmp(a, "--routing-dir")) routing_dir = v;
     else if (!strcmp(a, "--T")) tlist = v;
@@ -309,7 +480,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--warmup")) warmup = atoi(v);
     else if (!strcmp(a, "--deadline")) deadline = atof(v);
     else if (!strcmp(a, "--only")) only = v;
-    else if (!strcmp(a, "--piped")) piped = atoi(v);
+    else if (!strcmp(a, "--piped")) {
+      if ((piped = parse_01(v)) < 0) return usage(argv[0]);
+    } else if (!strcmp(a, "--inproc-ab")) {
+      if ((g_ab = parse_01(v)) < 0) return usage(argv[0]);
+    }
     else if (!strcmp(a, "--memory")) {
       if (strcmp(v, "cudamalloc") && strcmp(v, "cudamalloc-unrounded") && strcmp(v, "vmm")) {
         fprintf(stderr, "mok_bench_daemon: --memory: cudamalloc, cudamalloc-unrounded or vmm, "
@@ -321,11 +496,11 @@ int main(int argc, char **argv) {
     }
     else {
       fprintf(stderr, "unknown option %s\n", a);
-      return 2;
+      return usage(argv[0]);
     }
     i++;
   }
-  if (reps < 1 || warmup < 0) return 2;
+  if (reps < 1 || warmup < 0) return usage(argv[0]);
   int ts[8], nts = 0;
   for (const char *p = tlist; *p && nts < 8;) {
     int t = atoi(p);
@@ -338,6 +513,11 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaSetDevice(0));
   CUDA_CHECK(cudaFree(NULL));
   if (g_vmm) CU_OK(cuInit(0));
+  if (g_ab) { /* the in-process side's kernels, in this process's context */
+    MOK_CHECK(mok_k_init());
+    printf("mok_bench_daemon: in-process side: GEMM backend %s, variant %s\n",
+           mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "mma.sync" : "sm90", inproc_kernels());
+  }
   cudaStream_t st;
   CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int mps = getenv("CUDA_MPS_PIPE_DIRECTORY") != NULL;
@@ -359,7 +539,7 @@ int main(int argc, char **argv) {
     mok_close(c);
     return 3;
   }
-  int failures = 0;
+  int failures = 0, differ = 0;
   for (int i = 0; i < n; i++) {
     const bench_shape *sh = &SHAPES[cfg[i].shape];
     if (only && !strstr(only, sh->name)) continue;
@@ -369,14 +549,22 @@ int main(int argc, char **argv) {
       continue;
     }
     int ok = run_config(c, &cfg[i], routing_dir, reps, warmup, piped, st, &res[i]);
-    if (ok)
+    const dres *r = &res[i];
+    if (ok && r->ab) /* --inproc-ab: one line, both sides and the cost */
+      printf("%-16s T=%-5d %-8s in-process: fwd %8.3f bwd %8.3f ms | through mokd: fwd %8.3f "
+             "bwd %8.3f ms | overhead: fwd %+6.2f %% (paired %+6.2f %%) bwd %+6.2f %% "
+             "(paired %+6.2f %%) | same output %s",
+             sh->name, cfg[i].T, cfg[i].skewed ? "skewed" : "balanced", r->inproc_fwd_ms,
+             r->inproc_bwd_ms, r->fwd_ms, r->bwd_ms, r->overhead_fwd_pct, r->paired_fwd_pct,
+             r->overhead_bwd_pct, r->paired_bwd_pct, r->same_output ? "yes" : "NO");
+    else if (ok)
       printf("%-16s T=%-5d %-8s through mokd: fwd %8.3f ms %6.1f TF/s  bwd %8.3f ms %6.1f TF/s",
-             sh->name, cfg[i].T, cfg[i].skewed ? "skewed" : "balanced", res[i].fwd_ms,
-             res[i].flops_fwd / res[i].fwd_ms * 1e-9, res[i].bwd_ms,
-             2 * res[i].flops_fwd / res[i].bwd_ms * 1e-9);
+             sh->name, cfg[i].T, cfg[i].skewed ? "skewed" : "balanced", r->fwd_ms,
+             r->flops_fwd / r->fwd_ms * 1e-9, r->bwd_ms, 2 * r->flops_fwd / r->bwd_ms * 1e-9);
     if (ok && piped)
-      printf("  piped: fwd %8.3f ms  bwd %8.3f ms", res[i].fwd_piped_ms, res[i].bwd_piped_ms);
+      printf("  piped: fwd %8.3f ms  bwd %8.3f ms", r->fwd_piped_ms, r->bwd_piped_ms);
     if (ok) printf("\n");
+    differ += ok && r->ab && !r->same_output;
     fflush(stdout);
     write_json(out, engine, device, mps, cfg, res, n, "jobs on device pointers, on the client's stream");
     if (!ok) {
@@ -386,6 +574,8 @@ int main(int argc, char **argv) {
   }
   mok_close(c);
   CUDA_CHECK(cudaStreamDestroy(st));
-  printf("mok_bench_daemon: %.1f s, %d failure(s)\n", now_s() - t0, failures);
-  return failures ? 1 : 0;
+  printf("mok_bench_daemon: %.1f s, %d failure(s)", now_s() - t0, failures);
+  if (g_ab) printf(", %d configuration(s) whose outputs differ between in-process and mokd", differ);
+  printf("\n");
+  return failures || differ ? 1 : 0;
 }

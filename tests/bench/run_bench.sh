@@ -22,8 +22,9 @@
 # The daemon step: mokd is $MOKD, else BUILD_DIR/dev/mokd, else
 # $MOK_DEVBUILD/bin/mokd (tests/gpu/build_device.sh), else build/bin/mokd;
 # mok_bench_daemon is built against $MOK_DEVBUILD/lib/libmok.a (static
-# protobuf-c) when that exists, else a carried BUILD_DIR/mok_bench_daemon is
-# used. BENCH_DAEMON=0 skips the step; BENCH_DEADLINE_DAEMON (default 90).
+# protobuf-c) and step 1's kernel objects (its --inproc-ab runs the layer
+# in-process too) when those exist, else a carried BUILD_DIR/mok_bench_daemon
+# is used. BENCH_DAEMON=0 skips the step; BENCH_DEADLINE_DAEMON (default 90).
 # Environment: BUILD_DIR (default .benchbuild), NVCC, PYTHON (default python3),
 # BENCH_BUILD_ONLY=1 builds and stops (on a machine with nvcc and no GPU);
 # BENCH_T (default "2048,8192"), BENCH_REPS (10), BENCH_WARMUP (3),
@@ -56,7 +57,7 @@ note() { printf '== %s\n' "$*"; }
 
 # ---- build -------------------------------------------------------------------------
 KERNELS=$(ls kernels/*.cu | sed 's/\.cu$//')
-SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h"
+SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/bench/bench_layer.h tests/bench/bench_pool.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h"
 srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
 {
   if [ -x "$BIN" ] && [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && "$BIN" --version >/dev/null 2>&1; then
@@ -84,17 +85,27 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     fi
   fi
   if [ "${BENCH_DAEMON:-1}" != 0 ]; then
-    dsrc=$(cat tests/bench/mok_bench_daemon.cu tests/bench/bench_common.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h client/include/mok.h proto/mok_enums.h | sha256sum | cut -d' ' -f1)
+    # the kernel objects too (--inproc-ab runs the layer in-process beside mokd's):
+    # those mok_bench was just linked from, of these sources
+    dsrc=$( (cat tests/bench/mok_bench_daemon.cu tests/bench/bench_common.h tests/bench/bench_layer.h tests/bench/bench_pool.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h client/include/mok.h proto/mok_enums.h; echo "$srchash") | sha256sum | cut -d' ' -f1)
     PBA=${PROTOBUF_C_A:-/usr/lib/x86_64-linux-gnu/libprotobuf-c.a}
+    kobjs=()
+    for f in $KERNELS; do kobjs+=("$BUILD_DIR/$(basename "$f").o"); done
+    kobjs_ok=1
+    [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] || kobjs_ok=0
+    for o in "${kobjs[@]}"; do [ -f "$o" ] || kobjs_ok=0; done
     if [ -x "$DBIN" ] && [ "$(cat "$DBIN.srchash" 2>/dev/null)" = "$dsrc" ]; then
       note "mok_bench_daemon: reusing $DBIN"
-    elif [ -f "$MOK_DEVBUILD/lib/libmok.a" ] && [ -f "$PBA" ]; then
-      note "mok_bench_daemon: building against $MOK_DEVBUILD/lib/libmok.a"
+    elif [ -f "$MOK_DEVBUILD/lib/libmok.a" ] && [ -f "$PBA" ] && [ $kobjs_ok = 1 ]; then
+      note "mok_bench_daemon: building against $MOK_DEVBUILD/lib/libmok.a and the kernel objects"
       "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -Wall,-Wextra \
-        -Iclient/include -Iproto -o "$DBIN" tests/bench/mok_bench_daemon.cu \
-        "$MOK_DEVBUILD/lib/libmok.a" "$PBA" -lcuda -ldl -lpthread && echo "$dsrc" >"$DBIN.srchash"
+        -Iclient/include -Iproto -Ikernels -o "$DBIN" tests/bench/mok_bench_daemon.cu \
+        "$MOK_DEVBUILD/lib/libmok.a" "${kobjs[@]}" "$PBA" -lcuda -ldl -lpthread &&
+        echo "$dsrc" >"$DBIN.srchash"
     elif [ -x "$DBIN" ]; then
       note "mok_bench_daemon: using the carried $DBIN (sources differ; no libmok.a to rebuild)"
+    elif [ $kobjs_ok = 0 ]; then
+      note "mok_bench_daemon: no kernel objects in $BUILD_DIR (mok_bench's build failed?): no daemon column"
     else
       note "mok_bench_daemon: no libmok.a at $MOK_DEVBUILD/lib: no daemon column"
     fi

@@ -4,6 +4,7 @@
 # and through mokd (mok_bench_daemon), under MPS and without, in one call,
 # then the table of what the boundary costs (boundary_table.py).
 #   tests/bench/run_boundary.sh OUTDIR [T_LIST] [REPS]
+#   AB=1 tests/bench/run_boundary.sh OUTDIR 2048,8192 20     (interleaved, below)
 # Environment:
 #   INPROC_MEMORY  mok_bench --memory kinds (default "own"; also pool, ipc,
 #                  ipc-touched, vmm, vmm-ipc: where the operands live, to
@@ -15,14 +16,29 @@
 #                  client ahead of the GPU, as a trainer is)
 #   NCU_SHAPE=NAME each kernel's duration, DRAM bytes and L2 hit rate, in one
 #                  process and through mokd (without MPS), for that shape
+#   AB=1           interleaved instead: one mok_bench_daemon --inproc-ab 1 per
+#                  mode and client memory, the layer in-process and through
+#                  mokd taking turns rep by rep in one process, on one stream,
+#                  on the same inputs (separate runs drift by more than the
+#                  cost: the clocks under the power cap); no mok_bench run.
+#                  MODES defaults to "mps" and DAEMON_MEMORY to "cudamalloc"
+#                  there; table: boundary_table.py OUTDIR --ab
 # Binaries: $KBUILD/mok_bench (tests/gpu/build_kernels_v3.sh, default build-v3),
 # $MOK_DEVBUILD/{bin/mokd,bench/mok_bench_daemon} (tests/gpu/build_device.sh).
 # Files: OUTDIR/inproc_MODE_KIND.{json,log}, OUTDIR/daemon_MODE_KIND.{json,log},
-# OUTDIR/table.txt, OUTDIR/ncu_*.csv.
+# OUTDIR/table.txt, OUTDIR/ncu_*.csv; with AB=1 OUTDIR/ab_MODE_KIND.{json,log},
+# OUTDIR/mokd_ab_MODE_KIND.log, OUTDIR/table_ab.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUTDIR=${1:?outdir}; TS=${2:-2048,8192}; REPS=${3:-10}
-INPROC=${INPROC_MEMORY:-own}; DAEMON=${DAEMON_MEMORY:-cudamalloc vmm}; MODES=${MODES:-mps nomps}
+AB=${AB:-0}
+case $AB in 0|1) ;; *) echo "run_boundary.sh: AB must be 0 or 1, not '$AB'"; exit 2 ;; esac
+if [ "$AB" = 1 ]; then
+  DAEMON=${DAEMON_MEMORY:-cudamalloc}; MODES=${MODES:-mps}
+else
+  DAEMON=${DAEMON_MEMORY:-cudamalloc vmm}; MODES=${MODES:-mps nomps}
+fi
+INPROC=${INPROC_MEMORY:-own}
 KB=${KBUILD:-build-v3}; B=${MOK_DEVBUILD:-.devbuild}
 mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -35,12 +51,37 @@ mokd_up() { # SOCK LOG [wrapper...]
   local sock=$1 log=$2; shift 2
   "$@" "$B/bin/mokd" --engine cuda --socket "$sock" --log-level warn >"$log" 2>&1 &
   MOKD_PID=$!
-  for _ in $(seq 1 600); do [ -S "$sock" ] && return 0; sleep 0.1; done
+  for _ in $(seq 1 600); do
+    [ -S "$sock" ] && return 0
+    kill -0 "$MOKD_PID" 2>/dev/null || break # it exited (its log says why)
+    sleep 0.1
+  done
   echo "mokd did not come up ($log)"; return 1
 }
 mokd_down() {
   kill -TERM "$MOKD_PID" 2>/dev/null; wait "$MOKD_PID" 2>/dev/null; rm -f "$1"
 }
+for v in $MODES; do
+  case $v in mps|nomps) ;; *) echo "run_boundary.sh: MODES: mps or nomps, not '$v'"; exit 2 ;; esac
+done
+if [ "$AB" = 1 ]; then
+  for v in $MODES; do
+    [ "$v" = mps ] && { start_mps || { rc=1; continue; }; }
+    for m in $DAEMON; do
+      SOCK=/tmp/mok-boundary-ab-$$.sock
+      mokd_up "$SOCK" "$OUTDIR/mokd_ab_${v}_$m.log" || { rc=1; continue; }
+      echo "== interleaved: in-process and through mokd in one process, $v, client memory $m"
+      MOK_SOCKET=$SOCK timeout 500 "$B/bench/mok_bench_daemon" --inproc-ab 1 --T "$TS" \
+        --reps "$REPS" --memory "$m" --piped "${PIPED:-0}" --out "$OUTDIR/ab_${v}_$m.json" \
+        >"$OUTDIR/ab_${v}_$m.log" 2>&1 || rc=1
+      grep -E "in-process side|through mokd|fail|rror|differ" "$OUTDIR/ab_${v}_$m.log" | sed 's/^/  /'
+      mokd_down "$SOCK"
+    done
+    [ "$v" = mps ] && { stop_mps; sleep 1; }
+  done
+  python3 tests/bench/boundary_table.py "$OUTDIR" --ab | tee "$OUTDIR/table_ab.txt" || rc=1
+  exit $rc
+fi
 for v in $MODES; do
   [ "$v" = mps ] && { start_mps || { rc=1; continue; }; }
   for k in $INPROC; do
