@@ -383,83 +383,100 @@ __device__ static void s9_produce_pairs(const s9_params &p, const s9_sched &sc,
  * that kernel's: per thread over its columns (8-column groups ascending,
  * the pair's two in order), then the quad ((q0+q1)+(q2+q3)), then its four
  * 32-column warp slices in order. The thread holds all four slices here.
- * The saved g and u of a (row, half) are loaded all at once before any of
- * its stores: loads placed after a store the compiler cannot prove apart
- * wait for each other, and 32 such rounds of L2 latency a tile left the
- * tensor cores idle (ncu: 39% busy). Same arithmetic, same order. */
+ * The saved g and u are loaded S9_DG_BATCH column pairs at once before
+ * any of their stores: loads placed after a store the compiler cannot prove
+ * apart wait for each other, and 32 such rounds of memory latency a tile
+ * left the tensor cores idle. Same arithmetic, same order. The ping-pong
+ * kernel runs the same code on its m64n128 accumulators. */
 #ifndef S9_DG_BATCH
 #define S9_DG_BATCH 8 /* column pairs of g and u loaded at once (4, 8 or 16: registers) */
 #endif
-__device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_tile &tl,
-                                                const float (&acc)[128], int cw) {
-  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31, q = lane & 3;
-  const int rbase = tl.row0 + 64 * cw + 16 * warp + (lane >> 2), cq = 2 * q;
-  /* the router weights of both rows first: two rounds of latency, not four */
+/* The router weights of a thread's two rows (rbase, rbase + 8): both
+ * loads in flight together (two rounds of latency, not four). */
+__device__ static inline void s9_dgrad_weights(const s9_params &p, const s9_tile &tl, int rbase,
+                                               float (&wt)[2]) {
   int slot[2] = {-1, -1};
 #pragma unroll
   for (int hh = 0; hh < 2; hh++)
     if (p.rw && rbase + 8 * hh < tl.used_end) slot[hh] = p.row_slot[rbase + 8 * hh];
-  float wt[2] = {1.0f, 1.0f};
 #pragma unroll
-  for (int hh = 0; hh < 2; hh++)
+  for (int hh = 0; hh < 2; hh++) {
+    wt[hh] = 1.0f;
     if (rbase + 8 * hh < tl.used_end && p.rw)
       wt[hh] = (slot[hh] >= 0 && slot[hh] < p.n_slots) ? p.rw[slot[hh]] : 0.0f;
+  }
+}
+
+/* One row r's 128 columns from n0 (the thread's 16 column pairs) of the
+ * down dgrad's epilogue: the SwiGLU backward of each element, dg, du and h
+ * stored, the d_rw partial pt. The accumulators of column group j are
+ * acc[4 * (jbase + j) + 2 * hh + c] (hh: which of the thread's two rows). */
+template <int NACC>
+__device__ __forceinline__ void s9_dgrad_half(const s9_params &p, const float (&acc)[NACC],
+                                              int jbase, int hh, int r, bool stored, bool used,
+                                              float w, int n0, int pt) {
+  const int q = threadIdx.x & 3, cq = 2 * q;
+  float v = 0.0f;
+  __nv_bfloat162 gq[S9_DG_BATCH], uq[S9_DG_BATCH];
+#pragma unroll
+  for (int wn = 0; wn < 4; wn++) {
+    if ((4 * wn) % S9_DG_BATCH == 0) /* the next S9_DG_BATCH column pairs, all in flight */
+#pragma unroll
+      for (int i = 0; i < S9_DG_BATCH; i++) {
+        const int n = n0 + 8 * (4 * wn + i) + cq;
+        gq[i] = uq[i] = __floats2bfloat162_rn(0.0f, 0.0f);
+        if (used && stored && n < p.N) {
+          const long long at = (long long)r * p.N + n;
+          gq[i] = *(const __nv_bfloat162 *)(p.G + at);
+          uq[i] = *(const __nv_bfloat162 *)(p.U + at);
+        }
+      }
+    float rowsum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const int jj = 4 * wn + j, n = n0 + 8 * jj + cq;
+      if (!stored || n >= p.N) continue;
+      const long long at = (long long)r * p.N + n;
+      float dg[2] = {0.0f, 0.0f}, du[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
+      if (used) {
+        const float2 gp = __bfloat1622float2(gq[jj % S9_DG_BATCH]);
+        const float2 up = __bfloat1622float2(uq[jj % S9_DG_BATCH]);
+        const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+          const float a = acc[4 * (jbase + jj) + 2 * hh + c];
+          const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
+          hv[c] = sg.h;
+          rowsum = __fadd_rn(rowsum, __fmul_rn(a, hv[c]));
+          dg[c] = sg.dg;
+          du[c] = sg.du;
+        }
+      }
+      store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
+      store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
+      store_bf16x2(p.C1 + at, hv[0], hv[1]);
+    }
+    /* every lane reaches the shuffles (skipped columns add nothing) */
+    rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
+    rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
+    v = wn == 0 ? rowsum : __fadd_rn(v, rowsum);
+  }
+  if (p.partial && q == 0 && stored && pt < p.n_partial) p.partial[(long long)r * p.n_partial + pt] = v;
+}
+
+__device__ static inline void s9_epilogue_dgrad(const s9_params &p, const s9_tile &tl,
+                                                const float (&acc)[128], int cw) {
+  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31;
+  const int rbase = tl.row0 + 64 * cw + 16 * warp + (lane >> 2);
+  float wt[2];
+  s9_dgrad_weights(p, tl, rbase, wt);
 #pragma unroll
   for (int hh = 0; hh < 2; hh++) {
     const int r = rbase + 8 * hh;
-    const bool stored = r < tl.store_end, used = r < tl.used_end;
-    const float w = wt[hh];
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-      float v = 0.0f;
-      __nv_bfloat162 gq[S9_DG_BATCH], uq[S9_DG_BATCH];
-#pragma unroll
-      for (int wn = 0; wn < 4; wn++) {
-        if ((4 * wn) % S9_DG_BATCH == 0) /* the next S9_DG_BATCH column pairs, all in flight */
-#pragma unroll
-          for (int i = 0; i < S9_DG_BATCH; i++) {
-            const int n = tl.n0 + 8 * (16 * half + 4 * wn + i) + cq;
-            gq[i] = uq[i] = __floats2bfloat162_rn(0.0f, 0.0f);
-            if (used && stored && n < p.N) {
-              const long long at = (long long)r * p.N + n;
-              gq[i] = *(const __nv_bfloat162 *)(p.G + at);
-              uq[i] = *(const __nv_bfloat162 *)(p.U + at);
-            }
-          }
-        float rowsum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const int jj = 16 * half + 4 * wn + j, n = tl.n0 + 8 * jj + cq;
-          if (!stored || n >= p.N) continue;
-          const long long at = (long long)r * p.N + n;
-          float dg[2] = {0.0f, 0.0f}, du[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
-          if (used) {
-            const float2 gp = __bfloat1622float2(gq[(4 * wn + j) % S9_DG_BATCH]);
-            const float2 up = __bfloat1622float2(uq[(4 * wn + j) % S9_DG_BATCH]);
-            const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-              const float a = acc[4 * jj + 2 * hh + c];
-              const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
-              hv[c] = sg.h;
-              rowsum = __fadd_rn(rowsum, __fmul_rn(a, hv[c]));
-              dg[c] = sg.dg;
-              du[c] = sg.du;
-            }
-          }
-          store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
-          store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
-          store_bf16x2(p.C1 + at, hv[0], hv[1]);
-        }
-        /* every lane reaches the shuffles (skipped columns add nothing) */
-        rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
-        rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
-        v = wn == 0 ? rowsum : __fadd_rn(v, rowsum);
-      }
-      const int pt = 2 * (tl.n0 / S9_BN) + half;
-      if (p.partial && q == 0 && stored && pt < p.n_partial)
-        p.partial[(long long)r * p.n_partial + pt] = v;
-    }
+    for (int half = 0; half < 2; half++)
+      s9_dgrad_half(p, acc, 16 * half, hh, r, r < tl.store_end, r < tl.used_end, wt[hh],
+                    tl.n0 + 128 * half, 2 * (tl.n0 / S9_BN) + half);
   }
 }
 
@@ -759,6 +776,26 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   }
 }
 
+/* A 2-CTA cluster's start, after thread 0 of each CTA initialised its
+ * barriers and rank 0's wrote *failed: rank 0 copies the schedule into its
+ * table, rank 1 copies rank 0's table and failure word (the launcher keeps
+ * the schedule within the table, S9_TABLE_FITS), so both CTAs decide from
+ * one reading. Every thread of both CTAs calls it. */
+__device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *table, int *failed,
+                                                   int rank) {
+  const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0;
+  const s9_sched sc = s9_sched_copy(p, table, rank == 0);
+  cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
+  if (rank == 1) {
+    const uint32_t t0 = cluster_map(smem_u32(table), 0);
+    for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
+      table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
+    if (threadIdx.x == 0) *failed = (int)ld_cluster_u32(cluster_map(smem_u32(failed), 0));
+  }
+  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  return sc;
+}
+
 /* The cluster variant (S9_PAIRS_MODE; launched with 2-CTA clusters). Both CTAs
  * take every decision from rank 0's reading: the job's status word and the
  * schedule's offsets and counts (copied into shared memory, rank 1 copies
@@ -775,8 +812,6 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES;
   int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
   const int rank = (int)cluster_ctarank();
-  /* the launcher keeps the schedule within the table (S9_TABLE_FITS) */
-  const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9_STAGES; i++) {
       mbar_init(bars + 8 * i, 1);
@@ -785,15 +820,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     mbar_fence_init();
     if (rank == 0) s_failed = job_failed(p.status);
   }
-  const s9_sched sc = s9_sched_copy(p, table, rank == 0);
-  cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
-  if (rank == 1) {
-    const uint32_t t0 = cluster_map(smem_u32(table), 0);
-    for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
-      table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
-    if (threadIdx.x == 0) s_failed = (int)ld_cluster_u32(cluster_map(smem_u32(&s_failed), 0));
-  }
-  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
   if (s_failed) return; /* the same value in both CTAs */
   if (threadIdx.x < 128) {
     regs_dec<40>();
@@ -918,74 +945,21 @@ __device__ static inline void s9p_mma_loop(float (&acc0)[64], float (&acc1)[64],
   s9_release<CL>(bars + 8 * (S9P_STAGES + prev), lead && prev >= 0);
 }
 
-/* The epilogue of one 64-row half (rows row0h ..): s9_epilogue_dgrad's
- * body for one 128-column half, the accumulators in m64n128 order (the
- * same registers as that half's in m64n256 order, less 64 per column
- * group: acc[4 * j + 2 * hh + c]). */
+/* The epilogue of one 64-row half (rows row0h ..): the cooperative
+ * kernel's code for one 128-column half (s9_dgrad_half), the accumulators
+ * in m64n128 order (acc[4 * j + 2 * hh + c], the same registers as that
+ * half's in m64n256 order). */
 __device__ static inline void s9p_epilogue_half(const s9_params &p, const s9_tile &tl,
                                                 const float (&acc)[64], int row0h) {
-  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31, q = lane & 3;
-  const int rbase = row0h + 16 * warp + (lane >> 2), cq = 2 * q;
-  int slot[2] = {-1, -1};
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++)
-    if (p.rw && rbase + 8 * hh < tl.used_end) slot[hh] = p.row_slot[rbase + 8 * hh];
-  float wt[2] = {1.0f, 1.0f};
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++)
-    if (rbase + 8 * hh < tl.used_end && p.rw)
-      wt[hh] = (slot[hh] >= 0 && slot[hh] < p.n_slots) ? p.rw[slot[hh]] : 0.0f;
+  const int lt = threadIdx.x & 127, warp = lt >> 5, lane = lt & 31;
+  const int rbase = row0h + 16 * warp + (lane >> 2);
+  float wt[2];
+  s9_dgrad_weights(p, tl, rbase, wt);
 #pragma unroll
   for (int hh = 0; hh < 2; hh++) {
     const int r = rbase + 8 * hh;
-    const bool stored = r < tl.store_end, used = r < tl.used_end;
-    const float w = wt[hh];
-    float v = 0.0f;
-    __nv_bfloat162 gq[S9_DG_BATCH], uq[S9_DG_BATCH];
-#pragma unroll
-    for (int wn = 0; wn < 4; wn++) {
-      if ((4 * wn) % S9_DG_BATCH == 0)
-#pragma unroll
-        for (int i = 0; i < S9_DG_BATCH; i++) {
-          const int n = tl.n0 + 8 * (4 * wn + i) + cq;
-          gq[i] = uq[i] = __floats2bfloat162_rn(0.0f, 0.0f);
-          if (used && stored && n < p.N) {
-            const long long at = (long long)r * p.N + n;
-            gq[i] = *(const __nv_bfloat162 *)(p.G + at);
-            uq[i] = *(const __nv_bfloat162 *)(p.U + at);
-          }
-        }
-      float rowsum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const int jj = 4 * wn + j, n = tl.n0 + 8 * jj + cq;
-        if (!stored || n >= p.N) continue;
-        const long long at = (long long)r * p.N + n;
-        float dg[2] = {0.0f, 0.0f}, du[2] = {0.0f, 0.0f}, hv[2] = {0.0f, 0.0f};
-        if (used) {
-          const float2 gp = __bfloat1622float2(gq[jj % S9_DG_BATCH]);
-          const float2 up = __bfloat1622float2(uq[jj % S9_DG_BATCH]);
-          const float gin[2] = {gp.x, gp.y}, uin[2] = {up.x, up.y};
-#pragma unroll
-          for (int c = 0; c < 2; c++) {
-            const float a = acc[4 * jj + 2 * hh + c];
-            const swiglu_grad sg = swiglu_backward(gin[c], uin[c], a, w, p.has_limit, p.limit);
-            hv[c] = sg.h;
-            rowsum = __fadd_rn(rowsum, __fmul_rn(a, hv[c]));
-            dg[c] = sg.dg;
-            du[c] = sg.du;
-          }
-        }
-        store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
-        store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
-        store_bf16x2(p.C1 + at, hv[0], hv[1]);
-      }
-      rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
-      rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
-      v = wn == 0 ? rowsum : __fadd_rn(v, rowsum);
-    }
-    const int pt = tl.n0 / S9P_BN;
-    if (p.partial && q == 0 && stored && pt < p.n_partial) p.partial[(long long)r * p.n_partial + pt] = v;
+    s9_dgrad_half(p, acc, 0, hh, r, r < tl.store_end, r < tl.used_end, wt[hh], tl.n0,
+                  tl.n0 / S9P_BN);
   }
 }
 
@@ -1171,7 +1145,6 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   const uint32_t bars = base + S9P_STAGES * S9P_STAGE_BYTES;
   int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
   const int rank = (int)cluster_ctarank();
-  const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0; /* the launcher keeps it in the table */
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9P_STAGES; i++) {
       mbar_init(bars + 8 * i, 1);
@@ -1182,15 +1155,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     mbar_fence_init();
     if (rank == 0) s_failed = job_failed(p.status);
   }
-  const s9_sched sc = s9_sched_copy(p, table, rank == 0);
-  cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
-  if (rank == 1) {
-    const uint32_t t0 = cluster_map(smem_u32(table), 0);
-    for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
-      table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
-    if (threadIdx.x == 0) s_failed = (int)ld_cluster_u32(cluster_map(smem_u32(&s_failed), 0));
-  }
-  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
   if (s_failed) return; /* the same value in both CTAs */
   if (threadIdx.x < 128) {
     regs_dec<40>();
@@ -1390,6 +1355,28 @@ static bool s9_use_pairs(int mode, const s9_params &p) {
          (!p.offsets || S9_TABLE_FITS(p.E_loc));
 }
 
+/* The launch of a pairs kernel over p's pairs of row blocks: an even grid,
+ * one cluster per co-resident pair of SMs, at most one a pair of tiles. */
+static void s9_pairs_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const s9_params &p,
+                            cudaStream_t stream) {
+  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles;
+  int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
+  if (clusters > pairs) clusters = pairs;
+  if (clusters < 1) clusters = 1;
+  *cfg = cudaLaunchConfig_t{};
+  *attr = cudaLaunchAttribute{};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 2;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->gridDim = dim3(2 * clusters, 1, 1);
+  cfg->blockDim = dim3(S9_THREADS, 1, 1);
+  cfg->dynamicSmemBytes = S9_SMEM_BYTES;
+  cfg->stream = stream;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+}
+
 template <int MODE>
 static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap &a2,
                      const CUtensorMap &b0, const CUtensorMap &b1, cudaStream_t stream) {
@@ -1398,22 +1385,9 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
   s9_params q = p;
   if (S9_PAIRS_MODE(MODE) && q.cluster) {
     /* an even grid: one cluster per co-resident pair of SMs, at most one a pair of tiles */
-    const int pairs = (q.m_tiles + 1) / 2 * q.n_tiles;
-    int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
-    if (clusters > pairs) clusters = pairs;
-    if (clusters < 1) clusters = 1;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2 * clusters, 1, 1);
-    cfg.blockDim = dim3(S9_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = S9_SMEM_BYTES;
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    s9_pairs_config(&cfg, &attr, q, stream);
     const cudaError_t err =
         cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP>,
                            a, a2, b0, b1, q);
@@ -1439,22 +1413,9 @@ static int s9_launch_pp(const s9_params &p, const CUtensorMap &a, const CUtensor
   const int tiles = p.m_tiles * p.n_tiles;
   if (tiles == 0) return MOK_OK;
   if (s9_pp_pairs && s9_pair_clusters > 0 && (!p.offsets || S9_TABLE_FITS(p.E_loc))) {
-    const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles;
-    int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
-    if (clusters > pairs) clusters = pairs;
-    if (clusters < 1) clusters = 1;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2 * clusters, 1, 1);
-    cfg.blockDim = dim3(S9_THREADS, 1, 1);
-    cfg.dynamicSmemBytes = S9_SMEM_BYTES;
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    s9_pairs_config(&cfg, &attr, p, stream);
     const cudaError_t err = cudaLaunchKernelEx(&cfg, s9_gemm_pp_pairs_kernel, a, b0, p);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
