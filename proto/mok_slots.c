@@ -66,21 +66,34 @@ static const op_slots op_table[MOK_OP_COUNT_] = {
                            BIT(D_X)},
 };
 
+mok_job_slots mok_job_slot_sets(const mok_layer_config *layer, uint32_t op, uint32_t flags) {
+  mok_job_slots s = {0, 0};
+  if (op >= MOK_OP_COUNT_) return s;
+  const op_slots *o = &op_table[op];
+  int shared = layer && layer->shared_intermediate > 0;
+  s.required = o->required;
+  s.optional = o->optional;
+  if (shared) {
+    s.required |= o->required_shared;
+  } else {
+    /* x and d_out also serve as plain inputs elsewhere; only the shared-expert slots vanish */
+    for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
+      uint64_t bit = 1ull << slot;
+      if ((o->required_shared & bit) && !mok_slot_is_shared(slot)) s.optional |= bit;
+    }
+  }
+  if (op == MOK_OP_BACKWARD && (flags & MOK_JOB_RECOMPUTE)) s.required |= BIT(TOPK_IDS);
+  s.optional &= ~s.required;
+  return s;
+}
+
 mok_slot_need mok_job_slot_need(const mok_layer_config *layer, uint32_t op, uint32_t flags,
                                 uint32_t slot) {
   if (op >= MOK_OP_COUNT_ || slot >= MOK_SLOT_COUNT_) return MOK_NEED_NONE;
-  const op_slots *o = &op_table[op];
+  mok_job_slots s = mok_job_slot_sets(layer, op, flags);
   uint64_t bit = 1ull << slot;
-  int shared = layer && layer->shared_intermediate > 0;
-  if (o->required & bit) return MOK_NEED_REQUIRED;
-  if (o->required_shared & bit) {
-    if (shared) return MOK_NEED_REQUIRED;
-    /* x and d_out also serve as plain inputs elsewhere; only the shared-expert slots vanish */
-    return mok_slot_is_shared(slot) ? MOK_NEED_NONE : MOK_NEED_OPTIONAL;
-  }
-  if (op == MOK_OP_BACKWARD && slot == MOK_SLOT_TOPK_IDS && (flags & MOK_JOB_RECOMPUTE))
-    return MOK_NEED_REQUIRED;
-  if (o->optional & bit) return MOK_NEED_OPTIONAL;
+  if (s.required & bit) return MOK_NEED_REQUIRED;
+  if (s.optional & bit) return MOK_NEED_OPTIONAL;
   return MOK_NEED_NONE;
 }
 

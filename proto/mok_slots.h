@@ -13,6 +13,15 @@ typedef enum mok_slot_need {
   MOK_NEED_OPTIONAL = 2, /* may be present */
 } mok_slot_need;
 
+/* An op's slots as bit masks (1 << slot) for a layer and job flags: the
+ * required ones, and the optional ones; every other slot must be absent. */
+typedef struct mok_job_slots {
+  uint64_t required;
+  uint64_t optional;
+} mok_job_slots;
+
+mok_job_slots mok_job_slot_sets(const mok_layer_config *layer, uint32_t op, uint32_t flags);
+/* One slot of those sets. */
 mok_slot_need mok_job_slot_need(const mok_layer_config *layer, uint32_t op, uint32_t flags,
                                 uint32_t slot);
 /* The expected dtype and shape of slot for the layer at T tokens. */

@@ -261,69 +261,39 @@ static mok_status op_dispatch_bwd(job_env *env) {
 
 /* ---- which tensors each op reads and writes --------------------------------
  *
- * What this engine dereferences; the daemon's table (proto/mok_slots.c) may
- * require more, never less. Shapes come from that table. */
+ * The daemon's table (proto/mok_slots.c), less what this engine can do
+ * without: jobs reach it through mok_engine_run too (tests, tools), without
+ * the daemon's checks, and there it stays as lenient as each op allows.
+ * Shapes come from the same table. */
 
 #define SLOT_BIT(name) (1ull << MOK_SLOT_##name)
-#define WEIGHTS (SLOT_BIT(W_GATE) | SLOT_BIT(W_UP) | SLOT_BIT(W_DOWN))
-#define SHARED_WEIGHTS (SLOT_BIT(S_GATE) | SLOT_BIT(S_UP) | SLOT_BIT(S_DOWN))
-#define WEIGHT_GRADS (SLOT_BIT(D_W_GATE) | SLOT_BIT(D_W_UP) | SLOT_BIT(D_W_DOWN))
-#define SHARED_GRADS (SLOT_BIT(D_S_GATE) | SLOT_BIT(D_S_UP) | SLOT_BIT(D_S_DOWN))
 
-typedef struct op_slots {
-  uint64_t required;        /* always */
-  uint64_t required_shared; /* when the layer has a shared expert */
-  uint64_t optional;
-} op_slots;
-
-static op_slots slots_of(uint32_t op, uint32_t flags) {
-  op_slots s = {0, 0, 0};
+static mok_job_slots slots_of(const mok_layer_config *layer, uint32_t op, uint32_t flags) {
+  mok_job_slots s = mok_job_slot_sets(layer, op, flags);
+  uint64_t lenient = 0, unread = 0;
   switch (op) {
-  case MOK_OP_FORWARD:
-    s.required = SLOT_BIT(X) | SLOT_BIT(TOPK_IDS) | SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(OUT);
-    s.required_shared = SHARED_WEIGHTS;
-    s.optional = SLOT_BIT(CTX);
-    break;
   case MOK_OP_BACKWARD:
-    s.required = SLOT_BIT(X) | SLOT_BIT(D_OUT) | SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(D_X) |
-                 SLOT_BIT(D_RW) | WEIGHT_GRADS;
-    s.required_shared = SHARED_WEIGHTS | SHARED_GRADS;
-    if (flags & MOK_JOB_RECOMPUTE) {
-      s.required |= SLOT_BIT(TOPK_IDS);
-      s.optional = SLOT_BIT(CTX);
-    } else {
-      s.required |= SLOT_BIT(CTX);
-    }
-    break;
-  case MOK_OP_DISPATCH:
-    s.required = SLOT_BIT(X) | SLOT_BIT(TOPK_IDS) | SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_X);
+    if (flags & MOK_JOB_RECOMPUTE)
+      lenient = SLOT_BIT(CTX); /* rebuilt into scratch when none is given */
+    else
+      unread = SLOT_BIT(TOPK_IDS); /* the saved schedule routes; the ids are not read */
     break;
   case MOK_OP_COMPUTE:
-    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_X) | WEIGHTS | SLOT_BIT(ROUTED_Y);
-    s.required_shared = SLOT_BIT(X) | SHARED_WEIGHTS | SLOT_BIT(SHARED_Y);
-    s.optional = SLOT_BIT(ACTS);
+  case MOK_OP_COMPUTE_BWD:
+    /* optional to the daemon without a shared expert; only that expert reads them */
+    if (!layer->shared_intermediate) unread = SLOT_BIT(X) | SLOT_BIT(D_OUT);
     break;
   case MOK_OP_COMBINE:
-    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_Y) | SLOT_BIT(ROUTER_W) | SLOT_BIT(OUT);
-    s.optional = SLOT_BIT(SHARED_Y);
-    break;
-  case MOK_OP_COMBINE_BWD:
-    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(D_OUT) | SLOT_BIT(ROUTED_DOUT);
-    break;
-  case MOK_OP_COMPUTE_BWD:
-    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ACTS) | SLOT_BIT(ROUTED_X) | SLOT_BIT(ROUTED_DOUT) |
-                 SLOT_BIT(ROUTER_W) | WEIGHTS | SLOT_BIT(ROUTED_DX) | SLOT_BIT(D_RW) |
-                 WEIGHT_GRADS;
-    s.required_shared =
-        SLOT_BIT(X) | SLOT_BIT(D_OUT) | SHARED_WEIGHTS | SLOT_BIT(SHARED_DX) | SHARED_GRADS;
+    lenient = SLOT_BIT(SHARED_Y); /* added when given, with or without a shared expert */
     break;
   case MOK_OP_DISPATCH_BWD:
-    s.required = SLOT_BIT(SCHEDULE) | SLOT_BIT(ROUTED_DX) | SLOT_BIT(D_X);
-    s.optional = SLOT_BIT(SHARED_DX);
+    lenient = SLOT_BIT(SHARED_DX); /* the same for the shared expert's dx */
     break;
   default:
     break;
   }
+  s.required &= ~lenient;
+  s.optional = (s.optional | lenient) & ~unread;
   return s;
 }
 
@@ -341,8 +311,8 @@ static void slot_expect(const job_env *env, int slot, uint32_t *ret_dtype, uint6
  * called directly (tests, tools) and names the slot when something is off.
  * Resolves env->tensors: only the slots this op reads or writes. */
 static mok_status check_tensors(job_env *env) {
-  op_slots s = slots_of(env->args->op, env->args->flags);
-  uint64_t required = s.required | (env->Is ? s.required_shared : 0);
+  mok_job_slots s = slots_of(env->cfg, env->args->op, env->args->flags);
+  uint64_t required = s.required;
   for (int slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
     uint64_t bit = 1ull << slot;
     if (!((required | s.optional) & bit)) continue;
