@@ -110,6 +110,24 @@ static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
   return MOK_OK;
 }
 
+int mok_job_check_flags_op(uint32_t op, uint32_t flags, char *err, size_t errlen) {
+  if ((flags & MOK_JOB_FLAGS_ALL) && op != MOK_OP_BACKWARD) { /* each flag is a backward option */
+    snprintf(err, errlen, "flags 0x%x are only valid on backward", flags);
+    return MOK_EINVAL;
+  }
+  return MOK_OK;
+}
+
+int mok_job_check_tokens(const mok_layer_config *layer, uint32_t tokens, int refusal, char *err,
+                         size_t errlen) {
+  if (tokens == 0 || tokens > layer->max_tokens) {
+    snprintf(err, errlen, "tokens = %u, the layer takes 1..%u (max_tokens)", tokens,
+             layer->max_tokens);
+    return refusal;
+  }
+  return MOK_OK;
+}
+
 int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
                   const mok_layer_config *layer, mok_job_args *ret, char *err, size_t errlen) {
   memset(ret, 0, sizeof *ret);
@@ -126,10 +144,8 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
     snprintf(err, errlen, "unknown job flags 0x%x", desc->flags);
     return MOK_EINVAL;
   }
-  if (desc->flags && desc->op != MOK_OP_BACKWARD) {
-    snprintf(err, errlen, "flags 0x%x are only valid on backward", desc->flags);
-    return MOK_EINVAL;
-  }
+  int st = mok_job_check_flags_op(desc->op, desc->flags, err, errlen);
+  if (st != MOK_OK) return st;
   if (desc->n_tensors > MOK_MAX_TENSORS) {
     snprintf(err, errlen, "%u tensors, at most %u", desc->n_tensors, MOK_MAX_TENSORS);
     return MOK_EINVAL;
@@ -151,11 +167,8 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
     return MOK_ENOENT;
   }
   ret->layer = layer;
-  if (desc->tokens == 0 || desc->tokens > layer->max_tokens) {
-    snprintf(err, errlen, "tokens = %u, the layer takes 1..%u (max_tokens)", desc->tokens,
-             layer->max_tokens);
-    return MOK_EINVAL;
-  }
+  st = mok_job_check_tokens(layer, desc->tokens, MOK_EINVAL, err, errlen);
+  if (st != MOK_OK) return st;
   uint64_t seen = 0;
   for (uint32_t i = 0; i < desc->n_tensors; i++) {
     const mok_tensor_ref *ref = &desc->tensors[i];

@@ -27,6 +27,7 @@
 #include "cpu/runner.h"
 #include "cpu/steps.h"
 #include "engine.h"
+#include "job_check.h"
 #include "mok_slots.h"
 #include "schedule.h"
 
@@ -373,10 +374,9 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
   if (!c) return mok__cpu_job_fail(env, MOK_EINVAL, "the job names no layer");
   if (a->flags & ~(uint32_t)MOK_JOB_FLAGS_ALL)
     return mok__cpu_job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
-  if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD)
-    return mok__cpu_job_fail(env, MOK_EINVAL, "the recompute flag applies to backward only");
   char err[MOK_JOB_MESSAGE_MAX];
-  mok_status st = check_layer(c, err, sizeof err);
+  mok_status st = mok_job_check_flags_op(a->op, a->flags, err, sizeof err);
+  if (st == MOK_OK) st = check_layer(c, err, sizeof err);
   if (st != MOK_OK) return mok__cpu_job_fail(env, st, "%s", err);
   if (a->tokens > c->max_tokens)
     return mok__cpu_job_fail(env, MOK_ELIMIT, "%u tokens exceed the layer's max_tokens %u",

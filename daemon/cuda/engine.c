@@ -49,6 +49,7 @@
 #include "cuda/internal.h"
 #include "clock.h"
 #include "engine.h"
+#include "job_check.h"
 #include "log.h"
 #include "mok_ep_kernels.h"
 #include "mok_kernels.h"
@@ -1327,13 +1328,11 @@ bool mok__cuda_check_job(job_ctx *c) {
     mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
     return false;
   }
-  if (a->tokens == 0 || a->tokens > a->layer->max_tokens) {
-    mok__cuda_job_fail(c, MOK_ELIMIT, "%u tokens, the layer takes 1..%u", a->tokens,
-                       a->layer->max_tokens);
-    return false;
-  }
-  if ((a->flags & MOK_JOB_RECOMPUTE) && a->op != MOK_OP_BACKWARD) {
-    mok__cuda_job_fail(c, MOK_EINVAL, "the recompute flag applies to backward only");
+  char err[MOK_JOB_MESSAGE_MAX];
+  int st = mok_job_check_tokens(a->layer, a->tokens, MOK_ELIMIT, err, sizeof err);
+  if (st == MOK_OK) st = mok_job_check_flags_op(a->op, a->flags, err, sizeof err);
+  if (st != MOK_OK) {
+    mok__cuda_job_fail(c, st, "%s", err);
     return false;
   }
   for (int s = 0; s < MOK_SLOT_COUNT_; s++) {
