@@ -237,12 +237,11 @@ static void handle_hello(session *s, uint32_t rid, const Mok__Hello *m) {
     protocol_error(s, rid, MOK_ENOMEM, "out of memory");
     return;
   }
-  int r = mok_session_shm_create(&c->in.attach.shm);
-  if (r < 0) {
+  char why[128];
+  int r = mok_session_shm_create(&c->in.attach.shm, why, sizeof why);
+  if (r != MOK_OK) {
     free(c);
-    char why[128];
-    snprintf(why, sizeof why, "cannot create the session's shared memory: %s", strerror(-r));
-    protocol_error(s, rid, MOK_ENOMEM, why);
+    protocol_error(s, rid, r, why);
     return;
   }
   c->in.attach.limits = s->srv->cfg.limits;

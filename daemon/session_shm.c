@@ -3,10 +3,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "mok_status.h"
 
 #ifndef MFD_NOEXEC_SEAL
 #define MFD_NOEXEC_SEAL 0x0008U
@@ -19,7 +22,7 @@ static int create_sealable_memfd(void) {
   return fd < 0 ? -errno : fd;
 }
 
-int mok_session_shm_create(mok_session_shm *ret) {
+int mok_session_shm_create(mok_session_shm *ret, char *err, size_t errlen) {
   int r;
   mok_session_shm s = {.memfd = -1, .doorbell_in = -1, .doorbell_out = -1};
   s.memfd = create_sealable_memfd();
@@ -55,10 +58,11 @@ int mok_session_shm_create(mok_session_shm *ret) {
   h->cq_offset = MOK_SHM_CQ_OFFSET;
   h->region_bytes = s.bytes;
   *ret = s;
-  return 0;
+  return MOK_OK;
 fail:
   mok_session_shm_destroy(&s);
-  return r;
+  snprintf(err, errlen, "cannot create the session's shared memory: %s", strerror(-r));
+  return MOK_ENOMEM;
 }
 
 void mok_session_shm_destroy(mok_session_shm *s) {

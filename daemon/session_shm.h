@@ -16,8 +16,9 @@ typedef struct mok_session_shm {
 } mok_session_shm;
 
 /* Create the memfd, seal it, map it, lay out the header, make the doorbells.
- * Returns 0 or -errno; on failure nothing is left open. */
-int mok_session_shm_create(mok_session_shm *ret);
+ * Returns MOK_OK, or MOK_ENOMEM with the reason in err (whatever failed:
+ * the client can only retry later); on failure nothing is left open. */
+int mok_session_shm_create(mok_session_shm *ret, char *err, size_t errlen);
 /* Close and unmap whatever is set; idempotent. */
 void mok_session_shm_destroy(mok_session_shm *s);
 
