@@ -597,12 +597,13 @@ __device__ static inline void s9_zero_tail(uint32_t sa, int cw, int kv) {
   named_bar_sync(1, 256);
 }
 
-/* A consumer warp's release of ring stage `bar` (one arrival a warp): in
- * this CTA, or (cluster) in both CTAs of the pair. */
+/* A consumer warp's release of ring stage `bar` (one arrival a warp) in
+ * every CTA of its cluster of CL (1: this CTA alone): any of their
+ * producers may write the stage next. */
 template <int CL> __device__ static inline void s9_release(uint32_t bar, bool lead) {
-  if (CL) {
-    mbar_arrive_cluster_if(bar, 0, lead);
-    mbar_arrive_cluster_if(bar, 1, lead);
+  if (CL > 1) {
+#pragma unroll
+    for (int r = 0; r < CL; r++) mbar_arrive_cluster_if(bar, (uint32_t)r, lead);
   } else {
     mbar_arrive_if(bar, lead);
   }
@@ -691,12 +692,12 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
     const int nk = s9_tile_nk<MODE>(p, tl);
     if (MODE == MOK_GM_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
       const int kv = tl.k_end - tl.k_begin - (nk - 1) * S9_BK;
-      s9_mma_loop<MODE, PIPE, 0>(p, acc, base, bars, cw, nk, kv, s, ph);
+      s9_mma_loop<MODE, PIPE, 1>(p, acc, base, bars, cw, nk, kv, s, ph);
     } else if (nk > 0) {
       if (tl.row0 + 64 * cw < tl.used_end)
-        s9_mma_loop<MODE, PIPE, 0>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+        s9_mma_loop<MODE, PIPE, 1>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
       else /* all padding: the epilogue writes zeros */
-        s9_skip_loop<0>(bars, nk, s, ph);
+        s9_skip_loop<1>(bars, nk, s, ph);
     }
     if (MODE == MOK_GM_WGRAD)
       s9_epilogue_wstore(p, tl, acc, cw, nk > 0, base + S9_STAGES_W * S9_STAGE_BYTES + cw * S9_STAGE_OUT,
@@ -728,9 +729,9 @@ __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, 
     }
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 * cw < tl.used_end)
-      s9_mma_loop<MODE, 0, 1>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+      s9_mma_loop<MODE, 0, 2>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
     else
-      s9_skip_loop<1>(bars, nk, s, ph);
+      s9_skip_loop<2>(bars, nk, s, ph);
     if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
   }
 }
@@ -776,9 +777,9 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   }
 }
 
-/* A 2-CTA cluster's start, after thread 0 of each CTA initialised its
- * barriers and rank 0's wrote *failed: rank 0 copies the schedule into its
- * table, rank 1 copies rank 0's table and failure word (the launcher keeps
+/* A cluster's start, after thread 0 of each CTA initialised its barriers
+ * and rank 0's wrote *failed: rank 0 copies the schedule into its table,
+ * every other rank copies rank 0's table and failure word (the launcher keeps
  * the schedule within the table, S9_TABLE_FITS), so both CTAs decide from
  * one reading. Every thread of both CTAs calls it. */
 __device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *table, int *failed,
@@ -786,13 +787,13 @@ __device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *
   const int n_tab = p.offsets ? 2 * p.E_loc + 1 : 0;
   const s9_sched sc = s9_sched_copy(p, table, rank == 0);
   cluster_sync(); /* barriers ready in both CTAs; rank 0's copies written */
-  if (rank == 1) {
+  if (rank != 0) {
     const uint32_t t0 = cluster_map(smem_u32(table), 0);
     for (int i = threadIdx.x; i < n_tab; i += blockDim.x)
       table[i] = (int32_t)ld_cluster_u32(t0 + 4u * (uint32_t)i);
     if (threadIdx.x == 0) *failed = (int)ld_cluster_u32(cluster_map(smem_u32(failed), 0));
   }
-  cluster_sync(); /* rank 1 done reading rank 0's shared memory */
+  cluster_sync(); /* the others done reading rank 0's shared memory */
   return sc;
 }
 
@@ -838,6 +839,166 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   /* neither CTA leaves while the other may still write into its shared
    * memory or arrive on its barriers */
   cluster_sync();
+}
+
+/* ---- quad variant: 2x2 clusters (GATE_UP, DOWN, GU_DGRAD) ------------------------
+ *
+ * Four CTAs on two row blocks (mi = 0, 1) times two column tiles (ni = 0,
+ * 1); rank = 2 * ni + mi. The two CTAs of a row block share its A tile:
+ * each loads the 64 rows of half ni, multicast into both (A is read once
+ * for two column tiles, whatever the experts). The two CTAs of a column
+ * tile share B as the pairs kernel's do, when both row blocks belong to one
+ * expert. A CTA pulls 8 KB of A and 16 KB of B from L2 a k block, against
+ * 16 + 16 in pairs. The four rings move in lockstep (a stage is released to
+ * all four producers; every quad runs the full k loop in every CTA), and
+ * every decision comes from rank 0's copy of the schedule. Column tiles
+ * come in pairs: the launcher takes this kernel only for an even count. */
+
+/* Quad qd: row blocks 2 * (qd / (n_tiles / 2)) + {0, 1}, column tiles
+ * 2 * (qd % (n_tiles / 2)) + {0, 1}. */
+__device__ static inline s9_pair s9_locate_quad(const s9_params &p, const s9_sched &sc, int qd,
+                                                int rank) {
+  const int nq = p.n_tiles / 2, pp = qd / nq, np = qd - pp * nq;
+  const int mi = rank & 1, ni = rank >> 1;
+  const s9_tile t0 = s9_tile_rows(p, sc, 2 * pp, 2 * np + ni);
+  const s9_tile t1 = s9_tile_rows(p, sc, 2 * pp + 1, 2 * np + ni);
+  s9_pair r;
+  r.mine = mi ? t1 : t0;
+  r.multicast = t0.in_use && t1.in_use && t0.e == t1.e;
+  r.skip = t0.skip && t1.skip;
+  return r;
+}
+
+/* One k block of a quad's tile: this CTA's half of A (rows 64 * ni ..) to
+ * both CTAs of its row block (a_mask), then B: half mi to both CTAs of its
+ * column tile (b_mask) when they share an expert, else all of it here. */
+template <int MODE>
+__device__ static inline void s9_load_quad(const s9_params &p, const s9_tile &tl, int kb,
+                                           const CUtensorMap *ma, const CUtensorMap *ma2,
+                                           const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                           uint32_t sa, uint32_t full, uint64_t pa, uint64_t pb,
+                                           int mi, int ni, bool multicast) {
+  const uint16_t a_mask = (uint16_t)((1u << mi) | (1u << (2 + mi)));
+  const uint16_t b_mask = (uint16_t)(3u << (2 * ni));
+  const uint32_t sb = sa + S9_A_BYTES;
+  const int h0 = multicast ? mi : 0, h1 = multicast ? mi + 1 : 2;
+  const uint16_t bm = multicast ? b_mask : 0;
+  const int e = tl.e;
+  if (MODE == MOK_GM_GU_DGRAD) { /* k < I: dg with W_g, then du with W_u */
+    const bool up = kb >= p.nk_split;
+    const int k = (up ? kb - p.nk_split : kb) * S9_BK;
+    tma_load_2d_mc(sa + ni * 64 * 128, up ? ma2 : ma, k, tl.row0 + 64 * ni, full, a_mask, pa);
+    const int slabs = s9_b_slabs(p.N, tl.n0);
+    s9_load_b_mn(sb, up ? mb1 : mb0, tl.n0, k, e, 3, 2 * h0, min(2 * h1, slabs), full, pb, bm);
+    return;
+  }
+  tma_load_2d_mc(sa + ni * 64 * 128, ma, kb * S9_BK, tl.row0 + 64 * ni, full, a_mask, pa);
+  for (int h = h0; h < h1; h++) { /* GATE_UP: half 0 gate, 1 up; DOWN: columns 128 * h .. */
+    const CUtensorMap *m = MODE == MOK_GM_GATE_UP && h ? mb1 : mb0;
+    const int n = MODE == MOK_GM_GATE_UP ? tl.n0 : tl.n0 + 128 * h;
+    if (bm)
+      tma_load_3d_mc(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, bm, pb);
+    else
+      tma_load_3d_hint(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, pb);
+  }
+}
+
+template <int MODE>
+__device__ static void s9_produce_quads(const s9_params &p, const s9_sched &sc,
+                                        const CUtensorMap *ma, const CUtensorMap *ma2,
+                                        const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                        uint32_t base, uint32_t bars, int rank) {
+  const int quads = (p.m_tiles + 1) / 2 * (p.n_tiles / 2), clusters = gridDim.x / 4;
+  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
+  const int nk = s9_full_nk<MODE>(p);
+  int s = 0, ph = 0;
+  for (int qd = blockIdx.x / 4; qd < quads; qd += clusters) {
+    const s9_pair pr = s9_locate_quad(p, sc, qd, rank);
+    if (pr.skip) continue; /* the others skip it too */
+    const s9_tile &tl = pr.mine;
+    for (int kb = 0; kb < nk; kb++) {
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
+      mbar_wait(empty, ph ^ 1);
+      /* a row block in use: both of its CTAs load and expect all of A and
+       * B; one not in use: neither loads A, and B is not shared with it */
+      if (tl.in_use) {
+        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
+        s9_load_quad<MODE>(p, tl, kb, ma, ma2, mb0, mb1, base + s * S9_STAGE_BYTES, full, pa, pb,
+                           rank & 1, rank >> 1, pr.multicast);
+      } else {
+        mbar_arrive_if(full, true);
+      }
+      if (++s == S9_STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
+}
+
+template <int MODE>
+__device__ static void s9_consume_quads(const s9_params &p, const s9_sched &sc, uint32_t base,
+                                        uint32_t bars, int rank) {
+  const int cw = threadIdx.x / 128 - 1;
+  const int quads = (p.m_tiles + 1) / 2 * (p.n_tiles / 2), clusters = gridDim.x / 4;
+  const int nk = s9_full_nk<MODE>(p);
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+  int s = 0, ph = 0;
+  for (int qd = blockIdx.x / 4; qd < quads; qd += clusters) {
+    s9_tile tl;
+    {
+      const s9_pair pr = s9_locate_quad(p, sc, qd, rank);
+      if (pr.skip) continue;
+      tl = pr.mine;
+    }
+    const bool have = tl.in_use && tl.used_end > tl.row0;
+    if (have && tl.row0 + 64 * cw < tl.used_end)
+      s9_mma_loop<MODE, 0, 4>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+    else
+      s9_skip_loop<4>(bars, nk, s, ph);
+    if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
+  }
+}
+
+/* map_a, map_a2: A in boxes of 64 rows (each CTA loads half a row block). */
+template <int MODE>
+__global__ void __launch_bounds__(S9_THREADS, 1)
+    s9_gemm_quads_kernel(const __grid_constant__ CUtensorMap map_a,
+                         const __grid_constant__ CUtensorMap map_a2,
+                         const __grid_constant__ CUtensorMap map_b0,
+                         const __grid_constant__ CUtensorMap map_b1, const s9_params p) {
+  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
+  __shared__ int s_failed;
+  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES;
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
+  const int rank = (int)cluster_ctarank();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S9_STAGES; i++) {
+      mbar_init(bars + 8 * i, 1);
+      mbar_init(bars + 8 * (S9_STAGES + i), 4 * S9_CONSUMER_WARPS); /* all four CTAs' warps */
+    }
+    mbar_fence_init();
+    if (rank == 0) s_failed = job_failed(p.status);
+  }
+  const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
+  if (s_failed) return; /* the same value in every CTA */
+  if (threadIdx.x < 128) {
+    regs_dec<40>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&map_a);
+      tma_prefetch_map(&map_b0);
+      if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
+      if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
+      s9_produce_quads<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
+    }
+  } else {
+    regs_inc<232>();
+    s9_consume_quads<MODE>(p, sc, base, bars, rank);
+  }
+  cluster_sync(); /* no CTA leaves while another may still write into it */
 }
 
 /* ---- ping-pong consumers: the down dgrad ---------------------------------------
@@ -998,9 +1159,9 @@ __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint3
     mbar_wait(turn + 8 * cw, tp); /* the other has waited for every stage before ours */
     tp ^= 1;
     if (nk > 0 && tl.row0 + 64 < tl.used_end)
-      s9p_mma_loop<true, 0>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<true, 1>(acc0, acc1, base, bars, nk, s, ph);
     else if (nk > 0)
-      s9p_mma_loop<false, 0>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<false, 1>(acc0, acc1, base, bars, nk, s, ph);
     mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a tile with nothing to compute */
     if (!tl.skip) s9p_epilogue(p, tl, acc0, acc1);
   }
@@ -1116,15 +1277,15 @@ __device__ static void s9p_consume_pairs(const s9_params &p, const s9_sched &sc,
     tp ^= 1;
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 < tl.used_end) {
-      s9p_mma_loop<true, 1>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<true, 2>(acc0, acc1, base, bars, nk, s, ph);
     } else if (have) {
-      s9p_mma_loop<false, 1>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<false, 2>(acc0, acc1, base, bars, nk, s, ph);
     } else {
 #pragma unroll
       for (int k = 0; k < 64; k++) acc0[k] = acc1[k] = 0.0f;
       for (int kb = 0; kb < nk; kb++) { /* follow the ring; release in both CTAs */
         mbar_wait(bars + 8 * s, ph);
-        s9_release<1>(bars + 8 * (S9P_STAGES + s), lead);
+        s9_release<2>(bars + 8 * (S9P_STAGES + s), lead);
         if (++s == S9P_STAGES) {
           s = 0;
           ph ^= 1;
@@ -1181,6 +1342,7 @@ static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
  * MOK_GEMM_VARIANT picks another */
 static int s9_variant = MOK_K_SM90_PINGPONG;
 static int s9_pair_clusters = 0; /* co-resident 2-CTA clusters (0: the variant is off) */
+static int s9_quad_clusters = 0; /* co-resident 4-CTA clusters (0: quad falls back to pairs) */
 /* the ping-pong down dgrad in 2-CTA clusters (bench knob: mok_k_sm90_set_pp_pairs) */
 static int s9_pp_pairs = 1;
 
@@ -1196,7 +1358,7 @@ extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) 
 }
 
 static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {"rows", "expert", "cluster",
-                                                                   "pingpong"};
+                                                                   "pingpong", "quad"};
 
 extern "C" const char *mok_k_sm90_variant_name(int variant) {
   return variant >= 0 && variant < MOK_K_SM90_VARIANTS ? s9_variant_names[variant] : "?";
@@ -1258,31 +1420,35 @@ static int s9_set_smem(const void *k) {
   return MOK_OK;
 }
 
-/* How many 2-CTA clusters of the pairs kernel fit on the device at once (a
+/* How many clusters of n CTAs of kernel k fit on the device at once (a
  * property of the device and the kernel: the same every launch). */
-static int s9_query_pair_clusters(void) {
+static int s9_query_clusters(const void *k, int n) {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.x = (unsigned)n;
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
-  cfg.gridDim = dim3(2, 1, 1);
+  cfg.gridDim = dim3((unsigned)n, 1, 1);
   cfg.blockDim = dim3(S9_THREADS, 1, 1);
   cfg.dynamicSmemBytes = S9_SMEM_BYTES;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>, &cfg) !=
-      cudaSuccess) {
+  int got = 0;
+  if (cudaOccupancyMaxActiveClusters(&got, k, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  return n;
+  return got;
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[13] = {(const void *)s9_gemm_pp_kernel, (const void *)s9_gemm_pp_pairs_kernel,(const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
+  const void *k[16] = {(const void *)s9_gemm_pp_kernel,
+                       (const void *)s9_gemm_pp_pairs_kernel,
+                       (const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>,
+                       (const void *)s9_gemm_quads_kernel<MOK_GM_DOWN>,
+                       (const void *)s9_gemm_quads_kernel<MOK_GM_GU_DGRAD>,
+                       (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 1>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 1>,
@@ -1294,10 +1460,11 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD>,
                        NULL};
   int st = MOK_OK;
-  for (int i = 0; i < 13 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  for (int i = 0; i < 16 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st != MOK_OK) return st;
-  s9_pair_clusters = s9_query_pair_clusters();
-  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong */
+  s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>, 2);
+  s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>, 4);
+  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad */
   const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
   if (v >= 0) s9_variant = v;
   return MOK_OK;
@@ -1350,26 +1517,37 @@ extern "C" int mok_k_sm90_bwd_modes(void) { return s9_bwd_mask; }
  * modes, the schedule's offsets fit its table, the device runs such
  * clusters. */
 static bool s9_use_pairs(int mode, const s9_params &p) {
-  return (s9_variant == MOK_K_SM90_CLUSTER || s9_variant == MOK_K_SM90_PINGPONG) &&
+  return (s9_variant == MOK_K_SM90_CLUSTER || s9_variant == MOK_K_SM90_PINGPONG ||
+          s9_variant == MOK_K_SM90_QUAD) &&
          S9_PAIRS_MODE(mode) && s9_pair_clusters > 0 &&
          (!p.offsets || S9_TABLE_FITS(p.E_loc));
 }
 
-/* The launch of a pairs kernel over p's pairs of row blocks: an even grid,
- * one cluster per co-resident pair of SMs, at most one a pair of tiles. */
+/* ... and the quads kernel instead: the quad variant, an even count of
+ * column tiles, the device runs 4-CTA clusters. */
+static bool s9_use_quads(int mode, const s9_params &p) {
+  return s9_variant == MOK_K_SM90_QUAD && s9_use_pairs(mode, p) && s9_quad_clusters > 0 &&
+         p.n_tiles % 2 == 0;
+}
+
+/* The launch of a pairs (p.cluster 2) or quads (4) kernel: a grid of whole
+ * clusters, as many as fit on the device at once, at most one a cluster of
+ * tiles. */
 static void s9_pairs_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attr, const s9_params &p,
                             cudaStream_t stream) {
-  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles;
-  int clusters = s9_grid_override > 0 ? (s9_grid_override + 1) / 2 : s9_pair_clusters;
-  if (clusters > pairs) clusters = pairs;
+  const int n = p.cluster == 4 ? 4 : 2;
+  const int units = n == 4 ? (p.m_tiles + 1) / 2 * (p.n_tiles / 2) : (p.m_tiles + 1) / 2 * p.n_tiles;
+  int clusters = s9_grid_override > 0 ? (s9_grid_override + n - 1) / n
+                                      : n == 4 ? s9_quad_clusters : s9_pair_clusters;
+  if (clusters > units) clusters = units;
   if (clusters < 1) clusters = 1;
   *cfg = cudaLaunchConfig_t{};
   *attr = cudaLaunchAttribute{};
   attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = 2;
+  attr->val.clusterDim.x = (unsigned)n;
   attr->val.clusterDim.y = 1;
   attr->val.clusterDim.z = 1;
-  cfg->gridDim = dim3(2 * clusters, 1, 1);
+  cfg->gridDim = dim3((unsigned)(n * clusters), 1, 1);
   cfg->blockDim = dim3(S9_THREADS, 1, 1);
   cfg->dynamicSmemBytes = S9_SMEM_BYTES;
   cfg->stream = stream;
@@ -1388,9 +1566,10 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
     s9_pairs_config(&cfg, &attr, q, stream);
+    constexpr int PM = S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP;
     const cudaError_t err =
-        cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP>,
-                           a, a2, b0, b1, q);
+        q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_quads_kernel<PM>, a, a2, b0, b1, q)
+                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM>, a, a2, b0, b1, q);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       mok_k_set_cuda_error((int)err);
@@ -1437,23 +1616,26 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
   p.band = mode == MOK_GM_WGRAD ? 0 : s9_band;
   p.pol_a = s9_pol_a;
   p.pol_b = s9_pol_b;
-  p.cluster = s9_use_pairs(mode, p) ? 2 : 0;
-  const bool pp = mode == MOK_GM_DOWN_DGRAD && s9_variant == MOK_K_SM90_PINGPONG;
+  const bool pp = mode == MOK_GM_DOWN_DGRAD &&
+                  (s9_variant == MOK_K_SM90_PINGPONG || s9_variant == MOK_K_SM90_QUAD);
   p.tile_n = mode == MOK_GM_GATE_UP ? S9_BN / 2 : pp ? S9P_BN : S9_BN;
   p.m_tiles = (p.M + S9_BM - 1) / S9_BM;
   p.n_tiles = (p.N + p.tile_n - 1) / p.tile_n;
+  p.cluster = s9_use_quads(mode, p) ? 4 : s9_use_pairs(mode, p) ? 2 : 0;
+  /* quads: each CTA loads half a row block of A, in boxes of 64 rows */
+  const int a_box = p.cluster == 4 ? S9_BM / 2 : S9_BM;
   const int groups = p.offsets ? p.E_loc : 1; /* the weights' leading dimension */
   CUtensorMap ma, ma2, mb0, mb1;
   int st = MOK_OK;
   switch (mode) {
   case MOK_GM_GATE_UP: /* A [M][H]; B W_g, W_u [groups][N][H], 128-row boxes */
-    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
+    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, a_box);
     if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride, S9_BN / 2);
     if (st == MOK_OK) st = s9_map3(&mb1, p.B1, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride, S9_BN / 2);
     if (st != MOK_OK) return st;
     return s9_launch<MOK_GM_GATE_UP>(p, ma, ma, mb0, mb1, stream);
   case MOK_GM_DOWN: /* A h [M][I]; B W_d [groups][H][I]: one 256-row box, or two halves (pairs) */
-    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, S9_BM);
+    st = s9_map2(&ma, p.A, p.K, p.M, p.lda, a_box);
     if (st == MOK_OK)
       st = s9_map3(&mb0, p.B0, 3, p.K, p.N, groups, p.ldb, p.b_expert_stride,
                    p.cluster ? S9_BN / 2 : S9_BN);
@@ -1471,8 +1653,8 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
     const int half = p.b_split;
     if (half % 16 || p.K != 2 * half) return MOK_EINVAL; /* k16 steps must not straddle dg and du */
     p.nk_split = (half + S9_BK - 1) / S9_BK;
-    st = s9_map2(&ma, p.A, half, p.M, p.lda, S9_BM);
-    if (st == MOK_OK) st = s9_map2(&ma2, p.A + half, half, p.M, p.lda, S9_BM);
+    st = s9_map2(&ma, p.A, half, p.M, p.lda, a_box);
+    if (st == MOK_OK) st = s9_map2(&ma2, p.A + half, half, p.M, p.lda, a_box);
     if (st == MOK_OK) st = s9_map3(&mb0, p.B0, 3, p.N, half, groups, p.ldb, p.b_expert_stride, S9_BK);
     if (st == MOK_OK) st = s9_map3(&mb1, p.B1, 3, p.N, half, groups, p.ldb, p.b_expert_stride, S9_BK);
     if (st != MOK_OK) return st;

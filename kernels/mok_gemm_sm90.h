@@ -92,16 +92,20 @@ int mok_k_sm90_bwd_modes(void);
  *   PINGPONG CLUSTER, and the down dgrad on 128x128 tiles with one
  *            consumer warpgroup a tile, so that one's SwiGLU-backward
  *            epilogue overlaps the other's k loop; the default (PERF.md v4).
- * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong at mok_k_init, or the setter
+ *   QUAD     PINGPONG, with GATE_UP, DOWN and the gate/up dgrad in 2x2
+ *            clusters (two row blocks x two column tiles): A shared by the
+ *            two column tiles, B by the two row blocks of one expert.
+ * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad at mok_k_init, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0
 #define MOK_K_SM90_EXPERT 1
 #define MOK_K_SM90_CLUSTER 2
 #define MOK_K_SM90_PINGPONG 3
-#define MOK_K_SM90_VARIANTS 4
+#define MOK_K_SM90_QUAD 4
+#define MOK_K_SM90_VARIANTS 5
 int mok_k_sm90_set_variant(int variant);
 int mok_k_sm90_variant(void);
-const char *mok_k_sm90_variant_name(int variant); /* "rows", "expert", "cluster", "pingpong" */
+const char *mok_k_sm90_variant_name(int variant); /* "rows", ..., "pingpong", "quad" */
 int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
 /* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
  * cluster variant falls back to ROWS order on plain CTAs. */

@@ -14,7 +14,7 @@
 #   test_gemm_sm90 correct    forward: every variant bitwise = default path = mma.sync
 #   test_gemm_sm90 bwd        backward: the same, each mode alone and all together
 #   test_kernels correct      the whole layer against the float64 reference
-#   test_kernels quick        the same on the cluster and pingpong variants (MOK_GEMM_VARIANT)
+#   test_kernels quick        the same on the cluster, pingpong and quad variants (MOK_GEMM_VARIANT)
 #   test_ring                 macrobatches = one pass, on every backend and variant
 #   mok_bench                 the layer at the four shapes, T=2048 and 8192, balanced
 #                             routing, per variant (rows, expert, cluster): ms, TFLOP/s,
@@ -27,7 +27,7 @@
 # /opt/nvidia; NCU=none: no profile), PYTHON (python3), V3_SHAPE / V3_T (the
 # ncu configuration), V3_SKIP (step names to leave out, e.g. "kernels_correct"),
 # V3_VARIANTS / V3_NCU_VARIANTS (the variants benched / profiled; default
-# rows,expert,cluster,pingpong / rows,cluster,pingpong).
+# rows,expert,cluster,pingpong,quad / rows,cluster,pingpong,quad).
 # Exit status: 0 when every step passed.
 set -uo pipefail
 
@@ -93,11 +93,13 @@ step kernels_cluster 30 env MOK_GEMM_VARIANT=cluster "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step kernels_pingpong 30 env MOK_GEMM_VARIANT=pingpong "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
+step kernels_quad 30 env MOK_GEMM_VARIANT=quad "$B/test_kernels" quick
+rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step ring 40 "$B/test_ring"
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 
-VARIANTS=${V3_VARIANTS:-rows,expert,cluster,pingpong}
-NCU_VARIANTS=${V3_NCU_VARIANTS:-rows,cluster,pingpong}
+VARIANTS=${V3_VARIANTS:-rows,expert,cluster,pingpong,quad}
+NCU_VARIANTS=${V3_NCU_VARIANTS:-rows,cluster,pingpong,quad}
 if [ $cluster_ok = 0 ]; then
   note "a test step timed out: the cluster variant is left out of the bench and ncu"
   VARIANTS=rows,expert
