@@ -644,7 +644,7 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
     if (PIPE) {
       wgmma_wait<1>();
       acc_fence(acc);
-      mbar_arrive_if(bars + 8 * (NST + prev), lead && prev >= 0);
+      s9_release<CL>(bars + 8 * (NST + prev), lead && prev >= 0);
       prev = s;
     } else {
       wgmma_wait<0>();
@@ -659,7 +659,7 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   if (PIPE) {
     wgmma_wait<0>();
     acc_fence(acc);
-    mbar_arrive_if(bars + 8 * (NST + prev), lead && prev >= 0);
+    s9_release<CL>(bars + 8 * (NST + prev), lead && prev >= 0);
   }
 }
 
@@ -710,7 +710,7 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
 
 /* The cluster variant's consumers: the producer's pairs, the full k loop
  * each (math only where this CTA's block has rows). */
-template <int MODE>
+template <int MODE, int PIPE>
 __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
                                         uint32_t bars, int rank) {
   const int cw = threadIdx.x / 128 - 1;
@@ -729,7 +729,7 @@ __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, 
     }
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 * cw < tl.used_end)
-      s9_mma_loop<MODE, 0, 2>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+      s9_mma_loop<MODE, PIPE, 2>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
     else
       s9_skip_loop<2>(bars, nk, s, ph);
     if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
@@ -801,7 +801,7 @@ __device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *
  * take every decision from rank 0's reading: the job's status word and the
  * schedule's offsets and counts (copied into shared memory, rank 1 copies
  * rank 0's table). */
-template <int MODE>
+template <int MODE, int PIPE>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_a2,
@@ -834,7 +834,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
     }
   } else {
     regs_inc<232>();
-    s9_consume_pairs<MODE>(p, sc, base, bars, rank);
+    s9_consume_pairs<MODE, PIPE>(p, sc, base, bars, rank);
   }
   /* neither CTA leaves while the other may still write into its shared
    * memory or arrive on its barriers */
@@ -1443,7 +1443,7 @@ static int s9_query_clusters(const void *k, int n) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[16] = {(const void *)s9_gemm_pp_kernel,
+  const void *k[19] = {(const void *)s9_gemm_pp_kernel,
                        (const void *)s9_gemm_pp_pairs_kernel,
                        (const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>,
                        (const void *)s9_gemm_quads_kernel<MOK_GM_DOWN>,
@@ -1455,14 +1455,17 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN_DGRAD, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GU_DGRAD, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_WGRAD, 0>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 0>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 1>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 1>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 1>,
                        NULL};
   int st = MOK_OK;
-  for (int i = 0; i < 16 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  for (int i = 0; i < 19 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st != MOK_OK) return st;
-  s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP>, 2);
+  s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0>, 2);
   s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>, 4);
   /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad */
   const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
@@ -1567,9 +1570,11 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
     cudaLaunchAttribute attr;
     s9_pairs_config(&cfg, &attr, q, stream);
     constexpr int PM = S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP;
+    /* s9_pipe: one wgmma batch kept in flight in the pairs' k loops (a bench knob) */
     const cudaError_t err =
         q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_quads_kernel<PM>, a, a2, b0, b1, q)
-                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM>, a, a2, b0, b1, q);
+        : s9_pipe      ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 1>, a, a2, b0, b1, q)
+                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0>, a, a2, b0, b1, q);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       mok_k_set_cuda_error((int)err);

@@ -7,8 +7,10 @@
  *             [--variants rows,expert,cluster,pingpong] [--routing balanced|skewed|both]
  *             [--band N]
  *
- * --variants: each configuration once per Hopper tile variant (mok_gemm_sm90.h,
- * "hmma" for the mma.sync kernels), on the same buffers, the variants taking
+ * --variants: each configuration once per Hopper tile variant (mok_gemm_sm90.h;
+ * "pingpong-plain": pingpong with its down dgrad on plain CTAs, "pingpong-pipe":
+ * with one wgmma batch in flight in the k loops, "hmma" for the mma.sync
+ * kernels), on the same buffers, the variants taking
  * turns rep by rep (so a drift of the clocks weighs on all alike);
  * the JSON then has one result per (configuration, variant) with its
  * "variant", and every variant's hash of set 0 must equal the first one's
@@ -68,12 +70,15 @@ typedef struct result {
  * (pp_pairs: its ping-pong down dgrad in 2-CTA clusters or not). */
 typedef struct bench_path {
   const char *name;
-  int backend, variant, pp_pairs;
+  int backend, variant, pp_pairs, pipe;
 } bench_path;
+
+static int g_band; /* --band */
 
 static int select_path(const bench_path *bp) {
   if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
   mok_k_sm90_set_pp_pairs(bp->pp_pairs);
+  mok_k_sm90_set_tuning(bp->pipe, g_band, 0, 0);
   return bp->backend != MOK_K_GEMM_SM90 || mok_k_sm90_set_variant(bp->variant) == MOK_OK;
 }
 
@@ -200,6 +205,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     mok_k_set_gemm_backend(MOK_K_GEMM_AUTO);
     mok_k_sm90_set_variant(init_variant);
     mok_k_sm90_set_pp_pairs(1);
+    mok_k_sm90_set_tuning(0, g_band, 0, 0);
   }
   free(col);
   free(tf);
@@ -300,7 +306,7 @@ static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
           "[--warmup N] [--deadline S] [--only NAME[,NAME]] "
-          "[--variants rows,expert,cluster,pingpong,pingpong-plain,hmma] "
+          "[--variants rows,expert,cluster,pingpong,pingpong-plain,pingpong-pipe,quad,hmma] "
           "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N] "
           "[--band N]\n",
           a0);
@@ -345,6 +351,7 @@ int main(int argc, char **argv) {
   }
   /* the row-mode tile order in bands of N row blocks (column tiles outer
    * within a band; 0: row by row): a tuning sweep, results never depend on it */
+  g_band = band > 0 ? band : 0;
   if (band > 0) mok_k_sm90_set_tuning(0, band, 0, 0);
   if (D.reps < 1 || D.warmup < 0 || band < 0 ||
       (strcmp(routing, "both") && strcmp(routing, "balanced") && strcmp(routing, "skewed"))) {
@@ -355,17 +362,22 @@ int main(int argc, char **argv) {
     const size_t len = strcspn(at, ",");
     char one[32];
     snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
-    /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs */
-    const int plain = !strcmp(one, "pingpong-plain");
-    const int sv = plain ? MOK_K_SM90_PINGPONG : mok_k_sm90_variant_parse(one);
+    /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs;
+     * pingpong-pipe: with one wgmma batch kept in flight in the k loops */
+    const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
+    const int sv = plain || piped ? MOK_K_SM90_PINGPONG : mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, hmma; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, hmma; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
     bench_path *bp = &D.paths[D.n_paths++];
-    bp->name = plain ? "pingpong-plain" : sv >= 0 ? mok_k_sm90_variant_name(sv) : "hmma";
+    bp->name = plain   ? "pingpong-plain"
+               : piped ? "pingpong-pipe"
+               : sv >= 0 ? mok_k_sm90_variant_name(sv)
+                         : "hmma";
     bp->pp_pairs = !plain;
+    bp->pipe = piped;
     bp->backend = sv >= 0 ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
     bp->variant = sv >= 0 ? sv : MOK_K_SM90_ROWS;
     at += len + (at[len] == ',');

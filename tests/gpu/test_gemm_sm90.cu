@@ -390,6 +390,26 @@ static void test_variants_fwd(const char *name, layer *L, const outs &o, const o
            mok_k_sm90_variant_name(v), worst_o, worst_h,
            worst_o | worst_h ? "" : "  (bitwise equal)");
   }
+  /* the pairs' k loops with one wgmma batch in flight (the bench's pipe knob) */
+  for (int gi = 0; gi < 3; gi++) {
+    set_variant(MOK_K_SM90_PINGPONG);
+    mok_k_sm90_set_tuning(1, 0, 0, 0);
+    mok_k_sm90_set_grid(grids[gi]);
+    poison(L);
+    layer_forward(L, false);
+    const outs ov = snap(L);
+    mok_k_sm90_set_grid(0);
+    mok_k_sm90_set_tuning(0, 0, 0, 0);
+    set_variant(MOK_K_SM90_ROWS);
+    const size_t d_o = outs_ndiff(ov, o), d_h = outs_ndiff(ov, hm);
+    EXPECT(d_o == 0 && d_h == 0,
+           "%s: pingpong with the pipelined k loop, grid %d: %zu elements differ from the "
+           "default path, %zu from mma.sync",
+           name, grids[gi], d_o, d_h);
+    if (gi == 2)
+      printf("    pingpong, pipelined k loop (grids 132/7/1): %s\n",
+             d_o | d_h ? "DIFFERS" : "bitwise equal");
+  }
 }
 
 static void test_case(const tcase *c) {
