@@ -339,34 +339,112 @@ __device__ static void s9_produce(const s9_params &p, const s9_sched &sc, const 
   }
 }
 
-/* The cluster variant's producer: pair by pair, every pair the
- * full k loop. A stage is written only after both CTAs' consumers have
- * released it (the empty barrier counts both). */
+/* ---- quad variant: 2x2 clusters (GATE_UP, DOWN, GU_DGRAD) ------------------------
+ *
+ * Four CTAs on two row blocks (mi = 0, 1) times two column tiles (ni = 0,
+ * 1); rank = 2 * ni + mi. The two CTAs of a row block share its A tile:
+ * each loads the 64 rows of half ni, multicast into both (A is read once
+ * for two column tiles, whatever the experts). The two CTAs of a column
+ * tile share B as the pairs kernel's do, when both row blocks belong to one
+ * expert. A CTA pulls 8 KB of A and 16 KB of B from L2 a k block, against
+ * 16 + 16 in pairs. The four rings move in lockstep (a stage is released to
+ * all four producers; every quad runs the full k loop in every CTA), and
+ * every decision comes from rank 0's copy of the schedule. Column tiles
+ * come in pairs: the launcher takes quads only for an even count. */
+
+/* Quad qd: row blocks 2 * (qd / (n_tiles / 2)) + {0, 1}, column tiles
+ * 2 * (qd % (n_tiles / 2)) + {0, 1}. */
+__device__ static inline s9_pair s9_locate_quad(const s9_params &p, const s9_sched &sc, int qd,
+                                                int rank) {
+  const int nq = p.n_tiles / 2, pp = qd / nq, np = qd - pp * nq;
+  const int mi = rank & 1, ni = rank >> 1;
+  const s9_tile t0 = s9_tile_rows(p, sc, 2 * pp, 2 * np + ni);
+  const s9_tile t1 = s9_tile_rows(p, sc, 2 * pp + 1, 2 * np + ni);
+  s9_pair r;
+  r.mine = mi ? t1 : t0;
+  r.multicast = t0.in_use && t1.in_use && t0.e == t1.e;
+  r.skip = t0.skip && t1.skip;
+  return r;
+}
+
+/* One k block of a quad's tile: this CTA's half of A (rows 64 * ni ..) to
+ * both CTAs of its row block (a_mask), then B: half mi to both CTAs of its
+ * column tile (b_mask) when they share an expert, else all of it here. */
 template <int MODE>
+__device__ static inline void s9_load_quad(const s9_params &p, const s9_tile &tl, int kb,
+                                           const CUtensorMap *ma, const CUtensorMap *ma2,
+                                           const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                           uint32_t sa, uint32_t full, uint64_t pa, uint64_t pb,
+                                           int mi, int ni, bool multicast) {
+  const uint16_t a_mask = (uint16_t)((1u << mi) | (1u << (2 + mi)));
+  const uint16_t b_mask = (uint16_t)(3u << (2 * ni));
+  const uint32_t sb = sa + S9_A_BYTES;
+  const int h0 = multicast ? mi : 0, h1 = multicast ? mi + 1 : 2;
+  const uint16_t bm = multicast ? b_mask : 0;
+  const int e = tl.e;
+  if (MODE == MOK_GM_GU_DGRAD) { /* k < I: dg with W_g, then du with W_u */
+    const bool up = kb >= p.nk_split;
+    const int k = (up ? kb - p.nk_split : kb) * S9_BK;
+    tma_load_2d_mc(sa + ni * 64 * 128, up ? ma2 : ma, k, tl.row0 + 64 * ni, full, a_mask, pa);
+    const int slabs = s9_b_slabs(p.N, tl.n0);
+    s9_load_b_mn(sb, up ? mb1 : mb0, tl.n0, k, e, 3, 2 * h0, min(2 * h1, slabs), full, pb, bm);
+    return;
+  }
+  tma_load_2d_mc(sa + ni * 64 * 128, ma, kb * S9_BK, tl.row0 + 64 * ni, full, a_mask, pa);
+  for (int h = h0; h < h1; h++) { /* GATE_UP: half 0 gate, 1 up; DOWN: columns 128 * h .. */
+    const CUtensorMap *m = MODE == MOK_GM_GATE_UP && h ? mb1 : mb0;
+    const int n = MODE == MOK_GM_GATE_UP ? tl.n0 : tl.n0 + 128 * h;
+    if (bm)
+      tma_load_3d_mc(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, bm, pb);
+    else
+      tma_load_3d_hint(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, pb);
+  }
+}
+
+template <int CN>
+__device__ static inline s9_pair s9_locate_unit(const s9_params &p, const s9_sched &sc, int q,
+                                                int rank) {
+  return CN == 4 ? s9_locate_quad(p, sc, q, rank) : s9_locate_pair(p, sc, q, rank);
+}
+
+/* The cluster kernels' tiles: CN = 2, pairs of row blocks (s9_locate_pair);
+ * CN = 4, 2x2 quads (s9_locate_quad). */
+template <int CN> __device__ static inline int s9_cluster_units(const s9_params &p) {
+  return CN == 4 ? (p.m_tiles + 1) / 2 * (p.n_tiles / 2) : (p.m_tiles + 1) / 2 * p.n_tiles;
+}
+
+/* The cluster variants' producer: unit by unit (a pair, or a quad with
+ * CN = 4), every unit the full k loop. A stage is written only after every
+ * CTA's consumers have released it (the empty barrier counts them all). */
+template <int MODE, int CN>
 __device__ static void s9_produce_pairs(const s9_params &p, const s9_sched &sc,
                                         const CUtensorMap *ma, const CUtensorMap *ma2,
                                         const CUtensorMap *mb0, const CUtensorMap *mb1,
                                         uint32_t base, uint32_t bars, int rank) {
-  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const int units = s9_cluster_units<CN>(p), clusters = gridDim.x / CN;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   const int nk = s9_full_nk<MODE>(p);
   int s = 0, ph = 0;
-  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
-    const s9_pair pr = s9_locate_pair(p, sc, q, rank);
-    if (pr.skip) continue; /* the peer skips it too */
+  for (int q = blockIdx.x / CN; q < units; q += clusters) {
+    const s9_pair pr = s9_locate_unit<CN>(p, sc, q, rank);
+    if (pr.skip) continue; /* the others skip it too */
     const s9_tile &tl = pr.mine;
     for (int kb = 0; kb < nk; kb++) {
       const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
       const uint32_t sa = base + s * S9_STAGE_BYTES;
       mbar_wait(empty, ph ^ 1);
-      if (pr.multicast) { /* own A, own half of B to both; the peer sends the other half */
+      if (!tl.in_use) { /* nothing to compute: the consumers only follow the ring */
+        mbar_arrive_if(full, true);
+      } else if (CN == 4) { /* a row block in use: both its CTAs load and expect all */
+        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
+        s9_load_quad<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, rank & 1, rank >> 1,
+                           pr.multicast);
+      } else if (pr.multicast) { /* own A, own half of B to both; the peer sends the other half */
         mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
         s9_load_rows<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, rank, rank + 1, 3, 128);
-      } else if (tl.in_use) {
+      } else {
         mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
         s9_load_rows<MODE>(p, tl, kb, ma, ma2, mb0, mb1, sa, full, pa, pb, 0, 2, 0, 128);
-      } else { /* nothing to compute: the consumers only follow the ring */
-        mbar_arrive_if(full, true);
       }
       if (++s == S9_STAGES) {
         s = 0;
@@ -708,30 +786,30 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
   if (MODE == MOK_GM_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
 }
 
-/* The cluster variant's consumers: the producer's pairs, the full k loop
+/* The cluster variants' consumers: the producer's units, the full k loop
  * each (math only where this CTA's block has rows). */
-template <int MODE, int PIPE>
+template <int MODE, int PIPE, int CN>
 __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
                                         uint32_t bars, int rank) {
   const int cw = threadIdx.x / 128 - 1;
-  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
+  const int units = s9_cluster_units<CN>(p), clusters = gridDim.x / CN;
   const int nk = s9_full_nk<MODE>(p);
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
   int s = 0, ph = 0;
-  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
+  for (int q = blockIdx.x / CN; q < units; q += clusters) {
     s9_tile tl;
     {
-      const s9_pair pr = s9_locate_pair(p, sc, q, rank);
+      const s9_pair pr = s9_locate_unit<CN>(p, sc, q, rank);
       if (pr.skip) continue;
       tl = pr.mine;
     }
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 * cw < tl.used_end)
-      s9_mma_loop<MODE, PIPE, 2>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+      s9_mma_loop<MODE, PIPE, CN>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
     else
-      s9_skip_loop<2>(bars, nk, s, ph);
+      s9_skip_loop<CN>(bars, nk, s, ph);
     if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
   }
 }
@@ -797,11 +875,12 @@ __device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *
   return sc;
 }
 
-/* The cluster variant (S9_PAIRS_MODE; launched with 2-CTA clusters). Both CTAs
- * take every decision from rank 0's reading: the job's status word and the
- * schedule's offsets and counts (copied into shared memory, rank 1 copies
- * rank 0's table). */
-template <int MODE, int PIPE>
+/* The cluster variants (S9_PAIRS_MODE; launched with clusters of CN CTAs:
+ * pairs, or quads with A in boxes of 64 rows). Every CTA takes every
+ * decision from rank 0's reading: the job's status word and the schedule's
+ * offsets and counts (copied into shared memory, the others copy rank 0's
+ * table). */
+template <int MODE, int PIPE, int CN>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_a2,
@@ -816,169 +895,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9_STAGES; i++) {
       mbar_init(bars + 8 * i, 1);
-      mbar_init(bars + 8 * (S9_STAGES + i), 2 * S9_CONSUMER_WARPS); /* both CTAs' warps */
-    }
-    mbar_fence_init();
-    if (rank == 0) s_failed = job_failed(p.status);
-  }
-  const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
-  if (s_failed) return; /* the same value in both CTAs */
-  if (threadIdx.x < 128) {
-    regs_dec<40>();
-    if (threadIdx.x == 0) {
-      tma_prefetch_map(&map_a);
-      tma_prefetch_map(&map_b0);
-      if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
-      if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
-      s9_produce_pairs<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
-    }
-  } else {
-    regs_inc<232>();
-    s9_consume_pairs<MODE, PIPE>(p, sc, base, bars, rank);
-  }
-  /* neither CTA leaves while the other may still write into its shared
-   * memory or arrive on its barriers */
-  cluster_sync();
-}
-
-/* ---- quad variant: 2x2 clusters (GATE_UP, DOWN, GU_DGRAD) ------------------------
- *
- * Four CTAs on two row blocks (mi = 0, 1) times two column tiles (ni = 0,
- * 1); rank = 2 * ni + mi. The two CTAs of a row block share its A tile:
- * each loads the 64 rows of half ni, multicast into both (A is read once
- * for two column tiles, whatever the experts). The two CTAs of a column
- * tile share B as the pairs kernel's do, when both row blocks belong to one
- * expert. A CTA pulls 8 KB of A and 16 KB of B from L2 a k block, against
- * 16 + 16 in pairs. The four rings move in lockstep (a stage is released to
- * all four producers; every quad runs the full k loop in every CTA), and
- * every decision comes from rank 0's copy of the schedule. Column tiles
- * come in pairs: the launcher takes this kernel only for an even count. */
-
-/* Quad qd: row blocks 2 * (qd / (n_tiles / 2)) + {0, 1}, column tiles
- * 2 * (qd % (n_tiles / 2)) + {0, 1}. */
-__device__ static inline s9_pair s9_locate_quad(const s9_params &p, const s9_sched &sc, int qd,
-                                                int rank) {
-  const int nq = p.n_tiles / 2, pp = qd / nq, np = qd - pp * nq;
-  const int mi = rank & 1, ni = rank >> 1;
-  const s9_tile t0 = s9_tile_rows(p, sc, 2 * pp, 2 * np + ni);
-  const s9_tile t1 = s9_tile_rows(p, sc, 2 * pp + 1, 2 * np + ni);
-  s9_pair r;
-  r.mine = mi ? t1 : t0;
-  r.multicast = t0.in_use && t1.in_use && t0.e == t1.e;
-  r.skip = t0.skip && t1.skip;
-  return r;
-}
-
-/* One k block of a quad's tile: this CTA's half of A (rows 64 * ni ..) to
- * both CTAs of its row block (a_mask), then B: half mi to both CTAs of its
- * column tile (b_mask) when they share an expert, else all of it here. */
-template <int MODE>
-__device__ static inline void s9_load_quad(const s9_params &p, const s9_tile &tl, int kb,
-                                           const CUtensorMap *ma, const CUtensorMap *ma2,
-                                           const CUtensorMap *mb0, const CUtensorMap *mb1,
-                                           uint32_t sa, uint32_t full, uint64_t pa, uint64_t pb,
-                                           int mi, int ni, bool multicast) {
-  const uint16_t a_mask = (uint16_t)((1u << mi) | (1u << (2 + mi)));
-  const uint16_t b_mask = (uint16_t)(3u << (2 * ni));
-  const uint32_t sb = sa + S9_A_BYTES;
-  const int h0 = multicast ? mi : 0, h1 = multicast ? mi + 1 : 2;
-  const uint16_t bm = multicast ? b_mask : 0;
-  const int e = tl.e;
-  if (MODE == MOK_GM_GU_DGRAD) { /* k < I: dg with W_g, then du with W_u */
-    const bool up = kb >= p.nk_split;
-    const int k = (up ? kb - p.nk_split : kb) * S9_BK;
-    tma_load_2d_mc(sa + ni * 64 * 128, up ? ma2 : ma, k, tl.row0 + 64 * ni, full, a_mask, pa);
-    const int slabs = s9_b_slabs(p.N, tl.n0);
-    s9_load_b_mn(sb, up ? mb1 : mb0, tl.n0, k, e, 3, 2 * h0, min(2 * h1, slabs), full, pb, bm);
-    return;
-  }
-  tma_load_2d_mc(sa + ni * 64 * 128, ma, kb * S9_BK, tl.row0 + 64 * ni, full, a_mask, pa);
-  for (int h = h0; h < h1; h++) { /* GATE_UP: half 0 gate, 1 up; DOWN: columns 128 * h .. */
-    const CUtensorMap *m = MODE == MOK_GM_GATE_UP && h ? mb1 : mb0;
-    const int n = MODE == MOK_GM_GATE_UP ? tl.n0 : tl.n0 + 128 * h;
-    if (bm)
-      tma_load_3d_mc(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, bm, pb);
-    else
-      tma_load_3d_hint(sb + h * S9_HALF_B, m, kb * S9_BK, n, e, full, pb);
-  }
-}
-
-template <int MODE>
-__device__ static void s9_produce_quads(const s9_params &p, const s9_sched &sc,
-                                        const CUtensorMap *ma, const CUtensorMap *ma2,
-                                        const CUtensorMap *mb0, const CUtensorMap *mb1,
-                                        uint32_t base, uint32_t bars, int rank) {
-  const int quads = (p.m_tiles + 1) / 2 * (p.n_tiles / 2), clusters = gridDim.x / 4;
-  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
-  const int nk = s9_full_nk<MODE>(p);
-  int s = 0, ph = 0;
-  for (int qd = blockIdx.x / 4; qd < quads; qd += clusters) {
-    const s9_pair pr = s9_locate_quad(p, sc, qd, rank);
-    if (pr.skip) continue; /* the others skip it too */
-    const s9_tile &tl = pr.mine;
-    for (int kb = 0; kb < nk; kb++) {
-      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
-      mbar_wait(empty, ph ^ 1);
-      /* a row block in use: both of its CTAs load and expect all of A and
-       * B; one not in use: neither loads A, and B is not shared with it */
-      if (tl.in_use) {
-        mbar_arrive_expect_tx(full, s9_row_bytes<MODE>(p, tl));
-        s9_load_quad<MODE>(p, tl, kb, ma, ma2, mb0, mb1, base + s * S9_STAGE_BYTES, full, pa, pb,
-                           rank & 1, rank >> 1, pr.multicast);
-      } else {
-        mbar_arrive_if(full, true);
-      }
-      if (++s == S9_STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
-  }
-}
-
-template <int MODE>
-__device__ static void s9_consume_quads(const s9_params &p, const s9_sched &sc, uint32_t base,
-                                        uint32_t bars, int rank) {
-  const int cw = threadIdx.x / 128 - 1;
-  const int quads = (p.m_tiles + 1) / 2 * (p.n_tiles / 2), clusters = gridDim.x / 4;
-  const int nk = s9_full_nk<MODE>(p);
-  float acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-  int s = 0, ph = 0;
-  for (int qd = blockIdx.x / 4; qd < quads; qd += clusters) {
-    s9_tile tl;
-    {
-      const s9_pair pr = s9_locate_quad(p, sc, qd, rank);
-      if (pr.skip) continue;
-      tl = pr.mine;
-    }
-    const bool have = tl.in_use && tl.used_end > tl.row0;
-    if (have && tl.row0 + 64 * cw < tl.used_end)
-      s9_mma_loop<MODE, 0, 4>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
-    else
-      s9_skip_loop<4>(bars, nk, s, ph);
-    if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
-  }
-}
-
-/* map_a, map_a2: A in boxes of 64 rows (each CTA loads half a row block). */
-template <int MODE>
-__global__ void __launch_bounds__(S9_THREADS, 1)
-    s9_gemm_quads_kernel(const __grid_constant__ CUtensorMap map_a,
-                         const __grid_constant__ CUtensorMap map_a2,
-                         const __grid_constant__ CUtensorMap map_b0,
-                         const __grid_constant__ CUtensorMap map_b1, const s9_params p) {
-  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
-  __shared__ int s_failed;
-  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + S9_STAGES * S9_STAGE_BYTES;
-  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
-  const int rank = (int)cluster_ctarank();
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < S9_STAGES; i++) {
-      mbar_init(bars + 8 * i, 1);
-      mbar_init(bars + 8 * (S9_STAGES + i), 4 * S9_CONSUMER_WARPS); /* all four CTAs' warps */
+      mbar_init(bars + 8 * (S9_STAGES + i), CN * S9_CONSUMER_WARPS); /* every CTA's warps */
     }
     mbar_fence_init();
     if (rank == 0) s_failed = job_failed(p.status);
@@ -992,13 +909,15 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       tma_prefetch_map(&map_b0);
       if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
       if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
-      s9_produce_quads<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
+      s9_produce_pairs<MODE, CN>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
     }
   } else {
     regs_inc<232>();
-    s9_consume_quads<MODE>(p, sc, base, bars, rank);
+    s9_consume_pairs<MODE, PIPE, CN>(p, sc, base, bars, rank);
   }
-  cluster_sync(); /* no CTA leaves while another may still write into it */
+  /* no CTA leaves while another may still write into its shared memory or
+   * arrive on its barriers */
+  cluster_sync();
 }
 
 /* ---- ping-pong consumers: the down dgrad ---------------------------------------
@@ -1445,9 +1364,9 @@ static int s9_query_clusters(const void *k, int n) {
 extern "C" int mok_k_sm90_init(void) {
   const void *k[19] = {(const void *)s9_gemm_pp_kernel,
                        (const void *)s9_gemm_pp_pairs_kernel,
-                       (const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>,
-                       (const void *)s9_gemm_quads_kernel<MOK_GM_DOWN>,
-                       (const void *)s9_gemm_quads_kernel<MOK_GM_GU_DGRAD>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0, 4>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 0, 4>,
                        (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GATE_UP, 1>,
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN, 0>,
@@ -1455,18 +1374,18 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_kernel<MOK_GM_DOWN_DGRAD, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_GU_DGRAD, 0>,
                        (const void *)s9_gemm_kernel<MOK_GM_WGRAD, 0>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 0>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 1>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 1>,
-                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 1>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 0, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 1, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 1, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 1, 2>,
                        NULL};
   int st = MOK_OK;
   for (int i = 0; i < 19 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st != MOK_OK) return st;
-  s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0>, 2);
-  s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_quads_kernel<MOK_GM_GATE_UP>, 4);
+  s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2>, 2);
+  s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>, 4);
   /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad */
   const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
   if (v >= 0) s9_variant = v;
@@ -1572,9 +1491,9 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
     constexpr int PM = S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP;
     /* s9_pipe: one wgmma batch kept in flight in the pairs' k loops (a bench knob) */
     const cudaError_t err =
-        q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_quads_kernel<PM>, a, a2, b0, b1, q)
-        : s9_pipe      ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 1>, a, a2, b0, b1, q)
-                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0>, a, a2, b0, b1, q);
+        q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 4>, a, a2, b0, b1, q)
+        : s9_pipe      ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 1, 2>, a, a2, b0, b1, q)
+                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 2>, a, a2, b0, b1, q);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       mok_k_set_cuda_error((int)err);
