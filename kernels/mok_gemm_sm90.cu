@@ -955,23 +955,53 @@ __device__ static inline uint32_t s9p_row_bytes(const s9_params &p, const s9_til
   return S9_A_BYTES + min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64) * S9_SLAB;
 }
 
+/* The ping-pong kernel's unit of work: one tile on plain CTAs (CN = 1), or
+ * a pair of row blocks of one 128-column tile in a 2-CTA cluster (CN = 2):
+ * the pairs of the forward GEMMs (s9_locate_pair), the weight slabs
+ * multicast when both row blocks belong to one expert. */
+template <int CN>
+__device__ static inline s9_pair s9p_unit(const s9_params &p, const s9_sched &sc, int q, int rank) {
+  if (CN == 2) return s9_locate_pair(p, sc, q, rank);
+  s9_pair u;
+  u.mine = s9_locate(p, sc, q);
+  u.multicast = 0;
+  u.skip = u.mine.skip;
+  return u;
+}
+
+/* k blocks of a unit: a tile's own (zero when it has no rows); a pair runs
+ * the full k loop in both CTAs, as in the pairs kernel */
+template <int CN> __device__ static inline int s9p_unit_nk(const s9_params &p, const s9_tile &tl) {
+  return CN == 2 ? s9_full_nk<MOK_GM_DOWN_DGRAD>(p) : s9_tile_nk<MOK_GM_DOWN_DGRAD>(p, tl);
+}
+
+template <int CN>
 __device__ static void s9p_produce(const s9_params &p, const s9_sched &sc, const CUtensorMap *ma,
-                                   const CUtensorMap *mb0, uint32_t base, uint32_t bars) {
-  const int total = p.m_tiles * p.n_tiles;
+                                   const CUtensorMap *mb0, uint32_t base, uint32_t bars, int rank) {
+  const int units = CN == 2 ? (p.m_tiles + 1) / 2 * p.n_tiles : p.m_tiles * p.n_tiles;
+  const int clusters = gridDim.x / CN;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   int s = 0, ph = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = s9_locate(p, sc, t);
-    if (tl.skip) continue;
-    const int nk = s9_tile_nk<MOK_GM_DOWN_DGRAD>(p, tl);
+  for (int q = blockIdx.x / CN; q < units; q += clusters) {
+    const s9_pair pr = s9p_unit<CN>(p, sc, q, rank);
+    if (pr.skip) continue; /* the consumers (and a peer) skip it too */
+    const s9_tile &tl = pr.mine;
+    const int nk = s9p_unit_nk<CN>(p, tl);
     const int slabs = min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64);
     for (int kb = 0; kb < nk; kb++) {
       const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9P_STAGES + s);
-      const uint32_t sa = base + s * S9P_STAGE_BYTES;
+      const uint32_t sa = base + s * S9P_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1);
-      mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
-      tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-      s9_load_b_mn(sa + S9_A_BYTES, mb0, tl.n0, kb * S9_BK, tl.e, 3, 0, slabs, full, pb, 0);
+      if (!tl.in_use) { /* a pair's block without rows: its consumers only follow the ring */
+        mbar_arrive_if(full, true);
+      } else {
+        mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
+        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
+        if (pr.multicast) /* own slab to both CTAs; the peer sends the other */
+          s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, rank, min(rank + 1, slabs), full, pb, 3);
+        else
+          s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, 0, slabs, full, pb, 0);
+      }
       if (++s == S9P_STAGES) {
         s = 0;
         ph ^= 1;
@@ -1056,10 +1086,12 @@ __device__ static inline void s9p_epilogue(const s9_params &p, const s9_tile &tl
   }
 }
 
+template <int CN>
 __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint32_t base,
-                                   uint32_t bars) {
+                                   uint32_t bars, int rank) {
   const int cw = threadIdx.x / 128 - 1;
-  const int total = p.m_tiles * p.n_tiles;
+  const int units = CN == 2 ? (p.m_tiles + 1) / 2 * p.n_tiles : p.m_tiles * p.n_tiles;
+  const int clusters = gridDim.x / CN;
   const uint32_t turn = bars + 8 * 2 * S9P_STAGES; /* turn[w]: warpgroup w may start */
   const bool lead = (threadIdx.x & 31) == 0;
   float acc0[64], acc1[64];
@@ -1068,118 +1100,13 @@ __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint3
   /* warpgroup 0 has the first turn: its first wait is for the phase
    * before the barrier's first, which a fresh mbarrier reports complete */
   int s = 0, ph = 0, i = 0, tp = cw == 0 ? 1 : 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x, i++) {
-    const s9_tile tl = s9_locate(p, sc, t);
-    const int nk = tl.skip ? 0 : s9_tile_nk<MOK_GM_DOWN_DGRAD>(p, tl); /* skipped: nothing loaded */
-    if ((i & 1) != cw) { /* the other warpgroup's tile: pass over its stages */
-      s9_ring_advance(s, ph, nk, S9P_STAGES);
-      continue;
-    }
-    mbar_wait(turn + 8 * cw, tp); /* the other has waited for every stage before ours */
-    tp ^= 1;
-    if (nk > 0 && tl.row0 + 64 < tl.used_end)
-      s9p_mma_loop<true, 1>(acc0, acc1, base, bars, nk, s, ph);
-    else if (nk > 0)
-      s9p_mma_loop<false, 1>(acc0, acc1, base, bars, nk, s, ph);
-    mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a tile with nothing to compute */
-    if (!tl.skip) s9p_epilogue(p, tl, acc0, acc1);
-  }
-}
-
-__global__ void __launch_bounds__(S9_THREADS, 1)
-    s9_gemm_pp_kernel(const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_b0, const s9_params p) {
-  extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
-  __shared__ int s_failed;
-  const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + S9P_STAGES * S9P_STAGE_BYTES;
-  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
-  const s9_sched sc = s9_sched_copy(p, table, true);
-  if (threadIdx.x == 0) {
-    s_failed = job_failed(p.status);
-    if (!s_failed) {
-      for (int i = 0; i < S9P_STAGES; i++) {
-        mbar_init(bars + 8 * i, 1);
-        mbar_init(bars + 8 * (S9P_STAGES + i), S9_CONSUMER_WARPS / 2); /* one warpgroup a stage */
-      }
-      mbar_init(bars + 8 * 2 * S9P_STAGES, S9_CONSUMER_WARPS / 2);     /* turn[0] */
-      mbar_init(bars + 8 * (2 * S9P_STAGES + 1), S9_CONSUMER_WARPS / 2); /* turn[1] */
-      mbar_fence_init();
-      tma_prefetch_map(&map_a);
-      tma_prefetch_map(&map_b0);
-    }
-  }
-  __syncthreads();
-  if (s_failed) return;
-  if (threadIdx.x < 128) {
-    regs_dec<40>();
-    if (threadIdx.x == 0) s9p_produce(p, sc, &map_a, &map_b0, base, bars);
-  } else {
-    regs_inc<232>();
-    s9p_consume(p, sc, base, bars);
-  }
-}
-
-/* The ping-pong down dgrad in 2-CTA clusters: the CTAs of a pair take the
- * row blocks 2q and 2q+1 of one 128-column tile, and when both belong to one
- * expert each loads its own A and one of the two weight slabs, multicast
- * into both CTAs' rings (the weight read once for 256 rows, as the forward
- * GEMMs' pairs do). Within each CTA the two consumer warpgroups still own
- * the pairs in turn. As in the pairs kernel, every pair runs the full k
- * loop in both CTAs (a stage is released to both CTAs' producers), and
- * every decision comes from rank 0's copy of the schedule. */
-__device__ static void s9p_produce_pairs(const s9_params &p, const s9_sched &sc,
-                                         const CUtensorMap *ma, const CUtensorMap *mb0,
-                                         uint32_t base, uint32_t bars, int rank) {
-  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
-  const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
-  const int nk = s9_full_nk<MOK_GM_DOWN_DGRAD>(p);
-  int s = 0, ph = 0;
-  for (int q = blockIdx.x / 2; q < pairs; q += clusters) {
-    const s9_pair pr = s9_locate_pair(p, sc, q, rank);
-    if (pr.skip) continue; /* the peer skips it too */
-    const s9_tile &tl = pr.mine;
-    const int slabs = min(S9P_BN / 64, (p.N - tl.n0 + 63) / 64);
-    for (int kb = 0; kb < nk; kb++) {
-      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9P_STAGES + s);
-      const uint32_t sa = base + s * S9P_STAGE_BYTES, sb = sa + S9_A_BYTES;
-      mbar_wait(empty, ph ^ 1);
-      if (pr.multicast) { /* own A, own slab to both; the peer sends the other */
-        mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
-        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-        s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, rank, min(rank + 1, slabs), full, pb, 3);
-      } else if (tl.in_use) {
-        mbar_arrive_expect_tx(full, s9p_row_bytes(p, tl));
-        tma_load_2d_hint(sa, ma, kb * S9_BK, tl.row0, full, pa);
-        s9_load_b_mn(sb, mb0, tl.n0, kb * S9_BK, tl.e, 3, 0, slabs, full, pb, 0);
-      } else { /* nothing to compute: the consumers only follow the ring */
-        mbar_arrive_if(full, true);
-      }
-      if (++s == S9P_STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
-  }
-}
-
-__device__ static void s9p_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
-                                         uint32_t bars, int rank) {
-  const int cw = threadIdx.x / 128 - 1;
-  const int pairs = (p.m_tiles + 1) / 2 * p.n_tiles, clusters = gridDim.x / 2;
-  const int nk = s9_full_nk<MOK_GM_DOWN_DGRAD>(p);
-  const uint32_t turn = bars + 8 * 2 * S9P_STAGES;
-  const bool lead = (threadIdx.x & 31) == 0;
-  float acc0[64], acc1[64];
-#pragma unroll
-  for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
-  int s = 0, ph = 0, i = 0, tp = cw == 0 ? 1 : 0;
-  for (int q = blockIdx.x / 2; q < pairs; q += clusters, i++) {
+  for (int q = blockIdx.x / CN; q < units; q += clusters, i++) {
+    const bool mine = (i & 1) == cw;
     s9_tile tl;
     {
-      const s9_pair pr = s9_locate_pair(p, sc, q, rank);
+      const s9_pair pr = s9p_unit<CN>(p, sc, q, rank);
       if (pr.skip) { /* not loaded: no stages, but its owner's turn passes */
-        if ((i & 1) == cw) {
+        if (mine) {
           mbar_wait(turn + 8 * cw, tp);
           tp ^= 1;
           mbar_arrive_if(turn + 8 * (1 - cw), lead);
@@ -1188,67 +1115,76 @@ __device__ static void s9p_consume_pairs(const s9_params &p, const s9_sched &sc,
       }
       tl = pr.mine;
     }
-    if ((i & 1) != cw) {
+    const int nk = s9p_unit_nk<CN>(p, tl);
+    if (!mine) { /* the other warpgroup's unit: pass over its stages */
       s9_ring_advance(s, ph, nk, S9P_STAGES);
       continue;
     }
-    mbar_wait(turn + 8 * cw, tp);
+    mbar_wait(turn + 8 * cw, tp); /* the other has waited for every stage before ours */
     tp ^= 1;
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 < tl.used_end) {
-      s9p_mma_loop<true, 2>(acc0, acc1, base, bars, nk, s, ph);
+      s9p_mma_loop<true, CN>(acc0, acc1, base, bars, nk, s, ph);
     } else if (have) {
-      s9p_mma_loop<false, 2>(acc0, acc1, base, bars, nk, s, ph);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 64; k++) acc0[k] = acc1[k] = 0.0f;
-      for (int kb = 0; kb < nk; kb++) { /* follow the ring; release in both CTAs */
+      s9p_mma_loop<false, CN>(acc0, acc1, base, bars, nk, s, ph);
+    } else { /* no rows (a tile's nk is then 0; a pair's block follows the ring) */
+      for (int kb = 0; kb < nk; kb++) {
         mbar_wait(bars + 8 * s, ph);
-        s9_release<2>(bars + 8 * (S9P_STAGES + s), lead);
+        s9_release<CN>(bars + 8 * (S9P_STAGES + s), lead);
         if (++s == S9P_STAGES) {
           s = 0;
           ph ^= 1;
         }
       }
     }
-    mbar_arrive_if(turn + 8 * (1 - cw), lead);
-    if (!tl.skip) s9p_epilogue(p, tl, acc0, acc1);
+    mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a unit with nothing to compute */
+    s9p_epilogue(p, tl, acc0, acc1);
   }
 }
 
+/* The ping-pong down dgrad: on plain CTAs (CN = 1) or in 2-CTA clusters
+ * (CN = 2; every decision from rank 0's copy of the schedule). */
+template <int CN>
 __global__ void __launch_bounds__(S9_THREADS, 1)
-    s9_gemm_pp_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_b0, const s9_params p) {
+    s9_gemm_pp_kernel(const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b0, const s9_params p) {
   extern __shared__ __align__(1024) unsigned char s9_smem_raw[];
   __shared__ int s_failed;
   const uint32_t base = (smem_u32(s9_smem_raw) + 1023u) & ~1023u;
   const uint32_t bars = base + S9P_STAGES * S9P_STAGE_BYTES;
   int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
-  const int rank = (int)cluster_ctarank();
+  const int rank = CN == 2 ? (int)cluster_ctarank() : 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9P_STAGES; i++) {
       mbar_init(bars + 8 * i, 1);
-      mbar_init(bars + 8 * (S9P_STAGES + i), S9_CONSUMER_WARPS); /* one warpgroup, both CTAs */
+      /* one warpgroup a stage, in every CTA of the cluster */
+      mbar_init(bars + 8 * (S9P_STAGES + i), CN * S9_CONSUMER_WARPS / 2);
     }
-    mbar_init(bars + 8 * 2 * S9P_STAGES, S9_CONSUMER_WARPS / 2);
-    mbar_init(bars + 8 * (2 * S9P_STAGES + 1), S9_CONSUMER_WARPS / 2);
+    mbar_init(bars + 8 * 2 * S9P_STAGES, S9_CONSUMER_WARPS / 2);       /* turn[0] */
+    mbar_init(bars + 8 * (2 * S9P_STAGES + 1), S9_CONSUMER_WARPS / 2); /* turn[1] */
     mbar_fence_init();
     if (rank == 0) s_failed = job_failed(p.status);
   }
-  const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
-  if (s_failed) return; /* the same value in both CTAs */
+  s9_sched sc;
+  if (CN == 2) {
+    sc = s9_cluster_sched(p, table, &s_failed, rank);
+  } else {
+    sc = s9_sched_copy(p, table, true);
+    __syncthreads();
+  }
+  if (s_failed) return; /* one decision for the CTA (the cluster) */
   if (threadIdx.x < 128) {
     regs_dec<40>();
     if (threadIdx.x == 0) {
       tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b0);
-      s9p_produce_pairs(p, sc, &map_a, &map_b0, base, bars, rank);
+      s9p_produce<CN>(p, sc, &map_a, &map_b0, base, bars, rank);
     }
   } else {
     regs_inc<232>();
-    s9p_consume_pairs(p, sc, base, bars, rank);
+    s9p_consume<CN>(p, sc, base, bars, rank);
   }
-  cluster_sync(); /* neither CTA leaves while the other may still write into it */
+  if (CN == 2) cluster_sync(); /* neither CTA leaves while the other may still write into it */
 }
 
 /* ---- host side ------------------------------------------------------------------ */
@@ -1362,8 +1298,8 @@ static int s9_query_clusters(const void *k, int n) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[19] = {(const void *)s9_gemm_pp_kernel,
-                       (const void *)s9_gemm_pp_pairs_kernel,
+  const void *k[19] = {(const void *)s9_gemm_pp_kernel<1>,
+                       (const void *)s9_gemm_pp_kernel<2>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0, 4>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 0, 4>,
@@ -1519,7 +1455,7 @@ static int s9_launch_pp(const s9_params &p, const CUtensorMap &a, const CUtensor
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
     s9_pairs_config(&cfg, &attr, p, stream);
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, s9_gemm_pp_pairs_kernel, a, b0, p);
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, s9_gemm_pp_kernel<2>, a, b0, p);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       mok_k_set_cuda_error((int)err);
@@ -1527,7 +1463,7 @@ static int s9_launch_pp(const s9_params &p, const CUtensorMap &a, const CUtensor
     }
     return MOK_OK;
   }
-  s9_gemm_pp_kernel<<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, p);
+  s9_gemm_pp_kernel<1><<<s9_grid(tiles), S9_THREADS, S9_SMEM_BYTES, stream>>>(a, b0, p);
   return mok_k_launch_status();
 }
 
