@@ -105,6 +105,27 @@ size_t mok_k_workspace_bytes(const mok_k_dims *d);
  * schedule stays consistent). */
 int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *schedule,
                          void *workspace, int32_t *status, mok_k_stream stream);
+/* The same from ids another process may change meanwhile: each of
+ * topk_ids is read once, and that value, kept in ids_copy [T,K], is what the
+ * rest of the build reads, so the schedule is consistent whatever the ids
+ * do (copy, check, use in one step; ids_copy is left holding the ids used). */
+int mok_k_schedule_build_snapshot(const mok_k_dims *d, const int32_t *topk_ids,
+                                  int32_t *ids_copy, int32_t *schedule, void *workspace,
+                                  int32_t *status, mok_k_stream stream);
+
+/* ---- small moves (mok_moves.cu) ---------------------------------------------
+ * Copies (src) or zero fills (src NULL) of up to MOK_K_MOVE_BYTES_MAX bytes
+ * each, up to MOK_K_MOVES_MAX in one kernel launch: a job's small moves
+ * between its kernels without copy-engine operations. The moves of one call
+ * must not overlap each other (they run at once). */
+#define MOK_K_MOVES_MAX 8
+#define MOK_K_MOVE_BYTES_MAX ((size_t)4 << 20)
+typedef struct mok_k_move {
+  void *dst;
+  const void *src; /* NULL: zeros */
+  size_t bytes;
+} mok_k_move;
+int mok_k_moves(const mok_k_move *moves, int n, mok_k_stream stream);
 
 /* schedule_validate: checks a schedule the engine did not write, as
  * docs/math.md "Untrusted inputs" (header, offsets = prefix sums of the

@@ -123,8 +123,9 @@ __device__ static inline int local_expert(int id, int E, int first, int E_loc, i
   return (id >= 0 && e >= 0 && e < E_loc) ? e : -1;
 }
 
-__global__ void sched_count_kernel(const int32_t *ids, int n_slots, int E, int first, int E_loc,
-                                   int32_t *hist, int32_t *status) {
+/* copy: NULL, or where each id read is kept (the snapshot build) */
+__global__ void sched_count_kernel(const int32_t *ids, int32_t *copy, int n_slots, int E,
+                                   int first, int E_loc, int32_t *hist, int32_t *status) {
   extern __shared__ int32_t counter[];
   const int lane = threadIdx.x;
   for (int e = lane; e < E_loc; e += 32) counter[e] = 0;
@@ -132,7 +133,12 @@ __global__ void sched_count_kernel(const int32_t *ids, int n_slots, int E, int f
   const int s0 = blockIdx.x * SCHED_CHUNK, s1 = min(s0 + SCHED_CHUNK, n_slots);
   for (int base = s0; base < s1; base += 32) {
     int s = base + lane;
-    int e = s < s1 ? local_expert(ids[s], E, first, E_loc, status) : -1;
+    int id = -1;
+    if (s < s1) {
+      id = ids[s];
+      if (copy) copy[s] = id;
+    }
+    int e = s < s1 ? local_expert(id, E, first, E_loc, status) : -1;
     unsigned same = __match_any_sync(FULL_MASK, e);
     int before = e >= 0 ? counter[e] : 0;
     __syncwarp();
@@ -248,9 +254,9 @@ __global__ void sched_pad_kernel(const int32_t *counts, const int32_t *offsets, 
   if (!used) row_slot[r] = -1;
 }
 
-extern "C" int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids,
-                                    int32_t *schedule, void *workspace, int32_t *status,
-                                    mok_k_stream stream) {
+static int schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *ids_copy,
+                          int32_t *schedule, void *workspace, int32_t *status,
+                          mok_k_stream stream) {
   if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !workspace ||
       (d->T > 0 && !topk_ids))
     return MOK_EINVAL;
@@ -260,18 +266,34 @@ extern "C" int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids
   const size_t counter_bytes = (size_t)d->E_loc * sizeof(int32_t);
   if (n_chunks > 0)
     sched_count_kernel<<<n_chunks, 32, counter_bytes, stream>>>(
-        topk_ids, s.n_slots, d->E, d->first_expert, d->E_loc, hist, status);
+        topk_ids, ids_copy, s.n_slots, d->E, d->first_expert, d->E_loc, hist, status);
+  /* the snapshot build places from the ids it counted */
+  const int32_t *placed = ids_copy ? ids_copy : topk_ids;
   sched_scan_kernel<<<1, 1024, 0, stream>>>(hist, n_chunks, d->T, d->K, d->E_loc,
                                             d->first_expert, d->row_align, s.capacity, s.header,
                                             s.counts, s.offsets, status);
   if (n_chunks > 0)
     sched_place_kernel<<<n_chunks, 32, counter_bytes, stream>>>(
-        topk_ids, s.n_slots, d->E, d->first_expert, d->E_loc, hist, s.offsets, s.capacity,
+        placed, s.n_slots, d->E, d->first_expert, d->E_loc, hist, s.offsets, s.capacity,
         s.row_slot, s.slot_row);
   if (s.capacity > 0)
     sched_pad_kernel<<<(s.capacity + 255) / 256, 256, 0, stream>>>(s.counts, s.offsets, d->E_loc,
                                                                   s.capacity, s.row_slot);
   return mok_k_launch_status();
+}
+
+extern "C" int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids,
+                                    int32_t *schedule, void *workspace, int32_t *status,
+                                    mok_k_stream stream) {
+  return schedule_build(d, topk_ids, NULL, schedule, workspace, status, stream);
+}
+
+extern "C" int mok_k_schedule_build_snapshot(const mok_k_dims *d, const int32_t *topk_ids,
+                                             int32_t *ids_copy, int32_t *schedule,
+                                             void *workspace, int32_t *status,
+                                             mok_k_stream stream) {
+  if (d && d->T > 0 && !ids_copy) return MOK_EINVAL;
+  return schedule_build(d, topk_ids, ids_copy, schedule, workspace, status, stream);
 }
 
 /* ---- schedule validation ----------------------------------------------------

@@ -468,6 +468,81 @@ static void check_err(const char *shape_name, const char *what, const std::vecto
   if (!(e <= *worst)) *worst = e;
 }
 
+/* The snapshot build: the same schedule bits as the plain build, and its
+ * copy holds the ids it used. */
+static void test_snapshot_build(const shape *s, dev_layer *L, const std::vector<int32_t> &plain,
+                                const std::vector<int32_t> &ids, cudaStream_t stream) {
+  const mok_k_dims d = dims_of(s);
+  const size_t n_ids = (size_t)d.T * d.K;
+  int32_t *sched = NULL, *copy = NULL;
+  CUDA_CHECK(cudaMalloc(&sched, plain.size() * 4 + 16));
+  CUDA_CHECK(cudaMalloc(&copy, n_ids * 4 + 16));
+  CUDA_CHECK(cudaMemset(sched, 0xff, plain.size() * 4));
+  CUDA_CHECK(cudaMemset(copy, 0xff, n_ids * 4));
+  CUDA_CHECK(cudaMemsetAsync(L->status, 0, 4, stream));
+  MOK_CHECK(mok_k_schedule_build_snapshot(&d, L->ids, copy, sched, L->ws, L->status, stream));
+  const int32_t st = read_status(L, stream);
+  std::vector<int32_t> got(plain.size()), got_ids(n_ids);
+  CUDA_CHECK(cudaMemcpy(got.data(), sched, got.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(got_ids.data(), copy, n_ids * 4, cudaMemcpyDeviceToHost));
+  EXPECT(st == 0, "%s: snapshot build status %d", s->name, st);
+  EXPECT(got == plain, "%s: the snapshot build's schedule differs from the plain build's", s->name);
+  EXPECT(got_ids == ids, "%s: the snapshot build's copy differs from the ids", s->name);
+  EXPECT(d.T == 0 ||
+             mok_k_schedule_build_snapshot(&d, L->ids, NULL, sched, L->ws, L->status, stream) ==
+                 MOK_EINVAL,
+         "%s: a snapshot build without its copy was accepted", s->name);
+  CUDA_CHECK(cudaFree(sched));
+  CUDA_CHECK(cudaFree(copy));
+}
+
+/* mok_k_moves: copies and zero fills at every alignment class, several in
+ * one launch, bytes around them untouched; bad calls refused. */
+static void test_moves(cudaStream_t stream) {
+  const size_t cap = 1 << 16;
+  unsigned char *buf = NULL;
+  CUDA_CHECK(cudaMalloc(&buf, 2 * cap));
+  std::vector<unsigned char> host(2 * cap), want(2 * cap);
+  for (size_t i = 0; i < host.size(); i++) host[i] = (unsigned char)(rng_next() | 1u);
+  CUDA_CHECK(cudaMemcpy(buf, host.data(), host.size(), cudaMemcpyHostToDevice));
+  want = host;
+  /* dst offsets in [0, cap), srcs in [cap, 2 cap): no overlap */
+  const struct { size_t dst, src, bytes; int zero; } cases[] = {
+      {0, cap, 4096, 0},         /* 16-byte words */
+      {8192, cap + 100, 7, 0},   /* bytes */
+      {12292, cap + 8, 40, 0},   /* 4-byte words */
+      {16384, 0, 4, 1},          /* a status word */
+      {20001, 0, 13, 1},         /* odd zeros */
+      {24576, cap + 4096, 8000, 0},
+      {32768, 0, 4096, 1},
+      {61000, cap + 3, 3, 0},
+  };
+  mok_k_move mv[MOK_K_MOVES_MAX];
+  const int n = (int)(sizeof cases / sizeof cases[0]);
+  for (int i = 0; i < n; i++) {
+    mv[i].dst = buf + cases[i].dst;
+    mv[i].src = cases[i].zero ? NULL : buf + cases[i].src;
+    mv[i].bytes = cases[i].bytes;
+    for (size_t b = 0; b < cases[i].bytes; b++)
+      want[cases[i].dst + b] = cases[i].zero ? 0 : host[cases[i].src + b];
+  }
+  MOK_CHECK(mok_k_moves(mv, n, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<unsigned char> got(2 * cap);
+  CUDA_CHECK(cudaMemcpy(got.data(), buf, got.size(), cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); i++) bad += got[i] != want[i];
+  EXPECT(bad == 0, "moves: %zu bytes differ from the expected result", bad);
+  EXPECT(mok_k_moves(mv, MOK_K_MOVES_MAX + 1, stream) == MOK_EINVAL, "moves: n too large accepted");
+  EXPECT(mok_k_moves(NULL, 1, stream) == MOK_EINVAL, "moves: NULL list accepted");
+  mok_k_move big = {buf, buf + cap, MOK_K_MOVE_BYTES_MAX + 1};
+  EXPECT(mok_k_moves(&big, 1, stream) == MOK_EINVAL, "moves: an oversized move accepted");
+  mok_k_move nodst = {NULL, buf, 16};
+  EXPECT(mok_k_moves(&nodst, 1, stream) == MOK_EINVAL, "moves: a NULL destination accepted");
+  EXPECT(mok_k_moves(mv, 0, stream) == MOK_OK, "moves: an empty list refused");
+  CUDA_CHECK(cudaFree(buf));
+}
+
 static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   mok_k_dims d = dims_of(s);
   char err[160];
@@ -499,6 +574,7 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   MOK_CHECK(mok_k_schedule_validate(&d, L.sched, L.status, stream));
   st = read_status(&L, stream);
   EXPECT(st == 0, "%s: device validator rejects its own schedule (%d)", s->name, st);
+  test_snapshot_build(s, &L, mine, hin.ids, stream);
 
   /* every routed row and every act written */
   EXPECT(all_finite_bf16(L.routed_x, (size_t)L.R * d.H) &&
@@ -842,12 +918,14 @@ int main(int argc, char **argv) {
 
   if (!strcmp(mode, "correct")) {
     test_layout();
+    test_moves(stream);
     for (size_t i = 0; i < sizeof small_shapes / sizeof small_shapes[0]; i++)
       test_shape(&small_shapes[i], 5, stream);
     test_bad_inputs(stream);
     test_shape(&mid_shape, 5, stream);
   } else if (!strcmp(mode, "quick")) {
     test_layout();
+    test_moves(stream);
     test_shape(&small_shapes[0], 2, stream);
     test_shape(&small_shapes[3], 2, stream);
     test_shape(&small_shapes[5], 2, stream);
