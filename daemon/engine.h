@@ -54,6 +54,7 @@ typedef struct mok_job_args {
    * work; NULL: not a standing instance */
   volatile uint64_t *standing_flag;
   uint32_t standing_slot;
+  uint64_t taken_ns; /* when the engine thread took the job (mok_clock_ns; profiling) */
 } mok_job_args;
 
 typedef struct mok_engine mok_engine;
@@ -87,7 +88,7 @@ typedef struct mok_engine_config {
 } mok_engine_config;
 
 #define MOK_WORKSPACE_IDLE_MS 30000u
-#define MOK_IDLE_SPIN_US 50u
+#define MOK_IDLE_SPIN_US 20000u
 
 /* What a layer costs the daemon, before it exists (mok_layer_bytes). */
 typedef struct mok_engine_layer_cost {

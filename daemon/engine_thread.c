@@ -772,6 +772,7 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
   }
   args.session = s->es;
   args.layer_state = le ? le->state : NULL;
+  args.taken_ns = t0;
   if (group) {
     args.group_failed = p->fail_status; /* a failed job's NOP takes the turn on the device */
     if (p->fail_status == MOK_OK) p->group_id = le->cfg.group_id;

@@ -1030,6 +1030,7 @@ void mok__cuda_job_fail(job_ctx *c, int status, const char *fmt, ...) {
 
 /* A launcher's result: MOK_EINVAL means the kernels refused the arguments. */
 void mok__cuda_launched(job_ctx *c, int st, const char *what) {
+  if (st == MOK_OK && c->mark_steps) mok__cuda_mark(c, what);
   if (st == MOK_OK || c->failed) return;
   if (st == MOK_EENGINE) {
     int ce = mok_k_last_cuda_error();
@@ -1043,20 +1044,59 @@ void mok__cuda_launched(job_ctx *c, int st, const char *what) {
 static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
 #define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
 
+static bool ranges_overlap(const void *a, size_t an, const void *b, size_t bn) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return b && an && bn && x < y + bn && y < x + an;
+}
+
+void mok__cuda_flush_moves(job_ctx *c) {
+  if (!c->n_moves) return;
+  int n = c->n_moves;
+  c->n_moves = 0;
+  if (c->failed) return;
+  int st = mok_k_moves(c->moves, n, c->st);
+  if (st != MOK_OK) mok__cuda_launched(c, st, "mok_k_moves");
+  else if (c->mark_steps) mok__cuda_mark(c, "moves");
+}
+
+/* Into the batch when small (true), after the pending moves if it depends
+ * on them (a move of one batch runs beside the others). */
+static bool batch_move(job_ctx *c, void *dst, const void *src, size_t bytes) {
+  if (!c->batch_moves || bytes > MOK_K_MOVE_BYTES_MAX) {
+    mok__cuda_flush_moves(c); /* the copy engine's operation comes after them */
+    return false;
+  }
+  for (int i = 0; i < c->n_moves; i++) {
+    const mok_k_move *m = &c->moves[i];
+    if (ranges_overlap(dst, bytes, m->dst, m->bytes) || ranges_overlap(dst, bytes, m->src, m->bytes) ||
+        (src && ranges_overlap(src, bytes, m->dst, m->bytes))) {
+      mok__cuda_flush_moves(c);
+      break;
+    }
+  }
+  if (c->n_moves == MOK_K_MOVES_MAX) mok__cuda_flush_moves(c);
+  c->moves[c->n_moves++] = (mok_k_move){.dst = dst, .src = src, .bytes = bytes};
+  return true;
+}
+
 void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (c->failed || !bytes) return;
+  if (batch_move(c, p, NULL, bytes)) return;
   cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
   if (r != cudaSuccess)
     mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  else if (c->mark_steps) mok__cuda_mark(c, "memset");
 }
 
 /* On the job's stream, between any of the client's memory (device or
  * device-mapped host) and the workspace. */
 void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
   if (c->failed || !bytes) return;
+  if (batch_move(c, dst, src, bytes)) return;
   cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
   if (r != cudaSuccess)
     mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+  else if (c->mark_steps) mok__cuda_mark(c, "copy");
 }
 
 /* acts at T (mok_wire.h); the bytes between each array's end and its
@@ -1093,10 +1133,11 @@ static acts_ptrs ctx_acts(job_ctx *c, void *ctx, bool writing) {
  * workspace's copy of the routing ids, or copied there from the client and
  * validated there. The client's copies are written, never read back. */
 
-/* The job's topk_ids into the workspace; the schedule built from that copy. */
+/* The schedule from the job's topk_ids, each read once into the
+ * workspace's copy, which is what the build uses. */
 static void sched_build(job_ctx *c) {
-  mok__cuda_copy_async(c, c->w.ids, T_(c, MOK_SLOT_TOPK_IDS), (size_t)c->d.T * c->d.K * 4);
-  LAUNCH(c, mok_k_schedule_build(&c->d, c->w.ids, c->w.sched, c->w.kernels, c->status, c->st));
+  LAUNCH(c, mok_k_schedule_build_snapshot(&c->d, T_(c, MOK_SLOT_TOPK_IDS), c->w.ids, c->w.sched,
+                                          c->w.kernels, c->status, c->st));
 }
 
 /* The workspace's schedule out to the client's (ctx or schedule tensor). */
@@ -1356,6 +1397,7 @@ static mok_engine_job *take_job(mok_engine_session *s) {
 
 static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
                                  mok_engine_result *res) {
+  const uint64_t entered_ns = mok__cuda_profiling() ? mok_clock_ns() : 0;
   res->status = MOK_OK;
   res->message[0] = '\0';
   mok_engine_session *s = a->session;
@@ -1384,6 +1426,9 @@ static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *
   j->status = MOK_OK;
   j->message[0] = '\0';
   j->n_marks = 0;
+  j->mark_label[0] = '\0';
+  j->taken_ns = 0;
+  memset(j->begin_ns, 0, sizeof j->begin_ns);
   j->device_posts = false;
   j->flag_written = false;
   *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
@@ -1401,18 +1446,22 @@ static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *
     cr = e->drv.wait64(s->stream,
                        s->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (a->fence_wait % MOK_RING_ENTRIES),
                        a->fence_wait, CU_STREAM_WAIT_VALUE_GEQ);
+  const uint64_t waited_ns = entered_ns ? mok_clock_ns() : 0;
   if (cr != CUDA_SUCCESS)
     mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", mok__cuda_drv_error(e, cr));
   else if (a->fence_wait && s->sync_dev)
     mok__cuda_fence_watch(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
   cudaEventRecord(j->ev_start, s->stream);
+  j->begin_ns[0] = entered_ns;
+  j->begin_ns[1] = waited_ns;
+  j->begin_ns[2] = entered_ns ? mok_clock_ns() : 0;
   return j;
 }
 
 bool mok__cuda_profiling(void) {
   static int on = -1;
   if (on < 0) {
-    const char *v = getenv("MOK_EP_PROFILE");
+    const char *v = getenv("MOK_CUDA_PROFILE");
     on = v && strcmp(v, "1") == 0;
   }
   return on > 0;
@@ -1421,6 +1470,7 @@ bool mok__cuda_profiling(void) {
 void mok__cuda_mark(job_ctx *c, const char *name) {
   mok_engine_job *j = c->j;
   if (c->failed || j->n_marks >= CUDA_MAX_MARKS) return;
+  if (c->n_moves && strcmp(name, "moves") != 0) mok__cuda_flush_moves(c); /* marks them */
   cudaEvent_t *ev = &j->marks[j->n_marks];
   if (!*ev && cudaEventCreate(ev) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -1431,26 +1481,61 @@ void mok__cuda_mark(job_ctx *c, const char *name) {
     (void)cudaGetLastError();
     return;
   }
+  j->mark_cpu_ns[j->n_marks] = mok_clock_ns();
   j->mark_names[j->n_marks++] = name;
 }
 
-/* "copy-in 0.12, barrier-1 0.03, ..." (ms from the previous mark) */
+/* A mark's name for the log: a launch's text up to its '(' without the
+ * library's prefix ("mok_k_gather_rows(&c->d, ..." -> "gather_rows"). */
+static int mark_name_len(const char **name) {
+  const char *s = *name;
+  if (strncmp(s, "mok_k_", 6) == 0) s += 6;
+  *name = s;
+  const char *paren = strchr(s, '(');
+  return paren ? (int)(paren - s) : (int)strlen(s);
+}
+
+/* "copy-in 0.12, barrier-1 0.03, ..." (ms from the previous mark; a single
+ * job's marks also give the host's time to enqueue each step, in us, and
+ * from taking the job to its first mark: "cpu: take 12.3, copy 4.1, ...") */
 static void log_marks(mok_engine_job *j) {
-  char buf[512];
+  char buf[1024], cpu[768];
+  size_t nc = 0;
+  cpu[0] = '\0';
+  const uint64_t *b = j->begin_ns;
+  if (j->taken_ns && j->mark_cpu_ns[0] >= j->taken_ns && b[0] >= j->taken_ns && b[1] >= b[0] &&
+      b[2] >= b[1] && j->mark_cpu_ns[0] >= b[2])
+    nc += (size_t)snprintf(cpu, sizeof cpu,
+                           "; cpu (us): take %.1f, to_start %.1f, fence_wait %.1f, "
+                           "start_event %.1f, first_mark %.1f",
+                           (double)(j->mark_cpu_ns[0] - j->taken_ns) / 1e3,
+                           (double)(b[0] - j->taken_ns) / 1e3, (double)(b[1] - b[0]) / 1e3,
+                           (double)(b[2] - b[1]) / 1e3, (double)(j->mark_cpu_ns[0] - b[2]) / 1e3);
+  if (nc && b[3] >= j->mark_cpu_ns[0] && b[4] >= b[3] && b[5] >= b[4])
+    nc += (size_t)snprintf(cpu + nc, sizeof cpu - nc, ", prepare_checks %.1f, prepare_workspace %.1f",
+                           (double)(b[4] - b[3]) / 1e3, (double)(b[5] - b[4]) / 1e3);
+  for (int i = 1; j->taken_ns && i < j->n_marks && nc < sizeof cpu - 48; i++) {
+    const char *name = j->mark_names[i];
+    int len = mark_name_len(&name);
+    nc += (size_t)snprintf(cpu + nc, sizeof cpu - nc, ", %.*s %.1f", len, name,
+                           (double)(j->mark_cpu_ns[i] - j->mark_cpu_ns[i - 1]) / 1e3);
+  }
   size_t n = 0;
   float total = 0;
-  for (int i = 1; i < j->n_marks && n < sizeof buf - 40; i++) {
+  for (int i = 1; i < j->n_marks && n < sizeof buf - 48; i++) {
     float ms = 0;
     if (cudaEventElapsedTime(&ms, j->marks[i - 1], j->marks[i]) != cudaSuccess) {
       (void)cudaGetLastError();
       return;
     }
     total += ms;
-    n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%s %.3f", i > 1 ? ", " : "",
-                          j->mark_names[i], (double)ms);
+    const char *name = j->mark_names[i];
+    int len = mark_name_len(&name);
+    n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%.*s %.4f", i > 1 ? ", " : "", len, name,
+                          (double)ms);
   }
-  log_info("cuda engine: %s phases (ms): %s; total %.3f", mok_op_name(j->op), buf,
-           (double)total);
+  log_info("cuda engine: %s phases (ms)%s: %s; total %.4f%s", mok_op_name(j->op), j->mark_label,
+           buf, (double)total, cpu);
 }
 
 /* What a fresh workspace is filled with: 0, or MOK_CUDA_WS_FILL (a byte; for
@@ -1543,13 +1628,19 @@ static bool job_workspace(job_ctx *c) {
 
 bool mok__cuda_job_prepare(job_ctx *c) {
   const mok_job_args *a = c->a;
+  uint64_t *stamp = c->mark_steps ? c->j->begin_ns : NULL;
+  if (stamp) stamp[3] = mok_clock_ns();
   if (a->op == MOK_OP_NOP || c->failed || !mok__cuda_check_job(c)) return false;
   c->d = mok__cuda_dims_of(a->layer, a->tokens);
   c->ld = mok_layer_dims(a->layer, a->tokens);
+  if (stamp) stamp[4] = mok_clock_ns();
   if (!job_workspace(c)) return false;
-  cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
-  if (r != cudaSuccess)
-    mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  if (stamp) stamp[5] = mok_clock_ns();
+  if (!batch_move(c, c->s->d_status, NULL, sizeof(int32_t))) {
+    cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
+    if (r != cudaSuccess)
+      mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
+  }
   /* read back at completion only: the word lands in pinned memory before ev_done */
   c->j->reads_status = true;
   return !c->failed;
@@ -1560,12 +1651,22 @@ static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
   mok_engine_session *s = c->s;
   mok_engine_job *j = c->j;
   const mok_job_args *a = c->a;
-  if (j->reads_status) {
+  /* the status word back: into the sync page through its device address
+   * with the last moves when it is registered, else by the copy engine */
+  if (j->reads_status && s->sync_dev && !c->failed &&
+      batch_move(c, (void *)(uintptr_t)(s->sync_dev + MOK_SHM_STATUS_OFFSET + 4u * (unsigned)j->slot),
+                 s->d_status, sizeof(int32_t))) {
+    mok__cuda_flush_moves(c);
+    if (c->failed) j->reads_status = false;
+  } else if (j->reads_status) {
+    mok__cuda_flush_moves(c);
     cudaError_t r = cudaMemcpyAsync((void *)&s->h_status[j->slot], s->d_status, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, s->stream);
     if (r != cudaSuccess) {
       j->reads_status = false;
       mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
+    } else if (c->mark_steps) {
+      mok__cuda_mark(c, "status_out");
     }
   }
   CUresult cr;
@@ -1628,7 +1729,17 @@ static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
   job_ctx c;
   mok_engine_job *j = job_begin(e, a, &c, res);
   if (!j) return NULL;
+  c.batch_moves = true;
+  if (mok__cuda_profiling()) {
+    /* every step's time, from here (the client's fence passed) */
+    c.mark_steps = true;
+    j->taken_ns = a->taken_ns;
+    mok__cuda_mark(&c, "start");
+  }
   if (mok__cuda_job_prepare(&c)) {
+    if (c.mark_steps)
+      snprintf(j->mark_label, sizeof j->mark_label, " T=%d H=%d I=%d E_loc=%d K=%d I_s=%d",
+               (int)c.d.T, (int)c.d.H, (int)c.d.I, (int)c.d.E_loc, (int)c.d.K, (int)c.d.I_s);
     if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
     else op_step(&c);

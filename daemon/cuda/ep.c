@@ -379,7 +379,7 @@ typedef struct ep_job {
   acts_ptrs acts;     /* routed acts of the virtual batch, shared acts of the own tokens */
   uint64_t timeout_ns;
   bool side; /* work is on the side stream: join before the job ends */
-  bool profile; /* MOK_EP_PROFILE=1: phase marks */
+  bool profile; /* MOK_CUDA_PROFILE=1: phase marks */
 } ep_job;
 
 static void fill_async(job_ctx *c, void *dst, int byte, size_t bytes) {

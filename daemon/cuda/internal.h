@@ -19,7 +19,7 @@
 #define MAX_JOBS ((int)MOK_RING_ENTRIES) /* running jobs per session (the completion ring's size) */
 #define DEFAULT_FENCE_TIMEOUT_MS 30000u
 #define DEFAULT_JOB_TIMEOUT_MS 120000u
-#define CUDA_MAX_MARKS 12
+#define CUDA_MAX_MARKS 32
 
 /* ---- driver entry points ---------------------------------------------------- */
 
@@ -97,10 +97,18 @@ struct mok_engine_job {
   bool device_posts;  /* a group job whose members' posts are compared on the device */
   bool flag_written;  /* a standing instance whose flag write is on the stream */
   char message[MOK_JOB_MESSAGE_MAX];
-  /* phase marks of a group job when MOK_EP_PROFILE=1 (logged at completion) */
+  /* phase marks when MOK_CUDA_PROFILE=1 (logged at completion): a group
+   * job's phases, or a single job's every kernel, copy and memset */
   int n_marks;
   cudaEvent_t marks[CUDA_MAX_MARKS];
   const char *mark_names[CUDA_MAX_MARKS];
+  uint64_t mark_cpu_ns[CUDA_MAX_MARKS]; /* the host clock when each was enqueued */
+  uint64_t taken_ns;   /* when the engine thread took the job */
+  /* host clock (profiling): start() entered, the fence wait and the start
+   * event enqueued; mok__cuda_job_prepare entered, its checks and the
+   * workspace done */
+  uint64_t begin_ns[6];
+  char mark_label[96]; /* the job's shape, for the log line */
 };
 
 struct mok_engine_session {
@@ -189,6 +197,13 @@ typedef struct job_ctx {
   int32_t *status;
   job_ws w;    /* the job's pieces of the session's workspace (mok__cuda_job_prepare) */
   bool failed; /* stop enqueueing kernels */
+  bool mark_steps; /* MOK_CUDA_PROFILE=1 on a single job: a mark after each step */
+  /* a single job's small copies and zero fills, batched into one kernel
+   * launched before the next kernel or stream operation (mok_k_moves;
+   * mok__cuda_flush_moves); a group job moves with the copy engine */
+  bool batch_moves;
+  int n_moves;
+  mok_k_move moves[MOK_K_MOVES_MAX];
 } job_ctx;
 
 typedef struct acts_ptrs {
@@ -213,8 +228,14 @@ __attribute__((format(printf, 3, 4))) void mok__cuda_job_fail(job_ctx *c, int st
 void mok__cuda_launched(job_ctx *c, int st, const char *what);
 #define LAUNCH(c, call)                                                                       \
   do {                                                                                        \
-    if (!(c)->failed) mok__cuda_launched((c), (call), #call);                                 \
+    if (!(c)->failed) {                                                                       \
+      mok__cuda_flush_moves(c);                                                               \
+      mok__cuda_launched((c), (call), #call);                                                 \
+    }                                                                                         \
   } while (0)
+
+/* the batched moves onto the stream now (before any other stream work) */
+void mok__cuda_flush_moves(job_ctx *c);
 
 void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes);
 void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes);
@@ -231,8 +252,10 @@ bool mok__cuda_check_job(job_ctx *c);
  * carves its workspace (growing the session's) and resets the status word;
  * false: the job failed (c says why). */
 bool mok__cuda_job_prepare(job_ctx *c);
-/* Profiling (MOK_EP_PROFILE=1): a timing event after the work enqueued so
- * far, named; the intervals are logged when the job completes. */
+/* Profiling (MOK_CUDA_PROFILE=1): a timing event after the work enqueued so
+ * far, named; the intervals are logged when the job completes. A name may be
+ * a launch's text ("mok_k_gather_rows(...)"): the log keeps the function's
+ * name without its prefix. */
 bool mok__cuda_profiling(void);
 void mok__cuda_mark(job_ctx *c, const char *name);
 

@@ -8,6 +8,12 @@
  *                                   [--memory cudamalloc|cudamalloc-unrounded|vmm]
  *                                   [--inproc-ab 1]  (the same layer in this process too,
  *                                                     the two taking turns: see below)
+ *                                   [--phases 1]     (with --inproc-ab: the in-process
+ *                                                     chain's time per step, for the
+ *                                                     daemon's own, MOK_CUDA_PROFILE=1)
+ *                                   [--client-wait stream|host]  (with --inproc-ab: the
+ *                                                     mokd jobs ordered on the stream, or
+ *                                                     submitted and waited for on the host)
  *   (the client pool: one cudaMalloc rounded up to 2 MiB as PyTorch rounds its
  *   segments, the same not rounded, or cuMemCreate memory mokd maps from an fd)
  *
@@ -47,6 +53,17 @@
  * run's exit status is 1 when not). The mokd backward also gathers x again
  * and copies the ctx's schedule in (routed x is not kept across jobs): that
  * is part of what the boundary costs.
+ *
+ * --phases 1 (with --inproc-ab): the in-process runs also record an event
+ * between the chain's steps and print each step's median; mokd started
+ * with MOK_CUDA_PROFILE=1 logs the same for each of its jobs (every kernel,
+ * copy and memset, from the client's fence to the status word), so the two
+ * can be set side by side step by step (tests/bench/phase_table.py).
+ * --client-wait host: the mokd side submits each job without a stream
+ * (mok_forward / mok_backward, then mok_wait): no fence on either stream, so
+ * mokd's kernels run with no wait pending on the client's stream; its times
+ * then include the host round trip, and the daemon's phases give its GPU
+ * time.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -71,6 +88,8 @@ static int g_vmm;
 static int g_round_2m = 1;
 /* --inproc-ab 1: the in-process chain and the mokd job take turns */
 static int g_ab;
+/* --phases 1: the in-process chain's time per step; --client-wait host */
+static int g_phases, g_host_wait;
 
 enum { P_X, P_IDS, P_RW, P_DOUT, P_PER_SET };
 /* per-set tensors first (N_SETS each), then the shared ones */
@@ -102,6 +121,9 @@ typedef struct dres {
   float inproc_fwd_ms, inproc_bwd_ms;
   double overhead_fwd_pct, overhead_bwd_pct, paired_fwd_pct, paired_bwd_pct;
   double flops_fwd, max_over_mean[N_SETS];
+  /* --phases: the in-process chain's median per step (ms), and the host
+   * time of the client's submission call of a forward job (us) */
+  float phase_fwd[FWD_STEPS], phase_bwd[BWD_STEPS], submit_fwd_us;
   char error[256];
 } dres;
 
@@ -109,6 +131,47 @@ static int fail(dres *r, const char *what, int st) {
   snprintf(r->error, sizeof r->error, "%s: %s (%s)", what, mok_status_name(st), mok_last_error());
   fprintf(stderr, "mok_bench_daemon: %s\n", r->error);
   return 0;
+}
+
+/* One mokd job of the --inproc-ab loops: on the stream, or (--client-wait
+ * host) submitted and waited for on the host. 1: it ran. */
+static int forward_job(mok_client *c, mok_layer *l, uint32_t T, const mok_forward_args *a,
+                       cudaStream_t st, dres *r) {
+  uint64_t ticket = 0;
+  int s;
+  if (!g_host_wait) {
+    s = mok_forward_on_stream(l, T, a, st, NULL);
+    return s == MOK_OK ? 1 : fail(r, "mok_forward_on_stream", s);
+  }
+  if ((s = mok_forward(l, T, a, &ticket)) != MOK_OK) return fail(r, "mok_forward", s);
+  return (s = mok_wait(c, ticket, 30000)) == MOK_OK ? 1 : fail(r, "mok_wait (forward)", s);
+}
+
+static int backward_job(mok_client *c, mok_layer *l, uint32_t T, const mok_backward_args *a,
+                        cudaStream_t st, dres *r) {
+  uint64_t ticket = 0;
+  int s;
+  if (!g_host_wait) {
+    s = mok_backward_on_stream(l, T, 0, a, st, NULL);
+    return s == MOK_OK ? 1 : fail(r, "mok_backward_on_stream", s);
+  }
+  if ((s = mok_backward(l, T, 0, a, &ticket)) != MOK_OK) return fail(r, "mok_backward", s);
+  return (s = mok_wait(c, ticket, 30000)) == MOK_OK ? 1 : fail(r, "mok_wait (backward)", s);
+}
+
+/* the n steps between n+1 waited-for events, into out[n] (ms) */
+static void phase_times(cudaEvent_t *ev, int n, float *out) {
+  for (int k = 0; k < n; k++) CUDA_CHECK(cudaEventElapsedTime(&out[k], ev[k], ev[k + 1]));
+}
+
+/* per step, the median over reps of per_rep[rep * n + step] */
+static void phase_medians(const float *per_rep, int reps, int n, float *out) {
+  float *col = (float *)malloc(sizeof(float) * (size_t)reps);
+  for (int k = 0; k < n; k++) {
+    for (int i = 0; i < reps; i++) col[i] = per_rep[(size_t)i * n + k];
+    out[k] = median_of(col, reps);
+  }
+  free(col);
 }
 
 /* returns 1 when every job of the configuration succeeded */
@@ -270,30 +333,50 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
   float *tf = (float *)malloc(sizeof(float) * reps), *tb = (float *)malloc(sizeof(float) * reps);
   /* --inproc-ab: the in-process side's times */
   float *af = (float *)malloc(sizeof(float) * reps), *ab = (float *)malloc(sizeof(float) * reps);
+  /* --phases: the in-process chain's steps, per rep */
+  cudaEvent_t pev[FWD_STEPS + 1];
+  float *pf = NULL, *pb = NULL;
+  if (g_ab && g_phases) {
+    for (int k = 0; k <= FWD_STEPS; k++) CUDA_CHECK(cudaEventCreate(&pev[k]));
+    pf = (float *)calloc((size_t)reps * FWD_STEPS, sizeof(float));
+    pb = (float *)calloc((size_t)reps * BWD_STEPS, sizeof(float));
+  }
+  cudaEvent_t *ev = g_ab && g_phases ? pev : NULL;
+  float *submit_us = (float *)calloc((size_t)reps, sizeof(float));
   for (int i = 0; g_ab && ok && i < 2 * (warmup + reps); i++) {
     /* run i: A (in-process) when i % 4 is 0 or 3, else B (mokd); set i % 2 */
     const int s = i % N_SETS, in_proc = i % 4 == 0 || i % 4 == 3, rep = i / 2 - warmup;
     CUDA_CHECK(cudaEventRecord(e0, st));
-    if (in_proc) enqueue_forward(&L, s, NULL, st);
-    else if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
-      ok = fail(r, "mok_forward_on_stream", st_);
+    const double t_call = now_s();
+    if (in_proc) enqueue_forward(&L, s, ev, st);
+    else ok = forward_job(c, l, T, &fa[s], st, r);
+    if (rep >= 0 && !in_proc) submit_us[rep] = (float)((now_s() - t_call) * 1e6);
     CUDA_CHECK(cudaEventRecord(e1, st));
     CUDA_CHECK(cudaEventSynchronize(e1));
     if (rep >= 0) CUDA_CHECK(cudaEventElapsedTime(in_proc ? &af[rep] : &tf[rep], e0, e1));
+    if (rep >= 0 && in_proc && ev) phase_times(ev, FWD_STEPS, pf + (size_t)rep * FWD_STEPS);
   }
   for (int i = 0; g_ab && ok && i < 2 * (warmup + reps); i++) {
     const int s = i % N_SETS, in_proc = i % 4 == 0 || i % 4 == 3, rep = i / 2 - warmup;
     if (in_proc) enqueue_forward(&L, s, NULL, st);
-    else if ((st_ = mok_forward_on_stream(l, T, &fa[s], st, NULL)) != MOK_OK)
-      ok = fail(r, "mok_forward_on_stream", st_);
+    else ok = forward_job(c, l, T, &fa[s], st, r);
     CUDA_CHECK(cudaEventRecord(e0, st));
-    if (in_proc) enqueue_backward(&L, s, NULL, st);
-    else if (ok && (st_ = mok_backward_on_stream(l, T, 0, &ba[s], st, NULL)) != MOK_OK)
-      ok = fail(r, "mok_backward_on_stream", st_);
+    if (in_proc) enqueue_backward(&L, s, ev, st);
+    else if (ok) ok = backward_job(c, l, T, &ba[s], st, r);
     CUDA_CHECK(cudaEventRecord(e1, st));
     CUDA_CHECK(cudaEventSynchronize(e1));
     if (rep >= 0) CUDA_CHECK(cudaEventElapsedTime(in_proc ? &ab[rep] : &tb[rep], e0, e1));
+    if (rep >= 0 && in_proc && ev) phase_times(ev, BWD_STEPS, pb + (size_t)rep * BWD_STEPS);
   }
+  if (ev) {
+    phase_medians(pf, reps, FWD_STEPS, r->phase_fwd);
+    phase_medians(pb, reps, BWD_STEPS, r->phase_bwd);
+    for (int k = 0; k <= FWD_STEPS; k++) CUDA_CHECK(cudaEventDestroy(pev[k]));
+  }
+  free(pf);
+  free(pb);
+  if (ok) r->submit_fwd_us = median_of(submit_us, reps);
+  free(submit_us);
   for (int i = 0; !g_ab && ok && i < warmup + reps; i++) {
     const int s = i % N_SETS;
     CUDA_CHECK(cudaEventRecord(e0, st));
@@ -398,7 +481,8 @@ static const char *inproc_kernels(void) {
 }
 
 static void write_json(const char *path, const char *engine, const char *device, int mps,
-                       const config *cfg, const dres *res, int n, const char *note) {
+                       const config *cfg, const dres *res, int n, const char *note, int reps,
+                       int warmup) {
   if (!path) return;
   char tmp[1100];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -408,7 +492,10 @@ static void write_json(const char *path, const char *engine, const char *device,
     return;
   }
   fprintf(f, "{\n \"tool\": \"mok_bench_daemon\",\n \"engine\": \"%s\",\n \"device\": \"%s\",\n"
-             " \"mps\": %s,\n \"note\": \"%s\",\n", engine, device, mps ? "true" : "false", note);
+             " \"mps\": %s,\n \"note\": \"%s\",\n \"reps\": %d,\n \"warmup\": %d,\n"
+             " \"client_wait\": \"%s\",\n",
+          engine, device, mps ? "true" : "false", note, reps, warmup,
+          g_host_wait ? "host" : "stream");
   if (g_ab)
     fprintf(f, " \"inproc_ab\": true,\n \"inproc_kernels\": \"%s\",\n"
                " \"inproc_note\": \"in-process: the kernel library on the client's stream, taking "
@@ -435,6 +522,15 @@ static void write_json(const char *path, const char *engine, const char *device,
                  "\"same_output\": %s",
               r->inproc_fwd_ms, r->inproc_bwd_ms, r->overhead_fwd_pct, r->overhead_bwd_pct,
               r->paired_fwd_pct, r->paired_bwd_pct, r->same_output ? "true" : "false");
+    if (r->ok && r->ab && g_phases) {
+      fprintf(f, ", \"submit_fwd_us\": %.2f, \"inproc_fwd_phases_ms\": {", r->submit_fwd_us);
+      for (int k = 0; k < FWD_STEPS; k++)
+        fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", FWD_NAMES[k], r->phase_fwd[k]);
+      fprintf(f, "}, \"inproc_bwd_phases_ms\": {");
+      for (int k = 0; k < BWD_STEPS; k++)
+        fprintf(f, "%s\"%s\": %.4f", k ? ", " : "", BWD_NAMES[k], r->phase_bwd[k]);
+      fprintf(f, "}");
+    }
     if (r->ok && r->fwd_piped_ms > 0)
       fprintf(f, ", \"fwd_piped_ms\": %.4f, \"bwd_piped_ms\": %.4f", r->fwd_piped_ms,
               r->bwd_piped_ms);
@@ -451,7 +547,7 @@ static void write_json(const char *path, const char *engine, const char *device,
 static int usage(const char *a0) {
   fprintf(stderr, "usage: %s [--out F] [--routing-dir D] [--T L] [--reps N] [--warmup N] "
                   "[--deadline S] [--only NAMES] [--piped 0|1] [--memory cudamalloc|cudamalloc-unrounded|vmm] "
-                  "[--inproc-ab 0|1]\n", a0);
+                  "[--inproc-ab 0|1] [--phases 0|1] [--client-wait stream|host]\n", a0);
   return 2;
 }
 
@@ -484,6 +580,11 @@ int main(int argc, char **argv) {
       if ((piped = parse_01(v)) < 0) return usage(argv[0]);
     } else if (!strcmp(a, "--inproc-ab")) {
       if ((g_ab = parse_01(v)) < 0) return usage(argv[0]);
+    } else if (!strcmp(a, "--phases")) {
+      if ((g_phases = parse_01(v)) < 0) return usage(argv[0]);
+    } else if (!strcmp(a, "--client-wait")) {
+      if (strcmp(v, "stream") && strcmp(v, "host")) return usage(argv[0]);
+      g_host_wait = !strcmp(v, "host");
     }
     else if (!strcmp(a, "--memory")) {
       if (strcmp(v, "cudamalloc") && strcmp(v, "cudamalloc-unrounded") && strcmp(v, "vmm")) {
@@ -501,6 +602,10 @@ int main(int argc, char **argv) {
     i++;
   }
   if (reps < 1 || warmup < 0) return usage(argv[0]);
+  if ((g_phases || g_host_wait) && !g_ab) {
+    fprintf(stderr, "mok_bench_daemon: --phases and --client-wait host go with --inproc-ab 1\n");
+    return 2;
+  }
   int ts[8], nts = 0;
   for (const char *p = tlist; *p && nts < 8;) {
     int t = atoi(p);
@@ -529,13 +634,13 @@ int main(int argc, char **argv) {
   if (r0 != MOK_OK) {
     fprintf(stderr, "mok_bench_daemon: mok_connect: %s (%s)\n", mok_status_name(r0),
             mok_last_error());
-    write_json(out, "none", "", mps, cfg, res, 0, "could not connect to mokd");
+    write_json(out, "none", "", mps, cfg, res, 0, "could not connect to mokd", reps, warmup);
     return 3;
   }
   const char *engine = mok_client_engine(c), *device = mok_client_device(c);
   printf("mok_bench_daemon: mokd engine %s on %s%s\n", engine, device, mps ? " (MPS)" : "");
   if (strcmp(engine, "cuda") != 0) {
-    write_json(out, engine, device, mps, cfg, res, 0, "mokd does not run the cuda engine");
+    write_json(out, engine, device, mps, cfg, res, 0, "mokd does not run the cuda engine", reps, warmup);
     mok_close(c);
     return 3;
   }
@@ -564,9 +669,17 @@ int main(int argc, char **argv) {
     if (ok && piped)
       printf("  piped: fwd %8.3f ms  bwd %8.3f ms", r->fwd_piped_ms, r->bwd_piped_ms);
     if (ok) printf("\n");
+    if (ok && r->ab && g_phases) {
+      printf("  in-process phases (ms): fwd");
+      for (int k = 0; k < FWD_STEPS; k++) printf(" %s %.4f", FWD_NAMES[k], r->phase_fwd[k]);
+      printf(" | bwd");
+      for (int k = 0; k < BWD_STEPS; k++) printf(" %s %.4f", BWD_NAMES[k], r->phase_bwd[k]);
+      printf("\n");
+    }
     differ += ok && r->ab && !r->same_output;
     fflush(stdout);
-    write_json(out, engine, device, mps, cfg, res, n, "jobs on device pointers, on the client's stream");
+    write_json(out, engine, device, mps, cfg, res, n, "jobs on device pointers, on the client's stream", reps,
+               warmup);
     if (!ok) {
       failures++;
       break;

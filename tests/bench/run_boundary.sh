@@ -23,6 +23,15 @@
 #                  cost: the clocks under the power cap); no mok_bench run.
 #                  MODES defaults to "mps" and DAEMON_MEMORY to "cudamalloc"
 #                  there; table: boundary_table.py OUTDIR --ab
+#   PHASES=1       with AB=1: each step's time on both sides (mokd with
+#                  MOK_CUDA_PROFILE=1 logs its jobs' steps, the in-process
+#                  chain records events between its steps); table:
+#                  phase_table.py OUTDIR (OUTDIR/phases_MODE_KIND.txt)
+#   ONLY=NAMES     mok_bench_daemon --only (with AB=1)
+#   MOKD_ARGS      more mokd options (e.g. "--idle-spin-us 5000")
+#   CLIENT_WAIT=host  with AB=1: the mokd jobs submitted and waited for on
+#                  the host instead of on the stream (no fence pending on
+#                  either stream while mokd's kernels run)
 # Binaries: $KBUILD/mok_bench (tests/gpu/build_kernels_v3.sh, default build-v3),
 # $MOK_DEVBUILD/{bin/mokd,bench/mok_bench_daemon} (tests/gpu/build_device.sh).
 # Files: OUTDIR/inproc_MODE_KIND.{json,log}, OUTDIR/daemon_MODE_KIND.{json,log},
@@ -47,9 +56,16 @@ rc=0
 STEP_LOGS=$OUTDIR
 # shellcheck source=tests/gpu/steps.sh
 . tests/gpu/steps.sh # start_mps, stop_mps
+PHASES=${PHASES:-0}; CLIENT_WAIT=${CLIENT_WAIT:-stream}
+case $PHASES in 0|1) ;; *) echo "run_boundary.sh: PHASES must be 0 or 1"; exit 2 ;; esac
+case $CLIENT_WAIT in stream|host) ;; *) echo "run_boundary.sh: CLIENT_WAIT: stream or host"; exit 2 ;; esac
+MOKD_LOG_LEVEL=warn
+[ "$PHASES" = 1 ] && { export MOK_CUDA_PROFILE=1; MOKD_LOG_LEVEL=info; }
 mokd_up() { # SOCK LOG [wrapper...]
   local sock=$1 log=$2; shift 2
-  "$@" "$B/bin/mokd" --engine cuda --socket "$sock" --log-level warn >"$log" 2>&1 &
+  # shellcheck disable=SC2086 # MOKD_ARGS: words
+  "$@" "$B/bin/mokd" --engine cuda --socket "$sock" --log-level "$MOKD_LOG_LEVEL" ${MOKD_ARGS:-} \
+    >"$log" 2>&1 &
   MOKD_PID=$!
   for _ in $(seq 1 600); do
     [ -S "$sock" ] && return 0
@@ -72,10 +88,15 @@ if [ "$AB" = 1 ]; then
       mokd_up "$SOCK" "$OUTDIR/mokd_ab_${v}_$m.log" || { rc=1; continue; }
       echo "== interleaved: in-process and through mokd in one process, $v, client memory $m"
       MOK_SOCKET=$SOCK timeout 500 "$B/bench/mok_bench_daemon" --inproc-ab 1 --T "$TS" \
-        --reps "$REPS" --memory "$m" --piped "${PIPED:-0}" --out "$OUTDIR/ab_${v}_$m.json" \
+        --reps "$REPS" --memory "$m" --piped "${PIPED:-0}" --phases "$PHASES" \
+        --client-wait "$CLIENT_WAIT" ${ONLY:+--only "$ONLY"} --out "$OUTDIR/ab_${v}_$m.json" \
         >"$OUTDIR/ab_${v}_$m.log" 2>&1 || rc=1
       grep -E "in-process side|through mokd|fail|rror|differ" "$OUTDIR/ab_${v}_$m.log" | sed 's/^/  /'
       mokd_down "$SOCK"
+      if [ "$PHASES" = 1 ]; then
+        python3 tests/bench/phase_table.py "$OUTDIR/ab_${v}_$m.json" "$OUTDIR/mokd_ab_${v}_$m.log" \
+          | tee "$OUTDIR/phases_${v}_$m.txt" || rc=1
+      fi
     done
     [ "$v" = mps ] && { stop_mps; sleep 1; }
   done
