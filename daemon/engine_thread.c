@@ -876,6 +876,7 @@ static void engine_wake(void *arg) {
 static void *engine_main(void *arg) {
   mok_engine_thread *t = arg;
   uint64_t idle_since = 0;
+  bool was_running = false;
   for (;;) {
     run_commands(t);
     if (t->forming) mok__group_poll_formers(t, false);
@@ -888,11 +889,15 @@ static void *engine_main(void *arg) {
     bool took = run_jobs_round(t);
     uint64_t now = mok_clock_ns();
     bool running = poll_all(t, now);
+    /* the spin counts from the last job taken or the last one ended: a
+     * client that waited for a long job submits its next one just after */
+    const bool ended = was_running && !running;
+    was_running = running;
     if (took) {
       idle_since = 0;
       continue;
     }
-    if (!idle_since) idle_since = now;
+    if (!idle_since || ended) idle_since = now;
     if (now - idle_since < t->spin_ns) continue; /* a job now starts without a wake-up */
     bool standing_live, standing_hot;
     standing_state(t, now, &standing_live, &standing_hot);
