@@ -17,7 +17,6 @@
 #define MOK_FP8_E4M3_H
 
 #include <stdint.h>
-#include <string.h>
 
 #ifdef __CUDACC__
 #define MOK_FP8_FN __host__ __device__ __forceinline__
@@ -32,24 +31,23 @@
 #define MOK_FP8_SCALE_EXP_MIN (-126)
 #define MOK_FP8_SCALE_EXP_MAX 127
 
-MOK_FP8_FN uint32_t mok_fp8_f32_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
+/* An f32's bits and back, through a union: defined in C11, and supported
+ * by gcc and nvcc in C++ (host and device) as the same reinterpretation. */
+typedef union mok_fp8_f32_u {
+  float f;
   uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-#endif
+} mok_fp8_f32_u;
+
+MOK_FP8_FN uint32_t mok_fp8_f32_bits(float f) {
+  mok_fp8_f32_u v;
+  v.f = f;
+  return v.u;
 }
 
 MOK_FP8_FN float mok_fp8_f32_of_bits(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-#endif
+  mok_fp8_f32_u v;
+  v.u = u;
+  return v.f;
 }
 
 /* 2^n for n in [-149, 127] (subnormal below -126), exactly. */
