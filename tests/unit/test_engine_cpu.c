@@ -1508,6 +1508,12 @@ static void test_fp8_quantize_weight_matches_the_recipe(void) {
   for (int n = 0; n < 128; n++)
     for (int k = 0; k < 128; k++)
       wu[(size_t)n * s.H + k] = mok_f32_to_bf16((float)((n * 7 + k) % 5 - 2) * 1e-39f);
+  /* w_gate's expert 1, block (0, 0): 0.5 everywhere but one NaN, which the
+   * amax leaves out (scale 2^-9, 0.5 * 2^9 = 256) */
+  mok_bf16 *e1 = wg + (size_t)s.I * s.H;
+  for (int n = 0; n < 128; n++)
+    for (int k = 0; k < 128; k++) e1[(size_t)n * s.H + k] = mok_f32_to_bf16(0.5f);
+  e1[5 * s.H + 7] = mok_f32_to_bf16(NAN);
   for (size_t i = 0; i < p->n_w; i++) { /* the doubles follow the bf16 bytes */
     p->wg[i] = mok_bf16_to_f32(wg[i]);
     p->wu[i] = mok_bf16_to_f32(wu[i]);
@@ -1548,6 +1554,10 @@ static void test_fp8_quantize_weight_matches_the_recipe(void) {
   CHECK(s00 == 0x1p127f && s01 == 1.0f && su00 == 0x1p-126f); /* inf; zero; subnormal amax */
   CHECK_EQ_INT(b[3 * s.H], 0x7f);               /* NaN */
   CHECK_EQ_INT(b[10 * s.H + 11], 0x7e);          /* inf * 2^-127: saturated to 448 */
+  float s1;
+  memcpy(&s1, b + mok_fp8_scales_offset(s.E_loc, s.I, s.H) + 4 * 2, 4); /* expert 1, (0, 0) */
+  const uint8_t *b1 = b + (size_t)s.I * s.H;
+  CHECK(s1 == 0x1p-9f && b1[5 * s.H + 7] == 0x7f && b1[5 * s.H + 8] == 0x78 && b1[0] == 0x78);
   mok_engine_cpu.close(e);
 }
 
