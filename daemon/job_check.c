@@ -41,7 +41,7 @@ static int ranges_overlap(const backed_range *a, const backed_range *b) {
 }
 
 static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
-                     const mok_layer_config *layer, uint16_t op, uint32_t tokens,
+                     const mok_layer_config *layer, uint16_t op, uint32_t source, uint32_t tokens,
                      mok_tensor_view *view, char *err, size_t errlen) {
   const char *name = mok_slot_name(ref->slot);
   mok_region *r = mok_region_table_find(regions, ref->region);
@@ -57,7 +57,7 @@ static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
   }
   uint32_t want_dt, want_nd;
   uint64_t want[MOK_MAX_DIMS];
-  mok_job_slot_shape(layer, tokens, ref->slot, &want_dt, &want_nd, want);
+  mok_job_slot_shape_op(layer, op, source, tokens, ref->slot, &want_dt, &want_nd, want);
   uint32_t esz = mok_dtype_size(ref->dtype);
   if (ref->dtype != want_dt) {
     snprintf(err, errlen, "%s: dtype %u, the layer needs dtype %u", name, ref->dtype, want_dt);
@@ -128,6 +128,17 @@ int mok_job_check_tokens(const mok_layer_config *layer, uint32_t tokens, int ref
   return MOK_OK;
 }
 
+int mok_job_check_tokens_op(const mok_layer_config *layer, uint32_t op, uint32_t tokens,
+                            int refusal, char *err, size_t errlen) {
+  if (op != MOK_OP_QUANTIZE_WEIGHT) return mok_job_check_tokens(layer, tokens, refusal, err, errlen);
+  if (tokens != 0) {
+    snprintf(err, errlen, "tokens = %u: quantize_weight works on a weight, it takes 0 tokens",
+             tokens);
+    return MOK_EINVAL;
+  }
+  return MOK_OK;
+}
+
 int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
                   const mok_layer_config *layer, mok_job_args *ret, char *err, size_t errlen) {
   memset(ret, 0, sizeof *ret);
@@ -167,7 +178,7 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
     return MOK_ENOENT;
   }
   ret->layer = layer;
-  st = mok_job_check_tokens(layer, desc->tokens, MOK_EINVAL, err, errlen);
+  st = mok_job_check_tokens_op(layer, desc->op, desc->tokens, MOK_EINVAL, err, errlen);
   if (st != MOK_OK) return st;
   uint64_t seen = 0;
   for (uint32_t i = 0; i < desc->n_tensors; i++) {
@@ -187,8 +198,16 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
                mok_slot_is_shared(ref->slot) ? " (the layer has no shared expert)" : "");
       return MOK_EINVAL;
     }
-    int r = check_ref(ref, regions, layer, desc->op, desc->tokens, &ret->t[ref->slot], err,
-                      errlen);
+  }
+  /* quantize_weight's shapes follow its source weight */
+  uint32_t source = MOK_SLOT_COUNT_;
+  if (desc->op == MOK_OP_QUANTIZE_WEIGHT &&
+      (st = mok_quantize_check(layer, seen, &source, err, errlen)) != MOK_OK)
+    return st;
+  for (uint32_t i = 0; i < desc->n_tensors; i++) {
+    const mok_tensor_ref *ref = &desc->tensors[i];
+    int r = check_ref(ref, regions, layer, desc->op, source, desc->tokens, &ret->t[ref->slot],
+                      err, errlen);
     if (r != MOK_OK) return r;
   }
   for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {

@@ -33,5 +33,8 @@ int mok_job_check_flags_op(uint32_t op, uint32_t flags, char *err, size_t errlen
  * MOK_EINVAL, the cuda engine's MOK_ELIMIT (the status it has always given). */
 int mok_job_check_tokens(const mok_layer_config *layer, uint32_t tokens, int refusal, char *err,
                          size_t errlen);
+/* The same for a job of op: quantize_weight takes tokens = 0 (else MOK_EINVAL). */
+int mok_job_check_tokens_op(const mok_layer_config *layer, uint32_t op, uint32_t tokens,
+                            int refusal, char *err, size_t errlen);
 
 #endif

@@ -3,13 +3,43 @@
 
 #include <stdio.h>
 
+#include "common/fp8_e4m3.h"
 #include "mok_status.h"
+#include "mok_wire.h"
 
 static int check_range(const char *what, uint32_t v, uint32_t lo, uint32_t hi, char *err,
                        size_t errlen) {
   if (v >= lo && v <= hi) return MOK_OK;
   snprintf(err, errlen, "%s = %u is out of range [%u, %u]", what, v, lo, hi);
   return MOK_EINVAL;
+}
+
+int mok_layer_check_fp8_blocks(const mok_layer_config *cfg, char *err, size_t errlen) {
+  const struct {
+    const char *name;
+    uint32_t v;
+  } dims[] = {{"hidden", cfg->hidden},
+              {"intermediate", cfg->intermediate},
+              {"shared_intermediate", cfg->shared_intermediate}};
+  for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
+    if (dims[i].v % MOK_FP8_BLOCK == 0) continue; /* 0: no shared expert */
+    snprintf(err, errlen,
+             "%s = %u is not a multiple of %u: an fp8 layer's GEMMs scale blocks of %u elements "
+             "along hidden, intermediate and shared_intermediate",
+             dims[i].name, dims[i].v, MOK_FP8_BLOCK, MOK_FP8_BLOCK);
+    return MOK_EINVAL;
+  }
+  /* a packed weight is one u8 dimension, which the wire holds in 32 bits */
+  uint64_t E = cfg->local_experts;
+  uint64_t bytes = mok_fp8_weight_bytes(E, cfg->intermediate, cfg->hidden);
+  if (bytes > UINT32_MAX) {
+    snprintf(err, errlen,
+             "an fp8 layer's packed w_gate would be %llu bytes, more than the 4 GiB one tensor "
+             "dimension holds: use fewer experts per layer (expert parallelism) or smaller H, I",
+             (unsigned long long)bytes);
+    return MOK_ELIMIT;
+  }
+  return MOK_OK;
 }
 
 int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen) {
@@ -26,8 +56,9 @@ int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen) {
     snprintf(err, errlen, "topk = %u exceeds experts = %u", cfg->topk, cfg->experts);
     return MOK_EINVAL;
   }
-  if (cfg->dtype != MOK_DTYPE_F32 && cfg->dtype != MOK_DTYPE_BF16) {
-    snprintf(err, errlen, "dtype must be float32 or bfloat16");
+  if (cfg->dtype != MOK_DTYPE_F32 && cfg->dtype != MOK_DTYPE_BF16 &&
+      cfg->dtype != MOK_DTYPE_FP8_E4M3) {
+    snprintf(err, errlen, "dtype must be float32, bfloat16 or fp8 (float8_e4m3fn)");
     return MOK_EINVAL;
   }
   if (cfg->has_limit && !(cfg->swiglu_limit > 0.0f && cfg->swiglu_limit < 1e30f)) {
@@ -37,5 +68,6 @@ int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen) {
   if (!cfg->has_limit) cfg->swiglu_limit = 0.0f;
   cfg->local_experts = cfg->experts;
   cfg->first_expert = 0;
+  if (cfg->dtype == MOK_DTYPE_FP8_E4M3) return mok_layer_check_fp8_blocks(cfg, err, errlen);
   return MOK_OK;
 }

@@ -81,9 +81,10 @@ static mok_request_verdict validate_layer(mok_request *req, const Mok__LayerConf
       .topk = lc->topk,
       .shared_intermediate = lc->shared_intermediate,
       .max_tokens = lc->max_tokens,
-      .dtype = lc->dtype == MOK__DTYPE__DTYPE_F32    ? MOK_DTYPE_F32
-               : lc->dtype == MOK__DTYPE__DTYPE_BF16 ? MOK_DTYPE_BF16
-                                                     : MOK_DTYPE_INVALID,
+      .dtype = lc->dtype == MOK__DTYPE__DTYPE_F32      ? MOK_DTYPE_F32
+               : lc->dtype == MOK__DTYPE__DTYPE_BF16     ? MOK_DTYPE_BF16
+               : lc->dtype == MOK__DTYPE__DTYPE_FP8_E4M3 ? MOK_DTYPE_FP8_E4M3
+                                                         : MOK_DTYPE_INVALID,
       .has_limit = lc->has_swiglu_limit,
       .swiglu_limit = lc->swiglu_limit,
   };

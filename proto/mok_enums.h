@@ -13,6 +13,9 @@ typedef enum mok_dtype {
   MOK_DTYPE_BF16 = 2,
   MOK_DTYPE_I32 = 3,
   MOK_DTYPE_U8 = 4,
+  /* a layer dtype: FP8 E4M3 GEMMs, block-scaled (docs/math.md, "FP8"); its
+   * activations and gradients are bf16, its weights packed u8 */
+  MOK_DTYPE_FP8_E4M3 = 5,
   MOK_DTYPE_COUNT_
 } mok_dtype;
 
@@ -22,6 +25,7 @@ static inline uint32_t mok_dtype_size(uint32_t dt) {
   case MOK_DTYPE_BF16: return 2;
   case MOK_DTYPE_I32: return 4;
   case MOK_DTYPE_U8: return 1;
+  case MOK_DTYPE_FP8_E4M3: return 1;
   default: return 0;
   }
 }
@@ -35,7 +39,8 @@ static inline uint32_t mok_dtype_size(uint32_t dt) {
   M(COMBINE, 5, "combine")                                                     \
   M(COMBINE_BWD, 6, "combine_backward")                                        \
   M(COMPUTE_BWD, 7, "compute_backward")                                        \
-  M(DISPATCH_BWD, 8, "dispatch_backward")
+  M(DISPATCH_BWD, 8, "dispatch_backward")                                      \
+  M(QUANTIZE_WEIGHT, 9, "quantize_weight")
 
 typedef enum mok_op {
 #define MOK_OP_ENUM_(name, value, str) MOK_OP_##name = value,
@@ -74,7 +79,8 @@ typedef enum mok_op {
   M(SHARED_Y, 24, "shared_y")                                                  \
   M(ROUTED_DOUT, 25, "routed_d_out")                                           \
   M(ROUTED_DX, 26, "routed_d_x")                                               \
-  M(SHARED_DX, 27, "shared_d_x")
+  M(SHARED_DX, 27, "shared_d_x")                                              \
+  M(PACKED_WEIGHT, 28, "packed_weight")
 
 typedef enum mok_slot {
 #define MOK_SLOT_ENUM_(name, value, str) MOK_SLOT_##name = value,

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "mok_slots.h"
 
+#include <stdio.h>
 #include <string.h>
 
 const char *mok_op_name(uint32_t op) {
@@ -64,6 +65,8 @@ static const op_slots op_table[MOK_OP_COUNT_] = {
                           BIT(ROUTED_DX) | BIT(D_RW) | D_WEIGHTS | BIT(SHARED_DX) | D_SHARED_W},
   [MOK_OP_DISPATCH_BWD] = {BIT(SCHEDULE) | BIT(ROUTED_DX) | BIT(D_X), BIT(SHARED_DX), 0,
                            BIT(D_X)},
+  /* the source: exactly one of the weights (mok_quantize_source) */
+  [MOK_OP_QUANTIZE_WEIGHT] = {BIT(PACKED_WEIGHT), 0, WEIGHTS | SHARED_W, BIT(PACKED_WEIGHT)},
 };
 
 mok_job_slots mok_job_slot_sets(const mok_layer_config *layer, uint32_t op, uint32_t flags) {
@@ -83,6 +86,9 @@ mok_job_slots mok_job_slot_sets(const mok_layer_config *layer, uint32_t op, uint
     }
   }
   if (op == MOK_OP_BACKWARD && (flags & MOK_JOB_RECOMPUTE)) s.required |= BIT(TOPK_IDS);
+  if (!shared) /* quantize_weight's optional sources: the shared expert's are no argument */
+    for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+      if (mok_slot_is_shared(slot)) s.optional &= ~(1ull << slot);
   s.optional &= ~s.required;
   return s;
 }
@@ -104,13 +110,94 @@ int mok_job_slot_is_output(uint32_t op, uint32_t flags, uint32_t slot) {
   return (op_table[op].outputs >> slot) & 1u;
 }
 
+int mok_slot_weight_dims(const mok_layer_config *l, uint32_t slot, uint64_t dims[3]) {
+  uint64_t H = l->hidden, I = l->intermediate, E = l->local_experts, Is = l->shared_intermediate;
+  switch (slot) {
+  case MOK_SLOT_W_GATE: case MOK_SLOT_W_UP:
+    dims[0] = E, dims[1] = I, dims[2] = H;
+    return 1;
+  case MOK_SLOT_W_DOWN:
+    dims[0] = E, dims[1] = H, dims[2] = I;
+    return 1;
+  case MOK_SLOT_S_GATE: case MOK_SLOT_S_UP:
+    dims[0] = 1, dims[1] = Is, dims[2] = H;
+    return 1;
+  case MOK_SLOT_S_DOWN:
+    dims[0] = 1, dims[1] = H, dims[2] = Is;
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+uint64_t mok_slot_packed_bytes(const mok_layer_config *l, uint32_t slot) {
+  uint64_t w[3];
+  if (l->dtype != MOK_DTYPE_FP8_E4M3 || !mok_slot_weight_dims(l, slot, w)) return 0;
+  return mok_fp8_weight_bytes(w[0], w[1], w[2]);
+}
+
+uint32_t mok_quantize_source(uint64_t present) {
+  uint32_t source = MOK_SLOT_COUNT_;
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
+    if (!((present >> slot) & 1u) || !((WEIGHTS | SHARED_W) & (1ull << slot))) continue;
+    if (source != MOK_SLOT_COUNT_) return MOK_SLOT_COUNT_;
+    source = slot;
+  }
+  return source;
+}
+
+int mok_quantize_check(const mok_layer_config *l, uint64_t present, uint32_t *ret_source,
+                       char *err, size_t errlen) {
+  if (l->dtype != MOK_DTYPE_FP8_E4M3) {
+    snprintf(err, errlen, "quantize_weight runs on fp8 layers only (this layer's weights are "
+             "used as they are)");
+    return MOK_EINVAL;
+  }
+  *ret_source = mok_quantize_source(present);
+  if (*ret_source == MOK_SLOT_COUNT_) {
+    snprintf(err, errlen, "quantize_weight takes exactly one source weight (w_gate, w_up, "
+             "w_down%s)", l->shared_intermediate ? ", s_gate, s_up or s_down" : "");
+    return MOK_EINVAL;
+  }
+  return MOK_OK;
+}
+
+void mok_job_slot_shape_op(const mok_layer_config *l, uint32_t op, uint32_t source,
+                           uint32_t tokens, uint32_t slot, uint32_t *ret_dtype, uint32_t *ret_ndim,
+                           uint64_t s[MOK_MAX_DIMS]) {
+  if (op != MOK_OP_QUANTIZE_WEIGHT || (slot != source && slot != MOK_SLOT_PACKED_WEIGHT)) {
+    mok_job_slot_shape(l, tokens, slot, ret_dtype, ret_ndim, s);
+    return;
+  }
+  memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
+  uint64_t w[3];
+  if (!mok_slot_weight_dims(l, source, w)) {
+    *ret_dtype = MOK_DTYPE_INVALID, *ret_ndim = 0;
+    return;
+  }
+  if (slot == source) { /* the bf16 master weight, in the shape of a bf16 layer's */
+    int shared = source == MOK_SLOT_S_GATE || source == MOK_SLOT_S_UP || source == MOK_SLOT_S_DOWN;
+    *ret_dtype = MOK_DTYPE_BF16, *ret_ndim = shared ? 2 : 3;
+    for (uint32_t i = 0; i < *ret_ndim; i++) s[i] = w[shared + i];
+    return;
+  }
+  *ret_dtype = MOK_DTYPE_U8, *ret_ndim = 1;
+  s[0] = mok_fp8_weight_bytes(w[0], w[1], w[2]);
+}
+
 void mok_job_slot_shape(const mok_layer_config *l, uint32_t tokens, uint32_t slot,
                         uint32_t *ret_dtype, uint32_t *ret_ndim, uint64_t s[MOK_MAX_DIMS]) {
   mok_layout_dims d = mok_layer_dims(l, tokens);
   uint64_t T = tokens, H = l->hidden, I = l->intermediate, E = l->local_experts, K = l->topk,
            Is = l->shared_intermediate;
-  uint32_t dt = l->dtype, nd = 2;
+  uint32_t dt = mok_layer_act_dtype(l->dtype), nd = 2;
   memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
+  uint64_t packed = mok_slot_packed_bytes(l, slot);
+  if (packed) { /* an fp8 layer's weights: packed (mok_wire.h) */
+    *ret_dtype = MOK_DTYPE_U8, *ret_ndim = 1;
+    s[0] = packed;
+    return;
+  }
   switch (slot) {
   case MOK_SLOT_X: case MOK_SLOT_OUT: case MOK_SLOT_D_OUT: case MOK_SLOT_D_X:
   case MOK_SLOT_SHARED_Y: case MOK_SLOT_SHARED_DX:

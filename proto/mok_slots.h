@@ -27,6 +27,25 @@ mok_slot_need mok_job_slot_need(const mok_layer_config *layer, uint32_t op, uint
 /* The expected dtype and shape of slot for the layer at T tokens. */
 void mok_job_slot_shape(const mok_layer_config *layer, uint32_t tokens, uint32_t slot,
                         uint32_t *ret_dtype, uint32_t *ret_ndim, uint64_t ret_shape[MOK_MAX_DIMS]);
+/* As mok_job_slot_shape, for a job of op: quantize_weight reads its source
+ * (the weight slot it names) as the bf16 weight and writes PACKED_WEIGHT,
+ * the source's packed form (source is ignored for the other ops). */
+void mok_job_slot_shape_op(const mok_layer_config *layer, uint32_t op, uint32_t source,
+                           uint32_t tokens, uint32_t slot, uint32_t *ret_dtype, uint32_t *ret_ndim,
+                           uint64_t ret_shape[MOK_MAX_DIMS]);
+/* A weight slot's matrices [E, N, K] (w_gate: [E_loc, I, H], ..., the
+ * shared expert's with E = 1); 0 for any other slot. */
+int mok_slot_weight_dims(const mok_layer_config *layer, uint32_t slot, uint64_t dims[3]);
+/* The bytes of a weight slot's packed form on an fp8 layer (mok_fp8_weight_bytes);
+ * 0 for any other layer or slot. */
+uint64_t mok_slot_packed_bytes(const mok_layer_config *layer, uint32_t slot);
+/* quantize_weight's source among the slots present (a mask, 1 << slot): the
+ * one weight slot, or MOK_SLOT_COUNT_ when there is none or more than one. */
+uint32_t mok_quantize_source(uint64_t present);
+/* A quantize_weight job on this layer: an fp8 layer, exactly one source.
+ * MOK_OK with *ret_source, or MOK_EINVAL with the reason in err. */
+int mok_quantize_check(const mok_layer_config *layer, uint64_t present, uint32_t *ret_source,
+                       char *err, size_t errlen);
 /* Is this slot written by the op? */
 int mok_job_slot_is_output(uint32_t op, uint32_t flags, uint32_t slot);
 

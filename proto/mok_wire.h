@@ -237,7 +237,7 @@ typedef struct mok_layer_config {
   uint32_t topk;                /* K */
   uint32_t shared_intermediate; /* I_s; 0: no shared expert */
   uint32_t max_tokens;          /* largest T a job may carry */
-  uint32_t dtype;               /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
+  uint32_t dtype;               /* MOK_DTYPE_F32, MOK_DTYPE_BF16 or MOK_DTYPE_FP8_E4M3 */
   uint32_t row_align;           /* routed-row group alignment (engine's) */
   bool has_limit;               /* SwiGLU clamp on */
   float swiglu_limit;           /* L, > 0 when has_limit */
@@ -251,6 +251,12 @@ typedef struct mok_layer_config {
   uint32_t group_ring;          /* ring rows for the routed buffers, 0: one pass */
 } mok_layer_config;
 
+/* The dtype of a layer's activations and gradients (x, out, acts, d_*): the
+ * layer dtype, but bf16 for an fp8 layer (only its GEMM operands are e4m3). */
+static inline uint32_t mok_layer_act_dtype(uint32_t layer_dtype) {
+  return layer_dtype == MOK_DTYPE_FP8_E4M3 ? MOK_DTYPE_BF16 : layer_dtype;
+}
+
 /* Layout dimensions of a layer at T tokens (the shared formulas in mok_wire.h). */
 static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t tokens) {
   mok_layout_dims d;
@@ -260,9 +266,26 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
   d.row_align = l->row_align;
   d.intermediate = l->intermediate;
   d.shared_intermediate = l->shared_intermediate;
-  d.elem_size = mok_dtype_size(l->dtype);
+  d.elem_size = mok_dtype_size(mok_layer_act_dtype(l->dtype));
   d.rows_limit = 0;
   return d;
+}
+
+/* ---- the packed weight of an fp8 layer (docs/math.md, "FP8") --------------
+ *
+ * One weight [E, N, K] (w_gate, w_up: [E_loc, I, H]; w_down: [E_loc, H, I];
+ * the shared expert's with E = 1 and I_s for I), N and K multiples of 128:
+ *   the e4m3 bytes [E, N, K] row-major,
+ *   from the next 256-byte boundary the f32 block scales [E, N/128, K/128]
+ *   (scale of 128x128 block (nb, kb) of matrix e at (e*(N/128) + nb)*(K/128) + kb).
+ * MOK_OP_QUANTIZE_WEIGHT writes it from the bf16 weight; an fp8 layer's jobs
+ * take it (dtype u8, one dimension of mok_fp8_weight_bytes) in the weight's
+ * slot. Every side sizes it from these two functions. */
+static inline uint64_t mok_fp8_scales_offset(uint64_t experts, uint64_t n, uint64_t k) {
+  return mok_align256(experts * n * k);
+}
+static inline uint64_t mok_fp8_weight_bytes(uint64_t experts, uint64_t n, uint64_t k) {
+  return mok_fp8_scales_offset(experts, n, k) + 4u * experts * (n / 128u) * (k / 128u);
 }
 
 /* ---- the context of a layer on an expert-parallel group (docs/ep.md) ----

@@ -94,7 +94,7 @@ typedef struct mok_layer_desc {
   uint32_t topk;                /* K */
   uint32_t shared_intermediate; /* I_s; 0: no shared expert */
   uint32_t max_tokens;          /* the largest T a job will carry */
-  uint32_t dtype;               /* MOK_DTYPE_F32 or MOK_DTYPE_BF16 */
+  uint32_t dtype;               /* MOK_DTYPE_F32, MOK_DTYPE_BF16 or MOK_DTYPE_FP8_E4M3 */
   int has_swiglu_limit;
   float swiglu_limit;           /* L, when has_swiglu_limit */
   /* Expert parallelism (docs/ep.md): a layer on a group holds the rank's
@@ -242,6 +242,23 @@ MOK_EXTERN int mok_forward(mok_layer *l, uint32_t tokens, const mok_forward_args
                            uint64_t *ret_ticket);
 MOK_EXTERN int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
                             const mok_backward_args *a, uint64_t *ret_ticket);
+
+/* ---- fp8 layers (docs/math.md, "FP8 (e4m3, block-scaled)") ----
+ *
+ * A layer of dtype MOK_DTYPE_FP8_E4M3 takes bf16 activations and gradients
+ * and, in its weight slots (w_gate .. s_down), the weights' packed e4m3
+ * form, which the client holds: the trainer keeps its bf16 master weights
+ * and quantises each into its packed buffer after every optimizer step. */
+
+/* The bytes of the packed form of weight_slot (MOK_SLOT_W_GATE ..
+ * MOK_SLOT_S_DOWN) of an fp8 layer; 0 for another layer or slot.
+ * mok_tensor_for gives that slot's packed tensor too. */
+MOK_EXTERN uint64_t mok_layer_packed_weight_bytes(const mok_layer *l, uint32_t weight_slot);
+/* A quantize_weight job: the bf16 weight (in the shape a bf16 layer takes
+ * in weight_slot) into packed (mok_layer_packed_weight_bytes bytes, not
+ * overlapping it). Wait for the ticket as for any job. */
+MOK_EXTERN int mok_quantize_weight(mok_layer *l, uint32_t weight_slot, const void *weight,
+                                   void *packed, uint64_t *ret_ticket);
 
 /* ---- CUDA memory and streams (the cuda engine; docs/cuda.md) ----
  *

@@ -15,9 +15,10 @@ static Mok__LayerConfig layer_config_of(const mok_layer_desc *d) {
   lc.topk = d->topk;
   lc.shared_intermediate = d->shared_intermediate;
   lc.max_tokens = d->max_tokens;
-  lc.dtype = d->dtype == MOK_DTYPE_F32    ? MOK__DTYPE__DTYPE_F32
-             : d->dtype == MOK_DTYPE_BF16 ? MOK__DTYPE__DTYPE_BF16
-                                          : MOK__DTYPE__DTYPE_UNSPECIFIED;
+  lc.dtype = d->dtype == MOK_DTYPE_F32        ? MOK__DTYPE__DTYPE_F32
+             : d->dtype == MOK_DTYPE_BF16       ? MOK__DTYPE__DTYPE_BF16
+             : d->dtype == MOK_DTYPE_FP8_E4M3   ? MOK__DTYPE__DTYPE_FP8_E4M3
+                                                : MOK__DTYPE__DTYPE_UNSPECIFIED;
   lc.has_swiglu_limit = d->has_swiglu_limit != 0;
   lc.swiglu_limit = d->swiglu_limit;
   lc.group_id = d->group ? d->group->id : 0;
@@ -159,6 +160,31 @@ mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, co
   mok_job_slot_shape(&l->cfg, tokens, slot, &t.dtype, &t.ndim, shape);
   for (int i = 0; i < 4; i++) t.shape[i] = shape[i];
   return t;
+}
+
+uint64_t mok_layer_packed_weight_bytes(const mok_layer *l, uint32_t weight_slot) {
+  return l ? mok_slot_packed_bytes(&l->cfg, weight_slot) : 0;
+}
+
+int mok_quantize_weight(mok_layer *l, uint32_t weight_slot, const void *weight, void *packed,
+                        uint64_t *ret_ticket) {
+  if (!l || !weight || !packed) return mok_set_error(MOK_EINVAL, "mok_quantize_weight: NULL argument");
+  if (mok_slot_packed_bytes(&l->cfg, weight_slot) == 0)
+    return mok_set_error(MOK_EINVAL,
+                         "mok_quantize_weight: slot %u is not a weight of an fp8 layer (w_gate, "
+                         "w_up, w_down, or s_* with a shared expert)", weight_slot);
+  mok_tensor t[MOK_SLOT_COUNT_] = {0};
+  const uint32_t slots[2] = {weight_slot, MOK_SLOT_PACKED_WEIGHT};
+  const void *data[2] = {weight, packed};
+  for (int i = 0; i < 2; i++) {
+    uint64_t shape[MOK_MAX_DIMS];
+    mok_tensor *x = &t[slots[i]];
+    mok_job_slot_shape_op(&l->cfg, MOK_OP_QUANTIZE_WEIGHT, weight_slot, 0, slots[i], &x->dtype,
+                          &x->ndim, shape);
+    x->data = data[i];
+    for (int d = 0; d < 4; d++) x->shape[d] = shape[d];
+  }
+  return mok_submit(l, MOK_OP_QUANTIZE_WEIGHT, 0, 0, t, ret_ticket);
 }
 
 void mok_layers_client_free(mok_client *c) {

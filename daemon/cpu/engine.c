@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The cpu engine: docs/math.md on the host, f32 and bf16 layers.
+/* The cpu engine: docs/math.md on the host, f32, bf16 and fp8 layers.
  *
  * Here: the engine table, its scratch, client sessions (each on a runner
  * of its own, cpu/runner.c) and the ops, each a chain of the steps
@@ -28,6 +28,7 @@
 #include "cpu/steps.h"
 #include "engine.h"
 #include "job_check.h"
+#include "layer.h"
 #include "mok_slots.h"
 #include "schedule.h"
 
@@ -302,7 +303,8 @@ static mok_job_slots slots_of(const mok_layer_config *layer, uint32_t op, uint32
 static void slot_expect(const job_env *env, int slot, uint32_t *ret_dtype, uint64_t *ret_bytes) {
   uint32_t nd = 0;
   uint64_t shape[MOK_MAX_DIMS];
-  mok_job_slot_shape(env->cfg, (uint32_t)env->T, (uint32_t)slot, ret_dtype, &nd, shape);
+  mok_job_slot_shape_op(env->cfg, env->args->op, env->quant_source, (uint32_t)env->T,
+                        (uint32_t)slot, ret_dtype, &nd, shape);
   uint64_t n = nd ? 1 : 0;
   for (uint32_t i = 0; i < nd; i++) n *= shape[i];
   *ret_bytes = n * mok_dtype_size(*ret_dtype);
@@ -314,6 +316,14 @@ static void slot_expect(const job_env *env, int slot, uint32_t *ret_dtype, uint6
 static mok_status check_tensors(job_env *env) {
   mok_job_slots s = slots_of(env->cfg, env->args->op, env->args->flags);
   uint64_t required = s.required;
+  if (env->args->op == MOK_OP_QUANTIZE_WEIGHT) { /* the shapes follow the source weight */
+    uint64_t present = 0;
+    for (int slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+      if (env->args->t[slot].ptr) present |= 1ull << slot;
+    char err[MOK_JOB_MESSAGE_MAX];
+    if (mok_quantize_check(env->cfg, present & s.optional, &env->quant_source, err, sizeof err))
+      return mok__cpu_job_fail(env, MOK_EINVAL, "%s", err);
+  }
   for (int slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
     uint64_t bit = 1ull << slot;
     if (!((required | s.optional) & bit)) continue;
@@ -340,10 +350,18 @@ static mok_status check_tensors(job_env *env) {
 }
 
 static mok_status check_layer(const mok_layer_config *c, char *err, size_t errlen) {
-  if (c->dtype != MOK_DTYPE_F32 && c->dtype != MOK_DTYPE_BF16) {
-    snprintf(err, errlen, "the cpu engine runs float32 and bfloat16 layers, not dtype %u",
+  if (c->dtype != MOK_DTYPE_F32 && c->dtype != MOK_DTYPE_BF16 && c->dtype != MOK_DTYPE_FP8_E4M3) {
+    snprintf(err, errlen, "the cpu engine runs float32, bfloat16 and fp8 layers, not dtype %u",
              c->dtype);
     return MOK_EUNSUPPORTED;
+  }
+  if (c->dtype == MOK_DTYPE_FP8_E4M3) {
+    int r = mok_layer_check_fp8_blocks(c, err, errlen);
+    if (r != MOK_OK) return r;
+    if (c->group_id) {
+      snprintf(err, errlen, "fp8 layers run without an expert-parallel group for now");
+      return MOK_EUNSUPPORTED;
+    }
   }
   if (!c->hidden || !c->intermediate || !c->topk || !c->local_experts || !c->experts) {
     snprintf(err, errlen, "hidden, intermediate, topk and experts must be at least 1");
@@ -381,8 +399,13 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
   if (a->tokens > c->max_tokens)
     return mok__cpu_job_fail(env, MOK_ELIMIT, "%u tokens exceed the layer's max_tokens %u",
                              a->tokens, c->max_tokens);
-  env->dtype = c->dtype;
-  env->es = mok_dtype_size(c->dtype);
+  if (a->op == MOK_OP_QUANTIZE_WEIGHT &&
+      (st = mok_job_check_tokens_op(c, a->op, a->tokens, MOK_EINVAL, err, sizeof err)) != MOK_OK)
+    return mok__cpu_job_fail(env, st, "%s", err);
+  env->dtype = mok_layer_act_dtype(c->dtype);
+  env->es = mok_dtype_size(env->dtype);
+  env->fp8 = c->dtype == MOK_DTYPE_FP8_E4M3;
+  env->quant_source = MOK_SLOT_COUNT_;
   env->T = a->tokens;
   env->H = c->hidden;
   env->I = c->intermediate;
@@ -476,6 +499,7 @@ static void cpu_run(mok_engine *e, const mok_job_args *a, mok_engine_result *res
   case MOK_OP_COMBINE_BWD: st = op_combine_bwd(&env); break;
   case MOK_OP_COMPUTE_BWD: st = op_compute_bwd(&env); break;
   case MOK_OP_DISPATCH_BWD: st = op_dispatch_bwd(&env); break;
+  case MOK_OP_QUANTIZE_WEIGHT: st = mok__cpu_op_quantize_weight(&env); break;
   default:
     st = mok__cpu_job_fail(&env, MOK_EUNSUPPORTED, "op %u is not known to the cpu engine", a->op);
   }

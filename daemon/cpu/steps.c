@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "common/fp8_e4m3.h"
 #include "cpu/pool.h"
 #include "cpu/steps.h"
 #include "mok_slots.h"
@@ -294,6 +295,74 @@ static gemm_job *gemm_jobs(job_env *env, size_t n) {
   return mok__cpu_scratch(env, SCR_GEMM_JOBS, (n ? n : 1) * sizeof(gemm_job));
 }
 
+/* ---- FP8 GEMM: K in blocks of 128, each block's sum scaled (docs/math.md) --
+ *
+ * C[m,n] = Σ_kb (sa[m,kb]·sb(n,kb))·P_kb[m,n], kb ascending from +0, where
+ * P_kb[m,n] = Σ_{k in kb} A[m,k]·B[k,n] is the GEMM above on one block (one
+ * f32 sum from +0, k ascending). A and B hold decoded e4m3 values, so every
+ * product is exact; sb(n,kb) = sb[(n/128)·sb_n + kb·sb_k] reads a weight's
+ * 128x128 scales as they serve the matrix or its transpose. */
+
+typedef struct fp8_gemm_job {
+  size_t M, N, K;
+  const float *A, *sa; /* A[m,k] = A[m*lda + k], sa[m,kb] = sa[m*ld_sa + kb] */
+  size_t lda, ld_sa;
+  const float *B, *sb; /* B[k,n] = B[k*ldb + n] */
+  size_t ldb, sb_n, sb_k;
+  float *C, *P; /* [M, ldc] each: the result, one block's partial sums */
+  size_t ldc;
+} fp8_gemm_job;
+
+typedef struct fp8_accumulate_arg {
+  const fp8_gemm_job *jobs;
+  const gemm_task *tasks; /* row ranges of jobs (columns unused) */
+  size_t kb;
+} fp8_accumulate_arg;
+
+static void fp8_accumulate(void *p, size_t i0, size_t i1) {
+  const fp8_accumulate_arg *a = p;
+  const size_t kb = a->kb;
+  for (size_t i = i0; i < i1; i++) {
+    const gemm_task *t = &a->tasks[i];
+    const fp8_gemm_job *j = &a->jobs[t->job];
+    for (size_t m = t->m0; m < t->m1; m++) {
+      const float s_a = j->sa[m * j->ld_sa + kb];
+      float *c = j->C + m * j->ldc;
+      const float *pk = j->P + m * j->ldc;
+      for (size_t n = 0; n < j->N; n++) {
+        const float scale = s_a * j->sb[(n / MOK_FP8_BLOCK) * j->sb_n + kb * j->sb_k];
+        c[n] = (kb ? c[n] : 0.0f) + scale * pk[n];
+      }
+    }
+  }
+}
+
+static mok_status fp8_gemm_run(job_env *env, const fp8_gemm_job *jobs, size_t n_jobs) {
+  if (n_jobs == 0) return MOK_OK;
+  gemm_job *g = mok__cpu_scratch(env, SCR_FP8_GEMM_JOBS, n_jobs * sizeof *g);
+  size_t n_tasks = 0;
+  for (size_t i = 0; i < n_jobs; i++) n_tasks += ceil_div(jobs[i].M, GEMM_MB);
+  gemm_task *tasks = mok__cpu_scratch(env, SCR_FP8_TASKS, (n_tasks ? n_tasks : 1) * sizeof *tasks);
+  if (!g || !tasks) return env->res->status;
+  size_t t = 0;
+  for (size_t i = 0; i < n_jobs; i++)
+    for (size_t m0 = 0; m0 < jobs[i].M; m0 += GEMM_MB)
+      tasks[t++] = (gemm_task){i, m0, m0 + GEMM_MB < jobs[i].M ? m0 + GEMM_MB : jobs[i].M, 0, 0};
+  const size_t n_kb = jobs[0].K / MOK_FP8_BLOCK; /* every job of a call shares K */
+  for (size_t kb = 0; kb < n_kb; kb++) {
+    for (size_t i = 0; i < n_jobs; i++) {
+      const fp8_gemm_job *j = &jobs[i];
+      g[i] = (gemm_job){j->M, j->N, MOK_FP8_BLOCK, j->A + kb * MOK_FP8_BLOCK, NULL, j->lda, 1,
+                        j->B + kb * MOK_FP8_BLOCK * j->ldb, NULL, j->ldb, j->P, j->ldc};
+    }
+    mok_status st = gemm_run(env, g, n_jobs);
+    if (st != MOK_OK) return st;
+    fp8_accumulate_arg acc = {jobs, tasks, kb};
+    mok__cpu_par_for(env, n_tasks, fp8_accumulate, &acc);
+  }
+  return MOK_OK;
+}
+
 /* ---- transposes (weights into the layout the GEMMs stream) ----------------- */
 
 
@@ -422,48 +491,121 @@ static swiglu_clamp layer_clamp(const job_env *env) {
   return c;
 }
 
+/* ---- the FFN GEMMs of an fp8 layer (docs/math.md, "FP8") ------------------ */
+
+/* The four GEMMs: which weight, and whether it serves as is or transposed. */
+enum fp8_gemm_kind {
+  FP8_GATE_UP_FWD,   /* [x] · [W_gate; W_up]^T: K = H, N = 2I */
+  FP8_DOWN_FWD,      /* h · W_down^T: K = I, N = H */
+  FP8_DOWN_DGRAD,    /* d_out · W_down: K = H, N = I */
+  FP8_GATE_UP_DGRAD, /* [dg | du] · [W_gate; W_up]: K = 2I, N = H */
+};
+
+/* C [n_rows, N] = the FP8 GEMM of rows act (| act2, the second half of K)
+ * [n_rows, K1], each quantised in 1x128 blocks, with the set's packed
+ * weight decoded; rows of each group against its weight set. */
+static mok_status fp8_ffn_gemm(job_env *env, const ffn_set *s, enum fp8_gemm_kind kind,
+                               const float *act, const float *act2, size_t K1, float *C) {
+  const size_t H = env->H, I = s->I, R = s->n_rows, B = MOK_FP8_BLOCK;
+  const bool gate_up = kind == FP8_GATE_UP_FWD || kind == FP8_GATE_UP_DGRAD;
+  const bool transposed = kind == FP8_GATE_UP_FWD || kind == FP8_DOWN_FWD;
+  const size_t K = act2 ? 2 * K1 : K1, N = kind == FP8_GATE_UP_FWD ? 2 * I
+                                           : kind == FP8_DOWN_DGRAD ? I : H;
+  const size_t w_per = (gate_up ? 2 * I : I) * H, s_per = w_per / (B * B);
+  float *qa = scratch_f32(env, SCR_FP8_QA, R * K), *sa = scratch_f32(env, SCR_FP8_SA, R * K / B);
+  float *wb = scratch_f32(env, SCR_FP8_WB, s->n_w * w_per);
+  float *sb = scratch_f32(env, SCR_FP8_SB, s->n_w * s_per);
+  float *partial = scratch_f32(env, SCR_FP8_PARTIAL, R * N);
+  fp8_gemm_job *jobs = mok__cpu_scratch(env, SCR_GEMM_JOBS, (s->n_w ? s->n_w : 1) * sizeof *jobs);
+  if (!qa || !sa || !wb || !sb || !partial || !jobs) return env->res->status;
+  mok__cpu_fp8_quantize_rows(env, s, act, R, K1, qa, K, sa, K / B);
+  if (act2) mok__cpu_fp8_quantize_rows(env, s, act2, R, K1, qa + K1, K, sa + K1 / B, K / B);
+
+  /* the weight as B[k,n] (k the contraction), its scales as they serve it */
+  size_t ldb, sb_n, sb_k;
+  if (gate_up) { /* [W_gate; W_up]: [2I, H], scales [2I/128, H/128] */
+    ldb = transposed ? 2 * I : H;
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wg, I, H, transposed, wb, w_per, 0, ldb, sb,
+                        s_per, 0);
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wu, I, H, transposed, wb, w_per, I, ldb, sb,
+                        s_per, I / B);
+    sb_n = transposed ? H / B : 1, sb_k = transposed ? 1 : H / B;
+  } else { /* W_down: [H, I], scales [H/128, I/128] */
+    ldb = transposed ? H : I;
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wd, H, I, transposed, wb, w_per, 0, ldb, sb,
+                        s_per, 0);
+    sb_n = transposed ? I / B : 1, sb_k = transposed ? 1 : I / B;
+  }
+  size_t n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (fp8_gemm_job){g->rows, N, K, qa + g->row0 * K, sa + g->row0 * (K / B), K, K / B,
+                               wb + w * w_per, sb + w * s_per, ldb, sb_n, sb_k,
+                               C + g->row0 * N, partial + g->row0 * N, N};
+  }
+  return fp8_gemm_run(env, jobs, n);
+}
+
+/* For each weight set w with rows: C rows = A rows · B[w] (+ A2 rows · B2[w],
+ * one sum), A [n_rows, K], B [n_w][K, N] (w_stride floats apart), C
+ * [n_rows, N]: the grouped GEMMs of bf16 and f32 layers. */
+static mok_status gemm_groups(job_env *env, const ffn_set *s, size_t N, size_t K, const float *A,
+                              const float *A2, const float *B, const float *B2, size_t w_stride,
+                              float *C) {
+  gemm_job *jobs = gemm_jobs(env, s->n_w);
+  if (!jobs) return env->res->status;
+  size_t n = 0;
+  for (size_t w = 0; w < s->n_w; w++) {
+    const ffn_group *g = &s->groups[w];
+    if (!g->rows) continue;
+    jobs[n++] = (gemm_job){g->rows, N, K, A + g->row0 * K, A2 ? A2 + g->row0 * K : NULL, K, 1,
+                           B + w * w_stride, B2 ? B2 + w * w_stride : NULL, N, C + g->row0 * N,
+                           N};
+  }
+  return gemm_run(env, jobs, n);
+}
+
+/* gu [n_rows, 2I] = x rows · [W_gate; W_up]^T, f32 sums (bf16 and f32 layers). */
+static mok_status gate_up_gemm(job_env *env, const ffn_set *s, const float *X, float *gu) {
+  const size_t H = env->H, I = s->I;
+  float *wgu_t = scratch_f32(env, SCR_W1, s->n_w * H * 2 * I);
+  if (!wgu_t) return env->res->status;
+  /* gate and up side by side: wgu_t[w] = [H, 2I] */
+  transpose_arg tr = {env->dtype, s->wg, s->wu, I, H, wgu_t, s->groups};
+  mok__cpu_par_for(env, s->n_w * H, transpose_rows, &tr);
+  return gemm_groups(env, s, 2 * I, H, X, NULL, wgu_t, NULL, H * 2 * I, gu);
+}
+
+/* Y [n_rows, H] = h rows · W_down^T (bf16 and f32 layers). */
+static mok_status down_gemm(job_env *env, const ffn_set *s, const float *hm, float *Y) {
+  const size_t H = env->H, I = s->I;
+  float *wd_t = scratch_f32(env, SCR_W2, s->n_w * I * H);
+  if (!wd_t) return env->res->status;
+  transpose_arg td = {env->dtype, s->wd, NULL, H, I, wd_t, s->groups};
+  mok__cpu_par_for(env, s->n_w * I, transpose_rows, &td);
+  return gemm_groups(env, s, H, I, hm, NULL, wd_t, NULL, I * H, Y);
+}
+
 /* compute: x rows -> acts (g, u) and, when y != NULL, y rows. */
 static mok_status ffn_forward(job_env *env, const ffn_set *s, const void *x, void *acts_g,
                               void *acts_u, void *y) {
   const size_t H = env->H, I = s->I;
   const float *X = f32_in(env, SCR_X, x, s->n_rows * H);
-  float *wgu_t = scratch_f32(env, SCR_W1, s->n_w * H * 2 * I);
   float *gu = scratch_f32(env, SCR_GU, s->n_rows * 2 * I);
   float *hm = scratch_f32(env, SCR_H, s->n_rows * I);
-  gemm_job *jobs = gemm_jobs(env, s->n_w);
-  if (!X || !wgu_t || !gu || !hm || !jobs) return env->res->status;
-
-  /* gate and up side by side: wgu_t[w] = [H, 2I] */
-  transpose_arg tr = {env->dtype, s->wg, s->wu, I, H, wgu_t, s->groups};
-  mok__cpu_par_for(env, s->n_w * H, transpose_rows, &tr);
-
-  size_t n = 0;
-  for (size_t w = 0; w < s->n_w; w++) {
-    const ffn_group *g = &s->groups[w];
-    if (!g->rows) continue;
-    jobs[n++] = (gemm_job){g->rows, 2 * I, H, X + g->row0 * H, NULL, H, 1,
-                           wgu_t + w * H * 2 * I, NULL, 2 * I, gu + g->row0 * 2 * I, 2 * I};
-  }
-  mok_status st = gemm_run(env, jobs, n);
+  if (!X || !gu || !hm) return env->res->status;
+  mok_status st = env->fp8 ? fp8_ffn_gemm(env, s, FP8_GATE_UP_FWD, X, NULL, H, gu)
+                           : gate_up_gemm(env, s, X, gu);
   if (st != MOK_OK) return st;
 
   fwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), gu, hm, acts_g, acts_u};
   mok__cpu_par_for(env, s->n_rows, fwd_epilogue_rows, &ep);
   if (!y) return MOK_OK;
 
-  float *wd_t = scratch_f32(env, SCR_W2, s->n_w * I * H);
   float *Y = f32_out(env, SCR_OUT1, y, s->n_rows * H);
-  if (!wd_t || !Y) return env->res->status;
-  transpose_arg td = {env->dtype, s->wd, NULL, H, I, wd_t, s->groups};
-  mok__cpu_par_for(env, s->n_w * I, transpose_rows, &td);
-  n = 0;
-  for (size_t w = 0; w < s->n_w; w++) {
-    const ffn_group *g = &s->groups[w];
-    if (!g->rows) continue;
-    jobs[n++] = (gemm_job){g->rows, H, I, hm + g->row0 * I, NULL, I, 1,
-                           wd_t + w * I * H, NULL, H, Y + g->row0 * H, H};
-  }
-  st = gemm_run(env, jobs, n);
+  if (!Y) return env->res->status;
+  st = env->fp8 ? fp8_ffn_gemm(env, s, FP8_DOWN_FWD, hm, NULL, I, Y) : down_gemm(env, s, hm, Y);
   if (st != MOK_OK) return st;
   zero_rows_arg z = {s, Y, H};
   mok__cpu_par_for(env, s->n_rows, zero_unused_rows, &z);
@@ -520,30 +662,42 @@ static void bwd_epilogue_rows(void *p, size_t r0, size_t r1) {
   }
 }
 
+/* A [n_rows, I] = d_out rows · W_down (bf16 and f32 layers). */
+static mok_status down_dgrad_gemm(job_env *env, const ffn_set *s, const float *DO, float *A) {
+  const size_t H = env->H, I = s->I;
+  const float *wd = f32_in(env, SCR_W1, s->wd, s->n_w * H * I);
+  if (!wd) return env->res->status;
+  return gemm_groups(env, s, I, H, DO, NULL, wd, NULL, H * I, A);
+}
+
+/* DX [n_rows, H] = dg · W_gate + du · W_up, one sum over i (bf16 and f32 layers). */
+static mok_status gate_up_dgrad_gemm(job_env *env, const ffn_set *s, const float *dg,
+                                     const float *du, float *DX) {
+  const size_t H = env->H, I = s->I;
+  const float *wg = f32_in(env, SCR_W2, s->wg, s->n_w * I * H);
+  const float *wu = f32_in(env, SCR_W3, s->wu, s->n_w * I * H);
+  if (!wg || !wu) return env->res->status;
+  return gemm_groups(env, s, H, I, dg, du, wg, wu, I * H, DX);
+}
+
 /* compute_backward of one FFN: rows of dx, per-row d_rw, weight gradients
- * (every weight set written; an idle one gets zeros). */
+ * (every weight set written; an idle one gets zeros). An fp8 layer's two
+ * dgrad GEMMs are FP8 GEMMs; its weight gradients are the same bf16 GEMMs
+ * on the unquantised operands. */
 static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, const void *acts_g,
                                const void *acts_u, const void *dout, const float *rw_row, void *dx,
                                float *drw_row, void *d_wg, void *d_wu, void *d_wd) {
   const size_t H = env->H, I = s->I, R = s->n_rows;
   const float *DO = f32_in(env, SCR_DO, dout, R * H);
-  const float *wd = f32_in(env, SCR_W1, s->wd, s->n_w * H * I);
   float *A = scratch_f32(env, SCR_A, R * I);
   float *dg = scratch_f32(env, SCR_DG, R * I), *du = scratch_f32(env, SCR_DU, R * I);
   float *hm = scratch_f32(env, SCR_H, R * I);
   float *dy = rw_row ? scratch_f32(env, SCR_DY, R * H) : NULL;
-  gemm_job *jobs = gemm_jobs(env, 3 * s->n_w);
-  if (!DO || !wd || !A || !dg || !du || !hm || (rw_row && !dy) || !jobs) return env->res->status;
+  if (!DO || !A || !dg || !du || !hm || (rw_row && !dy)) return env->res->status;
 
   /* a = d_out · w_down  ([rows,H] x [H,I]) */
-  size_t n = 0;
-  for (size_t w = 0; w < s->n_w; w++) {
-    const ffn_group *g = &s->groups[w];
-    if (!g->rows) continue;
-    jobs[n++] = (gemm_job){g->rows, I, H, DO + g->row0 * H, NULL, H, 1,
-                           wd + w * H * I, NULL, I, A + g->row0 * I, I};
-  }
-  mok_status st = gemm_run(env, jobs, n);
+  mok_status st = env->fp8 ? fp8_ffn_gemm(env, s, FP8_DOWN_DGRAD, DO, NULL, H, A)
+                           : down_dgrad_gemm(env, s, DO, A);
   if (st != MOK_OK) return st;
 
   bwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), H, acts_g, acts_u, A, DO, rw_row,
@@ -551,19 +705,11 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
   mok__cpu_par_for(env, R, bwd_epilogue_rows, &ep);
   if (!rw_row) dy = (float *)DO; /* rw = 1: dy = rnd(d_out) = d_out */
 
-  /* dx = dg · w_gate + du · w_up, one sum over i */
-  const float *wg = f32_in(env, SCR_W2, s->wg, s->n_w * I * H);
-  const float *wu = f32_in(env, SCR_W3, s->wu, s->n_w * I * H);
+  /* dx = dg · w_gate + du · w_up, one sum over i (fp8: over [dg | du]'s blocks) */
   float *DX = f32_out(env, SCR_OUT1, dx, R * H);
-  if (!wg || !wu || !DX) return env->res->status;
-  n = 0;
-  for (size_t w = 0; w < s->n_w; w++) {
-    const ffn_group *g = &s->groups[w];
-    if (!g->rows) continue;
-    jobs[n++] = (gemm_job){g->rows, H, I, dg + g->row0 * I, du + g->row0 * I, I, 1,
-                           wg + w * I * H, wu + w * I * H, H, DX + g->row0 * H, H};
-  }
-  st = gemm_run(env, jobs, n);
+  if (!DX) return env->res->status;
+  st = env->fp8 ? fp8_ffn_gemm(env, s, FP8_GATE_UP_DGRAD, dg, du, I, DX)
+                : gate_up_dgrad_gemm(env, s, dg, du, DX);
   if (st != MOK_OK) return st;
   zero_rows_arg z = {s, DX, H};
   mok__cpu_par_for(env, R, zero_unused_rows, &z);
@@ -574,8 +720,9 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
   float *dWd = f32_out(env, SCR_OUT1, d_wd, s->n_w * H * I);
   float *dWg = f32_out(env, SCR_OUT2, d_wg, s->n_w * I * H);
   float *dWu = f32_out(env, SCR_OUT3, d_wu, s->n_w * I * H);
-  if (!X || !dWd || !dWg || !dWu) return env->res->status;
-  n = 0;
+  gemm_job *jobs = gemm_jobs(env, 3 * s->n_w);
+  if (!X || !dWd || !dWg || !dWu || !jobs) return env->res->status;
+  size_t n = 0;
   for (size_t w = 0; w < s->n_w; w++) {
     const ffn_group *g = &s->groups[w];
     size_t r0 = g->row0, k = g->rows;

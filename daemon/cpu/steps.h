@@ -9,6 +9,7 @@
 #define MOK_CPU_STEPS_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -51,6 +52,15 @@ enum scratch_id {
   SCR_GROUPS,
   SCR_GEMM_JOBS,
   SCR_GEMM_TASKS,
+  /* fp8 layers (docs/math.md, "FP8"): operands as decoded e4m3 values (f32)
+   * and their block scales */
+  SCR_FP8_QA,
+  SCR_FP8_SA,
+  SCR_FP8_WB,
+  SCR_FP8_SB,
+  SCR_FP8_PARTIAL,
+  SCR_FP8_GEMM_JOBS,
+  SCR_FP8_TASKS,
   /* expert-parallel jobs (cpu/ep.c) */
   SCR_EP_OWN_IDS, /* the daemon's copy of the rank's own routing ids */
   SCR_EP_SLOT_ROW,
@@ -82,8 +92,10 @@ typedef struct job_env {
   const mok_layer_config *cfg;
   mok_engine_result *res;
   const char *op_name;
-  uint32_t dtype; /* layer dtype */
+  uint32_t dtype; /* dtype of activations and gradients (mok_layer_act_dtype) */
   size_t es;      /* its size in bytes */
+  bool fp8;       /* an fp8 layer: packed weights, FP8 GEMMs (cpu/fp8.c) */
+  uint32_t quant_source; /* quantize_weight: the source weight's slot */
   size_t T, H, I, Is, K, E_loc;
   size_t rows_cap; /* R_cap */
   mok_layout_dims dims;
@@ -102,7 +114,7 @@ typedef struct ffn_set {
   const ffn_group *groups; /* [n_w] */
   const int32_t *row_slot; /* row used iff row_slot[r] >= 0; NULL: all used */
   size_t I;                /* intermediate of these weights */
-  const void *wg, *wu;     /* [n_w, I, H] layer dtype */
+  const void *wg, *wu;     /* [n_w, I, H] layer dtype (fp8 layers: packed, mok_wire.h) */
   const void *wd;          /* [n_w, H, I] */
 } ffn_set;
 
@@ -173,6 +185,24 @@ mok_status mok__cpu_schedule_in(job_env *env, const void *sched, mok_sched_view 
  * written, never read back) unless out is NULL. */
 mok_status mok__cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *out,
                                    mok_sched_view *ret);
+
+/* ---- cpu/fp8.c: the e4m3 format's side of fp8 layers (docs/math.md, "FP8") ---- */
+
+/* quantize_weight: the bf16 weight in env->quant_source -> its packed form. */
+mok_status mok__cpu_op_quantize_weight(job_env *env);
+/* Rows of src [rows, K] (f32 holding bf16 values; K a multiple of 128),
+ * each 1x128 block quantised: q [rows, ld_q] the decoded e4m3 values, s
+ * [rows, ld_s] the scales. Unused rows of set (set may be NULL: all used) get
+ * zeros. */
+void mok__cpu_fp8_quantize_rows(job_env *env, const ffn_set *set, const float *src, size_t rows,
+                                size_t K, float *q, size_t ld_q, float *s, size_t ld_s);
+/* A packed weight [n_w, N, K] decoded into dst: matrix w at dst + w*w_stride,
+ * element (n, k) at [(row0 + n)*ld + k], or at [k*ld + row0 + n] when
+ * transposed; its scales [N/128, K/128] copied to scales + w*s_stride +
+ * s_row0*(K/128). Weight sets whose group has no rows are skipped. */
+void mok__cpu_fp8_unpack(job_env *env, const ffn_group *groups, size_t n_w, const void *packed,
+                         size_t N, size_t K, bool transposed, float *dst, size_t w_stride,
+                         size_t row0, size_t ld, float *scales, size_t s_stride, size_t s_row0);
 
 /* ---- cpu/ep.c ----------------------------------------------------------- */
 

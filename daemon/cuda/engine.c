@@ -389,6 +389,11 @@ static int ring_rows_of(const mok_layer_config *c) {
 
 static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
   (void)e;
+  if (cfg->dtype == MOK_DTYPE_FP8_E4M3) {
+    snprintf(err, errlen,
+             "fp8 layers run on the cpu engine only; the Hopper FP8 kernels are not built yet");
+    return MOK_EUNSUPPORTED;
+  }
   if (cfg->dtype != MOK_DTYPE_BF16) {
     snprintf(err, errlen,
              "the cuda engine runs bfloat16 layers only (this one is %s); use dtype bfloat16, "

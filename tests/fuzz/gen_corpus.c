@@ -140,9 +140,15 @@ static void gen_jobs(void) {
   static const struct { uint32_t H, I, E, K, Is, T, dtype, lim, align; } layers[] = {
       {32, 16, 6, 2, 0, 64, MOK_DTYPE_F32, 0, 1},
       {64, 32, 8, 4, 48, 128, MOK_DTYPE_BF16, 1, 8},
+      {256, 128, 2, 1, 128, 16, MOK_DTYPE_FP8_E4M3, 0, 1}, /* packed weights, quantize_weight */
   };
+  static const char *const dtype_names[] = {[MOK_DTYPE_F32] = "f32", [MOK_DTYPE_BF16] = "bf16",
+                                            [MOK_DTYPE_FP8_E4M3] = "fp8"};
   for (size_t li = 0; li < sizeof layers / sizeof layers[0]; li++) {
     for (uint32_t op = 0; op < MOK_OP_COUNT_; op++) {
+      /* quantize_weight: an fp8 layer's op */
+      const bool quantize = op == MOK_OP_QUANTIZE_WEIGHT;
+      if (quantize && layers[li].dtype != MOK_DTYPE_FP8_E4M3) continue;
       for (uint32_t flags = 0; flags <= (op == MOK_OP_BACKWARD ? 1u : 0u); flags++) {
         fuzz_job_input in;
         memset(&in, 0, sizeof in);
@@ -165,13 +171,14 @@ static void gen_jobs(void) {
         uint32_t T = in.max_tokens / 2 + 1;
         mok_job_desc *d = &in.desc;
         d->version = MOK_JOB_VERSION, d->op = (uint16_t)op, d->flags = (uint16_t)flags;
-        d->layer = 1, d->tokens = op == MOK_OP_NOP ? 0 : T, d->user_data = 42;
+        d->layer = 1, d->tokens = op == MOK_OP_NOP || quantize ? 0 : T, d->user_data = 42;
         uint64_t off = 0;
         for (uint32_t s = 0; op != MOK_OP_NOP && s < MOK_SLOT_COUNT_; s++) {
           if (mok_job_slot_need(&l, op, flags, s) == MOK_NEED_NONE) continue;
+          if (quantize && s != MOK_SLOT_W_DOWN && s != MOK_SLOT_PACKED_WEIGHT) continue;
           uint32_t dt, nd;
           uint64_t shape[MOK_MAX_DIMS];
-          mok_job_slot_shape(&l, T, s, &dt, &nd, shape);
+          mok_job_slot_shape_op(&l, op, MOK_SLOT_W_DOWN, d->tokens, s, &dt, &nd, shape);
           mok_tensor_ref *r = &d->tensors[d->n_tensors++];
           r->region = 1 + (s % 2), r->slot = (uint16_t)s, r->dtype = (uint8_t)dt;
           r->ndim = (uint8_t)nd;
@@ -186,15 +193,15 @@ static void gen_jobs(void) {
         /* a seed is only golden if mokd accepts it */
         expect_job(&in, &l, MOK_OK, op);
         char name[64];
-        snprintf(name, sizeof name, "%s_%s%s", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
-                 mok_op_name(op), flags ? "_recompute" : "");
+        snprintf(name, sizeof name, "%s_%s%s", dtype_names[layers[li].dtype], mok_op_name(op),
+                 flags ? "_recompute" : "");
         put("job_check", name, &in, sizeof in);
         if (op == MOK_OP_NOP) continue;
         /* regions 1 and 2 as two registrations of one memfd, both from its
          * start: their tensors interleave, so nothing overlaps (accepted) */
         in.region_object[0] = in.region_object[1] = 1;
         expect_job(&in, &l, MOK_OK, op);
-        snprintf(name, sizeof name, "%s_%s%s_aliased", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
+        snprintf(name, sizeof name, "%s_%s%s_aliased", dtype_names[layers[li].dtype],
                  mok_op_name(op), flags ? "_recompute" : "");
         put("job_check", name, &in, sizeof in);
         /* ... then shifted so that an output lies over a tensor of the
@@ -209,7 +216,7 @@ static void gen_jobs(void) {
         uint64_t shift = o->offset > q->offset ? o->offset - q->offset : q->offset - o->offset;
         in.region_backing_offset[(o->offset > q->offset ? q->region : o->region) - 1] = shift << 1;
         expect_job(&in, &l, MOK_EINVAL, op);
-        snprintf(name, sizeof name, "%s_%s%s_overlap", layers[li].dtype == MOK_DTYPE_F32 ? "f32" : "bf16",
+        snprintf(name, sizeof name, "%s_%s%s_overlap", dtype_names[layers[li].dtype],
                  mok_op_name(op), flags ? "_recompute" : "");
         put("job_check", name, &in, sizeof in);
       }

@@ -565,6 +565,13 @@ static void test_errors(mok_client *c, cudaStream_t st) {
   r = mok_layer_create(c, &ld, &l32);
   printf("  float32 layer -> %s: %s\n", mok_status_name(r), mok_last_error());
   EXPECT(r == MOK_EUNSUPPORTED, "a float32 layer gave %s", mok_status_name(r));
+  /* and an fp8 layer (docs/math.md, "FP8"): the cpu engine runs those for now */
+  ld.hidden = ld.intermediate = 128;
+  ld.dtype = MOK_DTYPE_FP8_E4M3;
+  r = mok_layer_create(c, &ld, &l32);
+  printf("  fp8 layer -> %s: %s\n", mok_status_name(r), mok_last_error());
+  EXPECT(r == MOK_EUNSUPPORTED && strstr(mok_last_error(), "fp8 layers run on the cpu engine"),
+         "an fp8 layer gave %s: %s", mok_status_name(r), mok_last_error());
   dlayer_close(&D);
 }
 

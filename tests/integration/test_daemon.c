@@ -383,6 +383,96 @@ static void test_bad_descriptors_fail_only_their_job(void) {
   CHECK_EQ_INT(harness_stop(&d), 0);
 }
 
+/* fp8 layers through mokd (docs/math.md, "FP8"): a quantize_weight job
+ * writes only memory its own session registered, never over its input, and
+ * every malformed one fails alone; the other tenant's packed weight stays
+ * as its own job wrote it. */
+static void test_fp8_quantize_weight_fails_alone_and_writes_only_its_own(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c, *other;
+  CHECK(mok_connect(d.sock, "victim", &other) == MOK_OK);
+  CHECK(mok_connect(d.sock, "attacker", &c) == MOK_OK);
+  mok_layer_desc ld = {.hidden = 7000, .intermediate = 128, .experts = 2, .topk = 1,
+                       .max_tokens = 8, .dtype = MOK_DTYPE_FP8_E4M3};
+  mok_layer *l, *lo;
+  CHECK_EQ_INT(mok_layer_create(c, &ld, &l), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "hidden = 7000 is not a multiple of 128");
+  ld.hidden = 128;
+  CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
+  CHECK_MSG(mok_layer_create(other, &ld, &lo) == MOK_OK, "%s", mok_last_error());
+  const uint64_t n = 2ull * 128 * 128, pb = mok_layer_packed_weight_bytes(l, MOK_SLOT_W_GATE);
+  CHECK_EQ_INT(pb, n + 4 * 2);
+  CHECK_EQ_INT(mok_layer_packed_weight_bytes(l, MOK_SLOT_S_GATE), 0); /* no shared expert */
+
+  /* the victim's weight and its packed form */
+  uint16_t *wv = alloc_in(other, 2 * n);
+  uint8_t *pv = alloc_in(other, pb);
+  unsigned seed = 5;
+  for (uint64_t i = 0; i < n; i++) wv[i] = (uint16_t)(0x3c00u + (frand(&seed) > 0 ? 0x8000u : 0) +
+                                                    (uint16_t)(seed >> 20 & 0x1ffu));
+  uint64_t t;
+  CHECK_MSG(mok_quantize_weight(lo, MOK_SLOT_W_GATE, wv, pv, &t) == MOK_OK, "%s", mok_last_error());
+  CHECK_MSG(mok_wait(other, t, 10000) == MOK_OK, "%s", mok_last_error());
+  uint8_t *saved = malloc(pb);
+  memcpy(saved, pv, pb);
+
+  /* the attacker's: master at 0, packed right after it, in one region */
+  char *mem = alloc_in(c, 2 * n + pb + 4096);
+  memcpy(mem, wv, 2 * n);
+  CHECK_MSG(mok_quantize_weight(l, MOK_SLOT_W_GATE, mem, mem + 2 * n, &t) == MOK_OK, "%s",
+            mok_last_error());
+  CHECK_MSG(mok_wait(c, t, 10000) == MOK_OK, "%s", mok_last_error());
+  CHECK(memcmp(mem + 2 * n, saved, pb) == 0); /* the same bytes for the same weight */
+  CHECK_EQ_INT(mok_quantize_weight(l, MOK_SLOT_X, mem, mem + 2 * n, &t), MOK_EINVAL);
+
+  mok_job_desc good = {.version = MOK_JOB_VERSION, .op = MOK_OP_QUANTIZE_WEIGHT, .layer = l->id,
+                       .n_tensors = 2};
+  uint32_t region = mok_find_region(c, mem, 4)->id;
+  good.tensors[0] = (mok_tensor_ref){.region = region, .slot = MOK_SLOT_W_GATE,
+                                     .dtype = MOK_DTYPE_BF16, .ndim = 3, .offset = 0,
+                                     .bytes = 2 * n, .shape = {2, 128, 128}};
+  good.tensors[1] = (mok_tensor_ref){.region = region, .slot = MOK_SLOT_PACKED_WEIGHT,
+                                     .dtype = MOK_DTYPE_U8, .ndim = 1, .offset = 2 * n,
+                                     .bytes = pb, .shape = {(uint32_t)pb}};
+  CHECK_MSG(submit_and_wait(c, &good) == MOK_OK, "%s", mok_last_error());
+  mok_job_desc bad = good;
+  bad.tensors[1].region = mok_find_region(other, pv, 4)->id + 100; /* not this session's */
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_ENOENT);
+  CHECK_STR_CONTAINS(mok_last_error(), "packed_weight: region");
+  bad = good;
+  bad.tensors[1].offset = 1ull << 40; /* past its region's end */
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_EBOUNDS);
+  bad = good;
+  bad.tensors[1].offset = 2 * n - 2; /* over the source's last element */
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "output packed_weight overlaps w_gate");
+  bad = good;
+  bad.tensors[1].bytes--, bad.tensors[1].shape[0]--; /* one byte short */
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_ESHAPE);
+  bad = good;
+  bad.tensors[0].dtype = MOK_DTYPE_U8, bad.tensors[0].ndim = 1; /* a packed source */
+  bad.tensors[0].shape[0] = (uint32_t)(2 * n), bad.tensors[0].shape[1] = 0;
+  bad.tensors[0].shape[2] = 0;
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_ESHAPE);
+  bad = good;
+  bad.tokens = 8;
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_EINVAL);
+  bad = good;
+  bad.tensors[0].slot = MOK_SLOT_S_GATE;
+  CHECK_EQ_INT(submit_and_wait(c, &bad), MOK_EINVAL);
+  CHECK_STR_CONTAINS(mok_last_error(), "the layer has no shared expert");
+  CHECK_MSG(submit_and_wait(c, &good) == MOK_OK, "%s", mok_last_error()); /* still served */
+
+  CHECK(memcmp(pv, saved, pb) == 0); /* the victim's packed weight is untouched */
+  CHECK_MSG(mok_quantize_weight(lo, MOK_SLOT_W_GATE, wv, pv, &t) == MOK_OK, "%s",
+            mok_last_error());
+  CHECK_MSG(mok_wait(other, t, 10000) == MOK_OK, "%s", mok_last_error());
+  free(saved);
+  mok_close(c);
+  mok_close(other);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 /* A failed job's message longer than a completion's 96 bytes reaches the
  * client whole (the message area beside the ring), at every ring index,
  * and a client scribbling over that area changes nothing in the daemon. */
@@ -774,6 +864,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_layer_cost_before_creating),
     CHECK_CASE(test_stats_report_session_memory),
     CHECK_CASE(test_a_killed_client_loses_only_its_session),
+    CHECK_CASE(test_fp8_quantize_weight_fails_alone_and_writes_only_its_own),
     CHECK_CASE(test_concurrent_clients_each_get_their_results),
     CHECK_CASE(test_shutdown_drains_and_refuses_a_second_daemon),
     CHECK_CASE(test_a_client_that_never_drains_costs_no_cpu),

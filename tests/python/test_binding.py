@@ -169,7 +169,8 @@ def test_constants_match_headers():
     assert [ops[i][1] for i in sorted(ops)] == list(_lib.OPS)
     text = open(os.path.join(REPO, "proto/mok_enums.h")).read()
     for name, value in (("MOK_DTYPE_F32", _lib.DTYPE_F32), ("MOK_DTYPE_BF16", _lib.DTYPE_BF16),
-                        ("MOK_DTYPE_I32", _lib.DTYPE_I32), ("MOK_DTYPE_U8", _lib.DTYPE_U8)):
+                        ("MOK_DTYPE_I32", _lib.DTYPE_I32), ("MOK_DTYPE_U8", _lib.DTYPE_U8),
+                        ("MOK_DTYPE_FP8_E4M3", _lib.DTYPE_FP8_E4M3)):
         assert re.search(r"%s = %d\b" % (name, value), text), name
     assert re.search(r"MOK_JOB_RECOMPUTE 0x%xu" % _lib.JOB_RECOMPUTE, text)
     L = _lib.lib()
@@ -432,6 +433,64 @@ class FakeTorchTensor:
     is_cuda = True
     shape = (8, 32)
     dtype = "torch.float32"
+
+
+# ---- fp8 layers (docs/math.md, "FP8 (e4m3, block-scaled)") -----------------------------
+
+FP8_WEIGHTS = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+
+
+def test_fp8_layer_through_the_binding(client):
+    """quantize_weight, then forward and backward on the packed weights: within what
+    e4m3 costs of the unquantised float64 layer (test_engine_cpu holds the cpu engine
+    to the recipe itself), and the same bits on every run."""
+    T, H, I, E, K, I_s = 24, 128, 128, 3, 2, 128
+    layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_s,
+                         dtype="fp8")
+    assert layer.dtype == "fp8" and "fp8" in repr(layer)
+    a, d_out = make_inputs(90, T, H, I, E, K, I_s, dtype="bfloat16")
+    packed = {k: layer.quantize_weight(k, a[k]) for k in FP8_WEIGHTS}
+    for k, p in packed.items():
+        assert p.dtype == np.uint8 and p.shape == (layer.packed_weight_bytes(k),), k
+        assert bits(layer.quantize_weight(k, a[k])) == bits(p), k
+    assert layer.packed_weight_bytes("w_down") == E * H * I + 4 * E * (H // 128) * (I // 128)
+    out_buf = client.empty(layer.packed_weight_bytes("w_up"), np.uint8)
+    assert layer.quantize_weight("w_up", a["w_up"], out=out_buf) is out_buf
+    assert bits(out_buf) == bits(packed["w_up"])
+    b = dict(a, **packed)
+    out, grads = run_layer(layer, b, d_out)
+    assert out.dtype == mok.bf16_dtype() and grads.d_w_gate.dtype == mok.bf16_dtype()
+    assert grads.d_w_gate.shape == (E, I, H)
+    errs = check_vs_reference(a, d_out, out, grads, 0.1)
+    assert errs["out"] > 0.01  # it really ran in fp8 (bf16 would give ~0.004)
+    out2, grads2 = run_layer(layer, b, d_out, recompute=True)
+    assert_bitwise(out, out2, "out")
+    assert_grads_bitwise(grads, grads2, "recompute")
+
+
+def test_fp8_errors(client):
+    with pytest.raises(mok.Error) as ei:
+        client.layer(hidden=7000, intermediate=128, experts=2, topk=1, dtype="fp8")
+    assert ei.value.status == "EINVAL" and "hidden = 7000 is not a multiple of 128" in \
+        ei.value.message
+    layer = client.layer(hidden=128, intermediate=256, experts=2, topk=1, dtype="float8_e4m3fn")
+    a, _ = make_inputs(91, 4, 128, 256, 2, 1, dtype="bfloat16")
+    with pytest.raises(mok.Error) as ei:
+        layer.quantize_weight("s_gate", a["w_gate"])  # no shared expert
+    assert ei.value.status == "EINVAL"
+    with pytest.raises(mok.Error) as ei:
+        layer.quantize_weight("w_down", a["w_gate"])  # the gate's shape
+    assert ei.value.status == "ESHAPE" and "(2, 128, 256)" in ei.value.message
+    packed = {k: layer.quantize_weight(k, a[k]) for k in FP8_WEIGHTS[:3]}
+    pos, _ = layer_args(dict(a, **packed))
+    pos[4] = a["w_up"]  # the bf16 master where the packed form belongs
+    with pytest.raises(mok.Error) as ei:
+        layer.forward(*pos)
+    assert ei.value.status == "ESHAPE" and "w_up" in ei.value.message
+    bf = client.layer(hidden=128, intermediate=256, experts=2, topk=1, dtype="bfloat16")
+    with pytest.raises(mok.Error) as ei:
+        bf.quantize_weight("w_gate", a["w_gate"])
+    assert ei.value.status == "EINVAL" and "fp8" in ei.value.message
 
 
 def test_errors(client):

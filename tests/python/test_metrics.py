@@ -38,7 +38,7 @@ import mok  # noqa: E402
 
 MAX_LABEL_SETS = 2
 OPS = {"nop", "forward", "backward", "dispatch", "compute", "combine", "combine_backward",
-       "compute_backward", "dispatch_backward", "unknown"}
+       "compute_backward", "dispatch_backward", "quantize_weight", "unknown"}
 
 
 def free_port():

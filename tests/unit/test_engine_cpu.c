@@ -21,9 +21,12 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "common/fp8_e4m3.h"
 #include "harness/check.h"
 #include "engine.h"
 #include "ref64.h"
+#include "ref_fp8.h"
+#include "mok_slots.h"
 #include "schedule.h"
 
 #define F32_TOL 1e-5
@@ -65,7 +68,8 @@ static double rng_uniform(rng *r, double lo, double hi) {
   return lo + (hi - lo) * (double)(rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
 }
 
-static size_t esize(uint32_t dt) { return mok_dtype_size(dt); }
+/* An element of a tensor of dt (an fp8 layer's activations are bf16). */
+static size_t esize(uint32_t dt) { return mok_dtype_size(mok_layer_act_dtype(dt)); }
 
 /* Layer-dtype buffer from doubles (rounded as the engine stores them). */
 static void *to_layer(uint32_t dt, const double *src, size_t n) {
@@ -119,6 +123,10 @@ typedef struct problem {
   int32_t *ids;
   void *x_l, *wg_l, *wu_l, *wd_l, *sg_l, *su_l, *sd_l, *dout_l;
   float *rw_f;
+  /* fp8 layers: the weights' packed forms, by slot - MOK_SLOT_W_GATE
+   * (quantize_weight of the bf16 masters above, in engine_prepare) */
+  void *packed[6];
+  size_t packed_bytes[6];
 } problem;
 
 /* Values in [-1, 1] or on the grid {-4..4}/8 (quantized). */
@@ -268,11 +276,16 @@ static mok_engine *engine_open(int threads) {
   return e;
 }
 
+static void fp8_pack(mok_engine *e, problem *p);
+
+/* Prepares the layer; an fp8 problem's weights are quantised then, as a
+ * trainer does after each optimizer step. */
 static void engine_prepare(mok_engine *e, problem *p) {
   char err[128];
   int st = mok_engine_cpu.prepare_layer(e, &p->cfg, err, sizeof err);
   CHECK_MSG(st == MOK_OK, "prepare_layer: %s", err);
   CHECK_EQ_INT(p->cfg.row_align, 1);
+  if (p->s.dtype == MOK_DTYPE_FP8_E4M3) fp8_pack(e, p);
 }
 
 static void job_init(mok_job_args *a, const problem *p, uint32_t op, uint32_t flags) {
@@ -283,18 +296,24 @@ static void job_init(mok_job_args *a, const problem *p, uint32_t op, uint32_t fl
   a->layer = &p->cfg;
 }
 
-/* Tensor of n elements of dtype dt (the daemon gives resolved views). */
+/* Tensor of n elements of dtype dt (the daemon gives resolved views); an
+ * fp8 layer's dtype names its bf16 activations. */
 static void put(mok_job_args *a, int slot, const void *ptr, size_t n, uint32_t dt) {
   mok_tensor_view *v = &a->t[slot];
   v->ptr = (void *)ptr;
   v->bytes = (uint64_t)n * esize(dt);
-  v->dtype = dt;
+  v->dtype = mok_layer_act_dtype(dt);
   v->ndim = 1;
   v->shape[0] = (uint32_t)n;
 }
 
 static void put_weights(mok_job_args *a, const problem *p) {
   uint32_t dt = p->s.dtype;
+  if (dt == MOK_DTYPE_FP8_E4M3) {
+    for (int i = 0; i < (p->s.Is ? 6 : 3); i++)
+      put(a, MOK_SLOT_W_GATE + i, p->packed[i], p->packed_bytes[i], MOK_DTYPE_U8);
+    return;
+  }
   put(a, MOK_SLOT_W_GATE, p->wg_l, p->n_w, dt);
   put(a, MOK_SLOT_W_UP, p->wu_l, p->n_w, dt);
   put(a, MOK_SLOT_W_DOWN, p->wd_l, p->n_w, dt);
@@ -454,13 +473,21 @@ static void expect_matches_ref(const problem *p, const results *r, const ref_res
   }
 }
 
+/* A problem of s on a fresh engine of `threads`, prepared, its layer run into r. */
+static problem *run_fresh(const spec *s, int threads, mok_engine **ret_e, results *r,
+                          int ctx_poison) {
+  problem *p = problem_make(s);
+  *ret_e = engine_open(threads);
+  engine_prepare(*ret_e, p);
+  run_layer(*ret_e, p, r, ctx_poison);
+  return p;
+}
+
 /* Runs the layer on a 2-thread engine and holds every output against ref64. */
 static void check_against_ref(const spec *s) {
-  problem *p = problem_make(s);
-  mok_engine *e = engine_open(2);
-  engine_prepare(e, p);
+  mok_engine *e;
   results r;
-  run_layer(e, p, &r, 0xa5);
+  problem *p = run_fresh(s, 2, &e, &r, 0xa5);
   ref_results rr;
   ref_run(p, &rr);
   expect_matches_ref(p, &r, &rr);
@@ -750,60 +777,66 @@ static void expect_same_results(const problem *p, const results *a, const result
 
 /* 1, 2 and 3 threads give the same bits; ctx poisoned differently each run,
  * so equal ctx bytes also prove every byte of it is written. */
+static void check_threads_bitwise(const spec *s) {
+  problem *p = problem_make(s);
+  results r[3];
+  for (int n = 1; n <= 3; n++) {
+    mok_engine *e = engine_open(n);
+    engine_prepare(e, p);
+    CHECK(strstr(mok_engine_cpu.describe(e), "cpu") != NULL);
+    run_layer(e, p, &r[n - 1], 0x11 * n);
+    mok_engine_cpu.close(e);
+  }
+  expect_same_results(p, &r[0], &r[1]);
+  expect_same_results(p, &r[0], &r[2]);
+  for (int n = 0; n < 3; n++) results_free(&r[n]);
+}
+
 static void test_threads_bitwise(void) {
   for (int bf = 0; bf < 2; bf++) {
     spec s = {.T = 77, .H = 200, .I = 136, .E = 3, .E_loc = 3, .K = 2, .Is = 24,
               .dtype = bf ? MOK_DTYPE_BF16 : MOK_DTYPE_F32, .has_limit = 1, .limit = 0.8,
               .route = ROUTE_DROPS, .seed = 12};
-    problem *p = problem_make(&s);
-    results r[3];
-    for (int n = 1; n <= 3; n++) {
-      mok_engine *e = engine_open(n);
-      engine_prepare(e, p);
-      CHECK(strstr(mok_engine_cpu.describe(e), "cpu") != NULL);
-      run_layer(e, p, &r[n - 1], 0x11 * n);
-      mok_engine_cpu.close(e);
-    }
-    expect_same_results(p, &r[0], &r[1]);
-    expect_same_results(p, &r[0], &r[2]);
-    for (int n = 0; n < 3; n++) results_free(&r[n]);
+    check_threads_bitwise(&s);
   }
 }
 
 /* backward with RECOMPUTE rebuilds the forward ctx bit for bit, into the
  * given ctx or into scratch, and the gradients equal the saved-ctx ones */
+static void check_recompute_bitwise(const spec *s) {
+  mok_engine *e;
+  results saved;
+  problem *p = run_fresh(s, 2, &e, &saved, 0x33);
+
+  mok_job_args a;
+  results rc;
+  results_alloc(&rc, p, 0x77);
+  backward_job(&a, p, &rc, MOK_JOB_RECOMPUTE, 1);
+  run_ok(e, &a);
+  expect_same_bytes("recomputed ctx", saved.ctx, rc.ctx, ctx_bytes(p));
+  expect_same_grads(p, &saved, &rc);
+
+  results rs;
+  results_alloc(&rs, p, 0x77);
+  backward_job(&a, p, &rs, MOK_JOB_RECOMPUTE, 0);
+  run_ok(e, &a);
+  expect_same_grads(p, &saved, &rs);
+
+  /* forward without a ctx gives the same out */
+  results nf;
+  results_alloc(&nf, p, 0);
+  forward_job(&a, p, &nf, 0);
+  run_ok(e, &a);
+  expect_same_bytes("out without ctx", saved.out, nf.out, p->n_x * esize(p->s.dtype));
+  mok_engine_cpu.close(e);
+}
+
 static void test_recompute_bitwise(void) {
   for (int bf = 0; bf < 2; bf++) {
     spec s = {.T = 27, .H = 48, .I = 32, .E = 6, .E_loc = 4, .first = 1, .K = 2, .Is = 20,
               .dtype = bf ? MOK_DTYPE_BF16 : MOK_DTYPE_F32, .has_limit = 1, .limit = 0.7,
               .route = ROUTE_DROPS, .seed = 13};
-    problem *p = problem_make(&s);
-    mok_engine *e = engine_open(2);
-    engine_prepare(e, p);
-    results saved;
-    run_layer(e, p, &saved, 0x33);
-
-    mok_job_args a;
-    results rc;
-    results_alloc(&rc, p, 0x77);
-    backward_job(&a, p, &rc, MOK_JOB_RECOMPUTE, 1);
-    run_ok(e, &a);
-    expect_same_bytes("recomputed ctx", saved.ctx, rc.ctx, ctx_bytes(p));
-    expect_same_grads(p, &saved, &rc);
-
-    results rs;
-    results_alloc(&rs, p, 0x77);
-    backward_job(&a, p, &rs, MOK_JOB_RECOMPUTE, 0);
-    run_ok(e, &a);
-    expect_same_grads(p, &saved, &rs);
-
-    /* forward without a ctx gives the same out */
-    results nf;
-    results_alloc(&nf, p, 0);
-    forward_job(&a, p, &nf, 0);
-    run_ok(e, &a);
-    expect_same_bytes("out without ctx", saved.out, nf.out, p->n_x * esize(p->s.dtype));
-    mok_engine_cpu.close(e);
+    check_recompute_bitwise(&s);
   }
 }
 
@@ -1375,6 +1408,332 @@ static void test_prepare_layer(void) {
   CHECK(none == NULL);
 }
 
+/* ---- fp8 layers (docs/math.md, "FP8 (e4m3, block-scaled)") -----------------
+ *
+ * The bf16 masters are quantised by the engine's quantize_weight (fp8_pack,
+ * from engine_prepare); every job then takes the packed forms. ref_fp8 is
+ * the recipe in double, written from docs/math.md; ref64 the unquantised
+ * layer. */
+
+/* Weight i (slot MOK_SLOT_W_GATE + i) of a problem: its bf16 master and its
+ * doubles. */
+static const void *fp8_master(const problem *p, int i, const double **ret_d, size_t *ret_n) {
+  const void *l[6] = {p->wg_l, p->wu_l, p->wd_l, p->sg_l, p->su_l, p->sd_l};
+  const double *d[6] = {p->wg, p->wu, p->wd, p->sg, p->su, p->sd};
+  if (ret_d) *ret_d = d[i];
+  *ret_n = i < 3 ? p->n_w : p->n_s;
+  return l[i];
+}
+
+static void fp8_pack(mok_engine *e, problem *p) {
+  for (int i = 0; i < (p->s.Is ? 6 : 3); i++) {
+    const uint32_t slot = MOK_SLOT_W_GATE + (uint32_t)i;
+    size_t n, bytes = (size_t)mok_slot_packed_bytes(&p->cfg, slot);
+    const void *master = fp8_master(p, i, NULL, &n);
+    CHECK(bytes > 0);
+    free(p->packed[i]);
+    p->packed[i] = poisoned(bytes, 0x5a);
+    p->packed_bytes[i] = bytes;
+    mok_job_args a;
+    job_init(&a, p, MOK_OP_QUANTIZE_WEIGHT, 0);
+    a.tokens = 0;
+    put(&a, (int)slot, master, n, MOK_DTYPE_BF16);
+    put(&a, MOK_SLOT_PACKED_WEIGHT, p->packed[i], bytes, MOK_DTYPE_U8);
+    run_ok(e, &a);
+  }
+}
+
+static spec fp8_spec(uint64_t seed) {
+  spec s = {.T = 37, .H = 256, .I = 128, .E = 5, .E_loc = 4, .first = 1, .K = 2, .Is = 128,
+            .dtype = MOK_DTYPE_FP8_E4M3, .has_limit = 1, .limit = 1.0, .route = ROUTE_DROPS,
+            .seed = seed};
+  return s;
+}
+
+/* v[i] and its bf16 copy times 2^f(i) (both exact). */
+static void scale_pow2(double *v, mok_bf16 *l, size_t n, int (*f)(size_t, const void *),
+                       const void *arg) {
+  for (size_t i = 0; i < n; i++) {
+    v[i] = ldexp(v[i], f(i, arg));
+    l[i] = mok_f32_to_bf16((float)v[i]);
+  }
+}
+
+static int token_block_exp(size_t i, const void *arg) { /* [T, H] by token and 128 of H */
+  size_t H = *(const size_t *)arg;
+  return (int)((i / H + i % H / 128) % 3) - 1;
+}
+
+typedef struct weight_shape {
+  size_t N, K;
+} weight_shape;
+
+static int weight_block_exp(size_t i, const void *arg) { /* [E, N, K] by 128x128 block */
+  const weight_shape *w = arg;
+  size_t e = i / (w->N * w->K), nb = i / w->K % w->N / 128, kb = i % w->K / 128;
+  return (int)((e + 2 * nb + 3 * kb) % 4) - 2;
+}
+
+/* An fp8 problem whose blocks differ in magnitude by powers of two (x and
+ * d_out per token and 128 of H, each weight per 128x128 block), so that a
+ * scale read from the wrong block, or applied twice, is seen. */
+static problem *fp8_problem(const spec *s) {
+  problem *p = problem_make(s);
+  size_t H = (size_t)s->H;
+  scale_pow2(p->x, p->x_l, p->n_x, token_block_exp, &H);
+  scale_pow2(p->dout, p->dout_l, p->n_x, token_block_exp, &H);
+  for (int i = 0; i < (s->Is ? 6 : 3); i++) {
+    const double *w;
+    size_t n, In = (size_t)(i < 3 ? s->I : s->Is);
+    mok_bf16 *l = (mok_bf16 *)fp8_master(p, i, &w, &n);
+    weight_shape ws = {i % 3 == 2 ? H : In, i % 3 == 2 ? In : H};
+    scale_pow2((double *)w, l, n, weight_block_exp, &ws);
+  }
+  return p;
+}
+
+/* Every byte and scale of every packed weight is the recipe's, special
+ * values included (NaN, inf, a huge value, a zero block, bf16 subnormals);
+ * the bytes between the e4m3 bytes and the scales are zero. */
+static void test_fp8_quantize_weight_matches_the_recipe(void) {
+  spec s = fp8_spec(31);
+  problem *p = fp8_problem(&s);
+  /* block (0, 0) of w_gate's expert 0: specials; block (0, 1): all zero;
+   * w_up's block (0, 0): bf16 subnormals only */
+  mok_bf16 *wg = p->wg_l, *wu = p->wu_l;
+  const float specials[] = {NAN, INFINITY, -3e38f, 1e-40f, -0.0f};
+  for (int i = 0; i < 5; i++) wg[(size_t)(7 * i + 3) * s.H + 11 * i] = mok_f32_to_bf16(specials[i]);
+  for (int n = 0; n < 128; n++)
+    for (int k = 128; k < 256; k++) wg[(size_t)n * s.H + k] = mok_f32_to_bf16(0.0f);
+  for (int n = 0; n < 128; n++)
+    for (int k = 0; k < 128; k++)
+      wu[(size_t)n * s.H + k] = mok_f32_to_bf16((float)((n * 7 + k) % 5 - 2) * 1e-39f);
+  /* w_gate's expert 1, block (0, 0): 0.5 everywhere but one NaN, which the
+   * amax leaves out (scale 2^-9, 0.5 * 2^9 = 256) */
+  mok_bf16 *e1 = wg + (size_t)s.I * s.H;
+  for (int n = 0; n < 128; n++)
+    for (int k = 0; k < 128; k++) e1[(size_t)n * s.H + k] = mok_f32_to_bf16(0.5f);
+  e1[5 * s.H + 7] = mok_f32_to_bf16(NAN);
+  for (size_t i = 0; i < p->n_w; i++) { /* the doubles follow the bf16 bytes */
+    p->wg[i] = mok_bf16_to_f32(wg[i]);
+    p->wu[i] = mok_bf16_to_f32(wu[i]);
+  }
+  mok_engine *e = engine_open(2);
+  engine_prepare(e, p);
+  for (int i = 0; i < 6; i++) {
+    const double *w;
+    size_t n;
+    fp8_master(p, i, &w, &n);
+    int down = i % 3 == 2, E = i < 3 ? s.E_loc : 1, In = i < 3 ? s.I : s.Is;
+    int N = down ? s.H : In, K = down ? In : s.H;
+    size_t ns = (size_t)E * (N / 128) * (K / 128), off = (size_t)mok_fp8_scales_offset(E, N, K);
+    double *q = xmalloc(n * sizeof *q), *sc = xmalloc(ns * sizeof *sc);
+    ref_fp8_quantize_weight(w, E, N, K, q, sc);
+    const uint8_t *b = p->packed[i];
+    for (size_t j = 0; j < n; j++) {
+      double got = mok_fp8_decode(b[j]);
+      CHECK_MSG((isnan(got) && isnan(q[j])) || (got == q[j] && !signbit(got) == !signbit(q[j])),
+                "weight %d byte %zu: 0x%02x (%g), the recipe gives %g", i, j, b[j], got, q[j]);
+    }
+    for (size_t j = n; j < off; j++) CHECK_EQ_INT(b[j], 0);
+    for (size_t j = 0; j < ns; j++) {
+      float got;
+      memcpy(&got, b + off + 4 * j, 4);
+      CHECK_MSG((double)got == sc[j], "weight %d scale %zu: %g, the recipe gives %g", i, j,
+                (double)got, sc[j]);
+    }
+    CHECK_EQ_INT(p->packed_bytes[i], off + 4 * ns);
+    free(q);
+    free(sc);
+  }
+  const uint8_t *b = p->packed[0];
+  float s00, s01, su00;
+  memcpy(&s00, b + mok_fp8_scales_offset(s.E_loc, s.I, s.H), 4);
+  memcpy(&s01, b + mok_fp8_scales_offset(s.E_loc, s.I, s.H) + 4, 4);
+  memcpy(&su00, (const uint8_t *)p->packed[1] + mok_fp8_scales_offset(s.E_loc, s.I, s.H), 4);
+  CHECK(s00 == 0x1p127f && s01 == 1.0f && su00 == 0x1p-126f); /* inf; zero; subnormal amax */
+  CHECK_EQ_INT(b[3 * s.H], 0x7f);               /* NaN */
+  CHECK_EQ_INT(b[10 * s.H + 11], 0x7e);          /* inf * 2^-127: saturated to 448 */
+  float s1;
+  memcpy(&s1, b + mok_fp8_scales_offset(s.E_loc, s.I, s.H) + 4 * 2, 4); /* expert 1, (0, 0) */
+  const uint8_t *b1 = b + (size_t)s.I * s.H;
+  CHECK(s1 == 0x1p-9f && b1[5 * s.H + 7] == 0x7f && b1[5 * s.H + 8] == 0x78 && b1[0] == 0x78);
+  mok_engine_cpu.close(e);
+}
+
+/* The engine against the recipe in double, fed the same bf16 inputs: what
+ * is left is the engine's f32 sums, and the bf16 roundings of the results
+ * (g, u, h, dg, du, out, d_x, d_w_*: relative 2^-9 each) those move; a
+ * rounding that flips moves an e4m3 operand one step more, rarely. */
+#define FP8_RECIPE_TOL 1e-3
+
+typedef struct fp8_errors {
+  double out, d_x, d_rw, d_wg, d_wu, d_wd, d_sg, d_su, d_sd;
+} fp8_errors;
+
+static double rel_err_layer(const double *ref, const void *got, size_t n) {
+  double *g = from_layer(MOK_DTYPE_BF16, got, n);
+  double e = ref64_rel_err(ref, g, n);
+  free(g);
+  return e;
+}
+
+static fp8_errors fp8_errors_of(const problem *p, const results *r, const ref_results *rr) {
+  fp8_errors e;
+  double *drw = from_f32(r->d_rw, p->n_tk);
+  e.out = rel_err_layer(rr->out, r->out, p->n_x);
+  e.d_x = rel_err_layer(rr->d_x, r->d_x, p->n_x);
+  e.d_rw = ref64_rel_err(rr->d_rw, drw, p->n_tk);
+  e.d_wg = rel_err_layer(rr->d_wg, r->d_wg, p->n_w);
+  e.d_wu = rel_err_layer(rr->d_wu, r->d_wu, p->n_w);
+  e.d_wd = rel_err_layer(rr->d_wd, r->d_wd, p->n_w);
+  e.d_sg = p->s.Is ? rel_err_layer(rr->d_sg, r->d_sg, p->n_s) : 0.0;
+  e.d_su = p->s.Is ? rel_err_layer(rr->d_su, r->d_su, p->n_s) : 0.0;
+  e.d_sd = p->s.Is ? rel_err_layer(rr->d_sd, r->d_sd, p->n_s) : 0.0;
+  free(drw);
+  return e;
+}
+
+static void fp8_errors_print(const char *what, const fp8_errors *e) {
+  if (!getenv("TEST_VERBOSE")) return;
+  fprintf(stderr, "    %s: out %.3g d_x %.3g d_rw %.3g d_w_gate %.3g d_w_up %.3g d_w_down %.3g "
+          "d_s_gate %.3g d_s_up %.3g d_s_down %.3g\n", what, e->out, e->d_x, e->d_rw, e->d_wg,
+          e->d_wu, e->d_wd, e->d_sg, e->d_su, e->d_sd);
+}
+
+static void ref_fp8_run(const problem *p, ref_results *rr) {
+  ref_run(p, rr); /* allocates; the unquantised values are overwritten */
+  ref64_inputs in = ref_inputs(p);
+  ref_fp8_forward(&p->ref, &in, rr->out);
+  ref_fp8_backward(&p->ref, &in, p->dout, rr->d_x, rr->d_rw, rr->d_wg, rr->d_wu, rr->d_wd,
+                   rr->d_sg, rr->d_su, rr->d_sd);
+}
+
+/* Every output's error (bf16 results, norm-wise) of an fp8 problem's layer,
+ * against ref_fp8 (the recipe) or ref64 (the unquantised layer); what
+ * prints them with TEST_VERBOSE. */
+static fp8_errors fp8_measure(problem *p, mok_engine *e, int against_recipe, const char *what) {
+  engine_prepare(e, p);
+  results r;
+  run_layer(e, p, &r, 0xa5);
+  ref_results rr;
+  if (against_recipe)
+    ref_fp8_run(p, &rr);
+  else
+    ref_run(p, &rr);
+  fp8_errors err = fp8_errors_of(p, &r, &rr);
+  fp8_errors_print(what, &err);
+  results_free(&r);
+  return err;
+}
+
+static void expect_errors_below(const fp8_errors *e, const fp8_errors *bound, const char *of) {
+  const double *v = &e->out, *b = &bound->out;
+  const char *names[] = {"out", "d_x", "d_rw", "d_w_gate", "d_w_up", "d_w_down", "d_s_gate",
+                         "d_s_up", "d_s_down"};
+  for (int i = 0; i < 9; i++)
+    CHECK_MSG(v[i] < b[i], "%s: relative error %.3g against %s exceeds %g", names[i], v[i], of,
+              b[i]);
+}
+
+static void test_fp8_layer_matches_the_recipe(void) {
+  const fp8_errors bound = {FP8_RECIPE_TOL, FP8_RECIPE_TOL, FP8_RECIPE_TOL, FP8_RECIPE_TOL,
+                            FP8_RECIPE_TOL, FP8_RECIPE_TOL, FP8_RECIPE_TOL, FP8_RECIPE_TOL,
+                            FP8_RECIPE_TOL};
+  mok_engine *e = engine_open(2);
+  for (int shared = 0; shared < 2; shared++) {
+    spec s = fp8_spec(32 + (uint64_t)shared);
+    s.Is = shared ? 128 : 0;
+    s.route = shared ? ROUTE_DROPS : ROUTE_IDLE;
+    fp8_errors err = fp8_measure(fp8_problem(&s), e, 1, "fp8 engine vs the recipe in double");
+    expect_errors_below(&err, &bound, "the recipe");
+  }
+  mok_engine_cpu.close(e);
+}
+
+/* What block-scaled e4m3 costs against the unquantised float64 layer
+ * (docs/math.md, "FP8", has the numbers and what the format leads to
+ * expect: about 2.4 % rms per quantised operand, adding in quadrature
+ * along a result's path). The bounds sit above the measured errors (5-6 %)
+ * and far below what a wrong recipe gives (the scales applied twice, or a
+ * scale read from the wrong block: 0.5 to 1). */
+static const fp8_errors FP8_ERROR_BOUND = {
+    .out = 0.1, .d_x = 0.1, .d_rw = 0.1, .d_wg = 0.1, .d_wu = 0.1, .d_wd = 0.1,
+    .d_sg = 0.1, .d_su = 0.1, .d_sd = 0.1};
+
+static void test_fp8_error_against_the_unquantised_layer(void) {
+  spec s = fp8_spec(33);
+  s.has_limit = 0; /* a clamp's masks flip with the operands' error: docs/math.md */
+  mok_engine *e = engine_open(2);
+  fp8_errors err = fp8_measure(fp8_problem(&s), e, 0, "fp8 engine vs the unquantised layer");
+  expect_errors_below(&err, &FP8_ERROR_BOUND, "the unquantised layer");
+  /* the same layer in bf16, for scale: fp8 does cost something */
+  s.dtype = MOK_DTYPE_BF16;
+  fp8_errors eb = fp8_measure(fp8_problem(&s), e, 0, "bf16 engine vs the unquantised layer");
+  CHECK(eb.out < err.out / 4);
+  mok_engine_cpu.close(e);
+}
+
+/* Two runs, 1..3 threads, recompute, the single-step chain: the same bits. */
+static void test_fp8_bitwise(void) {
+  spec s = fp8_spec(34);
+  check_threads_bitwise(&s);
+  check_recompute_bitwise(&s);
+  check_steps_chain(&s);
+  s.Is = 0;
+  s.route = ROUTE_IDLE;
+  check_steps_chain(&s);
+}
+
+/* Direct jobs (no daemon checks): an fp8 layer of the wrong size, a short
+ * packed weight, a quantize job without exactly one source. */
+static void test_fp8_refusals(void) {
+  mok_engine *e = engine_open(1);
+  char err[256];
+  mok_layer_config c = {.hidden = 7000, .intermediate = 128, .experts = 2, .local_experts = 2,
+                        .topk = 1, .max_tokens = 4, .dtype = MOK_DTYPE_FP8_E4M3};
+  CHECK_EQ_INT(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err), MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "hidden = 7000 is not a multiple of 128");
+  c.hidden = 128;
+  c.group_id = 3;
+  CHECK_EQ_INT(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err), MOK_EUNSUPPORTED);
+  spec s = fp8_spec(35);
+  problem *p = problem_make(&s);
+  engine_prepare(e, p);
+  results r;
+  results_alloc(&r, p, 0);
+  mok_job_args a;
+  forward_job(&a, p, &r, 1);
+  a.t[MOK_SLOT_W_DOWN].bytes--;
+  mok_engine_result res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  CHECK_STR_CONTAINS(res.message, "tensor 'w_down' has");
+  forward_job(&a, p, &r, 1);
+  put(&a, MOK_SLOT_W_UP, p->wu_l, p->n_w, MOK_DTYPE_BF16); /* the master, not the packed form */
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  job_init(&a, p, MOK_OP_QUANTIZE_WEIGHT, 0);
+  a.tokens = 0;
+  put(&a, MOK_SLOT_PACKED_WEIGHT, p->packed[0], p->packed_bytes[0], MOK_DTYPE_U8);
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_EINVAL);
+  CHECK_STR_CONTAINS(res.message, "exactly one source weight");
+  put(&a, MOK_SLOT_W_GATE, p->wg_l, p->n_w, MOK_DTYPE_BF16);
+  put(&a, MOK_SLOT_W_UP, p->wu_l, p->n_w, MOK_DTYPE_BF16);
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_EINVAL);
+  a.t[MOK_SLOT_W_UP].ptr = NULL;
+  a.tokens = 2;
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_EINVAL);
+  a.tokens = 0;
+  a.t[MOK_SLOT_PACKED_WEIGHT].bytes--;
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  results_free(&r);
+  mok_engine_cpu.close(e);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_ref64_finite_differences),
     CHECK_CASE(test_f32_basic),
@@ -1399,6 +1758,11 @@ static const check_case cases[] = {
     CHECK_CASE(test_random_ctx_garbage),
     CHECK_CASE(test_missing_and_short_tensors),
     CHECK_CASE(test_prepare_layer),
+    CHECK_CASE(test_fp8_quantize_weight_matches_the_recipe),
+    CHECK_CASE(test_fp8_layer_matches_the_recipe),
+    CHECK_CASE(test_fp8_error_against_the_unquantised_layer),
+    CHECK_CASE(test_fp8_bitwise),
+    CHECK_CASE(test_fp8_refusals),
     {0},
 };
 

@@ -4,6 +4,7 @@
 
 #include "harness/check.h"
 #include "job_check.h"
+#include "layer.h"
 
 #define REGION_BYTES (1u << 20)
 
@@ -29,11 +30,15 @@ static void fixture_init(fixture *f, uint32_t shared) {
   f->desc.tokens = 8;
 }
 
-/* Append the tensor the layer expects in slot, at the next free offset. */
+/* Append the tensor the layer expects in slot, at the next free offset
+ * (a quantize_weight job's as its source: the first weight slot added). */
 static mok_tensor_ref *add(fixture *f, uint32_t slot) {
-  uint32_t dt, nd;
-  uint64_t shape[MOK_MAX_DIMS];
-  mok_job_slot_shape(&f->layer, f->desc.tokens, slot, &dt, &nd, shape);
+  uint32_t dt, nd, source = MOK_SLOT_COUNT_;
+  uint64_t shape[MOK_MAX_DIMS], present = 0;
+  for (uint32_t i = 0; i < f->desc.n_tensors; i++) present |= 1ull << f->desc.tensors[i].slot;
+  if (f->desc.op == MOK_OP_QUANTIZE_WEIGHT)
+    source = mok_quantize_source(present | (slot == MOK_SLOT_PACKED_WEIGHT ? 0 : 1ull << slot));
+  mok_job_slot_shape_op(&f->layer, f->desc.op, source, f->desc.tokens, slot, &dt, &nd, shape);
   mok_tensor_ref *t = &f->desc.tensors[f->desc.n_tensors++];
   memset(t, 0, sizeof *t);
   t->region = 1;
@@ -348,9 +353,11 @@ static void test_recompute_needs_routing_ids(void) {
 }
 
 static void test_every_op_accepts_exactly_its_required_slots(void) {
-  /* build each op's minimal job from the table itself and check it passes */
+  /* build each op's minimal job from the table itself and check it passes
+   * (quantize_weight, an fp8 layer's op: test_quantize_weight_*) */
   for (uint32_t shared = 0; shared <= 4; shared += 4) {
     for (uint32_t op = 1; op < MOK_OP_COUNT_; op++) {
+      if (op == MOK_OP_QUANTIZE_WEIGHT) continue;
       fixture f;
       fixture_init(&f, shared);
       f.desc.op = (uint16_t)op;
@@ -361,6 +368,184 @@ static void test_every_op_accepts_exactly_its_required_slots(void) {
       CHECK_MSG(check_job(&f, err) == MOK_OK, "%s (shared %u): %s", mok_op_name(op), shared, err);
     }
   }
+}
+
+/* ---- fp8 layers: packed weights (mok_wire.h) and quantize_weight ---------- */
+
+static void fixture_init_fp8(fixture *f, uint32_t shared) {
+  fixture_init(f, 0);
+  f->layer.hidden = 256;
+  f->layer.intermediate = 128;
+  f->layer.experts = f->layer.local_experts = 2;
+  f->layer.shared_intermediate = shared;
+  f->layer.dtype = MOK_DTYPE_FP8_E4M3;
+}
+
+static void test_fp8_layers_need_whole_blocks(void) {
+  mok_layer_config c = {.hidden = 7000, .intermediate = 256, .experts = 4, .topk = 2,
+                        .max_tokens = 8, .dtype = MOK_DTYPE_FP8_E4M3};
+  char err[256] = "";
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "hidden = 7000 is not a multiple of 128");
+  c.hidden = 256, c.intermediate = 100;
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "intermediate = 100 is not a multiple of 128");
+  c.intermediate = 384, c.shared_intermediate = 64;
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "shared_intermediate = 64");
+  c.shared_intermediate = 128;
+  CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
+  c.shared_intermediate = 0;
+  CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
+  c.experts = 4096, c.hidden = c.intermediate = 1024; /* packed w_gate: 4 GiB + scales */
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_ELIMIT);
+  CHECK_STR_CONTAINS(err, "more than the 4 GiB one tensor dimension holds");
+  c.experts = 4, c.hidden = 256, c.intermediate = 384;
+  c.dtype = MOK_DTYPE_U8; /* not a layer dtype */
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_EINVAL);
+  /* bf16 layers keep any size */
+  c.dtype = MOK_DTYPE_BF16, c.hidden = 7000;
+  CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
+}
+
+static void test_fp8_jobs_take_packed_weights(void) {
+  fixture f;
+  fixture_init_fp8(&f, 128);
+  add_forward(&f);
+  add(&f, MOK_SLOT_S_GATE), add(&f, MOK_SLOT_S_UP), add(&f, MOK_SLOT_S_DOWN);
+  mok_tensor_ref *wg = find(&f, MOK_SLOT_W_GATE), saved = *wg;
+  CHECK(wg->dtype == MOK_DTYPE_U8 && wg->ndim == 1 &&
+        wg->bytes == mok_fp8_weight_bytes(2, 128, 256) && wg->bytes == 65536 + 4 * 2 * 1 * 2);
+  CHECK_EQ_INT(find(&f, MOK_SLOT_X)->dtype, MOK_DTYPE_BF16);
+  char err[256] = "";
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  wg->shape[0]--, wg->bytes--; /* one byte short: the last scale cut */
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: dimension 0 is 65551, expected 65552");
+  *wg = saved;
+  wg->bytes--; /* the shape right, the size not */
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: 65551 bytes declared");
+  /* the bf16 master where the packed form belongs */
+  *wg = saved;
+  wg->dtype = MOK_DTYPE_BF16, wg->ndim = 3;
+  wg->shape[0] = 2, wg->shape[1] = 128, wg->shape[2] = 256, wg->bytes = 2ull * 128 * 256 * 2;
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: dtype 2, the layer needs dtype 4");
+  *wg = saved;
+  find(&f, MOK_SLOT_S_DOWN)->dtype = MOK_DTYPE_BF16;
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "s_down: dtype 2, the layer needs dtype 4");
+  find(&f, MOK_SLOT_S_DOWN)->dtype = MOK_DTYPE_U8;
+  find(&f, MOK_SLOT_X)->dtype = MOK_DTYPE_FP8_E4M3; /* activations stay bf16 */
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "x: dtype 5, the layer needs dtype 2");
+  find(&f, MOK_SLOT_X)->dtype = MOK_DTYPE_BF16;
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  /* the packed output slot belongs to quantize_weight alone */
+  add(&f, MOK_SLOT_CTX)->slot = MOK_SLOT_PACKED_WEIGHT;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "packed_weight is not an argument of forward");
+}
+
+static void test_fp8_backward_gradients_stay_bf16(void) {
+  fixture f;
+  fixture_init_fp8(&f, 0);
+  f.desc.op = MOK_OP_BACKWARD;
+  for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++)
+    if (mok_job_slot_need(&f.layer, MOK_OP_BACKWARD, 0, s) == MOK_NEED_REQUIRED) add(&f, s);
+  char err[256] = "";
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  mok_tensor_ref *dwd = find(&f, MOK_SLOT_D_W_DOWN);
+  CHECK(dwd->dtype == MOK_DTYPE_BF16 && dwd->ndim == 3 && dwd->shape[1] == 256);
+  CHECK_EQ_INT(find(&f, MOK_SLOT_W_DOWN)->dtype, MOK_DTYPE_U8);
+  dwd->dtype = MOK_DTYPE_U8;
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "d_w_down: dtype 4, the layer needs dtype 2");
+}
+
+static void quantize_job(fixture *f, uint32_t shared, uint32_t source) {
+  fixture_init_fp8(f, shared);
+  f->desc.op = MOK_OP_QUANTIZE_WEIGHT;
+  f->desc.tokens = 0;
+  add(f, source);
+  add(f, MOK_SLOT_PACKED_WEIGHT);
+}
+
+static void test_quantize_weight_takes_one_bf16_source_and_its_packed_size(void) {
+  const uint32_t sources[] = {MOK_SLOT_W_GATE, MOK_SLOT_W_UP, MOK_SLOT_W_DOWN, MOK_SLOT_S_GATE,
+                              MOK_SLOT_S_UP, MOK_SLOT_S_DOWN};
+  char err[256] = "";
+  for (size_t i = 0; i < sizeof sources / sizeof *sources; i++) {
+    fixture f;
+    quantize_job(&f, 256, sources[i]);
+    CHECK_MSG(check_job(&f, err) == MOK_OK, "%s: %s", mok_slot_name(sources[i]), err);
+    mok_tensor_ref *src = find(&f, sources[i]), *out = find(&f, MOK_SLOT_PACKED_WEIGHT);
+    CHECK_EQ_INT(src->dtype, MOK_DTYPE_BF16);
+    CHECK_EQ_INT(out->bytes, mok_slot_packed_bytes(&f.layer, sources[i]));
+  }
+  fixture f;
+  quantize_job(&f, 0, MOK_SLOT_W_DOWN);
+  CHECK(find(&f, MOK_SLOT_W_DOWN)->shape[1] == 256 && find(&f, MOK_SLOT_W_DOWN)->shape[2] == 128);
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  mok_tensor_ref *out = find(&f, MOK_SLOT_PACKED_WEIGHT), saved = *out;
+  out->shape[0]--, out->bytes--;
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "packed_weight: dimension 0");
+  *out = saved;
+  out->dtype = MOK_DTYPE_FP8_E4M3;
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "packed_weight: dtype 5, the layer needs dtype 4");
+  *out = saved;
+  mok_tensor_ref *src = find(&f, MOK_SLOT_W_DOWN), src_saved = *src;
+  src->dtype = MOK_DTYPE_U8, src->ndim = 1, src->shape[0] = (uint32_t)saved.bytes;
+  src->shape[1] = src->shape[2] = 0, src->bytes = saved.bytes; /* a packed source */
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_down: dtype 4, the layer needs dtype 2");
+  *src = src_saved;
+  f.desc.tokens = 3;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "quantize_weight works on a weight, it takes 0 tokens");
+  f.desc.tokens = 0;
+  add(&f, MOK_SLOT_W_UP); /* two sources */
+  EXPECT_REJECTED(&f, MOK_EINVAL, "exactly one source weight");
+  f.desc.n_tensors--;
+  add(&f, MOK_SLOT_S_GATE); /* no shared expert */
+  EXPECT_REJECTED(&f, MOK_EINVAL, "s_gate is not an argument of quantize_weight (the layer has no");
+  f.desc.n_tensors--;
+  add(&f, MOK_SLOT_X);
+  EXPECT_REJECTED(&f, MOK_EINVAL, "x is not an argument of quantize_weight");
+  f.desc.n_tensors--;
+  /* no source at all; no output */
+  f.desc.tensors[0] = f.desc.tensors[1];
+  f.desc.n_tensors = 1;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "exactly one source weight");
+  quantize_job(&f, 0, MOK_SLOT_W_GATE);
+  f.desc.n_tensors = 1;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "quantize_weight needs packed_weight");
+  /* on a bf16 layer there is nothing to quantise */
+  quantize_job(&f, 0, MOK_SLOT_W_GATE);
+  f.layer.dtype = MOK_DTYPE_BF16;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "quantize_weight runs on fp8 layers only");
+}
+
+/* Its output is checked as every op's: inside this session's regions, and
+ * sharing no byte with its input, through any registration. */
+static void test_quantize_weight_output_is_isolated(void) {
+  fixture f;
+  quantize_job(&f, 0, MOK_SLOT_W_UP);
+  mok_tensor_ref *src = find(&f, MOK_SLOT_W_UP), *out = find(&f, MOK_SLOT_PACKED_WEIGHT);
+  uint64_t src_end = src->offset + src->bytes;
+  out->offset = src_end - 1; /* its first byte is the source's last */
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output packed_weight overlaps w_up");
+  out->offset = src->offset + 4096; /* inside it */
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output packed_weight overlaps w_up");
+  out->offset = src_end;
+  char err[256] = "";
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
+  out->region = 2; /* another session's id space: not this session's memory */
+  EXPECT_REJECTED(&f, MOK_ENOENT, "packed_weight: region 2 is not registered");
+  out->region = 1;
+  out->offset = REGION_BYTES - out->bytes + 1; /* past the end of its region */
+  EXPECT_REJECTED(&f, MOK_EBOUNDS, "packed_weight: offset");
+  /* the same memfd registered again: the overlap is seen through */
+  enum { B = 262144 };
+  add_aliasing_region(&f, 7, 99, B);
+  out->region = 2;
+  out->offset = 0;
+  src->offset = B + 256;
+  EXPECT_REJECTED(&f, MOK_EINVAL, "output packed_weight overlaps w_up: regions 2 and 1");
+  src->offset = B + out->bytes;
+  CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
 }
 
 static const check_case cases[] = {
@@ -379,6 +564,11 @@ static const check_case cases[] = {
     CHECK_CASE(test_nop_takes_nothing),
     CHECK_CASE(test_recompute_needs_routing_ids),
     CHECK_CASE(test_every_op_accepts_exactly_its_required_slots),
+    CHECK_CASE(test_fp8_layers_need_whole_blocks),
+    CHECK_CASE(test_fp8_jobs_take_packed_weights),
+    CHECK_CASE(test_fp8_backward_gradients_stay_bf16),
+    CHECK_CASE(test_quantize_weight_takes_one_bf16_source_and_its_packed_size),
+    CHECK_CASE(test_quantize_weight_output_is_isolated),
     {0}};
 
 int main(int argc, char **argv) { return check_main(argc, argv, cases); }

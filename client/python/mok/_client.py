@@ -107,10 +107,13 @@ assert Stats._fields == tuple(f[0] for f in _lib.DaemonStats._fields_)
 
 _NP_OF_CODE = {_lib.DTYPE_F32: np.dtype(np.float32), _lib.DTYPE_BF16: np.dtype(np.uint16),
                _lib.DTYPE_I32: np.dtype(np.int32), _lib.DTYPE_U8: np.dtype(np.uint8)}
+_LAYER_DTYPE_NAME = {_lib.DTYPE_F32: "float32", _lib.DTYPE_BF16: "bfloat16",
+                     _lib.DTYPE_FP8_E4M3: "fp8"}
 _CODE_NAME = {_lib.DTYPE_F32: "float32",
               _lib.DTYPE_BF16: "bfloat16 (ml_dtypes.bfloat16 or uint16 bit patterns)",
               _lib.DTYPE_I32: "int32", _lib.DTYPE_U8: "uint8"}
 # dims of each slot, for messages
+_WEIGHT_SLOTS = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
 _SLOT_DIMS = {
     "x": "[T,H]", "out": "[T,H]", "d_out": "[T,H]", "d_x": "[T,H]", "shared_y": "[T,H]",
     "shared_d_x": "[T,H]", "topk_ids": "[T,K]", "router_weights": "[T,K]",
@@ -570,6 +573,8 @@ def _dtype_code(dtype):
             return _lib.DTYPE_F32
         if d in ("bfloat16", "bf16"):
             return _lib.DTYPE_BF16
+        if d in ("fp8", "float8_e4m3fn", "e4m3"):
+            return _lib.DTYPE_FP8_E4M3
     else:
         try:
             d = np.dtype(dtype)
@@ -579,7 +584,10 @@ def _dtype_code(dtype):
             return _lib.DTYPE_F32
         if d is not None and d.name == "bfloat16":
             return _lib.DTYPE_BF16
-    raise Error("EINVAL", "dtype must be \"float32\" or \"bfloat16\", got %r" % (dtype,))
+        if d is not None and d.name == "float8_e4m3fn":
+            return _lib.DTYPE_FP8_E4M3
+    raise Error("EINVAL", "dtype must be \"float32\", \"bfloat16\" or \"fp8\" (float8_e4m3fn), "
+                "got %r" % (dtype,))
 
 
 def _dim(name, v, lo=1):
@@ -778,8 +786,10 @@ class Layer:
         self.topk = _dim("topk", topk)
         self.shared_intermediate = _dim("shared_intermediate", shared_intermediate, 0)
         self._dtype_code = _dtype_code(dtype)
-        self.dtype = "float32" if self._dtype_code == _lib.DTYPE_F32 else "bfloat16"
-        self.np_dtype = _NP_OF_CODE[self._dtype_code]
+        self.dtype = _LAYER_DTYPE_NAME[self._dtype_code]
+        # an fp8 layer's activations and gradients are bfloat16 (docs/math.md, "FP8")
+        self.np_dtype = _NP_OF_CODE[_lib.DTYPE_BF16 if self._dtype_code == _lib.DTYPE_FP8_E4M3
+                                    else self._dtype_code]
         if swiglu_limit is not None:
             try:
                 swiglu_limit = float(swiglu_limit)
@@ -856,6 +866,67 @@ class Layer:
 
     def rows_capacity(self, tokens: int) -> int:
         return int(_lib.lib().mok_layer_rows_capacity(self._h(), tokens))
+
+    # ---- fp8 layers: packed weights (docs/math.md, "FP8 (e4m3, block-scaled)") ----
+    def packed_weight_bytes(self, slot: str) -> int:
+        """The bytes of weight slot's packed e4m3 form on an fp8 layer (what its jobs take in
+        that slot); 0 on other layers."""
+        return int(_lib.lib().mok_layer_packed_weight_bytes(self._h(), SLOT[slot]))
+
+    def _master_shape(self, slot):
+        H, I, E, Is = self.hidden, self.intermediate, self.local_experts, self.shared_intermediate
+        return {"w_gate": (E, I, H), "w_up": (E, I, H), "w_down": (E, H, I),
+                "s_gate": (Is, H), "s_up": (Is, H), "s_down": (H, Is)}[slot]
+
+    def quantize_weight(self, slot: str, weight: Any, out: Optional[np.ndarray] = None
+                        ) -> np.ndarray:
+        """An fp8 layer's quantize_weight job: weight (bfloat16, the shape a bfloat16 layer
+        takes in slot) in its packed form, a uint8 array of packed_weight_bytes(slot) bytes
+        (written into out when given), for the weight slot of this layer's jobs. Run it again
+        whenever the weight changed."""
+        n = self.packed_weight_bytes(slot) if slot in _WEIGHT_SLOTS else 0
+        if n == 0:
+            raise Error("EINVAL", "quantize_weight: %s is not a weight of an fp8 layer (this "
+                        "layer is %s%s)" % (slot, self.dtype, "" if self.shared else
+                                            ", without a shared expert"))
+        _check_torch(slot, weight)
+        w = np.asarray(weight)
+        if is_bf16(w.dtype):
+            w = w.view(np.uint16)
+        shape = self._master_shape(slot)
+        if w.dtype != np.uint16 or w.shape != shape:
+            raise Error("ESHAPE", "quantize_weight: %s must be bfloat16 of shape %s, got %s %s"
+                        % (slot, shape, w.dtype, tuple(w.shape)))
+        if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and
+                                    out.shape == (n,) and out.flags.writeable):
+            raise Error("ESHAPE", "quantize_weight: out must be a writable uint8 array of %d "
+                        "bytes, got %s" % (n, _describe(out)))
+        c, L = self.client, _lib.lib()
+        with c._lock:
+            c._check_open()
+            c._service()
+            h = self._h()
+            wp = c._in_mok_memory(w)
+            if wp is None:
+                r = c._stage(slot, max(w.nbytes, 1))
+                np.copyto(r.view(np.uint16, shape), w)
+                wp = r.ptr
+            op = c._in_mok_memory(out, writable=True) if out is not None else None
+            view = None
+            if op is None:
+                r = c._stage("packed_weight", n)
+                view, op = r.view(np.uint8, (n,)), r.ptr
+            ticket = c_uint64()
+            st = L.mok_quantize_weight(h, SLOT[slot], wp, op, byref(ticket))
+            if st:
+                _raise(st)
+            c._wait(ticket.value, None)
+            if view is None:
+                return out
+            if out is not None:
+                np.copyto(out, view)
+                return out
+            return view.copy()
 
     def standing(self, op: str, T: int, tensors: Mapping[str, Any], flags: int = 0,
                  hold: bool = True) -> "Standing":

@@ -26,17 +26,17 @@ STATUS_NAMES = (
 )
 STATUS_CODES = {n: i for i, n in enumerate(STATUS_NAMES)}
 
-DTYPE_F32, DTYPE_BF16, DTYPE_I32, DTYPE_U8 = 1, 2, 3, 4
+DTYPE_F32, DTYPE_BF16, DTYPE_I32, DTYPE_U8, DTYPE_FP8_E4M3 = 1, 2, 3, 4, 5
 
 OPS = ("nop", "forward", "backward", "dispatch", "compute", "combine", "combine_backward",
-       "compute_backward", "dispatch_backward")
+       "compute_backward", "dispatch_backward", "quantize_weight")
 OP = {n: i for i, n in enumerate(OPS)}
 
 SLOTS = (
     "x", "topk_ids", "router_weights", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down",
     "out", "ctx", "d_out", "d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down",
     "d_s_gate", "d_s_up", "d_s_down", "schedule", "acts", "routed_x", "routed_y", "shared_y",
-    "routed_d_out", "routed_d_x", "shared_d_x",
+    "routed_d_out", "routed_d_x", "shared_d_x", "packed_weight",
 )
 SLOT = {n: i for i, n in enumerate(SLOTS)}
 SLOT_COUNT = len(SLOTS)
@@ -139,6 +139,8 @@ def _declare(lib):
         "mok_layer_schedule_ints": (c.c_uint64, [P, c.c_uint32]),
         "mok_layer_rows_capacity": (c.c_uint64, [P, c.c_uint32]),
         "mok_tensor_for": (Tensor, [P, c.c_uint32, c.c_uint32, P]),
+        "mok_layer_packed_weight_bytes": (c.c_uint64, [P, c.c_uint32]),
+        "mok_quantize_weight": (c.c_int, [P, c.c_uint32, P, P, c.POINTER(c.c_uint64)]),
         "mok_submit": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32, c.POINTER(Tensor),
                                  c.POINTER(c.c_uint64)]),
         "mok_submit_nop": (c.c_int, [P, c.POINTER(c.c_uint64)]),

@@ -1,0 +1,145 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The cpu engine's e4m3 side of fp8 layers (docs/math.md, "FP8 (e4m3,
+ * block-scaled)"): quantize_weight, the 1x128 quantisation of activation
+ * rows, and the decoding of packed weights into the f32 operands the FP8
+ * GEMMs (cpu/steps.c) read. Every byte and scale comes from
+ * kernels/common/fp8_e4m3.h, the definition the cuda engine shares.
+ *
+ * A packed weight is client memory: written by quantize_weight (never read
+ * back), read by forward and backward as plain values (its scales copied
+ * out with memcpy: the tensor may start at any byte). */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "common/fp8_e4m3.h"
+#include "cpu/steps.h"
+#include "mok_slots.h"
+
+_Static_assert(MOK_FP8_BLOCK == 128u, "mok_wire.h's packed layout is in blocks of 128");
+#define BLOCK ((size_t)MOK_FP8_BLOCK)
+
+/* ---- quantize_weight -------------------------------------------------------- */
+
+typedef struct quantize_weight_arg {
+  const mok_bf16 *w; /* [E, N, K] */
+  size_t N, K;
+  uint8_t *bytes;    /* [E, N, K] */
+  char *scales;      /* [E, N/128, K/128] f32, any alignment */
+} quantize_weight_arg;
+
+/* Items: block rows (e, nb), 128 rows of one matrix each. */
+static void quantize_block_rows(void *p, size_t i0, size_t i1) {
+  const quantize_weight_arg *a = p;
+  const size_t nbs = a->N / BLOCK, kbs = a->K / BLOCK;
+  for (size_t item = i0; item < i1; item++) {
+    const size_t e = item / nbs, nb = item % nbs;
+    const size_t row0 = e * a->N + nb * BLOCK;
+    for (size_t kb = 0; kb < kbs; kb++) {
+      float amax = 0.0f;
+      for (size_t n = 0; n < BLOCK; n++) {
+        const mok_bf16 *w = a->w + (row0 + n) * a->K + kb * BLOCK;
+        for (size_t k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(mok_bf16_to_f32(w[k])));
+      }
+      const int ex = mok_fp8_scale_exp(amax);
+      for (size_t n = 0; n < BLOCK; n++) {
+        const size_t at = (row0 + n) * a->K + kb * BLOCK;
+        for (size_t k = 0; k < BLOCK; k++)
+          a->bytes[at + k] = mok_fp8_quantize(mok_bf16_to_f32(a->w[at + k]), ex);
+      }
+      const float s = mok_fp8_pow2(ex);
+      memcpy(a->scales + ((e * nbs + nb) * kbs + kb) * sizeof s, &s, sizeof s);
+    }
+  }
+}
+
+mok_status mok__cpu_op_quantize_weight(job_env *env) {
+  uint64_t w[3];
+  if (!mok_slot_weight_dims(env->cfg, env->quant_source, w))
+    return mok__cpu_job_fail(env, MOK_EINVAL, "no source weight");
+  uint8_t *packed = env->tensors[MOK_SLOT_PACKED_WEIGHT];
+  quantize_weight_arg a = {env->tensors[env->quant_source], (size_t)w[1], (size_t)w[2], packed,
+                           (char *)packed + mok_fp8_scales_offset(w[0], w[1], w[2])};
+  /* the bytes between the e4m3 bytes and the scales: zero, as the layout says */
+  size_t used = (size_t)(w[0] * w[1] * w[2]);
+  memset(packed + used, 0, (size_t)mok_fp8_scales_offset(w[0], w[1], w[2]) - used);
+  mok__cpu_par_for(env, (size_t)w[0] * a.N / BLOCK, quantize_block_rows, &a);
+  return MOK_OK;
+}
+
+/* ---- activation rows: 1x128 blocks ---------------------------------------- */
+
+typedef struct quantize_rows_arg {
+  const ffn_set *set;
+  const float *src;
+  size_t K;
+  float *q, *s;
+  size_t ld_q, ld_s;
+} quantize_rows_arg;
+
+static void quantize_rows_fn(void *p, size_t r0, size_t r1) {
+  const quantize_rows_arg *a = p;
+  for (size_t r = r0; r < r1; r++) {
+    float *q = a->q + r * a->ld_q, *s = a->s + r * a->ld_s;
+    if (a->set && a->set->row_slot && a->set->row_slot[r] < 0) {
+      memset(q, 0, a->K * sizeof *q);
+      memset(s, 0, a->K / BLOCK * sizeof *s);
+      continue;
+    }
+    const float *x = a->src + r * a->K;
+    for (size_t kb = 0; kb < a->K / BLOCK; kb++) {
+      float amax = 0.0f;
+      for (size_t k = kb * BLOCK; k < (kb + 1) * BLOCK; k++) amax = fmaxf(amax, fabsf(x[k]));
+      const int ex = mok_fp8_scale_exp(amax);
+      for (size_t k = kb * BLOCK; k < (kb + 1) * BLOCK; k++)
+        q[k] = mok_fp8_decode(mok_fp8_quantize(x[k], ex));
+      s[kb] = mok_fp8_pow2(ex);
+    }
+  }
+}
+
+void mok__cpu_fp8_quantize_rows(job_env *env, const ffn_set *set, const float *src, size_t rows,
+                                size_t K, float *q, size_t ld_q, float *s, size_t ld_s) {
+  quantize_rows_arg a = {set, src, K, q, s, ld_q, ld_s};
+  mok__cpu_par_for(env, rows, quantize_rows_fn, &a);
+}
+
+/* ---- packed weights -> f32 operands ---------------------------------------- */
+
+typedef struct unpack_arg {
+  const ffn_group *groups;
+  const uint8_t *bytes; /* [n_w, N, K] */
+  size_t N, K;
+  bool transposed;
+  float *dst;
+  size_t w_stride, row0, ld;
+} unpack_arg;
+
+/* Items: source rows (w, n). */
+static void unpack_rows(void *p, size_t i0, size_t i1) {
+  const unpack_arg *a = p;
+  for (size_t item = i0; item < i1; item++) {
+    const size_t w = item / a->N, n = item % a->N;
+    if (a->groups[w].rows == 0) continue; /* idle expert: never read */
+    const uint8_t *b = a->bytes + item * a->K;
+    float *d = a->dst + w * a->w_stride;
+    if (a->transposed)
+      for (size_t k = 0; k < a->K; k++) d[k * a->ld + a->row0 + n] = mok_fp8_decode(b[k]);
+    else
+      for (size_t k = 0; k < a->K; k++) d[(a->row0 + n) * a->ld + k] = mok_fp8_decode(b[k]);
+  }
+}
+
+void mok__cpu_fp8_unpack(job_env *env, const ffn_group *groups, size_t n_w, const void *packed,
+                         size_t N, size_t K, bool transposed, float *dst, size_t w_stride,
+                         size_t row0, size_t ld, float *scales, size_t s_stride, size_t s_row0) {
+  unpack_arg a = {groups, packed, N, K, transposed, dst, w_stride, row0, ld};
+  mok__cpu_par_for(env, n_w * N, unpack_rows, &a);
+  const char *src = (const char *)packed + mok_fp8_scales_offset(n_w, N, K);
+  const size_t per_w = (N / BLOCK) * (K / BLOCK);
+  for (size_t w = 0; w < n_w; w++)
+    memcpy(scales + w * s_stride + s_row0 * (K / BLOCK), src + w * per_w * sizeof(float),
+           per_w * sizeof(float));
+}
