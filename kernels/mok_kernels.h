@@ -113,6 +113,18 @@ int mok_k_schedule_build_snapshot(const mok_k_dims *d, const int32_t *topk_ids,
                                   int32_t *ids_copy, int32_t *schedule, void *workspace,
                                   int32_t *status, mok_k_stream stream);
 
+/* ---- FP8 quantisers (mok_fp8.cu; docs/math.md "FP8") -------------------------
+ * quantize_weight: w [experts][n][k] bf16 (n, k multiples of 128) into its
+ * packed form (mok_fp8_weight_bytes of proto/mok_layout.h, 4-byte aligned):
+ * the e4m3 bytes, zeros to the 256-byte boundary, then one f32 scale per
+ * 128 x 128 block. quantize_rows: x [rows][k] into e4m3 bytes q [rows][k]
+ * and scales [rows][k/128] (one per 128 of a row). Bytes and scales equal
+ * the cpu engine's (kernels/common/fp8_e4m3.h). */
+int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n, int k, void *packed,
+                              mok_k_stream stream);
+int mok_k_fp8_quantize_rows(const mok_k_bf16 *x, int rows, int k, uint8_t *q, float *scales,
+                            mok_k_stream stream);
+
 /* ---- small moves (mok_moves.cu) ---------------------------------------------
  * Copies (src) or zero fills (src NULL) of up to MOK_K_MOVE_BYTES_MAX bytes
  * each, up to MOK_K_MOVES_MAX in one kernel launch: a job's small moves

@@ -271,22 +271,8 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
   return d;
 }
 
-/* ---- the packed weight of an fp8 layer (docs/math.md, "FP8") --------------
- *
- * One weight [E, N, K] (w_gate, w_up: [E_loc, I, H]; w_down: [E_loc, H, I];
- * the shared expert's with E = 1 and I_s for I), N and K multiples of 128:
- *   the e4m3 bytes [E, N, K] row-major,
- *   from the next 256-byte boundary the f32 block scales [E, N/128, K/128]
- *   (scale of 128x128 block (nb, kb) of matrix e at (e*(N/128) + nb)*(K/128) + kb).
- * MOK_OP_QUANTIZE_WEIGHT writes it from the bf16 weight; an fp8 layer's jobs
- * take it (dtype u8, one dimension of mok_fp8_weight_bytes) in the weight's
- * slot. Every side sizes it from these two functions. */
-static inline uint64_t mok_fp8_scales_offset(uint64_t experts, uint64_t n, uint64_t k) {
-  return mok_align256(experts * n * k);
-}
-static inline uint64_t mok_fp8_weight_bytes(uint64_t experts, uint64_t n, uint64_t k) {
-  return mok_fp8_scales_offset(experts, n, k) + 4u * experts * (n / 128u) * (k / 128u);
-}
+/* the packed weight of an fp8 layer: mok_fp8_scales_offset and
+ * mok_fp8_weight_bytes in mok_layout.h (the kernels size it too) */
 
 /* ---- the context of a layer on an expert-parallel group (docs/ep.md) ----
  *

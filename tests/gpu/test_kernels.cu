@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../../kernels/mok_kernels.h"
+#include "../../kernels/common/fp8_e4m3.h"
 #include "../../proto/mok_layout.h"
 #include "../../proto/mok_status.h"
 
@@ -543,6 +544,137 @@ static void test_moves(cudaStream_t stream) {
   CUDA_CHECK(cudaFree(buf));
 }
 
+static std::vector<unsigned char> download_raw(const void *p, size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  if (bytes) CUDA_CHECK(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+/* A bf16 value with the special cases the quantisers must carry, in every
+ * fifth block: NaN, inf, huge and tiny magnitudes; zero blocks; else
+ * random, block by block of another binade. Its own generator: the shapes'
+ * inputs (rng_next) stay what they were. */
+static uint16_t fp8_test_value(size_t block) {
+  static uint32_t state = 0x9e3779b9u;
+  state = state * 1664525u + 1013904223u;
+  const uint32_t r = state;
+  if (block % 5 == 0) switch ((r >> 24) % 13) {
+    case 0: return 0x7fc0; /* NaN */
+    case 1: return 0xff80; /* -inf */
+    case 2: return 0x7f7f; /* bf16 max */
+    case 3: return 0x0001; /* the smallest subnormal */
+    default: break;
+    }
+  if (block % 7 == 3) return 0; /* a zero block */
+  const float mag = ldexpf(1.0f, (int)(block % 40) - 20);
+  const float v = ((float)(r >> 8) / 16777216.0f - 0.5f) * mag;
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float bf16_value(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* The GPU quantisers against the header's arithmetic on the host (the one
+ * the cpu engine runs): every byte of the packed weight (zero gap and
+ * scales included) and of the quantised rows; decoded values within e4m3's
+ * precision of their inputs; bad calls refused. */
+static void test_fp8_quantizers(cudaStream_t stream) {
+  const int E = 3, N = 256, K = 384, rows = 37, KR = 640;
+  std::vector<uint16_t> w((size_t)E * N * K), x((size_t)rows * KR);
+  for (size_t i = 0; i < w.size(); i++) {
+    const size_t n = (i / K) % N, k = i % K, e = i / ((size_t)N * K);
+    w[i] = fp8_test_value((e * (N / 128) + n / 128) * (K / 128) + k / 128);
+  }
+  for (size_t i = 0; i < x.size(); i++) x[i] = fp8_test_value((i / KR) * (KR / 128) + (i % KR) / 128);
+  const size_t packed_bytes = (size_t)mok_fp8_weight_bytes(E, N, K);
+  const size_t at = (size_t)mok_fp8_scales_offset(E, N, K);
+  std::vector<unsigned char> want(packed_bytes, 0);
+  size_t close = 0, normal = 0;
+  for (int e = 0; e < E; e++)
+    for (int nb = 0; nb < N / 128; nb++)
+      for (int kb = 0; kb < K / 128; kb++) {
+        float amax = 0.0f;
+        for (int n = 0; n < 128; n++)
+          for (int k = 0; k < 128; k++)
+            amax = fmaxf(amax, fabsf(bf16_value(w[((size_t)e * N + nb * 128 + n) * K + kb * 128 + k])));
+        const int ex = mok_fp8_scale_exp(amax);
+        const float sc = mok_fp8_pow2(ex);
+        for (int n = 0; n < 128; n++)
+          for (int k = 0; k < 128; k++) {
+            const size_t i = ((size_t)e * N + nb * 128 + n) * K + kb * 128 + k;
+            const float v = bf16_value(w[i]);
+            want[i] = mok_fp8_quantize(v, ex);
+            const float back = mok_fp8_decode(want[i]) * sc;
+            if (isfinite(v) && fabsf(v) > amax / 64.0f) {
+              normal++;
+              close += fabsf(back - v) <= fabsf(v) / 16.0f;
+            }
+          }
+        memcpy(&want[at + 4 * (((size_t)e * (N / 128) + nb) * (K / 128) + kb)], &sc, 4);
+      }
+  EXPECT(normal > 0 && close == normal, "fp8: %zu of %zu weights dequantise within 1/16", close,
+         normal);
+  void *dw = NULL, *dp = NULL, *dx = NULL, *dq = NULL, *ds = NULL;
+  CUDA_CHECK(cudaMalloc(&dw, w.size() * 2));
+  CUDA_CHECK(cudaMalloc(&dp, packed_bytes));
+  CUDA_CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(dp, 0xa5, packed_bytes)); /* every byte must be written */
+  MOK_CHECK(mok_k_fp8_quantize_weight((const mok_k_bf16 *)dw, E, N, K, dp, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<unsigned char> got = download_raw(dp, packed_bytes);
+  size_t bad = 0;
+  for (size_t i = 0; i < packed_bytes; i++) bad += got[i] != want[i];
+  EXPECT(bad == 0, "fp8: %zu of %zu packed-weight bytes differ from the host's", bad, packed_bytes);
+
+  std::vector<unsigned char> wq((size_t)rows * KR);
+  std::vector<float> wsc((size_t)rows * (KR / 128));
+  for (int r = 0; r < rows; r++)
+    for (int kb = 0; kb < KR / 128; kb++) {
+      float amax = 0.0f;
+      for (int k = 0; k < 128; k++) amax = fmaxf(amax, fabsf(bf16_value(x[(size_t)r * KR + kb * 128 + k])));
+      const int ex = mok_fp8_scale_exp(amax);
+      for (int k = 0; k < 128; k++) {
+        const size_t i = (size_t)r * KR + kb * 128 + k;
+        wq[i] = mok_fp8_quantize(bf16_value(x[i]), ex);
+      }
+      wsc[(size_t)r * (KR / 128) + kb] = mok_fp8_pow2(ex);
+    }
+  CUDA_CHECK(cudaMalloc(&dx, x.size() * 2));
+  CUDA_CHECK(cudaMalloc(&dq, wq.size()));
+  CUDA_CHECK(cudaMalloc(&ds, wsc.size() * 4));
+  CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(dq, 0xa5, wq.size()));
+  CUDA_CHECK(cudaMemset(ds, 0xa5, wsc.size() * 4));
+  MOK_CHECK(mok_k_fp8_quantize_rows((const mok_k_bf16 *)dx, rows, KR, (uint8_t *)dq, (float *)ds,
+                                    stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<unsigned char> gq = download_raw(dq, wq.size()), gs = download_raw(ds, wsc.size() * 4);
+  EXPECT(gq == wq, "fp8: quantised rows differ from the host's");
+  EXPECT(memcmp(gs.data(), wsc.data(), gs.size()) == 0, "fp8: row scales differ from the host's");
+
+  EXPECT(mok_k_fp8_quantize_weight((const mok_k_bf16 *)dw, E, 200, K, dp, stream) == MOK_EINVAL,
+         "fp8: a weight with N not a multiple of 128 accepted");
+  EXPECT(mok_k_fp8_quantize_weight((const mok_k_bf16 *)dw, 0, N, K, dp, stream) == MOK_EINVAL,
+         "fp8: a weight of no experts accepted");
+  EXPECT(mok_k_fp8_quantize_weight((const mok_k_bf16 *)dw, E, N, K, (char *)dp + 1, stream) ==
+             MOK_EINVAL,
+         "fp8: a misaligned packed weight accepted");
+  EXPECT(mok_k_fp8_quantize_rows((const mok_k_bf16 *)dx, rows, 100, (uint8_t *)dq, (float *)ds,
+                                 stream) == MOK_EINVAL,
+         "fp8: rows of 100 accepted");
+  CUDA_CHECK(cudaFree(dw));
+  CUDA_CHECK(cudaFree(dp));
+  CUDA_CHECK(cudaFree(dx));
+  CUDA_CHECK(cudaFree(dq));
+  CUDA_CHECK(cudaFree(ds));
+}
+
 static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   mok_k_dims d = dims_of(s);
   char err[160];
@@ -919,6 +1051,7 @@ int main(int argc, char **argv) {
   if (!strcmp(mode, "correct")) {
     test_layout();
     test_moves(stream);
+    test_fp8_quantizers(stream);
     for (size_t i = 0; i < sizeof small_shapes / sizeof small_shapes[0]; i++)
       test_shape(&small_shapes[i], 5, stream);
     test_bad_inputs(stream);
@@ -926,6 +1059,7 @@ int main(int argc, char **argv) {
   } else if (!strcmp(mode, "quick")) {
     test_layout();
     test_moves(stream);
+    test_fp8_quantizers(stream);
     test_shape(&small_shapes[0], 2, stream);
     test_shape(&small_shapes[3], 2, stream);
     test_shape(&small_shapes[5], 2, stream);
