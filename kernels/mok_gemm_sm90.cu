@@ -741,14 +741,15 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   }
 }
 
-/* A warpgroup with nothing to compute: follow the ring, no math (row
- * modes: S9_STAGES). */
-template <int CL> __device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
+/* A warpgroup with nothing to compute: follow the ring of NST stages, no
+ * math (row modes: S9_STAGES; the ping-pong kernel: S9P_STAGES). */
+template <int CL, int NST = S9_STAGES>
+__device__ static inline void s9_skip_loop(uint32_t bars, int nk, int &s, int &ph) {
   const bool lead = (threadIdx.x & 31) == 0;
   for (int kb = 0; kb < nk; kb++) {
     mbar_wait(bars + 8 * s, ph);
-    s9_release<CL>(bars + 8 * (S9_STAGES + s), lead);
-    if (++s == S9_STAGES) {
+    s9_release<CL>(bars + 8 * (NST + s), lead);
+    if (++s == NST) {
       s = 0;
       ph ^= 1;
     }
@@ -1128,14 +1129,7 @@ __device__ static void s9p_consume(const s9_params &p, const s9_sched &sc, uint3
     } else if (have) {
       s9p_mma_loop<false, CN>(acc0, acc1, base, bars, nk, s, ph);
     } else { /* no rows (a tile's nk is then 0; a pair's block follows the ring) */
-      for (int kb = 0; kb < nk; kb++) {
-        mbar_wait(bars + 8 * s, ph);
-        s9_release<CN>(bars + 8 * (S9P_STAGES + s), lead);
-        if (++s == S9P_STAGES) {
-          s = 0;
-          ph ^= 1;
-        }
-      }
+      s9_skip_loop<CN, S9P_STAGES>(bars, nk, s, ph);
     }
     mbar_arrive_if(turn + 8 * (1 - cw), lead); /* even for a unit with nothing to compute */
     s9p_epilogue(p, tl, acc0, acc1);
