@@ -10,15 +10,15 @@
 
 #define FP8_THREADS 256
 
-/* the largest |v| over the block's threads (each thread's own amax in) */
-__device__ static float block_amax(float mine) {
+/* The largest of every thread's `mine` over warps w0 .. w0 + nw - 1 of the
+ * block (all threads call it; a caller that calls it again first syncs). */
+__device__ static float warps_amax(float mine, int w0, int nw) {
   __shared__ float warp_max[FP8_THREADS / 32];
   for (int o = 16; o > 0; o >>= 1) mine = fmaxf(mine, __shfl_xor_sync(0xffffffffu, mine, o));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = mine;
   __syncthreads();
   float m = 0.0f;
-#pragma unroll
-  for (int w = 0; w < FP8_THREADS / 32; w++) m = fmaxf(m, warp_max[w]);
+  for (int w = w0; w < w0 + nw; w++) m = fmaxf(m, warp_max[w]);
   return m;
 }
 
@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(FP8_THREADS)
     v[i] = __bfloat162float(w[at + i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  const int ex = mok_fp8_scale_exp(block_amax(amax));
+  const int ex = mok_fp8_scale_exp(warps_amax(amax, 0, FP8_THREADS / 32));
 #pragma unroll
   for (int i = 0; i < 64; i++) q[at + i] = mok_fp8_quantize(v[i], ex);
   if (threadIdx.x == 0)
@@ -71,21 +71,14 @@ extern "C" int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n
 __global__ void __launch_bounds__(FP8_THREADS)
     fp8_rows_kernel(const __nv_bfloat16 *__restrict__ x, int rows, int K,
                     uint8_t *__restrict__ q, float *__restrict__ scales) {
-  __shared__ float warp_max[FP8_THREADS / 32];
   const int half = threadIdx.x >> 7, kb = 2 * blockIdx.x + half;
   const bool in = kb < K / 128;
   for (int row = blockIdx.y; row < rows; row += gridDim.y) {
     const size_t at = (size_t)row * K + (size_t)kb * 128 + (threadIdx.x & 127);
     const float v = in ? __bfloat162float(x[at]) : 0.0f;
     /* the amax of this thread's 128-element half: warps 0-3 or 4-7 */
-    float m = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    float amax = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 4; w++) amax = fmaxf(amax, warp_max[4 * half + w]);
-    __syncthreads(); /* warp_max is written again for the next row */
+    const float amax = warps_amax(fabsf(v), 4 * half, 4);
+    __syncthreads(); /* warps_amax's table is written again for the next row */
     if (in) {
       const int ex = mok_fp8_scale_exp(amax);
       q[at] = mok_fp8_quantize(v, ex);
