@@ -25,17 +25,6 @@
 #include "bench_common.h"
 #include "bench_pool.h"
 
-#ifndef MOK_CHECK
-#define MOK_CHECK(call)                                                                     \
-  do {                                                                                      \
-    int st_ = (call);                                                                       \
-    if (st_ != MOK_OK) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: mok status %d (cuda error %d)\n", __FILE__, __LINE__,     \
-              #call, st_, mok_k_last_cuda_error());                                         \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
-#endif
 
 /* ---- device helpers --------------------------------------------------------------- */
 
