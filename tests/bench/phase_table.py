@@ -47,9 +47,9 @@ def ordinal_steps(text):
 
 
 def parse_log(path):
-    """[(op, label, [(step, ms), ...], {step: host us to enqueue it})] in the
-    log's order; the host's times include "take" (from taking the job to
-    its first mark)"""
+    """[(op, label, {step: GPU ms} in the job's order, {step: host us to
+    enqueue it})] in the log's order; the host's times include "take" (from
+    taking the job to its first mark)"""
     jobs = []
     with open(path, errors="replace") as f:
         for line in f:
@@ -57,20 +57,20 @@ def parse_log(path):
             if not m:
                 continue
             cpu = dict(ordinal_steps(m.group(5))) if m.group(5) else {}
-            jobs.append((m.group(1), m.group(2), ordinal_steps(m.group(3)), cpu))
+            jobs.append((m.group(1), m.group(2), dict(ordinal_steps(m.group(3))), cpu))
     return jobs
 
 
 def median_of(jobs, field, name):
-    vals = [dict(j[field]).get(name) if field == 2 else j[field].get(name) for j in jobs]
-    vals = [v for v in vals if v is not None]
+    """the median of step `name` in field 2 (GPU ms) or 3 (host us) of jobs"""
+    vals = [j[field][name] for j in jobs if name in j[field]]
     return statistics.median(vals) if vals else float("nan")
 
 
 def medians(jobs):
     """the median of each step over jobs (the steps of the first job, in
     order): [(step, GPU ms, host us)]"""
-    return [(n, median_of(jobs, 2, n), median_of(jobs, 3, n)) for n, _ in jobs[0][2]]
+    return [(n, median_of(jobs, 2, n), median_of(jobs, 3, n)) for n in jobs[0][2]]
 
 
 def main(argv):
