@@ -434,6 +434,9 @@ extern "C" int mok_k_init(void) {
   const bool sm90 = mok_k_sm90_usable() != 0;
   if (st == MOK_OK && sm90) st = mok_k_sm90_init();
   if (st == MOK_OK) gemm_backend.store(backend_from_env(), std::memory_order_relaxed);
+  /* MOK_GATHER_BESIDE (mok_k_set_gather_host): a bench knob, read here only */
+  const int host = mok_k_gather_host_parse(getenv("MOK_GATHER_BESIDE"));
+  if (host >= 0) (void)mok_k_set_gather_host(host);
   return st;
 }
 
@@ -722,34 +725,149 @@ typedef struct ffn_bwd_args {
   bf16 *dgu, *h, *d_xr, *d_wg, *d_wu, *d_wd;
   float *partial;
   const int32_t *e_range; /* device [e0, e1): weight gradients of these experts only */
+  int gathers;             /* x is written from gather_src's rows by the backward itself */
+  const bf16 *gather_src;  /* (NULL when there are no tokens: every row is then zeros) */
 } ffn_bwd_args;
+
+/* ---- where the backward gathers x (mok_k_set_gather_host) ------------------------------ */
+
+/* half beside each dgrad: the fewest backward rows over +2 % through mokd (PERF.md v4 step 8) */
+static std::atomic<int> gather_host{MOK_K_GATHER_BOTH_DGRADS};
+
+static const char *const gather_host_names[MOK_K_GATHER_HOSTS] = {
+    "kernel", "down_dgrad", "gu_dgrad", "down_wgrad", "both_dgrads"};
+
+extern "C" int mok_k_gather_host_parse(const char *name) {
+  for (int h = 0; name && h < MOK_K_GATHER_HOSTS; h++)
+    if (!strcmp(name, gather_host_names[h])) return h;
+  return -1;
+}
+
+extern "C" const char *mok_k_gather_host_name(int host) {
+  return host >= 0 && host < MOK_K_GATHER_HOSTS ? gather_host_names[host] : "?";
+}
+
+extern "C" int mok_k_set_gather_host(int host) {
+  if (host < 0 || host >= MOK_K_GATHER_HOSTS) return MOK_EINVAL;
+  gather_host.store(host, std::memory_order_relaxed);
+  return MOK_OK;
+}
+
+extern "C" int mok_k_gather_host(void) { return gather_host.load(std::memory_order_relaxed); }
+
+/* The gather of the routed x (gather_rows's rows) beside product p: the
+ * rows [0, R) of the buffer, or the half `half` of them (0, 1) when two
+ * products share it. */
+static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *schedule,
+                          const ffn_bwd_args *a, int half) {
+  const sched_ptrs s = sched_view(d, schedule);
+  const int mid = s.capacity / 2;
+  p->gather_src = a->gather_src;
+  p->gather_dst = (bf16 *)a->x;
+  p->gather_row_slot = s.row_slot;
+  p->gather_row0 = half == 1 ? mid : 0;
+  p->gather_rows = half == 0 ? mid : s.capacity;
+  p->gather_vecs = d->H / 8;
+  p->gather_k = d->K;
+  p->gather_slots = s.n_slots;
+}
 
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                         int32_t *status, cudaStream_t stream) {
   const int n = a->n_inter;
+  const bool dgrad90 = on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD);
+  const bool gu90 = on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0;
+  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
+  /* x's gather: beside the chosen product where it runs on the Hopper
+   * kernels (their idle producer warps), else a kernel of its own first */
+  int host = MOK_K_GATHER_KERNEL;
+  if (a->gathers) {
+    const int want = mok_k_gather_host();
+    if ((want == MOK_K_GATHER_DOWN_DGRAD && dgrad90) || (want == MOK_K_GATHER_GU_DGRAD && gu90) ||
+        (want == MOK_K_GATHER_DOWN_WGRAD && wg90) ||
+        (want == MOK_K_GATHER_BOTH_DGRADS && dgrad90 && gu90))
+      host = want;
+    else {
+      const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
+                                       (mok_k_bf16 *)a->x, status, stream);
+      if (st != MOK_OK) return st;
+    }
+  }
   /* a = d_out W_d, SwiGLU backward */
-  int st = run_gemm<MOK_GM_DOWN_DGRAD>(
-      gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu, a->h,
-                      a->partial, (int)cdiv(n, BN), status),
-      on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD), stream);
+  gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
+                                  a->h, a->partial, (int)cdiv(n, BN), status);
+  if (host == MOK_K_GATHER_DOWN_DGRAD) attach_gather(&p, d, schedule, a, -1);
+  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 0);
+  int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, dgrad90, stream);
   if (st != MOK_OK) return st;
   /* d_xr = dg W_g + du W_u; the Hopper kernel's k16 steps must not straddle dg and du */
-  st = run_gemm<MOK_GM_GU_DGRAD>(gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr,
-                                               status),
-                                 on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0, stream);
+  p = gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr, status);
+  if (host == MOK_K_GATHER_GU_DGRAD) attach_gather(&p, d, schedule, a, -1);
+  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 1);
+  st = run_gemm<MOK_GM_GU_DGRAD>(p, gu90, stream);
   if (st != MOK_OK) return st;
-  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
   /* d_wd[e] = dy^T h over the expert's rows */
-  st = run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h,
-                                         n, a->d_wd, NULL, d->H, n, (long long)d->H * n,
-                                         a->e_range, status),
-                              wg90, stream);
+  p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL, d->H,
+                 n, (long long)d->H * n, a->e_range, status);
+  if (host == MOK_K_GATHER_DOWN_WGRAD) attach_gather(&p, d, schedule, a, -1);
+  st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
   if (st != MOK_OK) return st;
   /* [d_wg; d_wu][e] = dgu^T x */
   return run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu,
                                            2LL * n, a->x, d->H, a->d_wg, a->d_wu, n, d->H,
                                            (long long)n * d->H, a->e_range, status),
                                 wg90, stream);
+}
+
+/* The routed backward; gathers: routed_x is written from gather_src by the
+ * backward itself (mok_k_expert_backward_gathering). */
+static int expert_backward(const mok_k_dims *d, const int32_t *schedule, const bf16 *acts_g,
+                           const bf16 *acts_u, bool gathers, const bf16 *gather_src,
+                           const bf16 *routed_x,
+                           const bf16 *routed_d_out, const float *router_weights,
+                           const bf16 *w_gate, const bf16 *w_up, const bf16 *w_down,
+                           bf16 *routed_d_x, float *d_rw, bf16 *d_w_gate, bf16 *d_w_up,
+                           bf16 *d_w_down, const int32_t *expert_range, void *workspace,
+                           int32_t *status, cudaStream_t stream) {
+  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !acts_g || !acts_u ||
+      !routed_x || !routed_d_out || !w_gate || !w_up || !w_down || !routed_d_x || !d_w_gate ||
+      !d_w_up || !d_w_down || !workspace || (d->T > 0 && (!router_weights || !d_rw)) ||
+      !all_aligned(acts_g, acts_u, routed_x, routed_d_out, w_gate, w_up) ||
+      !all_aligned(w_down, routed_d_x, d_w_gate, d_w_up, d_w_down, workspace) ||
+      !mok_k_aligned16(gather_src))
+    return MOK_EINVAL;
+  const ws_layout L = mok_k_ws_layout(d);
+  char *ws = (char *)workspace;
+  ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
+  a.M = (int)mok_k_rows_capacity(d);
+  a.n_inter = d->I;
+  a.groups = d->E_loc;
+  a.x = routed_x;
+  a.d_out = routed_d_out;
+  a.dy = (const bf16 *)(ws + L.dy);
+  a.g = acts_g;
+  a.u = acts_u;
+  a.wg = w_gate;
+  a.wu = w_up;
+  a.wd = w_down;
+  a.rw = router_weights;
+  a.dgu = (bf16 *)(ws + L.dgu);
+  a.h = (bf16 *)(ws + L.h);
+  a.d_xr = routed_d_x;
+  a.d_wg = d_w_gate;
+  a.d_wu = d_w_up;
+  a.d_wd = d_w_down;
+  a.partial = (float *)(ws + L.partial);
+  a.e_range = expert_range;
+  a.gathers = gathers;
+  a.gather_src = gather_src;
+  /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
+  int st = mok_k_scale_rows(d, schedule, routed_d_out, router_weights, (bf16 *)(ws + L.dy), status,
+                            stream);
+  if (st == MOK_OK) st = ffn_backward(d, schedule, &a, status, stream);
+  if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
+  return st;
 }
 
 extern "C" int mok_k_expert_backward(const mok_k_dims *d, const int32_t *schedule,
@@ -773,41 +891,26 @@ extern "C" int mok_k_expert_backward_experts(
     const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x, float *d_rw, mok_k_bf16 *d_w_gate,
     mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down, const int32_t *expert_range, void *workspace,
     int32_t *status, mok_k_stream stream) {
-  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !acts_g || !acts_u ||
-      !routed_x || !routed_d_out || !w_gate || !w_up || !w_down || !routed_d_x || !d_w_gate ||
-      !d_w_up || !d_w_down || !workspace || (d->T > 0 && (!router_weights || !d_rw)) ||
-      !all_aligned(acts_g, acts_u, routed_x, routed_d_out, w_gate, w_up) ||
-      !all_aligned(w_down, routed_d_x, d_w_gate, d_w_up, d_w_down, workspace))
-    return MOK_EINVAL;
-  const ws_layout L = mok_k_ws_layout(d);
-  char *ws = (char *)workspace;
-  ffn_bwd_args a;
-  a.M = (int)mok_k_rows_capacity(d);
-  a.n_inter = d->I;
-  a.groups = d->E_loc;
-  a.x = (const bf16 *)routed_x;
-  a.d_out = (const bf16 *)routed_d_out;
-  a.dy = (const bf16 *)(ws + L.dy);
-  a.g = (const bf16 *)acts_g;
-  a.u = (const bf16 *)acts_u;
-  a.wg = (const bf16 *)w_gate;
-  a.wu = (const bf16 *)w_up;
-  a.wd = (const bf16 *)w_down;
-  a.rw = router_weights;
-  a.dgu = (bf16 *)(ws + L.dgu);
-  a.h = (bf16 *)(ws + L.h);
-  a.d_xr = (bf16 *)routed_d_x;
-  a.d_wg = (bf16 *)d_w_gate;
-  a.d_wu = (bf16 *)d_w_up;
-  a.d_wd = (bf16 *)d_w_down;
-  a.partial = (float *)(ws + L.partial);
-  a.e_range = expert_range;
-  /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
-  int st = mok_k_scale_rows(d, schedule, (const bf16 *)routed_d_out, router_weights,
-                            (bf16 *)(ws + L.dy), status, stream);
-  if (st == MOK_OK) st = ffn_backward(d, schedule, &a, status, stream);
-  if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
-  return st;
+  return expert_backward(d, schedule, (const bf16 *)acts_g, (const bf16 *)acts_u, false, NULL,
+                         (const bf16 *)routed_x, (const bf16 *)routed_d_out, router_weights,
+                         (const bf16 *)w_gate, (const bf16 *)w_up, (const bf16 *)w_down,
+                         (bf16 *)routed_d_x, d_rw, (bf16 *)d_w_gate, (bf16 *)d_w_up,
+                         (bf16 *)d_w_down, expert_range, workspace, status, stream);
+}
+
+extern "C" int mok_k_expert_backward_gathering(
+    const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *acts_g,
+    const mok_k_bf16 *acts_u, const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+    const mok_k_bf16 *routed_d_out, const float *router_weights, const mok_k_bf16 *w_gate,
+    const mok_k_bf16 *w_up, const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x, float *d_rw,
+    mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down, void *workspace,
+    int32_t *status, mok_k_stream stream) {
+  if (d && d->T > 0 && !x) return MOK_EINVAL;
+  return expert_backward(d, schedule, (const bf16 *)acts_g, (const bf16 *)acts_u, true,
+                         (const bf16 *)x, (const bf16 *)routed_x, (const bf16 *)routed_d_out,
+                         router_weights, (const bf16 *)w_gate, (const bf16 *)w_up,
+                         (const bf16 *)w_down, (bf16 *)routed_d_x, d_rw, (bf16 *)d_w_gate,
+                         (bf16 *)d_w_up, (bf16 *)d_w_down, NULL, workspace, status, stream);
 }
 
 extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
@@ -827,6 +930,7 @@ extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
   const ws_layout L = mok_k_ws_layout(d);
   char *ws = (char *)workspace;
   ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
   a.M = d->T;
   a.n_inter = d->I_s;
   a.groups = 1;

@@ -815,6 +815,49 @@ __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, 
   }
 }
 
+/* ---- the gather beside the product -------------------------------------------
+ *
+ * Warps 1-3 of the producer warpgroup have nothing to do in any of these
+ * kernels. Given p.gather_dst they copy routed rows (gather_rows's result:
+ * the row of the slot's token, or zeros) while the product keeps the tensor
+ * cores busy, so the copy's memory traffic overlaps compute instead of
+ * taking a kernel of its own. Rows are dealt warp by warp over the grid;
+ * each lane keeps LOADS 16-byte loads in flight (within the warpgroup's
+ * 40 registers). The rows it writes are read by no product of this launch;
+ * the backward's later kernels see them by stream order. Measured against
+ * the gather kernel and each host: kernels/PERF.md, "v4 step 8". */
+#define S9_GATHER_WARPS 3
+/* 16-byte loads a lane keeps in flight: 4, or 2 in WGRAD, whose producer
+ * would spill with 4 */
+#define S9_GATHER_LOADS(MODE) ((MODE) == MOK_GM_WGRAD ? 2 : 4)
+template <int LOADS> __device__ static inline void s9_gather_beside(const s9_params &p) {
+  const int warp = (int)(threadIdx.x >> 5) - 1, lane = (int)(threadIdx.x & 31);
+  if (!p.gather_dst || warp < 0 || warp >= S9_GATHER_WARPS) return;
+  constexpr int CHUNK = 32 * LOADS; /* vectors a warp moves per step */
+  const int vecs = p.gather_vecs, full = vecs - vecs % CHUNK;
+  const int workers = (int)gridDim.x * S9_GATHER_WARPS;
+  for (int r = p.gather_row0 + (int)blockIdx.x * S9_GATHER_WARPS + warp; r < p.gather_rows;
+       r += workers) {
+    const int s = __ldg(p.gather_row_slot + r);
+    const bool used = s >= 0 && s < p.gather_slots;
+    /* one address a lane, the loads at immediate offsets from it (the
+     * warpgroup's 40 registers hold the loads in flight without spilling) */
+    const uint4 *src = (const uint4 *)p.gather_src + (used ? (size_t)(s / p.gather_k) * vecs : 0) + lane;
+    uint4 *dst = (uint4 *)p.gather_dst + (size_t)r * vecs + lane;
+    int c = 0;
+    for (; c < full; c += CHUNK) {
+      uint4 v[LOADS];
+#pragma unroll
+      for (int j = 0; j < LOADS; j++)
+        v[j] = used ? __ldg(src + c + 32 * j) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < LOADS; j++) __stcs(dst + c + 32 * j, v[j]);
+    }
+    for (; c + lane < vecs; c += 32)
+      __stcs(dst + c, used ? __ldg(src + c) : make_uint4(0, 0, 0, 0));
+  }
+}
+
 template <int MODE, int PIPE>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a2,
@@ -850,6 +893,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   if (threadIdx.x < 128) {
     regs_dec<40>();
     if (threadIdx.x == 0) s9_produce<MODE>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars);
+    else s9_gather_beside<S9_GATHER_LOADS(MODE)>(p);
   } else {
     regs_inc<232>();
     s9_consume<MODE, PIPE>(p, sc, base, bars, &map_a2, &map_b1);
@@ -911,6 +955,8 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       if (MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_a2);
       if (MODE == MOK_GM_GATE_UP || MODE == MOK_GM_GU_DGRAD) tma_prefetch_map(&map_b1);
       s9_produce_pairs<MODE, CN>(p, sc, &map_a, &map_a2, &map_b0, &map_b1, base, bars, rank);
+    } else {
+      s9_gather_beside<4>(p);
     }
   } else {
     regs_inc<232>();
@@ -1173,6 +1219,8 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       tma_prefetch_map(&map_a);
       tma_prefetch_map(&map_b0);
       s9p_produce<CN>(p, sc, &map_a, &map_b0, base, bars, rank);
+    } else {
+      s9_gather_beside<4>(p);
     }
   } else {
     regs_inc<232>();

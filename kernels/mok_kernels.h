@@ -224,6 +224,44 @@ int mok_k_expert_backward_experts(const mok_k_dims *d, const int32_t *schedule,
                                   const int32_t *expert_range, void *workspace, int32_t *status,
                                   mok_k_stream stream);
 
+/* The same for a caller that keeps no routed x from the forward (mokd,
+ * whose ctx holds the schedule and g, u): routed_x [R,H] is written from x
+ * [T,H] by the backward itself, every row as gather_rows(x) writes it,
+ * before the gate/up weight gradient reads it. On the Hopper kernels the
+ * copy runs beside an earlier product (mok_k_set_gather_host), so its
+ * memory traffic overlaps the tensor cores' work; elsewhere a gather_rows
+ * comes first. routed_x must not alias any other argument. */
+int mok_k_expert_backward_gathering(const mok_k_dims *d, const int32_t *schedule,
+                                    const mok_k_bf16 *acts_g, const mok_k_bf16 *acts_u,
+                                    const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+                                    const mok_k_bf16 *routed_d_out, const float *router_weights,
+                                    const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+                                    const mok_k_bf16 *w_down, mok_k_bf16 *routed_d_x,
+                                    float *d_rw, mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up,
+                                    mok_k_bf16 *d_w_down, void *workspace, int32_t *status,
+                                    mok_k_stream stream);
+
+/* Where expert_backward_gathering copies x's rows: a kernel of its own
+ * before the products, or beside the down dgrad, the gate/up dgrad, the
+ * down weight gradient, or half beside each dgrad (the default); each
+ * precedes the gate/up weight gradient (a kernel first where a host
+ * product runs on mma.sync). The results are the same bytes wherever it
+ * runs. MOK_GATHER_BESIDE=kernel|down_dgrad|gu_dgrad|down_wgrad|both_dgrads
+ * at mok_k_init (a bench knob), or the setter (MOK_EINVAL for anything
+ * else). */
+enum {
+  MOK_K_GATHER_KERNEL = 0,
+  MOK_K_GATHER_DOWN_DGRAD = 1,
+  MOK_K_GATHER_GU_DGRAD = 2,
+  MOK_K_GATHER_DOWN_WGRAD = 3,
+  MOK_K_GATHER_BOTH_DGRADS = 4,
+  MOK_K_GATHER_HOSTS = 5
+};
+int mok_k_set_gather_host(int host);
+int mok_k_gather_host(void);
+int mok_k_gather_host_parse(const char *name); /* -1: not a host's name */
+const char *mok_k_gather_host_name(int host);
+
 /* shared_backward: the same with rw = 1, rows = tokens, from x, d_out and
  * acts_gs/acts_us: shared_d_x [T,H], d_s_gate, d_s_up [I_s,H],
  * d_s_down [H,I_s]. Nothing to do when I_s = 0. */

@@ -1201,15 +1201,25 @@ void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **w
   }
 }
 
+/* gather_x non-NULL: routed_x is the workspace's buffer, filled from those
+ * rows by the backward itself (beside its first product on Hopper) */
 static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
-                             const uint16_t *routed_x, const uint16_t *routed_dout,
-                             uint16_t *routed_dx, uint16_t *shared_dx) {
+                             const uint16_t *gather_x, uint16_t *routed_x,
+                             const uint16_t *routed_dout, uint16_t *routed_dx,
+                             uint16_t *shared_dx) {
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+  const float *rw = (const float *)T_(c, MOK_SLOT_ROUTER_W);
+  float *d_rw = (float *)T_(c, MOK_SLOT_D_RW);
   mok__cuda_stage_weights(c, &wg, &wu, &wd);
-  LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
-                                  (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
-                                  (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
-                                  BF(c, D_W_DOWN), c->w.kernels, c->status, c->st));
+  if (gather_x)
+    LAUNCH(c, mok_k_expert_backward_gathering(&c->d, sched, a->g, a->u, gather_x, routed_x,
+                                              routed_dout, rw, wg, wu, wd, routed_dx, d_rw,
+                                              BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN),
+                                              c->w.kernels, c->status, c->st));
+  else
+    LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout, rw, wg, wu,
+                                    wd, routed_dx, d_rw, BF(c, D_W_GATE), BF(c, D_W_UP),
+                                    BF(c, D_W_DOWN), c->w.kernels, c->status, c->st));
   if (c->d.I_s)
     LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), a->gs, a->us, BF(c, S_GATE),
                                     BF(c, S_UP), BF(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
@@ -1234,6 +1244,7 @@ static void op_backward(job_ctx *c) {
   const job_ws *w = &c->w;
   const int32_t *sched = w->sched;
   acts_ptrs a;
+  const uint16_t *gather_x = NULL; /* the ctx keeps no routed x: the backward gathers it */
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
     /* dispatch + compute again, bitwise as forward: acts from the same kernel */
     a = ctx ? ctx_acts(c, ctx, true) : mok__cuda_acts_split(c, w->acts, false);
@@ -1251,10 +1262,10 @@ static void op_backward(job_ctx *c) {
   } else {
     a = ctx_acts(c, ctx, false);
     sched = sched_in(c, ctx);
-    LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
+    gather_x = BF(c, X);
   }
   LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_b, c->status, c->st));
-  step_compute_bwd(c, sched, &a, w->routed_a, w->routed_b, w->routed_c, w->shared);
+  step_compute_bwd(c, sched, &a, gather_x, w->routed_a, w->routed_b, w->routed_c, w->shared);
   LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
                                     BF(c, D_X), c->status, c->st));
 }
@@ -1289,8 +1300,8 @@ static void op_step(job_ctx *c) {
   case MOK_OP_COMPUTE_BWD: {
     const int32_t *s = sched_in(c, client_sched);
     acts_ptrs a = mok__cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
-    step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
-                     BF(c, SHARED_DX));
+    step_compute_bwd(c, s, &a, NULL, BF(c, ROUTED_X), BF(c, ROUTED_DOUT),
+                     BF(c, ROUTED_DX), BF(c, SHARED_DX));
     break;
   }
   case MOK_OP_DISPATCH_BWD: {

@@ -59,6 +59,16 @@ typedef struct mok_gemm_params {
   int has_limit;
   float limit;
   const int32_t *status;
+  /* A row gather beside the product (Hopper kernels only; gather_dst NULL:
+   * none): gather_dst[r] = gather_src[gather_row_slot[r] / gather_k] for
+   * gather_row0 <= r < gather_rows, zeros where the slot is not in [0, gather_slots), as
+   * gather_rows writes them; gather_vecs 16-byte vectors a row. The
+   * backward's routed x, for its gate/up weight gradient two products
+   * later, copied while this product keeps the tensor cores busy. */
+  const __nv_bfloat16 *gather_src;
+  __nv_bfloat16 *gather_dst;
+  const int32_t *gather_row_slot;
+  int gather_row0, gather_rows, gather_vecs, gather_k, gather_slots;
   /* the Hopper kernel's tiling and knobs (its launcher fills these) */
   int tile_n, m_tiles, n_tiles;
   int order, band;  /* tile order (mok_tile_order) and its band */

@@ -31,7 +31,10 @@ MATCH = {
                 "gather_rows": "gather",
                 "expert_forward": "expert_forward", "shared_forward": "shared_forward",
                 "combine": "combine"},
-    "backward": {"gather_rows#2": "gather_d_out", "expert_backward": "expert_backward",
+    # mokd's backward gathers x inside expert_backward_gathering (logs before
+    # that had a gather_rows of x first, and d_out's as gather_rows#2)
+    "backward": {"gather_rows": "gather_d_out",
+                 "expert_backward_gathering": "expert_backward",
                  "shared_backward": "shared_backward", "dispatch_backward": "dispatch_backward"},
 }
 

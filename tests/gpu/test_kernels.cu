@@ -675,6 +675,44 @@ static void test_fp8_quantizers(cudaStream_t stream) {
   CUDA_CHECK(cudaFree(ds));
 }
 
+/* The backward that gathers x's rows itself (mokd's, whose ctx keeps no
+ * routed x): wherever the copy runs, every output, routed_x included,
+ * equals the chain's bit for bit. routed_x is NaN when the backward starts,
+ * so a row it failed to write, or wrote after the gate/up weight gradient
+ * read it, shows. */
+static void test_gathering_backward(const shape *s, dev_layer *L,
+                                    const std::vector<unsigned char> &first, cudaStream_t stream) {
+  const mok_k_dims *d = &L->d;
+  const int keep = mok_k_gather_host();
+  for (int h = 0; h < MOK_K_GATHER_HOSTS; h++) {
+    MOK_CHECK(mok_k_set_gather_host(h));
+    poison_outputs(L, stream);
+    enqueue_forward(L, stream);
+    CUDA_CHECK(cudaMemsetAsync(L->routed_x, 0xff, (size_t)L->R * d->H * 2, stream));
+    MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out, L->routed_d_out, L->status, stream));
+    MOK_CHECK(mok_k_expert_backward_gathering(d, L->sched, L->acts_g, L->acts_u, L->x,
+                                              L->routed_x, L->routed_d_out, L->rw, L->wg, L->wu,
+                                              L->wd, L->routed_d_x, L->d_rw, L->dwg, L->dwu,
+                                              L->dwd, L->ws, L->status, stream));
+    MOK_CHECK(mok_k_shared_backward(d, L->x, L->d_out, L->acts_gs, L->acts_us, L->sg, L->su,
+                                    L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws,
+                                    L->status, stream));
+    MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x,
+                                      L->status, stream));
+    const int32_t st = read_status(L, stream);
+    EXPECT(st == 0 && snapshot(L) == first,
+           "%s: the gathering backward (x gathered by %s) differs from gather + backward "
+           "(status %d)",
+           s->name, mok_k_gather_host_name(h), st);
+  }
+  MOK_CHECK(mok_k_set_gather_host(keep));
+  EXPECT(mok_k_set_gather_host(MOK_K_GATHER_HOSTS) == MOK_EINVAL &&
+             mok_k_set_gather_host(-1) == MOK_EINVAL && mok_k_gather_host() == keep &&
+             mok_k_gather_host_parse("gu_dgrad") == MOK_K_GATHER_GU_DGRAD &&
+             mok_k_gather_host_parse("gu") == -1 && mok_k_gather_host_parse(NULL) == -1,
+         "gather host: the setter or the parser accepts what is not a host");
+}
+
 static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   mok_k_dims d = dims_of(s);
   char err[160];
@@ -745,6 +783,7 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
     if (snapshot(&L) != first) same = 0;
   }
   EXPECT(same, "%s: outputs differ between runs", s->name);
+  test_gathering_backward(s, &L, first, stream);
 
   /* client-provided routed rows (the single-step jobs) may hold anything in
    * padding rows: NaN there must change no bit of any result */
