@@ -1062,6 +1062,13 @@ void mok__cuda_flush_moves(job_ctx *c) {
   int st = mok_k_moves(c->moves, n, c->st);
   if (st != MOK_OK) mok__cuda_launched(c, st, "mok_k_moves");
   else if (c->mark_steps) mok__cuda_mark(c, "moves");
+  mok__cuda_record_start(c);
+}
+
+void mok__cuda_record_start(job_ctx *c) {
+  if (!c->start_pending) return;
+  c->start_pending = false;
+  if (cudaEventRecord(c->j->ev_start, c->st) != cudaSuccess) (void)cudaGetLastError();
 }
 
 /* Into the batch when small (true), after the pending moves if it depends
@@ -1087,6 +1094,7 @@ static bool batch_move(job_ctx *c, void *dst, const void *src, size_t bytes) {
 void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (c->failed || !bytes) return;
   if (batch_move(c, p, NULL, bytes)) return;
+  mok__cuda_record_start(c);
   cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
   if (r != cudaSuccess)
     mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
@@ -1098,6 +1106,7 @@ void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
 void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
   if (c->failed || !bytes) return;
   if (batch_move(c, dst, src, bytes)) return;
+  mok__cuda_record_start(c);
   cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
   if (r != cudaSuccess)
     mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemcpyAsync: %s", cudaGetErrorString(r));
@@ -1329,7 +1338,7 @@ static void stuck_message(const mok_engine *e, const mok_engine_session *s, char
 static void watch_job_time(mok_engine *e, mok_engine_job *j, uint64_t now) {
   mok_engine_session *s = j->s;
   if (now == UINT64_MAX || j->overdue) return;
-  if (!j->started_ns) { /* ev_start follows the fence wait: done once the fence is released */
+  if (!j->started_ns) { /* ev_start follows the fence wait (and a single job's first moves) */
     cudaError_t q = cudaEventQuery(j->ev_start);
     if (q == cudaSuccess) j->started_ns = now;
     else if (q != cudaErrorNotReady) (void)cudaGetLastError();
@@ -1411,8 +1420,11 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
+/* lazy_start: the start event waits for the job's first moves
+ * (job_ctx.start_pending); a group job, whose stream operations include
+ * waits on its peers, records it at once. */
 static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
-                                 mok_engine_result *res) {
+                                 mok_engine_result *res, bool lazy_start) {
   const uint64_t entered_ns = mok__cuda_profiling() ? mok_clock_ns() : 0;
   res->status = MOK_OK;
   res->message[0] = '\0';
@@ -1467,7 +1479,8 @@ static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *
     mok__cuda_job_fail(c, MOK_EENGINE, "cuStreamWaitValue64: %s", mok__cuda_drv_error(e, cr));
   else if (a->fence_wait && s->sync_dev)
     mok__cuda_fence_watch(e, j, mok_shm_sync_fence(s->sync_host, a->fence_wait), a->fence_wait);
-  cudaEventRecord(j->ev_start, s->stream);
+  if (lazy_start) c->start_pending = true;
+  else cudaEventRecord(j->ev_start, s->stream);
   j->begin_ns[0] = entered_ns;
   j->begin_ns[1] = waited_ns;
   j->begin_ns[2] = entered_ns ? mok_clock_ns() : 0;
@@ -1676,6 +1689,7 @@ static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
     if (c->failed) j->reads_status = false;
   } else if (j->reads_status) {
     mok__cuda_flush_moves(c);
+    mok__cuda_record_start(c);
     cudaError_t r = cudaMemcpyAsync((void *)&s->h_status[j->slot], s->d_status, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, s->stream);
     if (r != cudaSuccess) {
@@ -1686,6 +1700,8 @@ static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
     }
   }
   CUresult cr;
+  mok__cuda_flush_moves(c);
+  mok__cuda_record_start(c); /* a job with no kernels: before its done value */
   if (a->fence_signal && s->sync_dev) {
     cr = e->drv.write64(s->stream, s->sync_dev + MOK_SHM_SYNC_DONE_OFFSET, a->fence_signal,
                         CU_STREAM_WRITE_VALUE_DEFAULT);
@@ -1743,7 +1759,7 @@ static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
     return NULL;
   }
   job_ctx c;
-  mok_engine_job *j = job_begin(e, a, &c, res);
+  mok_engine_job *j = job_begin(e, a, &c, res, true);
   if (!j) return NULL;
   c.batch_moves = true;
   if (mok__cuda_profiling()) {
@@ -1769,7 +1785,7 @@ static mok_engine_job *cuda_start(mok_engine *e, struct mok_ep_group *g, const m
                                   mok_engine_result *res) {
   if (!g) return start_single(e, a, res);
   job_ctx c;
-  if (!job_begin(e, a, &c, res)) return NULL;
+  if (!job_begin(e, a, &c, res, false)) return NULL;
   mok__cuda_group_job(&c, g, a);
   return job_end(&c, res);
 }

@@ -204,6 +204,11 @@ typedef struct job_ctx {
   bool batch_moves;
   int n_moves;
   mok_k_move moves[MOK_K_MOVES_MAX];
+  /* a single job's start event is not on the stream yet: it goes after the
+   * job's first batch of moves (which cannot stall), before its first other
+   * stream operation, so that its host cost is not paid between the client's
+   * fence and the first kernel (mok__cuda_record_start) */
+  bool start_pending;
 } job_ctx;
 
 typedef struct acts_ptrs {
@@ -230,9 +235,13 @@ void mok__cuda_launched(job_ctx *c, int st, const char *what);
   do {                                                                                        \
     if (!(c)->failed) {                                                                       \
       mok__cuda_flush_moves(c);                                                               \
+      mok__cuda_record_start(c);                                                              \
       mok__cuda_launched((c), (call), #call);                                                 \
     }                                                                                         \
   } while (0)
+
+/* The job's start event (the watchdog's clock) onto the stream, once. */
+void mok__cuda_record_start(job_ctx *c);
 
 /* the batched moves onto the stream now (before any other stream work) */
 void mok__cuda_flush_moves(job_ctx *c);
