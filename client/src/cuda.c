@@ -345,17 +345,24 @@ static int sync_page_locked(mok_client *c, CUstream stream) {
   return MOK_OK;
 }
 
-int mok_cuda_fence_before_locked(mok_client *c, void *stream, uint64_t ticket,
-                                 uint64_t *ret_signal) {
+int mok_cuda_fence_prepare_locked(mok_client *c, void *stream, uint64_t *ret_signal) {
   int st = sync_page_locked(c, (CUstream)stream);
   if (st != MOK_OK) return st;
+  *ret_signal = c->cuda->next_signal + 1;
+  return MOK_OK;
+}
+
+int mok_cuda_fence_release_locked(mok_client *c, void *stream, uint64_t ticket) {
   mok_cuda_state *cs = c->cuda;
   CUresult r = api.write64((CUstream)stream,
                            cs->sync_dev + MOK_SHM_SYNC_OFFSET + 8u * (ticket % MOK_RING_ENTRIES),
                            ticket, CU_STREAM_WRITE_VALUE_DEFAULT);
-  if (r != 0) return mok_set_error(MOK_EINVAL, "cuStreamWriteValue64 on the stream: %s", cu_error(r));
-  *ret_signal = cs->next_signal + 1;
-  return MOK_OK;
+  if (r == 0) return MOK_OK;
+  /* the job is in the ring already: release it from here, so that the
+   * session's stream does not wait for a fence that will never come */
+  *mok_shm_sync_fence(cs->sync_host, ticket) = ticket;
+  return mok_set_error(MOK_EINVAL, "cuStreamWriteValue64 on the stream: %s (the job ran "
+                       "unordered with the stream)", cu_error(r));
 }
 
 int mok_cuda_fence_after_locked(mok_client *c, void *stream, uint64_t signal) {

@@ -114,9 +114,12 @@ void mok_groups_client_free(mok_client *c);
 int mok_cuda_resolve_locked(mok_client *c, const void *p, uint64_t bytes, uint32_t *ret_region,
                             uint64_t *ret_offset);
 const char *mok_cuda_load_error(void);
-/* Enqueue the fence write of job `ticket` on stream; *ret_signal: its done value. */
-int mok_cuda_fence_before_locked(mok_client *c, void *stream, uint64_t ticket,
-                                 uint64_t *ret_signal);
+/* The sync page for stream's context; *ret_signal: the next job's done value. */
+int mok_cuda_fence_prepare_locked(mok_client *c, void *stream, uint64_t *ret_signal);
+/* Enqueue the fence write of job `ticket` on stream, after the job is in
+ * the ring (mokd enqueues its side while the driver call runs here); on
+ * failure the fence is released from the host and the error returned. */
+int mok_cuda_fence_release_locked(mok_client *c, void *stream, uint64_t ticket);
 /* Enqueue the stream's wait for the done value (after the job is in the ring). */
 int mok_cuda_fence_after_locked(mok_client *c, void *stream, uint64_t signal);
 void mok_cuda_client_free(mok_client *c);

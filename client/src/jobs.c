@@ -137,15 +137,22 @@ static int submit_on_stream_locked(mok_client *c, mok_job_desc *desc, void *stre
     park_locked(c, 10, false); /* the descriptor built names regions: keep them */
   }
   uint64_t ticket = c->next_ticket, signal = 0;
-  if (r == MOK_OK) r = mok_cuda_fence_before_locked(c, stream, ticket, &signal);
+  if (r == MOK_OK) r = mok_cuda_fence_prepare_locked(c, stream, &signal);
   if (r == MOK_OK) {
     desc->fence_wait = ticket;
     desc->fence_signal = signal;
     uint64_t got = 0;
+    /* the job first, then the stream's fence write: mokd takes the job and
+     * enqueues its wait while this thread is in the driver, so a GPU that
+     * reaches the fence early waits less for mokd's kernels */
     r = mok_submit_desc_locked(c, desc, &got);
     if (r == MOK_OK) {
-      r = mok_cuda_fence_after_locked(c, stream, signal);
-      if (ret_ticket) *ret_ticket = got;
+      r = mok_cuda_fence_release_locked(c, stream, got);
+      /* the wait for its done value in any case: what follows on the
+       * stream stays after the job */
+      const int after = mok_cuda_fence_after_locked(c, stream, signal);
+      if (r == MOK_OK) r = after;
+      if (ret_ticket && r == MOK_OK) *ret_ticket = got;
       else c->results[got % MOK_RING_ENTRIES].detached = true;
     }
   }
