@@ -731,11 +731,12 @@ typedef struct ffn_bwd_args {
 
 /* ---- where the backward gathers x (mok_k_set_gather_host) ------------------------------ */
 
-/* half beside each dgrad: the fewest backward rows over +2 % through mokd (PERF.md v4 step 8) */
-static std::atomic<int> gather_host{MOK_K_GATHER_BOTH_DGRADS};
+/* a third beside each of the products before the gate/up weight gradient: the
+ * copy spread thinnest (PERF.md v4 step 8) */
+static std::atomic<int> gather_host{MOK_K_GATHER_THREE};
 
 static const char *const gather_host_names[MOK_K_GATHER_HOSTS] = {
-    "kernel", "down_dgrad", "gu_dgrad", "down_wgrad", "both_dgrads"};
+    "kernel", "down_dgrad", "gu_dgrad", "down_wgrad", "both_dgrads", "three"};
 
 extern "C" int mok_k_gather_host_parse(const char *name) {
   for (int h = 0; name && h < MOK_K_GATHER_HOSTS; h++)
@@ -756,17 +757,16 @@ extern "C" int mok_k_set_gather_host(int host) {
 extern "C" int mok_k_gather_host(void) { return gather_host.load(std::memory_order_relaxed); }
 
 /* The gather of the routed x (gather_rows's rows) beside product p: the
- * rows [0, R) of the buffer, or the half `half` of them (0, 1) when two
- * products share it. */
+ * share `part` of `parts` equal shares of the buffer's R rows, for hosts
+ * that share the copy. */
 static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *schedule,
-                          const ffn_bwd_args *a, int half) {
+                          const ffn_bwd_args *a, int part, int parts) {
   const sched_ptrs s = sched_view(d, schedule);
-  const int mid = s.capacity / 2;
   p->gather_src = a->gather_src;
   p->gather_dst = (bf16 *)a->x;
   p->gather_row_slot = s.row_slot;
-  p->gather_row0 = half == 1 ? mid : 0;
-  p->gather_rows = half == 0 ? mid : s.capacity;
+  p->gather_row0 = (int)((long long)s.capacity * part / parts);
+  p->gather_rows = (int)((long long)s.capacity * (part + 1) / parts);
   p->gather_vecs = d->H / 8;
   p->gather_k = d->K;
   p->gather_slots = s.n_slots;
@@ -785,7 +785,8 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
     const int want = mok_k_gather_host();
     if ((want == MOK_K_GATHER_DOWN_DGRAD && dgrad90) || (want == MOK_K_GATHER_GU_DGRAD && gu90) ||
         (want == MOK_K_GATHER_DOWN_WGRAD && wg90) ||
-        (want == MOK_K_GATHER_BOTH_DGRADS && dgrad90 && gu90))
+        (want == MOK_K_GATHER_BOTH_DGRADS && dgrad90 && gu90) ||
+        (want == MOK_K_GATHER_THREE && dgrad90 && gu90 && wg90))
       host = want;
     else {
       const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
@@ -796,20 +797,23 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   /* a = d_out W_d, SwiGLU backward */
   gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
                                   a->h, a->partial, (int)cdiv(n, BN), status);
-  if (host == MOK_K_GATHER_DOWN_DGRAD) attach_gather(&p, d, schedule, a, -1);
-  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 0);
+  if (host == MOK_K_GATHER_DOWN_DGRAD) attach_gather(&p, d, schedule, a, 0, 1);
+  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 0, 2);
+  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 0, 3);
   int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, dgrad90, stream);
   if (st != MOK_OK) return st;
   /* d_xr = dg W_g + du W_u; the Hopper kernel's k16 steps must not straddle dg and du */
   p = gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr, status);
-  if (host == MOK_K_GATHER_GU_DGRAD) attach_gather(&p, d, schedule, a, -1);
-  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 1);
+  if (host == MOK_K_GATHER_GU_DGRAD) attach_gather(&p, d, schedule, a, 0, 1);
+  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 1, 2);
+  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 1, 3);
   st = run_gemm<MOK_GM_GU_DGRAD>(p, gu90, stream);
   if (st != MOK_OK) return st;
   /* d_wd[e] = dy^T h over the expert's rows */
   p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL, d->H,
                  n, (long long)d->H * n, a->e_range, status);
-  if (host == MOK_K_GATHER_DOWN_WGRAD) attach_gather(&p, d, schedule, a, -1);
+  if (host == MOK_K_GATHER_DOWN_WGRAD) attach_gather(&p, d, schedule, a, 0, 1);
+  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 2, 3);
   st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
   if (st != MOK_OK) return st;
   /* [d_wg; d_wu][e] = dgu^T x */

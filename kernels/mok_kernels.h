@@ -243,11 +243,11 @@ int mok_k_expert_backward_gathering(const mok_k_dims *d, const int32_t *schedule
 
 /* Where expert_backward_gathering copies x's rows: a kernel of its own
  * before the products, or beside the down dgrad, the gate/up dgrad, the
- * down weight gradient, or half beside each dgrad (the default); each
- * precedes the gate/up weight gradient (a kernel first where a host
- * product runs on mma.sync). The results are the same bytes wherever it
- * runs. MOK_GATHER_BESIDE=kernel|down_dgrad|gu_dgrad|down_wgrad|both_dgrads
- * at mok_k_init (a bench knob), or the setter (MOK_EINVAL for anything
+ * down weight gradient, half beside each dgrad, or a third beside each of
+ * those three (the default); each precedes the gate/up weight gradient (a
+ * kernel first where a host product runs on mma.sync). The results are the same bytes wherever it
+ * runs. MOK_GATHER_BESIDE=kernel|down_dgrad|gu_dgrad|down_wgrad|both_dgrads|
+ * three at mok_k_init (a bench knob), or the setter (MOK_EINVAL for anything
  * else). */
 enum {
   MOK_K_GATHER_KERNEL = 0,
@@ -255,7 +255,8 @@ enum {
   MOK_K_GATHER_GU_DGRAD = 2,
   MOK_K_GATHER_DOWN_WGRAD = 3,
   MOK_K_GATHER_BOTH_DGRADS = 4,
-  MOK_K_GATHER_HOSTS = 5
+  MOK_K_GATHER_THREE = 5,
+  MOK_K_GATHER_HOSTS = 6
 };
 int mok_k_set_gather_host(int host);
 int mok_k_gather_host(void);
