@@ -27,6 +27,10 @@
 #                  MOK_CUDA_PROFILE=1 logs its jobs' steps, the in-process
 #                  chain records events between its steps); table:
 #                  phase_table.py OUTDIR (OUTDIR/phases_MODE_KIND.txt)
+#   RUNS=N         with AB=1: N interleaved runs, into OUTDIR/run1..runN, then
+#                  per configuration the median of the runs' costs
+#                  (boundary_table.py --ab-runs; OUTDIR/table_ab_runs.txt):
+#                  one run's row scatters by about +/-1.5 % on an H200
 #   ONLY=NAMES     mok_bench_daemon --only (with AB=1)
 #   MOKD_ARGS      more mokd options (e.g. "--idle-spin-us 5000")
 #   CLIENT_WAIT=host  with AB=1: the mokd jobs submitted and waited for on
@@ -38,10 +42,26 @@
 # OUTDIR/table.txt, OUTDIR/ncu_*.csv; with AB=1 OUTDIR/ab_MODE_KIND.{json,log},
 # OUTDIR/mokd_ab_MODE_KIND.log, OUTDIR/table_ab.txt.
 set -uo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")" # RUNS runs it again
 cd "$(dirname "$0")/../.."
 OUTDIR=${1:?outdir}; TS=${2:-2048,8192}; REPS=${3:-10}
 AB=${AB:-0}
 case $AB in 0|1) ;; *) echo "run_boundary.sh: AB must be 0 or 1, not '$AB'"; exit 2 ;; esac
+RUNS=${RUNS:-1}
+case $RUNS in ''|*[!0-9]*|0) echo "run_boundary.sh: RUNS must be a count, not '$RUNS'"; exit 2 ;; esac
+if [ "$RUNS" -gt 1 ]; then
+  [ "$AB" = 1 ] || { echo "run_boundary.sh: RUNS goes with AB=1"; exit 2; }
+  rc=0
+  for i in $(seq 1 "$RUNS"); do
+    echo "== run $i of $RUNS"
+    RUNS=1 "$SELF" "$OUTDIR/run$i" "$TS" "$REPS" || rc=1
+  done
+  dirs=()
+  for i in $(seq 1 "$RUNS"); do dirs+=("$OUTDIR/run$i"); done
+  python3 tests/bench/boundary_table.py --ab-runs "${dirs[@]}" |
+    tee "$OUTDIR/table_ab_runs.txt" || rc=1
+  exit $rc
+fi
 if [ "$AB" = 1 ]; then
   DAEMON=${DAEMON_MEMORY:-cudamalloc}; MODES=${MODES:-mps}
 else
