@@ -129,13 +129,17 @@ int mok_k_fp8_quantize_rows(const mok_k_bf16 *x, int rows, int k, uint8_t *q, fl
  * Copies (src) or zero fills (src NULL) of up to MOK_K_MOVE_BYTES_MAX bytes
  * each, up to MOK_K_MOVES_MAX in one kernel launch: a job's small moves
  * between its kernels without copy-engine operations. The moves of one call
- * must not overlap each other (they run at once). */
+ * must not overlap each other (they run at once). A take moves its bytes
+ * and leaves zeros at src (each word cleared by the thread that copied it),
+ * so a job's status word goes out and is reset for the next job in one step;
+ * it needs a src that does not overlap its dst. */
 #define MOK_K_MOVES_MAX 8
 #define MOK_K_MOVE_BYTES_MAX ((size_t)4 << 20)
 typedef struct mok_k_move {
   void *dst;
   const void *src; /* NULL: zeros */
   size_t bytes;
+  int take; /* nonzero: src is zeroed once copied */
 } mok_k_move;
 int mok_k_moves(const mok_k_move *moves, int n, mok_k_stream stream);
 

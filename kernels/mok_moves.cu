@@ -15,23 +15,30 @@ typedef struct moves_param {
   mok_k_move m[MOK_K_MOVES_MAX];
 } moves_param;
 
+/* One move in words of W; a take clears each source word after its copy
+ * (the same thread, so the copy reads it first). */
+template <typename W>
+__device__ static void move_words(const mok_k_move &mv, size_t first, size_t step, W zero) {
+  W *d = (W *)mv.dst;
+  W *s = (W *)mv.src; /* written only by a take */
+  const size_t n = mv.bytes / sizeof(W);
+  for (size_t i = first; i < n; i += step) {
+    d[i] = s ? s[i] : zero;
+    if (mv.take) s[i] = zero;
+  }
+}
+
 __global__ void moves_kernel(const __grid_constant__ moves_param p) {
   const mok_k_move mv = p.m[blockIdx.y];
   const size_t step = (size_t)gridDim.x * blockDim.x;
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uintptr_t align = (uintptr_t)mv.dst | (uintptr_t)mv.src | (uintptr_t)mv.bytes;
   if ((align & 15) == 0) { /* 16-byte words */
-    uint4 *d = (uint4 *)mv.dst;
-    const uint4 *s = (const uint4 *)mv.src;
-    for (size_t i = first; i < mv.bytes / 16; i += step) d[i] = s ? s[i] : make_uint4(0, 0, 0, 0);
+    move_words<uint4>(mv, first, step, make_uint4(0, 0, 0, 0));
   } else if ((align & 3) == 0) {
-    uint32_t *d = (uint32_t *)mv.dst;
-    const uint32_t *s = (const uint32_t *)mv.src;
-    for (size_t i = first; i < mv.bytes / 4; i += step) d[i] = s ? s[i] : 0u;
+    move_words<uint32_t>(mv, first, step, 0u);
   } else {
-    unsigned char *d = (unsigned char *)mv.dst;
-    const unsigned char *s = (const unsigned char *)mv.src;
-    for (size_t i = first; i < mv.bytes; i += step) d[i] = s ? s[i] : 0;
+    move_words<unsigned char>(mv, first, step, (unsigned char)0);
   }
 }
 
@@ -43,6 +50,10 @@ extern "C" int mok_k_moves(const mok_k_move *moves, int n, mok_k_stream stream) 
   for (int i = 0; i < n; i++) {
     if (moves[i].bytes > MOK_K_MOVE_BYTES_MAX || (moves[i].bytes && !moves[i].dst))
       return MOK_EINVAL;
+    if (moves[i].take && moves[i].bytes) { /* a take's source is read, then written */
+      const uintptr_t d = (uintptr_t)moves[i].dst, s = (uintptr_t)moves[i].src;
+      if (!s || (d < s + moves[i].bytes && s < d + moves[i].bytes)) return MOK_EINVAL;
+    }
     p.m[i] = moves[i];
     if (moves[i].bytes > most) most = moves[i].bytes;
   }

@@ -524,6 +524,7 @@ static void test_moves(cudaStream_t stream) {
     mv[i].dst = buf + cases[i].dst;
     mv[i].src = cases[i].zero ? NULL : buf + cases[i].src;
     mv[i].bytes = cases[i].bytes;
+    mv[i].take = 0;
     for (size_t b = 0; b < cases[i].bytes; b++)
       want[cases[i].dst + b] = cases[i].zero ? 0 : host[cases[i].src + b];
   }
@@ -534,6 +535,30 @@ static void test_moves(cudaStream_t stream) {
   size_t bad = 0;
   for (size_t i = 0; i < got.size(); i++) bad += got[i] != want[i];
   EXPECT(bad == 0, "moves: %zu bytes differ from the expected result", bad);
+  /* takes: the bytes out, zeros left at the source (a job's status word
+   * goes out and is reset in one step), in each word size */
+  const struct { size_t dst, src, bytes; } takes[] = {
+      {36864, cap + 8192, 4096}, /* 16-byte words */
+      {41000, cap + 12001, 5},   /* bytes */
+      {45056, cap + 16384, 4},   /* a status word */
+  };
+  const int nt = (int)(sizeof takes / sizeof takes[0]);
+  for (int i = 0; i < nt; i++) {
+    mv[i] = mok_k_move{buf + takes[i].dst, buf + takes[i].src, takes[i].bytes, 1};
+    for (size_t b = 0; b < takes[i].bytes; b++) {
+      want[takes[i].dst + b] = host[takes[i].src + b]; /* nonzero: host bytes are odd */
+      want[takes[i].src + b] = 0;
+    }
+  }
+  MOK_CHECK(mok_k_moves(mv, nt, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpy(got.data(), buf, got.size(), cudaMemcpyDeviceToHost));
+  bad = 0;
+  for (size_t i = 0; i < got.size(); i++) bad += got[i] != want[i];
+  EXPECT(bad == 0, "moves: after takes, %zu bytes differ from the expected result", bad);
+  mok_k_move overlap = {buf + 8, buf, 16, 1}, nosrc = {buf, NULL, 16, 1};
+  EXPECT(mok_k_moves(&overlap, 1, stream) == MOK_EINVAL, "moves: a take onto its source accepted");
+  EXPECT(mok_k_moves(&nosrc, 1, stream) == MOK_EINVAL, "moves: a take without a source accepted");
   EXPECT(mok_k_moves(mv, MOK_K_MOVES_MAX + 1, stream) == MOK_EINVAL, "moves: n too large accepted");
   EXPECT(mok_k_moves(NULL, 1, stream) == MOK_EINVAL, "moves: NULL list accepted");
   mok_k_move big = {buf, buf + cap, MOK_K_MOVE_BYTES_MAX + 1};
