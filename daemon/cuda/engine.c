@@ -1072,8 +1072,9 @@ void mok__cuda_record_start(job_ctx *c) {
 }
 
 /* Into the batch when small (true), after the pending moves if it depends
- * on them (a move of one batch runs beside the others). */
-static bool batch_move(job_ctx *c, void *dst, const void *src, size_t bytes) {
+ * on them (a move of one batch runs beside the others); take: src is
+ * zeroed once copied (mok_k_move). */
+static bool batch_move(job_ctx *c, void *dst, const void *src, size_t bytes, bool take) {
   if (!c->batch_moves || bytes > MOK_K_MOVE_BYTES_MAX) {
     mok__cuda_flush_moves(c); /* the copy engine's operation comes after them */
     return false;
@@ -1087,13 +1088,13 @@ static bool batch_move(job_ctx *c, void *dst, const void *src, size_t bytes) {
     }
   }
   if (c->n_moves == MOK_K_MOVES_MAX) mok__cuda_flush_moves(c);
-  c->moves[c->n_moves++] = (mok_k_move){.dst = dst, .src = src, .bytes = bytes};
+  c->moves[c->n_moves++] = (mok_k_move){.dst = dst, .src = src, .bytes = bytes, .take = take};
   return true;
 }
 
 void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
   if (c->failed || !bytes) return;
-  if (batch_move(c, p, NULL, bytes)) return;
+  if (batch_move(c, p, NULL, bytes, false)) return;
   mok__cuda_record_start(c);
   cudaError_t r = cudaMemsetAsync(p, 0, bytes, c->st);
   if (r != cudaSuccess)
@@ -1105,7 +1106,7 @@ void mok__cuda_memset_async(job_ctx *c, void *p, size_t bytes) {
  * device-mapped host) and the workspace. */
 void mok__cuda_copy_async(job_ctx *c, void *dst, const void *src, size_t bytes) {
   if (c->failed || !bytes) return;
-  if (batch_move(c, dst, src, bytes)) return;
+  if (batch_move(c, dst, src, bytes, false)) return;
   mok__cuda_record_start(c);
   cudaError_t r = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->st);
   if (r != cudaSuccess)
@@ -1134,12 +1135,9 @@ acts_ptrs mok__cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
   return p;
 }
 
-/* The acts of a ctx (= schedule, zeros to 256, acts); writing: the
- * zeros between the schedule and the acts too. */
-static acts_ptrs ctx_acts(job_ctx *c, void *ctx, bool writing) {
-  uint64_t sb = mok_schedule_bytes(&c->ld);
-  if (writing) mok__cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
-  return mok__cuda_acts_split(c, (char *)ctx + mok_align256(sb), writing);
+/* The acts of a ctx (= schedule, zeros to 256, acts). */
+static acts_ptrs ctx_acts(job_ctx *c, void *ctx) {
+  return mok__cuda_acts_split(c, (char *)ctx + mok_align256(mok_schedule_bytes(&c->ld)), false);
 }
 
 /* ---- copy, check, use (docs/cuda.md) ----------------------------------------------------
@@ -1157,6 +1155,18 @@ static void sched_build(job_ctx *c) {
 /* The workspace's schedule out to the client's (ctx or schedule tensor). */
 static void sched_out(job_ctx *c, void *dst) {
   mok__cuda_copy_async(c, dst, c->w.sched, (size_t)mok_schedule_bytes(&c->ld));
+}
+
+/* The rest of a ctx a job writes beside its acts: the schedule and the
+ * zeros of every gap. Nothing in the job reads them, so they go last, in
+ * the one batch of moves that also takes the status word back (job_end):
+ * one launch at the end instead of one before the first kernel and one
+ * after the schedule build. */
+static void ctx_out(job_ctx *c, void *ctx) {
+  uint64_t sb = mok_schedule_bytes(&c->ld);
+  sched_out(c, ctx);
+  mok__cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
+  (void)mok__cuda_acts_split(c, (char *)ctx + mok_align256(sb), true);
 }
 
 /* A schedule the client brings: copied in, validated, and only the copy used. */
@@ -1239,13 +1249,13 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
 static void op_forward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
-  acts_ptrs a = ctx ? ctx_acts(c, ctx, true) : mok__cuda_acts_split(c, w->acts, false);
+  acts_ptrs a = ctx ? ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
   sched_build(c);
-  if (ctx) sched_out(c, ctx);
   LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF(c, X), w->routed_a, c->status, c->st));
   step_compute(c, w->sched, w->routed_a, &a, w->routed_b, w->shared);
   LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
                           c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
+  if (ctx) ctx_out(c, ctx);
 }
 
 static void op_backward(job_ctx *c) {
@@ -1256,9 +1266,8 @@ static void op_backward(job_ctx *c) {
   const uint16_t *gather_x = NULL; /* the ctx keeps no routed x: the backward gathers it */
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
     /* dispatch + compute again, bitwise as forward: acts from the same kernel */
-    a = ctx ? ctx_acts(c, ctx, true) : mok__cuda_acts_split(c, w->acts, false);
+    a = ctx ? ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
     sched_build(c);
-    if (ctx) sched_out(c, ctx);
     LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
     LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
                                    a.u, w->routed_c, c->status, c->st));
@@ -1269,7 +1278,7 @@ static void op_backward(job_ctx *c) {
     mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
     return;
   } else {
-    a = ctx_acts(c, ctx, false);
+    a = ctx_acts(c, ctx);
     sched = sched_in(c, ctx);
     gather_x = BF(c, X);
   }
@@ -1277,6 +1286,7 @@ static void op_backward(job_ctx *c) {
   step_compute_bwd(c, sched, &a, gather_x, w->routed_a, w->routed_b, w->routed_c, w->shared);
   LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
                                     BF(c, D_X), c->status, c->st));
+  if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx) ctx_out(c, ctx); /* as the forward writes it */
 }
 
 static void op_step(job_ctx *c) {
@@ -1338,7 +1348,7 @@ static void stuck_message(const mok_engine *e, const mok_engine_session *s, char
 static void watch_job_time(mok_engine *e, mok_engine_job *j, uint64_t now) {
   mok_engine_session *s = j->s;
   if (now == UINT64_MAX || j->overdue) return;
-  if (!j->started_ns) { /* ev_start follows the fence wait (and a single job's first moves) */
+  if (!j->started_ns) { /* ev_start: after the fence wait (a single job: its first step) */
     cudaError_t q = cudaEventQuery(j->ev_start);
     if (q == cudaSuccess) j->started_ns = now;
     else if (q != cudaErrorNotReady) (void)cudaGetLastError();
@@ -1420,7 +1430,7 @@ static mok_engine_job *take_job(mok_engine_session *s) {
   return NULL;
 }
 
-/* lazy_start: the start event waits for the job's first moves
+/* lazy_start: the start event waits for the job's first kernel or moves
  * (job_ctx.start_pending); a group job, whose stream operations include
  * waits on its peers, records it at once. */
 static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *c,
@@ -1460,7 +1470,8 @@ static mok_engine_job *job_begin(mok_engine *e, const mok_job_args *a, job_ctx *
   j->device_posts = false;
   j->flag_written = false;
   *c = (job_ctx){.e = e, .s = s, .j = j, .a = a, .l = a->layer_state, .st = s->stream,
-                 .status = s->d_status};
+                 .status = s->d_status, .status_zero = s->status_zero};
+  s->status_zero = false; /* until this job takes its word back */
 
   if ((a->fence_wait || a->fence_signal) && !s->sync_dev) {
     mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "GPU fences are not available in this session (%s)",
@@ -1665,7 +1676,9 @@ bool mok__cuda_job_prepare(job_ctx *c) {
   if (stamp) stamp[4] = mok_clock_ns();
   if (!job_workspace(c)) return false;
   if (stamp) stamp[5] = mok_clock_ns();
-  if (!batch_move(c, c->s->d_status, NULL, sizeof(int32_t))) {
+  /* the status word from 0: already so when the session's last job took it
+   * back (job_end), else reset here */
+  if (!c->status_zero && !batch_move(c, c->s->d_status, NULL, sizeof(int32_t), false)) {
     cudaError_t r = cudaMemsetAsync(c->s->d_status, 0, sizeof(int32_t), c->st);
     if (r != cudaSuccess)
       mok__cuda_job_fail(c, MOK_EENGINE, "cudaMemsetAsync: %s", cudaGetErrorString(r));
@@ -1681,12 +1694,14 @@ static mok_engine_job *job_end(job_ctx *c, mok_engine_result *res) {
   mok_engine_job *j = c->j;
   const mok_job_args *a = c->a;
   /* the status word back: into the sync page through its device address
-   * with the last moves when it is registered, else by the copy engine */
+   * with the last moves when it is registered, and taken (left 0 for the
+   * next job, which then needs no reset); else by the copy engine */
   if (j->reads_status && s->sync_dev && !c->failed &&
       batch_move(c, (void *)(uintptr_t)(s->sync_dev + MOK_SHM_STATUS_OFFSET + 4u * (unsigned)j->slot),
-                 s->d_status, sizeof(int32_t))) {
+                 s->d_status, sizeof(int32_t), true)) {
     mok__cuda_flush_moves(c);
     if (c->failed) j->reads_status = false;
+    else s->status_zero = true;
   } else if (j->reads_status) {
     mok__cuda_flush_moves(c);
     mok__cuda_record_start(c);

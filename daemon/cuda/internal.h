@@ -119,6 +119,8 @@ struct mok_engine_session {
   void *standing_host;      /* the session's standing-job words (mok_shm_standing) */
   CUdeviceptr standing_dev; /* their device address; 0 when not registered */
   int32_t *d_status;     /* the running job's status word */
+  bool status_zero;      /* d_status is 0 after the stream's queued work: the last
+                          * job took it back (job_end), so the next skips its reset */
   volatile int32_t *h_status; /* pinned, one per job slot (in the sync page when it is registered) */
   bool h_status_own;     /* from cudaHostAlloc */
   cudaStream_t mem_stream;
@@ -195,6 +197,7 @@ typedef struct job_ctx {
   mok_layout_dims ld;
   cudaStream_t st;
   int32_t *status;
+  bool status_zero; /* the session's status_zero when the job began */
   job_ws w;    /* the job's pieces of the session's workspace (mok__cuda_job_prepare) */
   bool failed; /* stop enqueueing kernels */
   bool mark_steps; /* MOK_CUDA_PROFILE=1 on a single job: a mark after each step */
@@ -205,9 +208,9 @@ typedef struct job_ctx {
   int n_moves;
   mok_k_move moves[MOK_K_MOVES_MAX];
   /* a single job's start event is not on the stream yet: it goes after the
-   * job's first batch of moves (which cannot stall), before its first other
-   * stream operation, so that its host cost is not paid between the client's
-   * fence and the first kernel (mok__cuda_record_start) */
+   * job's first kernel or batch of moves (neither waits on anything), before
+   * any other stream operation, so that its host cost is not paid between
+   * the client's fence and the first kernel (mok__cuda_record_start) */
   bool start_pending;
 } job_ctx;
 
@@ -235,8 +238,8 @@ void mok__cuda_launched(job_ctx *c, int st, const char *what);
   do {                                                                                        \
     if (!(c)->failed) {                                                                       \
       mok__cuda_flush_moves(c);                                                               \
-      mok__cuda_record_start(c);                                                              \
       mok__cuda_launched((c), (call), #call);                                                 \
+      mok__cuda_record_start(c); /* after a first kernel, not before it */                    \
     }                                                                                         \
   } while (0)
 

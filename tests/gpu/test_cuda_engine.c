@@ -537,19 +537,22 @@ static void test_errors(mok_client *c, cudaStream_t st) {
   make_inputs(s, &in);
   dlayer D;
   dlayer_open(&D, c, s, 0, (uint32_t)s->T);
-  in.ids[5] = s->E + 3; /* bad routing id: that job fails, nothing else */
-  upload(&D, &in, st);
+  /* bad routing ids: that job fails, nothing else. Each job's status word
+   * is taken back and left 0 for the next (the next skips its reset), so
+   * fail, fail, pass, fail, pass: neither a stale failure nor a lost one */
   mok_forward_args fa = fwd_args(&D);
   uint64_t tk;
-  MK(mok_forward_on_stream(D.l, (uint32_t)s->T, &fa, st, &tk));
-  int r = mok_wait(c, tk, 10000);
-  printf("  bad routing id -> %s: %s\n", mok_status_name(r), mok_last_error());
-  EXPECT(r == MOK_EROUTE, "bad routing id gave %s", mok_status_name(r));
-  in.ids[5] = 0;
-  upload(&D, &in, st);
-  MK(mok_forward_on_stream(D.l, (uint32_t)s->T, &fa, st, &tk));
-  r = mok_wait(c, tk, 10000);
-  EXPECT(r == MOK_OK, "the job after a failed one: %s", mok_last_error());
+  int r;
+  const bool bad_ids[5] = {true, true, false, true, false};
+  for (int i = 0; i < 5; i++) {
+    in.ids[5] = bad_ids[i] ? s->E + 3 : 0;
+    upload(&D, &in, st);
+    MK(mok_forward_on_stream(D.l, (uint32_t)s->T, &fa, st, &tk));
+    r = mok_wait(c, tk, 10000);
+    if (i == 0) printf("  bad routing id -> %s: %s\n", mok_status_name(r), mok_last_error());
+    EXPECT(r == (bad_ids[i] ? MOK_EROUTE : MOK_OK), "job %d of fail/fail/pass/fail/pass gave %s: %s",
+           i, mok_status_name(r), mok_last_error());
+  }
   /* misaligned tensor: a clear error */
   fa.x = (char *)D.p[B_X] + 2;
   MK(mok_forward_on_stream(D.l, (uint32_t)s->T, &fa, st, &tk));
