@@ -77,7 +77,13 @@
 #define S9_STAGES_W 3
 #define S9_STAGE_OUT (64 * S9_BN * 2)
 #define S9_NST(MODE) ((MODE) == MOK_GM_WGRAD ? S9_STAGES_W : S9_STAGES)
-#define S9_SMEM_BYTES (S9_STAGES_W * S9_STAGE_BYTES + 2 * S9_STAGE_OUT + 1024 + 2 * S9_STAGES * 8)
+/* WGRAD's copy of the schedule's offsets and counts, after its ring's
+ * barriers: the consumers' lookup at each tile start is then a shared-memory
+ * read, not an L2 round trip while the tensor cores wait (its tiles are
+ * short: 4-8 k blocks at T=2048) */
+#define S9_W_TABLE_AT (S9_STAGES_W * S9_STAGE_BYTES + 2 * S9_STAGE_OUT + 2 * S9_STAGES_W * 8)
+#define S9_W_TABLE_INTS 2048
+#define S9_SMEM_BYTES (S9_W_TABLE_AT + 4 * S9_W_TABLE_INTS + 1024)
 /* Ping-pong kernel (the down dgrad): 128x128 tiles, one consumer
  * warpgroup a tile, a 6-stage ring of A 128x64 + B 64x128. */
 #define S9P_BN 128
@@ -96,6 +102,8 @@
 static_assert(S9_TABLE_INTS >= 2 * 1023 + 1, "room for the offsets and counts of 1023 experts");
 /* the table holds a schedule of E_loc groups */
 #define S9_TABLE_FITS(E_loc) (2 * (long long)(E_loc) + 1 <= S9_TABLE_INTS)
+static_assert(S9_W_TABLE_INTS >= 2 * 1023 + 1, "WGRAD: room for the offsets and counts of 1023 experts");
+static_assert(S9_SMEM_BYTES <= 227 * 1024, "one CTA's shared memory on sm_90");
 
 #define S9_SLAB 8192 /* one MN-major box: 64 k rows of 128 B */
 #define S9_HALF_B (S9_B_BYTES / 2)
@@ -125,22 +133,7 @@ typedef struct s9_tile {
   int skip; /* nothing to load or store (no_tail past the end; WGRAD outside e_range) */
 } s9_tile;
 
-/* WGRAD tile t: expert-major, then M tiles, then N tiles. */
-__device__ static inline s9_tile s9_locate_w(const s9_params &p, int t) {
-  s9_tile tl;
-  const int per = p.m_tiles * p.n_tiles;
-  tl.e = t / per;
-  const int idx = t - tl.e * per, mb = idx / p.n_tiles;
-  tl.row0 = mb * S9_BM;
-  tl.n0 = (idx - mb * p.n_tiles) * p.tile_n;
-  tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
-  tl.in_use = 1;
-  tl.skip = p.e_range && (tl.e < p.e_range[0] || tl.e >= p.e_range[1]);
-  mok_group_rows(p.offsets, p.counts, tl.e, p.K, &tl.k_begin, &tl.k_end);
-  return tl;
-}
-
-/* The schedule a row-mode kernel places its tiles by: the CTA's copy of
+/* The schedule a kernel places its tiles by: the CTA's copy of
  * the offsets and counts in shared memory (s9_sched_copy), or the global
  * arrays when they do not fit; offsets NULL for one group. Producer and
  * consumers read the same copy, so they agree on every tile even if the
@@ -160,8 +153,9 @@ __device__ static inline s9_sched s9_sched_global(const s9_params &p) {
 
 /* Every thread of the CTA (or of rank 0, for a cluster) takes part; the
  * caller synchronises before the table is read. */
-__device__ static inline s9_sched s9_sched_copy(const s9_params &p, int32_t *table, bool copy) {
-  if (!p.offsets || !S9_TABLE_FITS(p.E_loc)) return s9_sched_global(p);
+__device__ static inline s9_sched s9_sched_copy(const s9_params &p, int32_t *table, bool copy,
+                                                int table_ints = S9_TABLE_INTS) {
+  if (!p.offsets || 2 * (long long)p.E_loc + 1 > table_ints) return s9_sched_global(p);
   if (copy) {
     for (int i = threadIdx.x; i <= p.E_loc; i += blockDim.x) table[i] = p.offsets[i];
     for (int i = threadIdx.x; i < p.E_loc; i += blockDim.x) table[p.E_loc + 1 + i] = p.counts[i];
@@ -170,6 +164,21 @@ __device__ static inline s9_sched s9_sched_copy(const s9_params &p, int32_t *tab
   sc.offsets = table;
   sc.counts = table + p.E_loc + 1;
   return sc;
+}
+
+/* WGRAD tile t: expert-major, then M tiles, then N tiles. */
+__device__ static inline s9_tile s9_locate_w(const s9_params &p, const s9_sched &sc, int t) {
+  s9_tile tl;
+  const int per = p.m_tiles * p.n_tiles;
+  tl.e = t / per;
+  const int idx = t - tl.e * per, mb = idx / p.n_tiles;
+  tl.row0 = mb * S9_BM;
+  tl.n0 = (idx - mb * p.n_tiles) * p.tile_n;
+  tl.used_end = tl.store_end = min(tl.row0 + S9_BM, p.M);
+  tl.in_use = 1;
+  tl.skip = p.e_range && (tl.e < p.e_range[0] || tl.e >= p.e_range[1]);
+  mok_group_rows(sc.offsets, sc.counts, tl.e, p.K, &tl.k_begin, &tl.k_end);
+  return tl;
 }
 
 /* Row block mb, column tile nb. */
@@ -313,7 +322,7 @@ __device__ static void s9_produce(const s9_params &p, const s9_sched &sc, const 
   constexpr int NST = S9_NST(MODE);
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, sc, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, sc, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* the consumers skip it too */
     const int nk = s9_tile_nk<MODE>(p, tl);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
@@ -766,7 +775,7 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
   int s = 0, ph = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, t) : s9_locate(p, sc, t);
+    const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, sc, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* as the producer */
     const int nk = s9_tile_nk<MODE>(p, tl);
     if (MODE == MOK_GM_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
@@ -870,10 +879,12 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   constexpr int NST = S9_NST(MODE);
   /* the stages, WGRAD's staging tiles, then full[NST] and empty[NST] */
   const uint32_t bars = base + NST * S9_STAGE_BYTES + (MODE == MOK_GM_WGRAD ? 2 * S9_STAGE_OUT : 0);
-  /* row modes: the schedule in shared memory (WGRAD's staging tiles take that room; its
-   * lookup is two independent loads a tile) */
-  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) + S9_TABLE_AT);
-  const s9_sched sc = MODE == MOK_GM_WGRAD ? s9_sched_global(p) : s9_sched_copy(p, table, true);
+  /* the schedule in shared memory: row modes after the 4-stage ring, WGRAD after its
+   * staging tiles and barriers */
+  int32_t *table = (int32_t *)(s9_smem_raw + (base - smem_u32(s9_smem_raw)) +
+                               (MODE == MOK_GM_WGRAD ? S9_W_TABLE_AT : S9_TABLE_AT));
+  const s9_sched sc = MODE == MOK_GM_WGRAD ? s9_sched_copy(p, table, true, S9_W_TABLE_INTS)
+                                           : s9_sched_copy(p, table, true);
   if (threadIdx.x == 0) {
     s_failed = job_failed(p.status);
     if (!s_failed) {
