@@ -13,7 +13,7 @@
 #define SCHED_CHUNK 512   /* slots per schedule-build block (one warp) */
 #define SCHED_ONE_WARPS 32       /* the one-kernel build: one block of 32 warps */
 #define SCHED_ONE_MAX_E_LOC 1024 /* its per-warp counters: 32 x 1024 x 4 bytes = 128 KB */
-#define SCHED_ONE_STEPS 4        /* 32-slot steps whose ids a warp loads at once */
+#define SCHED_ONE_STEPS 8        /* 32-slot steps whose ids a warp loads at once */
 #define ROWS_PER_BLOCK 8  /* row kernels: one warp per row, 8 warps a block */
 #define MAX_E_LOC 12288   /* per-block expert counters live in 48 KB of shared memory */
 
