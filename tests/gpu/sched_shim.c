@@ -2,12 +2,14 @@
 /* C11 side of the GPU kernel tests: proto/mok_wire.h and daemon/schedule.c
  * are C11-only (atomics), so the C++ test reaches them through these. */
 #include <stdint.h>
+#include <string.h>
 
 #include "mok_wire.h"
 #include "schedule.h"
 
 static mok_sched_shape shim_shape(int T, int K, int E, int E_loc, int first, int row_align) {
   mok_sched_shape s;
+  memset(&s, 0, sizeof s); /* rows_limit 0: the worst-case capacity */
   s.dims.tokens = (uint64_t)T;
   s.dims.topk = (uint64_t)K;
   s.dims.local_experts = (uint64_t)E_loc;
@@ -35,6 +37,15 @@ unsigned shim_sched_magic(void) { return MOK_SCHED_MAGIC; }
 int shim_schedule_build(int T, int K, int E, int E_loc, int first, int row_align,
                         const int32_t *ids, int32_t *sched, size_t ints) {
   mok_sched_shape s = shim_shape(T, K, E, E_loc, first, row_align);
+  return (int)mok_schedule_build(&s, ids, sched, ints, 0, 0);
+}
+
+/* The same with a routed-row capacity below the worst case (a group's):
+ * MOK_EOVERFLOW when the padded rows do not fit. */
+int shim_schedule_build_limit(int T, int K, int E, int E_loc, int first, int row_align,
+                              int rows_limit, const int32_t *ids, int32_t *sched, size_t ints) {
+  mok_sched_shape s = shim_shape(T, K, E, E_loc, first, row_align);
+  s.dims.rows_limit = (uint64_t)rows_limit;
   return (int)mok_schedule_build(&s, ids, sched, ints, 0, 0);
 }
 

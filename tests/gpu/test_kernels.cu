@@ -3,7 +3,9 @@
  *
  *   test_kernels correct   every shape against the float64 reference, 5-run
  *                          bitwise determinism, schedule vs the daemon's host
- *                          builder, bad routing ids, corrupt schedules
+ *                          builder (both build paths), bad routing ids,
+ *                          corrupt schedules, the schedule build alone over
+ *                          many routing cases
  *   test_kernels quick     one small shape + the error cases (for sanitizers)
  *   test_kernels time      forward/backward timings at the benchmark shape
  *
@@ -37,6 +39,8 @@ long long shim_schedule_ints(int T, int K, int E_loc, int row_align);
 unsigned shim_sched_magic(void);
 int shim_schedule_build(int T, int K, int E, int E_loc, int first, int row_align,
                         const int32_t *ids, int32_t *sched, size_t ints);
+int shim_schedule_build_limit(int T, int K, int E, int E_loc, int first, int row_align,
+                              int rows_limit, const int32_t *ids, int32_t *sched, size_t ints);
 int shim_schedule_validate(int T, int K, int E, int E_loc, int first, int row_align,
                            const int32_t *sched, size_t ints);
 }
@@ -469,32 +473,293 @@ static void check_err(const char *shape_name, const char *what, const std::vecto
   if (!(e <= *worst)) *worst = e;
 }
 
-/* The snapshot build: the same schedule bits as the plain build, and its
- * copy holds the ids it used. */
-static void test_snapshot_build(const shape *s, dev_layer *L, const std::vector<int32_t> &plain,
+/* ---- schedule builds ----------------------------------------------------------------- */
+
+/* Both ways of building (mok_k_set_sched_build_path: 0 the four kernels, 1
+ * the one kernel where it fits) */
+static const int build_paths[] = {0, 1};
+#define SCHED_POISON 0x5a5a5a5a /* no schedule entry or id holds it */
+
+/* One device build of d's schedule from the device ids at `path`, plain
+ * (copy NULL) or the snapshot (copy: where its ids land), into a fresh
+ * poisoned schedule; returns the status. The path setting is put back. */
+static int32_t device_build(const mok_k_dims *d, const int32_t *ids, int path, void *ws,
+                            int32_t *status, std::vector<int32_t> &got,
+                            std::vector<int32_t> *copy, cudaStream_t stream) {
+  const size_t ints = (size_t)mok_k_schedule_ints(d), n_ids = (size_t)d->T * d->K;
+  int32_t *sched = NULL, *dcopy = NULL;
+  CUDA_CHECK(cudaMalloc(&sched, ints * 4 + 16));
+  CUDA_CHECK(cudaMemset(sched, 0x5a, ints * 4 + 16));
+  if (copy) {
+    CUDA_CHECK(cudaMalloc(&dcopy, n_ids * 4 + 16));
+    CUDA_CHECK(cudaMemset(dcopy, 0x5a, n_ids * 4 + 16));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const int keep = mok_k_sched_build_path();
+  MOK_CHECK(mok_k_set_sched_build_path(path));
+  CUDA_CHECK(cudaMemsetAsync(status, 0, 4, stream));
+  if (copy)
+    MOK_CHECK(mok_k_schedule_build_snapshot(d, ids, dcopy, sched, ws, status, stream));
+  else
+    MOK_CHECK(mok_k_schedule_build(d, ids, sched, ws, status, stream));
+  MOK_CHECK(mok_k_set_sched_build_path(keep));
+  int32_t st = -1;
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpy(&st, status, 4, cudaMemcpyDeviceToHost));
+  got.resize(ints + 4);
+  CUDA_CHECK(cudaMemcpy(got.data(), sched, got.size() * 4, cudaMemcpyDeviceToHost));
+  for (int i = 0; i < 4; i++) /* nothing past the schedule's end */
+    if (got[ints + i] != SCHED_POISON) st = -2;
+  got.resize(ints);
+  if (copy) {
+    copy->resize(n_ids);
+    CUDA_CHECK(cudaMemcpy(copy->data(), dcopy, n_ids * 4, cudaMemcpyDeviceToHost));
+  }
+  CUDA_CHECK(cudaFree(sched));
+  CUDA_CHECK(cudaFree(dcopy));
+  return st;
+}
+
+/* Both build paths, plain and snapshot: the host builder's schedule bits,
+ * and the snapshot's copy holds the ids it used. */
+static void test_build_paths(const shape *s, dev_layer *L, const std::vector<int32_t> &host,
                                 const std::vector<int32_t> &ids, cudaStream_t stream) {
   const mok_k_dims d = dims_of(s);
-  const size_t n_ids = (size_t)d.T * d.K;
-  int32_t *sched = NULL, *copy = NULL;
-  CUDA_CHECK(cudaMalloc(&sched, plain.size() * 4 + 16));
-  CUDA_CHECK(cudaMalloc(&copy, n_ids * 4 + 16));
-  CUDA_CHECK(cudaMemset(sched, 0xff, plain.size() * 4));
-  CUDA_CHECK(cudaMemset(copy, 0xff, n_ids * 4));
-  CUDA_CHECK(cudaMemsetAsync(L->status, 0, 4, stream));
-  MOK_CHECK(mok_k_schedule_build_snapshot(&d, L->ids, copy, sched, L->ws, L->status, stream));
-  const int32_t st = read_status(L, stream);
-  std::vector<int32_t> got(plain.size()), got_ids(n_ids);
-  CUDA_CHECK(cudaMemcpy(got.data(), sched, got.size() * 4, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(got_ids.data(), copy, n_ids * 4, cudaMemcpyDeviceToHost));
-  EXPECT(st == 0, "%s: snapshot build status %d", s->name, st);
-  EXPECT(got == plain, "%s: the snapshot build's schedule differs from the plain build's", s->name);
-  EXPECT(got_ids == ids, "%s: the snapshot build's copy differs from the ids", s->name);
+  for (size_t p = 0; p < sizeof build_paths / sizeof build_paths[0]; p++) {
+    const int path = build_paths[p];
+    std::vector<int32_t> got, got_ids;
+    int32_t st = device_build(&d, L->ids, path, L->ws, L->status, got, NULL, stream);
+    EXPECT(st == 0, "%s: build path %d status %d", s->name, path, st);
+    EXPECT(got == host, "%s: build path %d: schedule differs from daemon/schedule.c", s->name,
+           path);
+    st = device_build(&d, L->ids, path, L->ws, L->status, got, &got_ids, stream);
+    EXPECT(st == 0, "%s: snapshot build path %d status %d", s->name, path, st);
+    EXPECT(got == host, "%s: snapshot build path %d: schedule differs from daemon/schedule.c",
+           s->name, path);
+    EXPECT(got_ids == ids, "%s: snapshot build path %d: the copy differs from the ids", s->name,
+           path);
+  }
+  int32_t *sched = NULL;
+  CUDA_CHECK(cudaMalloc(&sched, host.size() * 4 + 16));
   EXPECT(d.T == 0 ||
              mok_k_schedule_build_snapshot(&d, L->ids, NULL, sched, L->ws, L->status, stream) ==
                  MOK_EINVAL,
          "%s: a snapshot build without its copy was accepted", s->name);
   CUDA_CHECK(cudaFree(sched));
-  CUDA_CHECK(cudaFree(copy));
+}
+
+/* The schedule build alone over many (T, K, E, E_loc, first_expert,
+ * rows_limit): both paths, plain and snapshot, against daemon/schedule.c bit
+ * for bit, with its status: ids outside [-1, E) raise EROUTE and count as
+ * dropped (the host builder refuses them, so it gets them as -1); past the
+ * capacity the schedule is the empty one and EOVERFLOW is raised. Its own
+ * generator: the shapes' random inputs stay as they are. */
+enum sched_route { SR_RANDOM, SR_SKEW, SR_OTHERS, SR_INVALID };
+
+typedef struct sched_case {
+  int T, K, E, E_loc, first;
+  int rows_limit; /* 0; > 0 a capacity; -1: exactly the rows used; -2: one row fewer */
+  int route;
+  double p_drop;
+} sched_case;
+
+static uint64_t sched_rng_state = 0x243f6a8885a308d3ull;
+static uint64_t sched_rng(void) { /* splitmix64 */
+  uint64_t z = (sched_rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static int sched_rng_below(int n) { return n > 0 ? (int)(sched_rng() % (uint64_t)n) : 0; }
+static double sched_rng_unit(void) { return (double)(sched_rng() >> 11) * (1.0 / 9007199254740992.0); }
+
+static void make_sched_ids(const sched_case *c, std::vector<int32_t> &ids) {
+  const size_t n = (size_t)c->T * c->K;
+  ids.assign(n, -1);
+  const int32_t bad[] = {-2, -3, c->E, c->E + 1, INT32_MIN, INT32_MAX, -1000};
+  const int hot = c->first + sched_rng_below(c->E_loc);
+  for (size_t i = 0; i < n; i++) {
+    int32_t id = sched_rng_below(c->E);
+    if (c->route == SR_SKEW) id = hot;
+    if (c->route == SR_OTHERS) { /* every id another rank's */
+      const int others = c->E - c->E_loc;
+      id = others > 0 ? sched_rng_below(others) : -1;
+      if (id >= c->first) id += c->E_loc;
+    }
+    if (sched_rng_unit() < c->p_drop) id = -1;
+    if (c->route == SR_INVALID && sched_rng_unit() < 0.05)
+      id = bad[sched_rng_below((int)(sizeof bad / sizeof bad[0]))];
+    ids[i] = id;
+  }
+  if (c->route == SR_INVALID && n > 0) ids[n - 1] = c->E; /* at least one */
+}
+
+static mok_k_dims sched_dims(const sched_case *c, int rows_limit) {
+  mok_k_dims d;
+  memset(&d, 0, sizeof d);
+  d.T = c->T;
+  d.K = c->K;
+  d.E = c->E;
+  d.E_loc = c->E_loc;
+  d.first_expert = c->first;
+  d.H = d.I = 8;
+  d.row_align = mok_k_row_align();
+  d.rows_limit = rows_limit;
+  return d;
+}
+
+/* Returns the number of device builds compared. */
+static int test_sched_case(const sched_case *c, cudaStream_t stream) {
+  std::vector<int32_t> ids, valid;
+  make_sched_ids(c, ids);
+  valid = ids;
+  bool invalid = false;
+  for (size_t i = 0; i < valid.size(); i++)
+    if (valid[i] < -1 || valid[i] >= c->E) {
+      valid[i] = -1;
+      invalid = true;
+    }
+  int rows_limit = c->rows_limit;
+  if (rows_limit < 0) { /* from the rows the ids use */
+    mok_k_dims d0 = sched_dims(c, 0);
+    std::vector<int32_t> h0((size_t)mok_k_schedule_ints(&d0));
+    int st0 = shim_schedule_build(c->T, c->K, c->E, c->E_loc, c->first, d0.row_align,
+                                  valid.data(), h0.data(), h0.size());
+    EXPECT(st0 == MOK_OK, "schedule case T=%d: host build %d", c->T, st0);
+    const int used = h0[MOK_SCHED_H_ROWS_USED];
+    rows_limit = rows_limit == -1 ? used : used - 1;
+    if (rows_limit < 1) rows_limit = 1;
+  }
+  const mok_k_dims d = sched_dims(c, rows_limit);
+  char err[160];
+  if (mok_k_check_dims(&d, err, sizeof err) != MOK_OK) {
+    EXPECT(0, "schedule case: dims rejected: %s", err);
+    return 0;
+  }
+  const size_t ints = (size_t)mok_k_schedule_ints(&d), n = ids.size();
+  const int R = (int)mok_k_rows_capacity(&d);
+  std::vector<int32_t> want(ints);
+  int hst = shim_schedule_build_limit(c->T, c->K, c->E, c->E_loc, c->first, d.row_align,
+                                      rows_limit, valid.data(), want.data(), want.size());
+  int32_t want_st = invalid ? MOK_EROUTE : 0;
+  if (hst == MOK_EOVERFLOW) { /* the empty schedule */
+    want.assign(ints, 0);
+    want[MOK_SCHED_H_MAGIC] = (int32_t)MOK_SCHED_MAGIC;
+    want[MOK_SCHED_H_TOKENS] = d.T;
+    want[MOK_SCHED_H_TOPK] = d.K;
+    want[MOK_SCHED_H_LOCAL_EXPERTS] = d.E_loc;
+    want[MOK_SCHED_H_ROW_ALIGN] = d.row_align;
+    want[MOK_SCHED_H_ROWS_CAPACITY] = R;
+    want[MOK_SCHED_H_FIRST_EXPERT] = d.first_expert;
+    for (size_t i = MOK_SCHED_HEADER_INTS + 2 * (size_t)d.E_loc + 1; i < ints; i++) want[i] = -1;
+    want_st = MOK_EOVERFLOW; /* the larger code */
+  } else {
+    EXPECT(hst == MOK_OK, "schedule case T=%d K=%d E_loc=%d: host build %d", c->T, c->K, c->E_loc,
+           hst);
+  }
+
+  int32_t *dids = NULL, *ws = NULL, *status = NULL;
+  CUDA_CHECK(cudaMalloc(&dids, n * 4 + 16));
+  CUDA_CHECK(cudaMalloc(&status, 4));
+  CUDA_CHECK(cudaMalloc(&ws, mok_k_workspace_bytes(&d) + 16));
+  if (n) CUDA_CHECK(cudaMemcpy(dids, ids.data(), n * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  int builds = 0;
+  for (size_t p = 0; p < sizeof build_paths / sizeof build_paths[0]; p++)
+    for (int snap = 0; snap < 2; snap++) {
+      const int path = build_paths[p];
+      std::vector<int32_t> got, got_ids;
+      int32_t st = device_build(&d, dids, path, ws, status, got, snap ? &got_ids : NULL, stream);
+      bool ok = st == want_st && got == want && (!snap || got_ids == ids);
+      EXPECT(ok,
+             "schedule case T=%d K=%d E=%d E_loc=%d first=%d rows_limit=%d route=%d, path %d%s: "
+             "status %d (want %d), schedule %s, copy %s",
+             c->T, c->K, c->E, c->E_loc, c->first, rows_limit, c->route, path,
+             snap ? " snapshot" : "", st, want_st, got == want ? "equal" : "DIFFERS",
+             !snap ? "-" : got_ids == ids ? "equal" : "DIFFERS");
+      builds++;
+    }
+  CUDA_CHECK(cudaFree(dids));
+  CUDA_CHECK(cudaFree(ws));
+  CUDA_CHECK(cudaFree(status));
+  return builds;
+}
+
+/* max_slots: T*K of any case at most this (T cut down; quick mode, which
+ * runs under compute-sanitizer) */
+static void test_schedule_builds(int n_random, int max_slots, cudaStream_t stream) {
+  /* the path knob */
+  const int keep = mok_k_sched_build_path();
+  EXPECT(keep == 1, "schedule build path %d by default, want 1 (one kernel)", keep);
+  EXPECT(mok_k_set_sched_build_path(2) == MOK_EINVAL && mok_k_set_sched_build_path(-1) ==
+             MOK_EINVAL && mok_k_sched_build_path() == keep,
+         "schedule build path: the setter accepts what is not 0 or 1");
+
+  const sched_case fixed[] = {
+      /* T     K   E     E_loc first rows_limit route       drop */
+      {0,     2,  4,    4,    0,    0,     SR_RANDOM,  0.0},
+      {0,     1,  4096, 4096, 0,    0,     SR_RANDOM,  0.0},  /* T=0, the fallback */
+      {1,     1,  1,    1,    0,    0,     SR_RANDOM,  0.0},
+      {1,     1,  1,    1,    0,    0,     SR_RANDOM,  1.0},
+      {1,     8,  64,   8,    16,   0,     SR_RANDOM,  0.2},
+      {1000,  1,  16,   16,   0,    0,     SR_RANDOM,  0.1},  /* K=1 */
+      {500,   4,  8,    1,    3,    0,     SR_RANDOM,  0.1},  /* E_loc=1 */
+      {31,    1,  8,    8,    0,    0,     SR_RANDOM,  0.0},
+      {32,    1,  8,    8,    0,    0,     SR_RANDOM,  0.0},
+      {33,    1,  8,    8,    0,    0,     SR_RANDOM,  0.0},
+      {1023,  1,  40,   40,   0,    0,     SR_RANDOM,  0.0},
+      {1025,  1,  40,   40,   0,    0,     SR_RANDOM,  0.0},
+      {77,    3,  12,   12,   0,    0,     SR_RANDOM,  0.3},
+      {3000,  8,  8192, 4096, 4096, 0,     SR_RANDOM,  0.1},  /* the fallback */
+      {2048,  8,  1024, 1024, 0,    0,     SR_RANDOM,  0.05}, /* the one kernel's largest E_loc */
+      {700,   6,  2050, 1025, 1025, 0,     SR_RANDOM,  0.05}, /* one past it */
+      {4096,  8,  64,   64,   0,    0,     SR_SKEW,    0.0},  /* every slot one expert */
+      {2000,  10, 256,  256,  0,    0,     SR_SKEW,    0.3},
+      {300,   4,  64,   16,   16,   0,     SR_OTHERS,  0.1},  /* nothing local */
+      {256,   4,  32,   32,   0,    0,     SR_INVALID, 0.1},  /* EROUTE */
+      {600,   3,  64,   16,   32,   0,     SR_INVALID, 0.2},
+      {64,    2,  8,    8,    0,    0,     SR_INVALID, 1.0},  /* every valid id dropped */
+      {1024,  8,  64,   64,   0,    4096,  SR_RANDOM,  0.0},  /* EOVERFLOW */
+      {1024,  8,  64,   64,   0,    4096,  SR_INVALID, 0.0},  /* both */
+      {5000,  4,  32,   32,   0,    5000,  SR_SKEW,    0.0},
+      {900,   5,  40,   20,   10,   -1,    SR_RANDOM,  0.2},  /* exactly the rows used */
+      {900,   5,  40,   20,   10,   -2,    SR_RANDOM,  0.2},  /* one row fewer */
+      {900,   5,  4096, 4096, 0,    -2,    SR_RANDOM,  0.2},  /* the same, the fallback */
+      {8192,  10, 64,   64,   0,    0,     SR_RANDOM,  0.02}, /* a large job */
+      {8192,  8,  256,  32,   96,   0,     SR_RANDOM,  0.0},
+  };
+  int cases = 0, builds = 0;
+  for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++, cases++) {
+    sched_case c = fixed[i];
+    if (c.T * c.K > max_slots) c.T = max_slots / c.K;
+    builds += test_sched_case(&c, stream);
+  }
+  for (int i = 0; i < n_random; i++, cases++) {
+    sched_case c;
+    memset(&c, 0, sizeof c);
+    const int tsize = sched_rng_below(4);
+    c.T = tsize == 0 ? sched_rng_below(40) : tsize == 1 ? sched_rng_below(600)
+                                        : sched_rng_below(tsize == 2 ? 3000 : 9000);
+    c.K = 1 + sched_rng_below(10);
+    const int big = sched_rng_below(8) == 0;
+    c.E_loc = big ? 1000 + sched_rng_below(3200) : 1 + sched_rng_below(sched_rng_below(2) ? 16 : 300);
+    c.E = c.E_loc + (sched_rng_below(2) ? 0 : sched_rng_below(3 * c.E_loc + 8));
+    c.first = sched_rng_below(c.E - c.E_loc + 1);
+    const int r = sched_rng_below(10);
+    c.route = r < 6 ? SR_RANDOM : r == 6 ? SR_SKEW : r == 7 ? SR_OTHERS : SR_INVALID;
+    if (c.route == SR_OTHERS && c.E == c.E_loc) c.route = SR_RANDOM;
+    c.p_drop = sched_rng_below(3) == 0 ? 0.0 : sched_rng_unit() * 0.5;
+    const int lim = sched_rng_below(6);
+    c.rows_limit = lim == 0 ? -1 : lim == 1 ? -2 : 0;
+    if (c.T * c.K > max_slots) c.T = max_slots / c.K;
+    if (lim == 2 && c.T > 0) c.rows_limit = 1 + sched_rng_below(c.T * c.K);
+    builds += test_sched_case(&c, stream);
+  }
+  EXPECT(mok_k_sched_build_path() == keep, "schedule build path changed by the tests");
+  printf("schedule builds: %d cases, %d device builds (paths 0 and 1, plain and snapshot) "
+         "against daemon/schedule.c\n",
+         cases, builds);
 }
 
 /* mok_k_moves: copies and zero fills at every alignment class, several in
@@ -769,7 +1034,7 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   MOK_CHECK(mok_k_schedule_validate(&d, L.sched, L.status, stream));
   st = read_status(&L, stream);
   EXPECT(st == 0, "%s: device validator rejects its own schedule (%d)", s->name, st);
-  test_snapshot_build(s, &L, mine, hin.ids, stream);
+  test_build_paths(s, &L, host, hin.ids, stream);
 
   /* every routed row and every act written */
   EXPECT(all_finite_bf16(L.routed_x, (size_t)L.R * d.H) &&
@@ -1078,6 +1343,9 @@ static void run_timing(cudaStream_t stream) {
   float sfwd = time_ms(&L, stream, enq_shared_fwd, reps);
   float sbwd = time_ms(&L, stream, enq_shared_bwd, reps);
   float sch = time_ms(&L, stream, enq_sched, reps);
+  MOK_CHECK(mok_k_set_sched_build_path(0));
+  float sch4 = time_ms(&L, stream, enq_sched, reps);
+  MOK_CHECK(mok_k_set_sched_build_path(1));
   st = read_status(&L, stream);
   EXPECT(st == 0, "bench: status %d after timing", st);
 
@@ -1095,6 +1363,7 @@ static void run_timing(cudaStream_t stream) {
   printf("  shared backward          %8.3f ms  %6.1f TFLOP/s\n", sbwd,
          2 * f_sfwd / sbwd * 1e-9);
   printf("  schedule build           %8.3f ms\n", sch);
+  printf("  schedule build, 4 kernels %7.3f ms\n", sch4);
   dev_layer_free(&L);
 }
 
@@ -1119,6 +1388,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof small_shapes / sizeof small_shapes[0]; i++)
       test_shape(&small_shapes[i], 5, stream);
     test_bad_inputs(stream);
+    test_schedule_builds(200, INT32_MAX, stream);
     test_shape(&mid_shape, 5, stream);
   } else if (!strcmp(mode, "quick")) {
     test_layout();
@@ -1129,6 +1399,7 @@ int main(int argc, char **argv) {
     test_shape(&small_shapes[5], 2, stream);
     test_shape(&small_shapes[7], 2, stream);
     test_bad_inputs(stream);
+    test_schedule_builds(20, 8192, stream);
   } else if (!strcmp(mode, "time")) {
     run_timing(stream);
   } else {
