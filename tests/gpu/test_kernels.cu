@@ -826,9 +826,9 @@ static void test_moves(cudaStream_t stream) {
   EXPECT(mok_k_moves(&nosrc, 1, stream) == MOK_EINVAL, "moves: a take without a source accepted");
   EXPECT(mok_k_moves(mv, MOK_K_MOVES_MAX + 1, stream) == MOK_EINVAL, "moves: n too large accepted");
   EXPECT(mok_k_moves(NULL, 1, stream) == MOK_EINVAL, "moves: NULL list accepted");
-  mok_k_move big = {buf, buf + cap, MOK_K_MOVE_BYTES_MAX + 1};
+  mok_k_move big = {buf, buf + cap, MOK_K_MOVE_BYTES_MAX + 1, 0};
   EXPECT(mok_k_moves(&big, 1, stream) == MOK_EINVAL, "moves: an oversized move accepted");
-  mok_k_move nodst = {NULL, buf, 16};
+  mok_k_move nodst = {NULL, buf, 16, 0};
   EXPECT(mok_k_moves(&nodst, 1, stream) == MOK_EINVAL, "moves: a NULL destination accepted");
   EXPECT(mok_k_moves(mv, 0, stream) == MOK_OK, "moves: an empty list refused");
   CUDA_CHECK(cudaFree(buf));
