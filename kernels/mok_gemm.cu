@@ -431,7 +431,6 @@ extern "C" int mok_k_init(void) {
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_DOWN_DGRAD>();
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_GU_DGRAD>();
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_WGRAD>();
-  if (st == MOK_OK) st = mok_k_routing_init();
   const bool sm90 = mok_k_sm90_usable() != 0;
   if (st == MOK_OK && sm90) st = mok_k_sm90_init();
   if (st == MOK_OK) gemm_backend.store(backend_from_env(), std::memory_order_relaxed);

@@ -98,11 +98,11 @@ size_t mok_k_workspace_bytes(const mok_k_dims *d);
 /* ---- routing ---------------------------------------------------------------
  *
  * schedule_build: topk_ids [T,K] -> schedule (mok_k_schedule_ints int32):
- * per-expert counts from histograms of contiguous slot ranges, padded
- * offsets from prefix sums, rows within an expert in ascending t*K+k
- * (integer ranks, nothing decided by arrival order). Every entry is
- * written. An id outside [0,E) and not -1 raises MOK_EROUTE (the slot is
- * then treated as dropped, so the schedule stays consistent). */
+ * per-expert counts from per-chunk histograms, padded offsets from prefix
+ * sums, rows within an expert in ascending t*K+k (integer ranks, nothing
+ * decided by arrival order). Every entry is written. An id outside [0,E)
+ * and not -1 raises MOK_EROUTE (the slot is then treated as dropped, so the
+ * schedule stays consistent). */
 int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *schedule,
                          void *workspace, int32_t *status, mok_k_stream stream);
 /* The same from ids another process may change meanwhile: each of
@@ -112,14 +112,6 @@ int mok_k_schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *
 int mok_k_schedule_build_snapshot(const mok_k_dims *d, const int32_t *topk_ids,
                                   int32_t *ids_copy, int32_t *schedule, void *workspace,
                                   int32_t *status, mok_k_stream stream);
-/* How both of them build: 1 (the default) one kernel of one block wherever
- * its per-warp expert counters fit in shared memory (E_loc up to 1024 once
- * mok_k_init has raised its limit, fewer before), the four kernels of
- * per-chunk histograms otherwise; 0: the four kernels always. The two
- * write the same bytes and raise the same status (a test knob: the tests
- * compare them). MOK_EINVAL for anything but 0 or 1. */
-int mok_k_set_sched_build_path(int one_kernel);
-int mok_k_sched_build_path(void);
 
 /* ---- FP8 quantisers (mok_fp8.cu; docs/math.md "FP8") -------------------------
  * quantize_weight: w [experts][n][k] bf16 (n, k multiples of 128) into its

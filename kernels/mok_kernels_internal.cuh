@@ -96,7 +96,6 @@ typedef struct ws_layout {
 ws_layout mok_k_ws_layout(const mok_k_dims *d);
 int mok_k_partial_tiles(const mok_k_dims *d); /* column tiles of the down dgrad */
 int mok_k_sched_chunk(void);                  /* slots per schedule-build chunk */
-int mok_k_routing_init(void); /* mok_k_init's part for mok_routing.cu (a shared-memory limit) */
 /* out[t] = rnd(base[t] + sum_k (rw *) routed[slot_row[t*K+k]]) (mok_routing.cu) */
 int mok_k_ksum_rows(const mok_k_dims *d, const int32_t *slot_row, int capacity,
                     const mok_k_bf16 *routed, const float *rw, const mok_k_bf16 *base,

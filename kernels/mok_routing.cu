@@ -5,15 +5,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#include <atomic>
-
 #include "mok_kernels_internal.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define SCHED_CHUNK 512   /* slots per schedule-build block (one warp) */
-#define SCHED_ONE_WARPS 32       /* the one-kernel build: one block of 32 warps */
-#define SCHED_ONE_MAX_E_LOC 1024 /* its per-warp counters: 32 x 1024 x 4 bytes = 128 KB */
-#define SCHED_ONE_STEPS 8        /* 32-slot steps whose ids a warp loads at once */
 #define ROWS_PER_BLOCK 8  /* row kernels: one warp per row, 8 warps a block */
 #define MAX_E_LOC 12288   /* per-block expert counters live in 48 KB of shared memory */
 
@@ -108,33 +103,14 @@ extern "C" size_t mok_k_workspace_bytes(const mok_k_dims *d) { return mok_k_ws_l
 
 /* ---- schedule build ---------------------------------------------------------
  *
- * All integer, nothing decided by arrival order. Four launches (count, scan,
- * place, pad) cost ~40-55 us of GPU time per job on an H200 at T = 2048..8192,
- * mostly the gaps between the launches and the single-block scan's serial
- * loop over chunks. So where its counters fit in shared memory, ONE kernel
- * of one block (sched_one_kernel, 32 warps) does the four steps, apart by
- * __syncthreads(); each warp owns a contiguous range of whole 32-slot steps:
- *  count: each warp counts its range per expert into its own row of shared
- *         counters (ranks inside a step from __match_any_sync; the snapshot
- *         build reads each id once here and keeps it in ids_copy);
- *  scan:  per expert, an exclusive scan over the warps turns the rows into
- *         each warp's base and the expert's count; a block scan of the padded
- *         counts gives the offsets; the header;
- *  place: each warp re-walks its range in order and writes slot_row /
- *         row_slot at offset + warp base + rank;
- *  pad:   the rows no slot lands in (each group's tail, the rows past the
- *         last group) get row_slot = -1.
- * Above SCHED_ONE_MAX_E_LOC local experts (or the shared memory mok_k_init
- * raised the limit to), or when mok_k_set_sched_build_path(0) says so, four
- * kernels do the same over chunks of SCHED_CHUNK slots, with the chunk
- * histograms in the workspace (hist):
- *  count: one warp per chunk counts its slots per expert;
+ * Four small kernels, all integer, nothing decided by arrival order:
+ *  count: one warp per chunk of SCHED_CHUNK slots counts its slots per
+ *         expert (ranks inside a 32-slot step from __match_any_sync);
  *  scan:  one block turns the chunk counts into per-chunk bases, expert
  *         counts and the padded offsets (prefix sums), writes the header;
  *  place: each chunk re-walks its slots and writes slot_row / row_slot at
  *         offset + chunk base + rank;
- *  pad:   rows no slot lands in get row_slot = -1.
- * Both write the same bytes and raise the same status. */
+ *  pad:   rows no slot lands in get row_slot = -1. */
 
 /* Local expert of a routing id, -1 for dropped or another rank's expert;
  * an id outside [0,E) and not -1 raises EROUTE and counts as dropped. */
@@ -278,169 +254,6 @@ __global__ void sched_pad_kernel(const int32_t *counts, const int32_t *offsets, 
   if (!used) row_slot[r] = -1;
 }
 
-/* The one-kernel build (see above). Shared memory: the per-warp counters
- * [SCHED_ONE_WARPS][E_loc] (counts, then bases, then fill cursors), the
- * expert counts [E_loc] and the offsets [E_loc + 1]. */
-__global__ void __launch_bounds__(SCHED_ONE_WARPS * 32, 1)
-    sched_one_kernel(const int32_t *ids, int32_t *copy, int n_slots, int T, int K, int E,
-                     int first, int E_loc, int row_align, int capacity, int32_t *header,
-                     int32_t *counts, int32_t *offsets, int32_t *row_slot, int32_t *slot_row,
-                     int32_t *status) {
-  extern __shared__ int32_t sched_smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int32_t *const run = sched_smem + (size_t)warp * E_loc; /* this warp's counters */
-  int32_t *const cnt = sched_smem + (size_t)SCHED_ONE_WARPS * E_loc;
-  int32_t *const off = cnt + E_loc;
-  const unsigned lanes_below = (1u << lane) - 1u;
-  /* this warp's slots [s0, s1): whole 32-slot steps, the warps in slot order */
-  const unsigned n = (unsigned)n_slots;
-  const unsigned per =
-      (unsigned)(((long long)n_slots + 32 * SCHED_ONE_WARPS - 1) / (32 * SCHED_ONE_WARPS)) * 32u;
-  const unsigned s0 = min((unsigned)warp * per, n), s1 = min(s0 + per, n);
-
-  /* count: the only reads of ids when copy is given (the snapshot), each
-   * value kept in copy and used as kept */
-  for (int e = lane; e < E_loc; e += 32) run[e] = 0;
-  __syncwarp();
-  for (unsigned base = s0; base < s1; base += 32 * SCHED_ONE_STEPS) {
-    int id[SCHED_ONE_STEPS];
-#pragma unroll
-    for (int u = 0; u < SCHED_ONE_STEPS; u++) {
-      const unsigned s = base + 32u * u + lane;
-      id[u] = -1;
-      if (s < s1) {
-        id[u] = ids[s];
-        if (copy) copy[s] = id[u];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < SCHED_ONE_STEPS; u++) {
-      const int e = local_expert(id[u], E, first, E_loc, status);
-      const unsigned same = __match_any_sync(FULL_MASK, e);
-      if (e >= 0 && lane == __ffs(same) - 1) run[e] += __popc(same);
-      __syncwarp();
-    }
-  }
-  __syncthreads();
-
-  /* scan over the warps: each warp's base per expert, the expert's count */
-  for (int e = threadIdx.x; e < E_loc; e += blockDim.x) {
-    int total = 0;
-#pragma unroll
-    for (int w0 = 0; w0 < SCHED_ONE_WARPS; w0 += 8) {
-      int v[8];
-#pragma unroll
-      for (int j = 0; j < 8; j++) v[j] = sched_smem[(size_t)(w0 + j) * E_loc + e];
-#pragma unroll
-      for (int j = 0; j < 8; j++) {
-        sched_smem[(size_t)(w0 + j) * E_loc + e] = total;
-        total += v[j];
-      }
-    }
-    cnt[e] = total;
-  }
-  __syncthreads();
-  /* offsets: each thread owns a contiguous run of experts (as sched_scan_kernel) */
-  const int per_e = (E_loc + blockDim.x - 1) / blockDim.x;
-  const int e0 = min((int)threadIdx.x * per_e, E_loc), e1 = min(e0 + per_e, E_loc);
-  long long mine = 0;
-  for (int e = e0; e < e1; e++) mine += ((long long)cnt[e] + row_align - 1) / row_align * row_align;
-  long long total;
-  long long at = block_exclusive_scan(mine, &total);
-  /* past the capacity: the empty schedule, as sched_scan_kernel */
-  const bool over = total > capacity;
-  for (int e = e0; e < e1; e++) {
-    const int c = cnt[e];
-    off[e] = offsets[e] = over ? 0 : (int32_t)at;
-    counts[e] = over ? 0 : c;
-    if (over) cnt[e] = 0;
-    at += ((long long)c + row_align - 1) / row_align * row_align;
-  }
-  if (threadIdx.x == 0) {
-    if (over) raise_status(status, MOK_EOVERFLOW);
-    off[E_loc] = offsets[E_loc] = over ? 0 : (int32_t)total;
-    header[MOK_SCHED_H_MAGIC] = (int32_t)MOK_SCHED_MAGIC;
-    header[MOK_SCHED_H_TOKENS] = T;
-    header[MOK_SCHED_H_TOPK] = K;
-    header[MOK_SCHED_H_LOCAL_EXPERTS] = E_loc;
-    header[MOK_SCHED_H_ROW_ALIGN] = row_align;
-    header[MOK_SCHED_H_ROWS_CAPACITY] = capacity;
-    header[MOK_SCHED_H_ROWS_USED] = over ? 0 : (int32_t)total;
-    header[MOK_SCHED_H_FIRST_EXPERT] = first;
-  }
-  __syncthreads();
-
-  /* place: the warp's counters become fill cursors; the snapshot build
-   * re-reads its own copy (each thread the entries it wrote) */
-  for (int e = lane; e < E_loc; e += 32) run[e] += off[e];
-  __syncwarp();
-  const int used = off[E_loc];
-  const int32_t *placed = copy ? copy : ids;
-  for (unsigned base = s0; base < s1; base += 32 * SCHED_ONE_STEPS) {
-    int id[SCHED_ONE_STEPS];
-#pragma unroll
-    for (int u = 0; u < SCHED_ONE_STEPS; u++) {
-      const unsigned s = base + 32u * u + lane;
-      id[u] = s < s1 ? placed[s] : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < SCHED_ONE_STEPS; u++) {
-      const unsigned s = base + 32u * u + lane;
-      const int e = local_expert(id[u], E, first, E_loc, NULL);
-      const unsigned same = __match_any_sync(FULL_MASK, e);
-      const int before = e >= 0 ? run[e] : 0;
-      __syncwarp();
-      if (s < s1) {
-        int row = e >= 0 ? before + __popc(same & lanes_below) : -1;
-        if (row >= used) row = -1; /* only past the capacity: an empty schedule */
-        slot_row[s] = row;
-        if (row >= 0) row_slot[row] = (int32_t)s;
-      }
-      if (e >= 0 && lane == __ffs(same) - 1) run[e] = before + __popc(same);
-      __syncwarp();
-    }
-  }
-
-  /* pad: rows no slot lands in (none of them written by place) */
-  for (int e = warp; e < E_loc; e += SCHED_ONE_WARPS)
-    for (int r = off[e] + cnt[e] + lane; r < off[e + 1]; r += 32) row_slot[r] = -1;
-  for (unsigned r = (unsigned)used + threadIdx.x; r < (unsigned)capacity; r += blockDim.x)
-    row_slot[r] = -1;
-}
-
-static size_t sched_one_smem(int E_loc) {
-  return ((size_t)(SCHED_ONE_WARPS + 2) * E_loc + 1) * sizeof(int32_t);
-}
-
-/* The dynamic shared memory the one kernel may use: the default limit (less
- * a margin for its static part) until mok_k_init (once per device) raises
- * it. */
-static std::atomic<size_t> sched_one_smem_max{48 * 1024 - 1024};
-static std::atomic<int> sched_one_kernel_on{1}; /* mok_k_set_sched_build_path */
-
-int mok_k_routing_init(void) {
-  const size_t bytes = sched_one_smem(SCHED_ONE_MAX_E_LOC);
-  cudaError_t err = cudaFuncSetAttribute(sched_one_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-  if (err != cudaSuccess) {
-    mok_k_set_cuda_error((int)err);
-    return MOK_EENGINE;
-  }
-  if (bytes > sched_one_smem_max.load(std::memory_order_relaxed))
-    sched_one_smem_max.store(bytes, std::memory_order_relaxed);
-  return MOK_OK;
-}
-
-extern "C" int mok_k_set_sched_build_path(int one_kernel) {
-  if (one_kernel != 0 && one_kernel != 1) return MOK_EINVAL;
-  sched_one_kernel_on.store(one_kernel, std::memory_order_relaxed);
-  return MOK_OK;
-}
-
-extern "C" int mok_k_sched_build_path(void) {
-  return sched_one_kernel_on.load(std::memory_order_relaxed);
-}
-
 static int schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t *ids_copy,
                           int32_t *schedule, void *workspace, int32_t *status,
                           mok_k_stream stream) {
@@ -448,13 +261,6 @@ static int schedule_build(const mok_k_dims *d, const int32_t *topk_ids, int32_t 
       (d->T > 0 && !topk_ids))
     return MOK_EINVAL;
   sched_ptrs s = sched_view(d, schedule);
-  if (sched_one_kernel_on.load(std::memory_order_relaxed) && d->E_loc <= SCHED_ONE_MAX_E_LOC &&
-      sched_one_smem(d->E_loc) <= sched_one_smem_max.load(std::memory_order_relaxed)) {
-    sched_one_kernel<<<1, SCHED_ONE_WARPS * 32, sched_one_smem(d->E_loc), stream>>>(
-        topk_ids, ids_copy, s.n_slots, d->T, d->K, d->E, d->first_expert, d->E_loc, d->row_align,
-        s.capacity, s.header, s.counts, s.offsets, s.row_slot, s.slot_row, status);
-    return mok_k_launch_status();
-  }
   int32_t *hist = (int32_t *)((char *)workspace + mok_k_ws_layout(d).hist);
   const int n_chunks = (s.n_slots + SCHED_CHUNK - 1) / SCHED_CHUNK;
   const size_t counter_bytes = (size_t)d->E_loc * sizeof(int32_t);

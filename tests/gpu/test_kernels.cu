@@ -475,15 +475,12 @@ static void check_err(const char *shape_name, const char *what, const std::vecto
 
 /* ---- schedule builds ----------------------------------------------------------------- */
 
-/* Both ways of building (mok_k_set_sched_build_path: 0 the four kernels, 1
- * the one kernel where it fits) */
-static const int build_paths[] = {0, 1};
 #define SCHED_POISON 0x5a5a5a5a /* no schedule entry or id holds it */
 
-/* One device build of d's schedule from the device ids at `path`, plain
- * (copy NULL) or the snapshot (copy: where its ids land), into a fresh
- * poisoned schedule; returns the status. The path setting is put back. */
-static int32_t device_build(const mok_k_dims *d, const int32_t *ids, int path, void *ws,
+/* One device build of d's schedule from the device ids, plain (copy
+ * NULL) or the snapshot (copy: where its ids land), into a fresh poisoned
+ * schedule; returns the status. */
+static int32_t device_build(const mok_k_dims *d, const int32_t *ids, void *ws,
                             int32_t *status, std::vector<int32_t> &got,
                             std::vector<int32_t> *copy, cudaStream_t stream) {
   const size_t ints = (size_t)mok_k_schedule_ints(d), n_ids = (size_t)d->T * d->K;
@@ -495,14 +492,11 @@ static int32_t device_build(const mok_k_dims *d, const int32_t *ids, int path, v
     CUDA_CHECK(cudaMemset(dcopy, 0x5a, n_ids * 4 + 16));
   }
   CUDA_CHECK(cudaDeviceSynchronize());
-  const int keep = mok_k_sched_build_path();
-  MOK_CHECK(mok_k_set_sched_build_path(path));
   CUDA_CHECK(cudaMemsetAsync(status, 0, 4, stream));
   if (copy)
     MOK_CHECK(mok_k_schedule_build_snapshot(d, ids, dcopy, sched, ws, status, stream));
   else
     MOK_CHECK(mok_k_schedule_build(d, ids, sched, ws, status, stream));
-  MOK_CHECK(mok_k_set_sched_build_path(keep));
   int32_t st = -1;
   CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDA_CHECK(cudaGetLastError());
@@ -521,25 +515,20 @@ static int32_t device_build(const mok_k_dims *d, const int32_t *ids, int path, v
   return st;
 }
 
-/* Both build paths, plain and snapshot: the host builder's schedule bits,
- * and the snapshot's copy holds the ids it used. */
-static void test_build_paths(const shape *s, dev_layer *L, const std::vector<int32_t> &host,
-                                const std::vector<int32_t> &ids, cudaStream_t stream) {
+/* The plain and the snapshot build: the host builder's schedule bits,
+ * nothing written past the schedule, and the snapshot's copy holds the ids
+ * it used. */
+static void test_builds(const shape *s, dev_layer *L, const std::vector<int32_t> &host,
+                        const std::vector<int32_t> &ids, cudaStream_t stream) {
   const mok_k_dims d = dims_of(s);
-  for (size_t p = 0; p < sizeof build_paths / sizeof build_paths[0]; p++) {
-    const int path = build_paths[p];
-    std::vector<int32_t> got, got_ids;
-    int32_t st = device_build(&d, L->ids, path, L->ws, L->status, got, NULL, stream);
-    EXPECT(st == 0, "%s: build path %d status %d", s->name, path, st);
-    EXPECT(got == host, "%s: build path %d: schedule differs from daemon/schedule.c", s->name,
-           path);
-    st = device_build(&d, L->ids, path, L->ws, L->status, got, &got_ids, stream);
-    EXPECT(st == 0, "%s: snapshot build path %d status %d", s->name, path, st);
-    EXPECT(got == host, "%s: snapshot build path %d: schedule differs from daemon/schedule.c",
-           s->name, path);
-    EXPECT(got_ids == ids, "%s: snapshot build path %d: the copy differs from the ids", s->name,
-           path);
-  }
+  std::vector<int32_t> got, got_ids;
+  int32_t st = device_build(&d, L->ids, L->ws, L->status, got, NULL, stream);
+  EXPECT(st == 0, "%s: build status %d", s->name, st);
+  EXPECT(got == host, "%s: build: schedule differs from daemon/schedule.c", s->name);
+  st = device_build(&d, L->ids, L->ws, L->status, got, &got_ids, stream);
+  EXPECT(st == 0, "%s: snapshot build status %d", s->name, st);
+  EXPECT(got == host, "%s: snapshot build: schedule differs from daemon/schedule.c", s->name);
+  EXPECT(got_ids == ids, "%s: snapshot build: the copy differs from the ids", s->name);
   int32_t *sched = NULL;
   CUDA_CHECK(cudaMalloc(&sched, host.size() * 4 + 16));
   EXPECT(d.T == 0 ||
@@ -550,7 +539,7 @@ static void test_build_paths(const shape *s, dev_layer *L, const std::vector<int
 }
 
 /* The schedule build alone over many (T, K, E, E_loc, first_expert,
- * rows_limit): both paths, plain and snapshot, against daemon/schedule.c bit
+ * rows_limit): plain and snapshot, against daemon/schedule.c bit
  * for bit, with its status: ids outside [-1, E) raise EROUTE and count as
  * dropped (the host builder refuses them, so it gets them as -1); past the
  * capacity the schedule is the empty one and EOVERFLOW is raised. Its own
@@ -666,20 +655,18 @@ static int test_sched_case(const sched_case *c, cudaStream_t stream) {
   if (n) CUDA_CHECK(cudaMemcpy(dids, ids.data(), n * 4, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaDeviceSynchronize());
   int builds = 0;
-  for (size_t p = 0; p < sizeof build_paths / sizeof build_paths[0]; p++)
-    for (int snap = 0; snap < 2; snap++) {
-      const int path = build_paths[p];
-      std::vector<int32_t> got, got_ids;
-      int32_t st = device_build(&d, dids, path, ws, status, got, snap ? &got_ids : NULL, stream);
-      bool ok = st == want_st && got == want && (!snap || got_ids == ids);
-      EXPECT(ok,
-             "schedule case T=%d K=%d E=%d E_loc=%d first=%d rows_limit=%d route=%d, path %d%s: "
-             "status %d (want %d), schedule %s, copy %s",
-             c->T, c->K, c->E, c->E_loc, c->first, rows_limit, c->route, path,
-             snap ? " snapshot" : "", st, want_st, got == want ? "equal" : "DIFFERS",
-             !snap ? "-" : got_ids == ids ? "equal" : "DIFFERS");
-      builds++;
-    }
+  for (int snap = 0; snap < 2; snap++) {
+    std::vector<int32_t> got, got_ids;
+    int32_t st = device_build(&d, dids, ws, status, got, snap ? &got_ids : NULL, stream);
+    bool ok = st == want_st && got == want && (!snap || got_ids == ids);
+    EXPECT(ok,
+           "schedule case T=%d K=%d E=%d E_loc=%d first=%d rows_limit=%d route=%d%s: "
+           "status %d (want %d), schedule %s, copy %s",
+           c->T, c->K, c->E, c->E_loc, c->first, rows_limit, c->route, snap ? " snapshot" : "",
+           st, want_st, got == want ? "equal" : "DIFFERS",
+           !snap ? "-" : got_ids == ids ? "equal" : "DIFFERS");
+    builds++;
+  }
   CUDA_CHECK(cudaFree(dids));
   CUDA_CHECK(cudaFree(ws));
   CUDA_CHECK(cudaFree(status));
@@ -689,17 +676,10 @@ static int test_sched_case(const sched_case *c, cudaStream_t stream) {
 /* max_slots: T*K of any case at most this (T cut down; quick mode, which
  * runs under compute-sanitizer) */
 static void test_schedule_builds(int n_random, int max_slots, cudaStream_t stream) {
-  /* the path knob */
-  const int keep = mok_k_sched_build_path();
-  EXPECT(keep == 1, "schedule build path %d by default, want 1 (one kernel)", keep);
-  EXPECT(mok_k_set_sched_build_path(2) == MOK_EINVAL && mok_k_set_sched_build_path(-1) ==
-             MOK_EINVAL && mok_k_sched_build_path() == keep,
-         "schedule build path: the setter accepts what is not 0 or 1");
-
   const sched_case fixed[] = {
       /* T     K   E     E_loc first rows_limit route       drop */
       {0,     2,  4,    4,    0,    0,     SR_RANDOM,  0.0},
-      {0,     1,  4096, 4096, 0,    0,     SR_RANDOM,  0.0},  /* T=0, the fallback */
+      {0,     1,  4096, 4096, 0,    0,     SR_RANDOM,  0.0},  /* T=0, many experts */
       {1,     1,  1,    1,    0,    0,     SR_RANDOM,  0.0},
       {1,     1,  1,    1,    0,    0,     SR_RANDOM,  1.0},
       {1,     8,  64,   8,    16,   0,     SR_RANDOM,  0.2},
@@ -711,9 +691,9 @@ static void test_schedule_builds(int n_random, int max_slots, cudaStream_t strea
       {1023,  1,  40,   40,   0,    0,     SR_RANDOM,  0.0},
       {1025,  1,  40,   40,   0,    0,     SR_RANDOM,  0.0},
       {77,    3,  12,   12,   0,    0,     SR_RANDOM,  0.3},
-      {3000,  8,  8192, 4096, 4096, 0,     SR_RANDOM,  0.1},  /* the fallback */
-      {2048,  8,  1024, 1024, 0,    0,     SR_RANDOM,  0.05}, /* the one kernel's largest E_loc */
-      {700,   6,  2050, 1025, 1025, 0,     SR_RANDOM,  0.05}, /* one past it */
+      {3000,  8,  8192, 4096, 4096, 0,     SR_RANDOM,  0.1},  /* many experts */
+      {2048,  8,  1024, 1024, 0,    0,     SR_RANDOM,  0.05}, /* E_loc 1024 */
+      {700,   6,  2050, 1025, 1025, 0,     SR_RANDOM,  0.05}, /* E_loc 1025, first 1025 */
       {4096,  8,  64,   64,   0,    0,     SR_SKEW,    0.0},  /* every slot one expert */
       {2000,  10, 256,  256,  0,    0,     SR_SKEW,    0.3},
       {300,   4,  64,   16,   16,   0,     SR_OTHERS,  0.1},  /* nothing local */
@@ -725,7 +705,7 @@ static void test_schedule_builds(int n_random, int max_slots, cudaStream_t strea
       {5000,  4,  32,   32,   0,    5000,  SR_SKEW,    0.0},
       {900,   5,  40,   20,   10,   -1,    SR_RANDOM,  0.2},  /* exactly the rows used */
       {900,   5,  40,   20,   10,   -2,    SR_RANDOM,  0.2},  /* one row fewer */
-      {900,   5,  4096, 4096, 0,    -2,    SR_RANDOM,  0.2},  /* the same, the fallback */
+      {900,   5,  4096, 4096, 0,    -2,    SR_RANDOM,  0.2},  /* the same, many experts */
       {8192,  10, 64,   64,   0,    0,     SR_RANDOM,  0.02}, /* a large job */
       {8192,  8,  256,  32,   96,   0,     SR_RANDOM,  0.0},
   };
@@ -756,8 +736,7 @@ static void test_schedule_builds(int n_random, int max_slots, cudaStream_t strea
     if (lim == 2 && c.T > 0) c.rows_limit = 1 + sched_rng_below(c.T * c.K);
     builds += test_sched_case(&c, stream);
   }
-  EXPECT(mok_k_sched_build_path() == keep, "schedule build path changed by the tests");
-  printf("schedule builds: %d cases, %d device builds (paths 0 and 1, plain and snapshot) "
+  printf("schedule builds: %d cases, %d device builds (plain and snapshot) "
          "against daemon/schedule.c\n",
          cases, builds);
 }
@@ -1034,7 +1013,7 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   MOK_CHECK(mok_k_schedule_validate(&d, L.sched, L.status, stream));
   st = read_status(&L, stream);
   EXPECT(st == 0, "%s: device validator rejects its own schedule (%d)", s->name, st);
-  test_build_paths(s, &L, host, hin.ids, stream);
+  test_builds(s, &L, host, hin.ids, stream);
 
   /* every routed row and every act written */
   EXPECT(all_finite_bf16(L.routed_x, (size_t)L.R * d.H) &&
@@ -1343,9 +1322,6 @@ static void run_timing(cudaStream_t stream) {
   float sfwd = time_ms(&L, stream, enq_shared_fwd, reps);
   float sbwd = time_ms(&L, stream, enq_shared_bwd, reps);
   float sch = time_ms(&L, stream, enq_sched, reps);
-  MOK_CHECK(mok_k_set_sched_build_path(0));
-  float sch4 = time_ms(&L, stream, enq_sched, reps);
-  MOK_CHECK(mok_k_set_sched_build_path(1));
   st = read_status(&L, stream);
   EXPECT(st == 0, "bench: status %d after timing", st);
 
@@ -1363,7 +1339,6 @@ static void run_timing(cudaStream_t stream) {
   printf("  shared backward          %8.3f ms  %6.1f TFLOP/s\n", sbwd,
          2 * f_sfwd / sbwd * 1e-9);
   printf("  schedule build           %8.3f ms\n", sch);
-  printf("  schedule build, 4 kernels %7.3f ms\n", sch4);
   dev_layer_free(&L);
 }
 
