@@ -60,6 +60,7 @@
 #include "common/ptx_sm90.cuh"
 #include "common/swiglu.cuh"
 #include "common/tile_locator.cuh"
+#include "common/tile_trace.cuh"
 #include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
 
@@ -320,15 +321,17 @@ __device__ static void s9_produce(const s9_params &p, const s9_sched &sc, const 
   const int total = MODE == MOK_GM_WGRAD ? p.groups * p.m_tiles * p.n_tiles : p.m_tiles * p.n_tiles;
   const uint64_t pa = l2_policy(p.pol_a), pb = l2_policy(p.pol_b);
   constexpr int NST = S9_NST(MODE);
-  int s = 0, ph = 0;
+  int s = 0, ph = 0, ti = 0; /* ti: tiles done (the trace's index) */
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, sc, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* the consumers skip it too */
+    tile_trace_stamp(ti, 5);
     const int nk = s9_tile_nk<MODE>(p, tl);
     for (int kb = 0; kb < nk; kb++) { /* nk = 0: zeros only, the consumers need no data */
       const uint32_t full = bars + 8 * s, empty = bars + 8 * (NST + s);
       const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1); /* the consumers released this stage */
+      if (kb == 0) tile_trace_stamp(ti, 6);
       if (MODE == MOK_GM_WGRAD) { /* A M-major, two 64-row slabs (the second when its rows exist) */
         const int slabs = s9_b_slabs(p.N, tl.n0);
         mbar_arrive_expect_tx(full, (tl.row0 + 64 < p.M ? 2 : 1) * S9_SLAB + slabs * S9_SLAB);
@@ -345,6 +348,7 @@ __device__ static void s9_produce(const s9_params &p, const s9_sched &sc, const 
         ph ^= 1;
       }
     }
+    tile_trace_stamp(ti++, 7);
   }
 }
 
@@ -773,11 +777,20 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-  int s = 0, ph = 0;
+  int s = 0, ph = 0, ti = 0;
+  /* the trace: consumer thread 0 stamps 0-4 of each tile, the producer 5-7 */
+  const bool stamps = MOK_TILE_TRACE && threadIdx.x == 128;
+  if (stamps) tile_trace_edge(true, 0);
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    if (stamps) tile_trace_stamp(ti, 0);
     const s9_tile tl = MODE == MOK_GM_WGRAD ? s9_locate_w(p, sc, t) : s9_locate(p, sc, t);
     if (tl.skip) continue; /* as the producer */
     const int nk = s9_tile_nk<MODE>(p, tl);
+    if (stamps) {
+      tile_trace_stamp(ti, 1);
+      if (nk > 0) mbar_wait(bars + 8 * s, ph); /* the first block's data: the k loop's first wait */
+      tile_trace_stamp(ti, 2);
+    }
     if (MODE == MOK_GM_WGRAD) { /* both warpgroups take every block (s9_zero_tail meets them) */
       const int kv = tl.k_end - tl.k_begin - (nk - 1) * S9_BK;
       s9_mma_loop<MODE, PIPE, 1>(p, acc, base, bars, cw, nk, kv, s, ph);
@@ -787,12 +800,16 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
       else /* all padding: the epilogue writes zeros */
         s9_skip_loop<1>(bars, nk, s, ph);
     }
+    if (stamps) tile_trace_stamp(ti, 3);
     if (MODE == MOK_GM_WGRAD)
       s9_epilogue_wstore(p, tl, acc, cw, nk > 0, base + S9_STAGES_W * S9_STAGE_BYTES + cw * S9_STAGE_OUT,
                          mc0, mc1);
     else
       s9_epilogue<MODE>(p, tl, acc, cw, nk > 0);
+    if (stamps) tile_trace_stamp(ti, 4);
+    ti++;
   }
+  if (stamps) tile_trace_edge(false, ti);
   if (MODE == MOK_GM_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
 }
 
@@ -1257,6 +1274,23 @@ static int s9_pp_pairs = 1;
 extern "C" void mok_k_sm90_set_pp_pairs(int on) { s9_pp_pairs = on ? 1 : 0; }
 
 extern "C" void mok_k_sm90_set_grid(int ctas) { s9_grid_override = ctas > 0 ? ctas : 0; }
+
+extern "C" int mok_k_sm90_set_trace(unsigned long long *buf, int tiles_per_cta) {
+#if MOK_TILE_TRACE
+  if (tiles_per_cta < 0 || (buf && tiles_per_cta == 0)) return MOK_EINVAL;
+  cudaError_t err = cudaMemcpyToSymbol(mok_trace_buf, &buf, sizeof buf);
+  if (err == cudaSuccess) err = cudaMemcpyToSymbol(mok_trace_tiles, &tiles_per_cta, sizeof(int));
+  if (err != cudaSuccess) {
+    mok_k_set_cuda_error((int)err);
+    return MOK_EENGINE;
+  }
+  return MOK_OK;
+#else
+  (void)buf;
+  (void)tiles_per_cta;
+  return MOK_EUNSUPPORTED;
+#endif
+}
 
 extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) {
   s9_pipe = pipe ? 1 : 0;

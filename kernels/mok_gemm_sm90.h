@@ -118,6 +118,12 @@ void mok_k_sm90_set_pp_pairs(int on);
  * rounds up to whole clusters). Results must not depend on it. */
 void mok_k_sm90_set_grid(int ctas);
 
+/* Measurement builds (nvcc -DMOK_TILE_TRACE=1, kernels/common/tile_trace.cuh):
+ * the plain kernel's per-tile timeline into buf, one row per CTA of
+ * MOK_TRACE_STAMPS x (1 + tiles_per_cta) words (NULL: off).
+ * MOK_EUNSUPPORTED in a build without the trace. */
+int mok_k_sm90_set_trace(unsigned long long *buf, int tiles_per_cta);
+
 /* Tuning knobs for the bench (defaults 0): pipe = 1 keeps one wgmma batch
  * in flight per consumer; band > 0 walks tiles in bands of that many row
  * blocks; pol_a, pol_b: L2 policy of the A and B loads (0 normal, 1 evict

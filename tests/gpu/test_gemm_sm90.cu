@@ -30,6 +30,9 @@
  *                            one launch of each GEMM per tile variant
  *                            (default "rows,cluster") inside a profiler
  *                            range, for ncu --profile-from-start off
+ *   test_gemm_sm90 trace SHAPE T
+ *                            (a build with -DMOK_TILE_TRACE=1) where the two
+ *                            weight gradients' tile time goes
  *   test_gemm_sm90 bwdbench [SHAPE [T]]
  *                            the benchmark shapes: expert_backward with all
  *                            backward GEMMs on mma.sync, each alone on the
@@ -48,6 +51,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../../kernels/common/tile_trace.cuh"
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
 #include "../../kernels/mok_kernels_internal.cuh"
@@ -1176,6 +1180,116 @@ static void profile(const char *name, int T, const char *variants) {
   layer_free(&L);
 }
 
+/* ---- trace ------------------------------------------------------------------------------
+ * Where a weight gradient's tile time goes, from a build with the tile
+ * trace (kernels/common/tile_trace.cuh; nvcc -DMOK_TILE_TRACE=1): per
+ * tile, the consumers' lookup, the wait for the first block's data, the k
+ * loop, the epilogue and the step to the next tile, and the producer's wait
+ * for a free stage, as medians and means over every CTA's tiles, in ns
+ * (each CTA's clock64 turned into ns by its %globaltimer span). */
+#define TRACE_TILES 4096
+
+static double tr_median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+static void trace_report(const char *what, const unsigned long long *h, int ctas, float ms) {
+  const int S = MOK_TRACE_STAMPS;
+  const char *names[7] = {"lookup", "first data", "k loop", "epilogue", "to next tile", "tile",
+                          "producer: free stage"};
+  std::vector<double> part[7];
+  double sum[7] = {0};
+  long tiles = 0;
+  for (int c = 0; c < ctas; c++) {
+    const unsigned long long *row = h + (size_t)c * S * (1 + TRACE_TILES);
+    const double clk = (double)(row[MOK_TRACE_CLK_END] - row[MOK_TRACE_CLK_START]);
+    const double ns_per = clk > 0 ? (double)(row[MOK_TRACE_GT_END] - row[MOK_TRACE_GT_START]) / clk : 0;
+    const int n = (int)std::min<unsigned long long>(row[MOK_TRACE_TILES], TRACE_TILES);
+    for (int i = 0; i < n; i++) {
+      const unsigned long long *t = row + S * (1 + i);
+      const unsigned long long *nx = i + 1 < n ? t + S : NULL;
+      double v[7] = {(double)(t[1] - t[0]), (double)(t[2] - t[1]), (double)(t[3] - t[2]),
+                     (double)(t[4] - t[3]), nx ? (double)(nx[0] - t[4]) : -1,
+                     nx ? (double)(nx[0] - t[0]) : -1, (double)(t[6] - t[5])};
+      for (int j = 0; j < 7; j++) {
+        if (v[j] < 0) continue;
+        part[j].push_back(v[j] * ns_per);
+        sum[j] += v[j] * ns_per;
+      }
+      tiles++;
+    }
+  }
+  printf("  %s: %.3f ms, %ld tiles on %d CTAs (%.1f a CTA); ns a tile, median / mean:\n", what,
+         ms, tiles, ctas, (double)tiles / ctas);
+  for (int j = 0; j < 7; j++)
+    printf("    %-22s %8.0f %8.0f\n", names[j], tr_median(part[j]),
+           part[j].empty() ? 0.0 : sum[j] / part[j].size());
+  EXPECT(tiles > 0, "trace %s: no tile stamped", what);
+}
+
+static void trace(const char *name, int T) {
+  const bshape *sh = NULL;
+  for (size_t i = 0; i < sizeof BSHAPES / sizeof BSHAPES[0]; i++)
+    if (name && !strcmp(name, BSHAPES[i].name)) sh = &BSHAPES[i];
+  if (!sh || T <= 0) {
+    EXPECT(0, "trace: unknown shape %s or bad T %d", name ? name : "(none)", T);
+    return;
+  }
+  if (mok_k_sm90_set_trace(NULL, 0) == MOK_EUNSUPPORTED) {
+    EXPECT(0, "trace: this build has no tile trace (nvcc -DMOK_TILE_TRACE=1)");
+    return;
+  }
+  layer L;
+  mok_k_dims d = bench_layer(sh, T, &L);
+  bwd_bufs b;
+  layer_forward(&L, false);
+  bwd_alloc(&b, &L);
+  bwd_run(&L, &b, 7); /* dy, h, dgu in the workspace; warm */
+  int ctas = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, 0));
+  const size_t words = (size_t)ctas * MOK_TRACE_STAMPS * (1 + TRACE_TILES);
+  unsigned long long *buf = (unsigned long long *)dmalloc(words * 8);
+  std::vector<unsigned long long> h(words);
+  const ws_layout WL = mok_k_ws_layout(&d);
+  char *ws = (char *)L.ws;
+  const int n = d.I, Rr = (int)L.R;
+  cudaEvent_t ev[2];
+  for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+  printf("trace %s T=%d (balanced):\n", sh->name, T);
+  for (int which = 0; which < 2; which++) {
+    for (int rep = 0; rep < 2; rep++) { /* the second, warm, is kept */
+      CUDA_CHECK(cudaMemset(buf, 0, words * 8));
+      MOK_CHECK(mok_k_sm90_set_trace(buf, TRACE_TILES));
+      CUDA_CHECK(cudaEventRecord(ev[0], 0));
+      if (which == 0)
+        MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, d.H, n, (uint16_t *)(ws + WL.dy),
+                                   (uint16_t *)(ws + WL.h), b.dwd, NULL, d.H, n,
+                                   (long long)d.H * n, NULL, L.status, 0));
+      else
+        MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, 2 * n, d.H, (uint16_t *)(ws + WL.dgu),
+                                   L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, NULL, L.status,
+                                   0));
+      CUDA_CHECK(cudaEventRecord(ev[1], 0));
+      CUDA_CHECK(cudaEventSynchronize(ev[1]));
+      MOK_CHECK(mok_k_sm90_set_trace(NULL, 0));
+    }
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    CUDA_CHECK(cudaMemcpy(h.data(), buf, words * 8, cudaMemcpyDeviceToHost));
+    trace_report(which == 0 ? "down weight gradient" : "gate/up weight gradient", h.data(), ctas,
+                 ms);
+  }
+  int32_t st = -1;
+  CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
+  EXPECT(st == 0, "trace %s T=%d: status %d", sh->name, T, st);
+  for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+  CUDA_CHECK(cudaFree(buf));
+  bwd_free(&b);
+  layer_free(&L);
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "correct";
   CUDA_CHECK(cudaSetDevice(0));
@@ -1210,6 +1324,8 @@ int main(int argc, char **argv) {
     bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (all || !strcmp(mode, "bwdbench"))
     bwd_bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
+  if (!strcmp(mode, "trace"))
+    trace(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (!strcmp(mode, "profile"))
     profile(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0,
             argc > 4 ? argv[4] : "rows,cluster");
