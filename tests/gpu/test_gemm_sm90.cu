@@ -1121,15 +1121,20 @@ static void bwd_bench(const char *only, int only_T) {
     }
 }
 
+/* A benchmark shape by name (NULL when there is none). */
+static const bshape *find_bshape(const char *name) {
+  for (size_t i = 0; i < sizeof BSHAPES / sizeof BSHAPES[0]; i++)
+    if (name && !strcmp(name, BSHAPES[i].name)) return &BSHAPES[i];
+  return NULL;
+}
+
 /* One forward and one backward of each variant at one shape, between
  * cudaProfilerStart and cudaProfilerStop, after a warm-up of each: for
  * `ncu --profile-from-start off`, which then sees one launch of every GEMM
  * kernel per variant (gate_up, down, down dgrad, gate/up dgrad, the two
  * wgrads), in that order. Outputs are checked against mma.sync's. */
 static void profile(const char *name, int T, const char *variants) {
-  const bshape *sh = NULL;
-  for (size_t i = 0; i < sizeof BSHAPES / sizeof BSHAPES[0]; i++)
-    if (name && !strcmp(name, BSHAPES[i].name)) sh = &BSHAPES[i];
+  const bshape *sh = find_bshape(name);
   if (!sh || T <= 0) {
     EXPECT(0, "profile: unknown shape %s or bad T %d", name ? name : "(none)", T);
     return;
@@ -1230,9 +1235,7 @@ static void trace_report(const char *what, const unsigned long long *h, int ctas
 }
 
 static void trace(const char *name, int T) {
-  const bshape *sh = NULL;
-  for (size_t i = 0; i < sizeof BSHAPES / sizeof BSHAPES[0]; i++)
-    if (name && !strcmp(name, BSHAPES[i].name)) sh = &BSHAPES[i];
+  const bshape *sh = find_bshape(name);
   if (!sh || T <= 0) {
     EXPECT(0, "trace: unknown shape %s or bad T %d", name ? name : "(none)", T);
     return;
