@@ -756,11 +756,30 @@ extern "C" int mok_k_set_gather_host(int host) {
 
 extern "C" int mok_k_gather_host(void) { return gather_host.load(std::memory_order_relaxed); }
 
-/* The gather of the routed x (gather_rows's rows) beside product p: the
- * share `part` of `parts` equal shares of the buffer's R rows, for hosts
- * that share the copy. */
+/* Where each placement puts the copy of x's rows: a share {part, parts} of
+ * the routed rows beside each product that can carry it (the down dgrad,
+ * the gate/up dgrad, the down weight gradient; parts 0: none), in the
+ * order of the MOK_K_GATHER_* values. */
+typedef struct gather_share {
+  int part, parts;
+} gather_share;
+enum { GATHER_ON_DOWN_DGRAD, GATHER_ON_GU_DGRAD, GATHER_ON_DOWN_WGRAD, GATHER_PRODUCTS };
+static const gather_share gather_shares[MOK_K_GATHER_HOSTS][GATHER_PRODUCTS] = {
+    {{0, 0}, {0, 0}, {0, 0}}, /* MOK_K_GATHER_KERNEL: a kernel of its own */
+    {{0, 1}, {0, 0}, {0, 0}}, /* MOK_K_GATHER_DOWN_DGRAD */
+    {{0, 0}, {0, 1}, {0, 0}}, /* MOK_K_GATHER_GU_DGRAD */
+    {{0, 0}, {0, 0}, {0, 1}}, /* MOK_K_GATHER_DOWN_WGRAD */
+    {{0, 2}, {1, 2}, {0, 0}}, /* MOK_K_GATHER_BOTH_DGRADS */
+    {{0, 3}, {1, 3}, {2, 3}}, /* MOK_K_GATHER_THREE */
+};
+static_assert(MOK_K_GATHER_HOSTS == 6 && MOK_K_GATHER_THREE == 5, "one row per placement");
+
+/* The gather of the routed x (gather_rows's rows) beside product p: its
+ * share of the buffer's R rows (none when sh.parts is 0). */
 static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *schedule,
-                          const ffn_bwd_args *a, int part, int parts) {
+                          const ffn_bwd_args *a, gather_share sh) {
+  if (sh.parts == 0) return;
+  const int part = sh.part, parts = sh.parts;
   const sched_ptrs s = sched_view(d, schedule);
   p->gather_src = a->gather_src;
   p->gather_dst = (bf16 *)a->x;
@@ -783,10 +802,11 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   int host = MOK_K_GATHER_KERNEL;
   if (a->gathers) {
     const int want = mok_k_gather_host();
-    if ((want == MOK_K_GATHER_DOWN_DGRAD && dgrad90) || (want == MOK_K_GATHER_GU_DGRAD && gu90) ||
-        (want == MOK_K_GATHER_DOWN_WGRAD && wg90) ||
-        (want == MOK_K_GATHER_BOTH_DGRADS && dgrad90 && gu90) ||
-        (want == MOK_K_GATHER_THREE && dgrad90 && gu90 && wg90))
+    const bool on90[GATHER_PRODUCTS] = {dgrad90, gu90, wg90};
+    bool hosts = want != MOK_K_GATHER_KERNEL; /* every product of its share on the Hopper kernels */
+    for (int i = 0; i < GATHER_PRODUCTS; i++)
+      if (gather_shares[want][i].parts && !on90[i]) hosts = false;
+    if (hosts)
       host = want;
     else {
       const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
@@ -797,23 +817,18 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   /* a = d_out W_d, SwiGLU backward */
   gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
                                   a->h, a->partial, (int)cdiv(n, BN), status);
-  if (host == MOK_K_GATHER_DOWN_DGRAD) attach_gather(&p, d, schedule, a, 0, 1);
-  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 0, 2);
-  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 0, 3);
+  attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_DOWN_DGRAD]);
   int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, dgrad90, stream);
   if (st != MOK_OK) return st;
   /* d_xr = dg W_g + du W_u; the Hopper kernel's k16 steps must not straddle dg and du */
   p = gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr, status);
-  if (host == MOK_K_GATHER_GU_DGRAD) attach_gather(&p, d, schedule, a, 0, 1);
-  if (host == MOK_K_GATHER_BOTH_DGRADS) attach_gather(&p, d, schedule, a, 1, 2);
-  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 1, 3);
+  attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_GU_DGRAD]);
   st = run_gemm<MOK_GM_GU_DGRAD>(p, gu90, stream);
   if (st != MOK_OK) return st;
   /* d_wd[e] = dy^T h over the expert's rows */
   p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL, d->H,
                  n, (long long)d->H * n, a->e_range, status);
-  if (host == MOK_K_GATHER_DOWN_WGRAD) attach_gather(&p, d, schedule, a, 0, 1);
-  if (host == MOK_K_GATHER_THREE) attach_gather(&p, d, schedule, a, 2, 3);
+  attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD]);
   st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
   if (st != MOK_OK) return st;
   /* [d_wg; d_wu][e] = dgu^T x */
