@@ -292,18 +292,28 @@ static void enqueue_forward(dev_layer *L, cudaStream_t s) {
   MOK_CHECK(mok_k_combine(d, L->sched, L->routed_y, L->rw, L->shared_y, L->out, L->status, s));
 }
 
-static void enqueue_backward(dev_layer *L, cudaStream_t s) {
+/* gathers: routed_x is gathered from x by the backward itself
+ * (mok_k_expert_backward_gathering), else the forward's is read */
+static void enqueue_backward_from(dev_layer *L, bool gathers, cudaStream_t s) {
   const mok_k_dims *d = &L->d;
   MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out, L->routed_d_out, L->status, s));
-  MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
-                                  L->routed_d_out, L->rw, L->wg, L->wu, L->wd, L->routed_d_x,
-                                  L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, s));
+  if (gathers)
+    MOK_CHECK(mok_k_expert_backward_gathering(d, L->sched, L->acts_g, L->acts_u, L->x,
+                                              L->routed_x, L->routed_d_out, L->rw, L->wg, L->wu,
+                                              L->wd, L->routed_d_x, L->d_rw, L->dwg, L->dwu,
+                                              L->dwd, L->ws, L->status, s));
+  else
+    MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
+                                    L->routed_d_out, L->rw, L->wg, L->wu, L->wd, L->routed_d_x,
+                                    L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, s));
   MOK_CHECK(mok_k_shared_backward(d, L->x, L->d_out, L->acts_gs, L->acts_us, L->sg, L->su,
                                   L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws,
                                   L->status, s));
   MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x,
                                     L->status, s));
 }
+
+static void enqueue_backward(dev_layer *L, cudaStream_t s) { enqueue_backward_from(L, false, s); }
 
 static int32_t read_status(dev_layer *L, cudaStream_t s) {
   int32_t st = -1;
@@ -958,16 +968,7 @@ static void test_gathering_backward(const shape *s, dev_layer *L,
     poison_outputs(L, stream);
     enqueue_forward(L, stream);
     CUDA_CHECK(cudaMemsetAsync(L->routed_x, 0xff, (size_t)L->R * d->H * 2, stream));
-    MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out, L->routed_d_out, L->status, stream));
-    MOK_CHECK(mok_k_expert_backward_gathering(d, L->sched, L->acts_g, L->acts_u, L->x,
-                                              L->routed_x, L->routed_d_out, L->rw, L->wg, L->wu,
-                                              L->wd, L->routed_d_x, L->d_rw, L->dwg, L->dwu,
-                                              L->dwd, L->ws, L->status, stream));
-    MOK_CHECK(mok_k_shared_backward(d, L->x, L->d_out, L->acts_gs, L->acts_us, L->sg, L->su,
-                                    L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws,
-                                    L->status, stream));
-    MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x,
-                                      L->status, stream));
+    enqueue_backward_from(L, true, stream);
     const int32_t st = read_status(L, stream);
     EXPECT(st == 0 && snapshot(L) == first,
            "%s: the gathering backward (x gathered by %s) differs from gather + backward "
