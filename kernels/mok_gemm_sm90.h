@@ -110,6 +110,17 @@ int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
 /* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
  * cluster variant falls back to ROWS order on plain CTAs. */
 int mok_k_sm90_pair_clusters(void);
+/* The block-scaled e4m3 grouped GEMM (mok_gemm_sm90_fp8.cu; docs/math.md
+ * "FP8"): c [M][N] bf16 = the rows of a [M][K] (e4m3 bytes, scales
+ * a_scales [M][K/128], mok_k_fp8_quantize_rows) times their expert's
+ * b_packed [E_loc][N][K] transposed (mok_k_fp8_quantize_weight's packed
+ * form), for the routed rows of the schedule (M its row capacity); padding
+ * rows get zeros. N and K multiples of 128. MOK_EUNSUPPORTED off sm_90.
+ * A tested kernel: no layer op calls it yet. */
+int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N, int K,
+                             const uint8_t *a, const float *a_scales, const void *b_packed,
+                             mok_k_bf16 *c, int32_t *status, mok_k_stream stream);
+
 /* Bench and tests: the pingpong variant's down dgrad in 2-CTA clusters
  * (1, the default) or on plain CTAs (0). Results do not depend on it. */
 void mok_k_sm90_set_pp_pairs(int on);

@@ -3,6 +3,7 @@
 #ifndef MOK_KERNELS_INTERNAL_CUH
 #define MOK_KERNELS_INTERNAL_CUH
 
+#include <cuda.h> /* CUtensorMap (type only) */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -96,6 +97,9 @@ typedef struct ws_layout {
 ws_layout mok_k_ws_layout(const mok_k_dims *d);
 int mok_k_partial_tiles(const mok_k_dims *d); /* column tiles of the down dgrad */
 int mok_k_sched_chunk(void);                  /* slots per schedule-build chunk */
+/* a TMA map of bytes for the FP8 kernels (mok_gemm_sm90.cu) */
+int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
+                     long long d2, long long ld, long long s2, int box0, int box1);
 /* out[t] = rnd(base[t] + sum_k (rw *) routed[slot_row[t*K+k]]) (mok_routing.cu) */
 int mok_k_ksum_rows(const mok_k_dims *d, const int32_t *slot_row, int capacity,
                     const mok_k_bf16 *routed, const float *rw, const mok_k_bf16 *base,
