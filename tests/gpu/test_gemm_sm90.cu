@@ -30,6 +30,13 @@
  *                            one launch of each GEMM per tile variant
  *                            (default "rows,cluster") inside a profiler
  *                            range, for ncu --profile-from-start off
+ *   test_gemm_sm90 fp8       the block-scaled e4m3 grouped GEMM as the down
+ *                            projection against float64 over the same e4m3
+ *                            values (ragged, one hot expert, T=1), padding
+ *                            rows zero, bitwise repeatable
+ *   test_gemm_sm90 fp8bench [SHAPE]
+ *                            its time beside the bf16 down GEMM's at the
+ *                            benchmark shapes, T=2048 and 8192
  *   test_gemm_sm90 trace SHAPE T
  *                            (a build with -DMOK_TILE_TRACE=1) where the two
  *                            weight gradients' tile time goes
@@ -51,6 +58,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../../kernels/common/fp8_e4m3.h"
 #include "../../kernels/common/tile_trace.cuh"
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
@@ -1293,6 +1301,190 @@ static void trace(const char *name, int T) {
   layer_free(&L);
 }
 
+/* ---- fp8 ---------------------------------------------------------------------------------
+ * The block-scaled e4m3 grouped GEMM (mok_k_sm90_fp8_rows_gemm) as the
+ * down projection: h's rows and W_d quantised by the library's quantisers,
+ * against a float64 sum over the same e4m3 values and scales (all rows at
+ * the small shapes, sampled rows at the bench shapes), padding rows zero
+ * (the output poisoned first), bitwise repeatable; at the bench shapes its
+ * time beside the bf16 down GEMM's on the same rows. */
+static float bf16_host(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+typedef struct fp8_down {
+  uint8_t *q;      /* h's rows, e4m3 */
+  float *sq;       /* their scales */
+  void *w;         /* W_d packed */
+  uint16_t *y;     /* the fp8 product */
+  size_t w_bytes;
+} fp8_down;
+
+static void fp8_down_alloc(fp8_down *f, const layer *L) {
+  const mok_k_dims *d = &L->d;
+  f->q = (uint8_t *)dmalloc((size_t)L->R * d->I);
+  f->sq = (float *)dmalloc((size_t)L->R * (d->I / 128) * 4);
+  f->w_bytes = (size_t)mok_fp8_weight_bytes((uint64_t)d->E_loc, (uint64_t)d->H, (uint64_t)d->I);
+  f->w = dmalloc(f->w_bytes);
+  f->y = (uint16_t *)dmalloc((size_t)L->R * d->H * 2);
+  MOK_CHECK(mok_k_fp8_quantize_rows(L->h, (int)L->R, d->I, f->q, f->sq, 0));
+  MOK_CHECK(mok_k_fp8_quantize_weight(L->wd, d->E_loc, d->H, d->I, f->w, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void fp8_down_free(fp8_down *f) {
+  CUDA_CHECK(cudaFree(f->q));
+  CUDA_CHECK(cudaFree(f->sq));
+  CUDA_CHECK(cudaFree(f->w));
+  CUDA_CHECK(cudaFree(f->y));
+}
+
+static int fp8_down_run(const layer *L, fp8_down *f) {
+  return mok_k_sm90_fp8_rows_gemm(&L->d, L->sched, (int)L->R, L->d.H, L->d.I, f->q, f->sq, f->w,
+                                  f->y, L->status, 0);
+}
+
+/* rows_step: every row (1) or a sample; returns the worst |got - want| over
+ * the largest |want| */
+static double fp8_down_check(const char *name, const layer *L, const fp8_down *f, int rows_step) {
+  const mok_k_dims *d = &L->d;
+  const int H = d->H, I = d->I, KB = I / 128;
+  std::vector<int32_t> sc((size_t)L->sched_ints);
+  CUDA_CHECK(cudaMemcpy(sc.data(), L->sched, sc.size() * 4, cudaMemcpyDeviceToHost));
+  const sched_ptrs sv = sched_view(d, sc.data());
+  std::vector<uint8_t> q((size_t)L->R * I), w(f->w_bytes);
+  std::vector<float> sq((size_t)L->R * KB);
+  CUDA_CHECK(cudaMemcpy(q.data(), f->q, q.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(sq.data(), f->sq, sq.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(w.data(), f->w, w.size(), cudaMemcpyDeviceToHost));
+  const std::vector<uint16_t> y = down16(f->y, (size_t)L->R * H);
+  const float *sw = (const float *)(w.data() + mok_fp8_scales_offset((uint64_t)d->E_loc,
+                                                                      (uint64_t)H, (uint64_t)I));
+  float dec[256];
+  for (int b = 0; b < 256; b++) dec[b] = mok_fp8_decode((uint8_t)b);
+  double worst = 0, top = 0;
+  size_t pad_bad = 0, checked = 0;
+  for (int e = 0; e < d->E_loc; e++) {
+    const int off = sv.offsets[e], cnt = sv.counts[e], end = sv.offsets[e + 1];
+    for (int r = off; r < end; r++) {
+      const bool used = r < off + cnt;
+      if (!used) { /* padding rows: zeros */
+        for (int n = 0; n < H; n++) pad_bad += y[(size_t)r * H + n] != 0;
+        continue;
+      }
+      if ((r - off) % rows_step) continue;
+      for (int n = 0; n < H; n++) {
+        double acc = 0;
+        for (int kb = 0; kb < KB; kb++) {
+          double part = 0;
+          for (int k = kb * 128; k < kb * 128 + 128; k++)
+            part += (double)dec[q[(size_t)r * I + k]] *
+                    dec[w[((size_t)e * H + n) * I + k]];
+          acc += part * sq[(size_t)r * KB + kb] * sw[((size_t)e * (H / 128) + n / 128) * KB + kb];
+        }
+        const double got = bf16_host(y[(size_t)r * H + n]);
+        worst = std::max(worst, fabs(got - acc));
+        top = std::max(top, fabs(acc));
+        checked++;
+      }
+    }
+  }
+  const double rel = top > 0 ? worst / top : worst;
+  printf("  %s: fp8 down vs float64 over the same e4m3 values: %zu outputs, worst %.3g of the "
+         "largest (bf16 output: 2^-9 = 1.95e-3); padding rows not zero: %zu\n",
+         name, checked, rel, pad_bad);
+  EXPECT(checked > 0 && rel < 4e-3 && pad_bad == 0,
+         "%s: fp8 down: worst error %.3g of the largest output, %zu padding values not zero",
+         name, rel, pad_bad);
+  return rel;
+}
+
+static void fp8_case(const char *name, int T, int H, int I, int E_loc, int K, bool hot) {
+  layer L;
+  mok_k_dims d = make_dims(T, H, I, E_loc, K, 0);
+  layer_alloc(&L, &d);
+  const size_t W = (size_t)E_loc * I * H;
+  fill(L.x, (size_t)T * H, 41, 1.0f);
+  fill(L.wg, W, 42, 0.05f);
+  fill(L.wu, W, 43, 0.05f);
+  fill(L.wd, W, 44, 0.05f);
+  std::vector<int32_t> ids((size_t)T * K);
+  for (size_t i = 0; i < ids.size(); i++)
+    ids[i] = hot ? (i % K == 0 ? 1 % E_loc : -1) : (int32_t)(rng_next() % (uint64_t)E_loc);
+  layer_route(&L, ids);
+  poison(&L);
+  layer_forward(&L, false);
+  fp8_down f;
+  fp8_down_alloc(&f, &L);
+  CUDA_CHECK(cudaMemset(f.y, 0xff, (size_t)L.R * H * 2));
+  MOK_CHECK(fp8_down_run(&L, &f));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  fp8_down_check(name, &L, &f, 1);
+  const std::vector<uint16_t> first = down16(f.y, (size_t)L.R * H);
+  CUDA_CHECK(cudaMemset(f.y, 0xff, (size_t)L.R * H * 2));
+  MOK_CHECK(fp8_down_run(&L, &f));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT(down16(f.y, (size_t)L.R * H) == first, "%s: fp8 down: two runs differ", name);
+  int32_t st = -1;
+  CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
+  EXPECT(st == 0, "%s: fp8 down: status %d", name, st);
+  fp8_down_free(&f);
+  layer_free(&L);
+}
+
+static void fp8_bench(const char *only) {
+  printf("\nfp8 down against bf16 down on the same rows (median ms of 10 after one, TFLOP/s by real "
+         "rows); fp8 vs bf16 outputs: rms difference over rms\n");
+  for (int ti = 0; ti < 2; ti++)
+    for (size_t si = 0; si < sizeof BSHAPES / sizeof BSHAPES[0]; si++) {
+      const bshape *sh = &BSHAPES[si];
+      const int T = ti ? 8192 : 2048;
+      if (only && strcmp(only, sh->name)) continue;
+      layer L;
+      mok_k_dims d = bench_layer(sh, T, &L);
+      layer_forward(&L, false);
+      fp8_down f;
+      fp8_down_alloc(&f, &L);
+      cudaEvent_t ev[3];
+      for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+      std::vector<float> vb, v8;
+      for (int i = 0; i < 11; i++) { /* interleaved */
+        CUDA_CHECK(cudaEventRecord(ev[0], 0));
+        MOK_CHECK(mok_k_down(&d, L.sched, L.h, L.wd, L.y, L.status, 0));
+        CUDA_CHECK(cudaEventRecord(ev[1], 0));
+        MOK_CHECK(fp8_down_run(&L, &f));
+        CUDA_CHECK(cudaEventRecord(ev[2], 0));
+        CUDA_CHECK(cudaEventSynchronize(ev[2]));
+        float a, b;
+        CUDA_CHECK(cudaEventElapsedTime(&a, ev[0], ev[1]));
+        CUDA_CHECK(cudaEventElapsedTime(&b, ev[1], ev[2]));
+        if (i) {
+          vb.push_back(a);
+          v8.push_back(b);
+        }
+      }
+      const double flops = 2.0 * T * d.K * (double)d.H * d.I;
+      const float mb = median(vb), m8 = median(v8);
+      const std::vector<uint16_t> yb = down16(L.y, (size_t)L.R * d.H), y8 = down16(f.y, (size_t)L.R * d.H);
+      double se = 0, sr = 0;
+      for (size_t i = 0; i < yb.size(); i++) {
+        const double a = bf16_host(yb[i]), b = bf16_host(y8[i]);
+        se += (a - b) * (a - b);
+        sr += a * a;
+      }
+      printf("%-16s %5d bf16 %6.3f ms %5.1f TF/s | fp8 %6.3f ms %5.1f TF/s | %.2fx | rms diff %.3g\n",
+             sh->name, T, mb, flops / mb * 1e-9, m8, flops / m8 * 1e-9, mb / m8,
+             sr > 0 ? sqrt(se / sr) : 0.0);
+      fp8_down_check(sh->name, &L, &f, 1000);
+      for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+      fp8_down_free(&f);
+      layer_free(&L);
+    }
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "correct";
   CUDA_CHECK(cudaSetDevice(0));
@@ -1327,6 +1519,14 @@ int main(int argc, char **argv) {
     bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (all || !strcmp(mode, "bwdbench"))
     bwd_bench(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
+  if (all || !strcmp(mode, "fp8")) {
+    printf("\nfp8 down (block-scaled e4m3):\n");
+    fp8_case("fp8 256x256 E4", 200, 256, 256, 4, 2, false);
+    fp8_case("fp8 384x512 E7 ragged", 700, 384, 512, 7, 3, false);
+    fp8_case("fp8 one hot expert", 300, 256, 384, 5, 2, true);
+    fp8_case("fp8 T=1", 1, 128, 128, 3, 1, false);
+  }
+  if (!strcmp(mode, "fp8bench")) fp8_bench(argc > 2 ? argv[2] : NULL);
   if (!strcmp(mode, "trace"))
     trace(argc > 2 ? argv[2] : NULL, argc > 3 ? atoi(argv[3]) : 0);
   if (!strcmp(mode, "profile"))
