@@ -1465,6 +1465,8 @@ static int s9_sms(void) {
   return sms;
 }
 
+int mok__sm90_sms(void) { return s9_sms(); }
+
 static int s9_grid(int tiles) {
   const int g = s9_grid_override > 0 ? s9_grid_override : s9_sms();
   return g < tiles ? g : tiles;

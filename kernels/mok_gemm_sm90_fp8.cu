@@ -215,12 +215,7 @@ extern "C" int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *sche
     }
     smem_set = true;
   }
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    sms = 132;
-  }
+  const int sms = mok__sm90_sms();
   const int tiles = p.m_tiles * p.n_tiles;
   f8_gemm_kernel<<<tiles < sms ? tiles : sms, F8_THREADS, F8_SMEM_BYTES, stream>>>(ma, mb, p);
   return mok_k_launch_status();
