@@ -173,12 +173,21 @@ __global__ void __launch_bounds__(F8_THREADS, 1)
   }
 }
 
+/* Its shared-memory limit, once, with the bf16 kernels' (mok_k_sm90_init). */
+int mok__sm90_fp8_init(void) {
+  const cudaError_t err =
+      cudaFuncSetAttribute(f8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, F8_SMEM_BYTES);
+  if (err != cudaSuccess) {
+    mok_k_set_cuda_error((int)err);
+    return MOK_EENGINE;
+  }
+  return MOK_OK;
+}
+
 extern "C" int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N,
                                         int K, const uint8_t *a, const float *a_scales,
                                         const void *b_packed, mok_k_bf16 *c, int32_t *status,
                                         mok_k_stream stream) {
-  /* the attribute is the kernel's and the same every call: setting it twice is harmless */
-  static bool smem_set = false;
   if (!d || !schedule || !status || M < 0 || N <= 0 || K <= 0 || N % F8_BN || K % F8_BK ||
       (M > 0 && (!a || !a_scales || !b_packed || !c)))
     return MOK_EINVAL;
@@ -206,15 +215,6 @@ extern "C" int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *sche
   if (st == MOK_OK)
     st = mok__sm90_map_u8(&mb, b_packed, 3, K, N, d->E_loc, K, (long long)K * N, F8_BK, F8_BN);
   if (st != MOK_OK) return st;
-  if (!smem_set) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        f8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, F8_SMEM_BYTES);
-    if (err != cudaSuccess) {
-      mok_k_set_cuda_error((int)err);
-      return MOK_EENGINE;
-    }
-    smem_set = true;
-  }
   const int sms = mok__sm90_sms();
   const int tiles = p.m_tiles * p.n_tiles;
   f8_gemm_kernel<<<tiles < sms ? tiles : sms, F8_THREADS, F8_SMEM_BYTES, stream>>>(ma, mb, p);

@@ -97,6 +97,8 @@ typedef struct ws_layout {
 ws_layout mok_k_ws_layout(const mok_k_dims *d);
 int mok_k_partial_tiles(const mok_k_dims *d); /* column tiles of the down dgrad */
 int mok_k_sched_chunk(void);                  /* slots per schedule-build chunk */
+/* the FP8 kernel's shared-memory limit (mok_gemm_sm90_fp8.cu; mok_k_sm90_init calls it) */
+int mok__sm90_fp8_init(void);
 /* the FP8 kernels' helpers from mok_gemm_sm90.cu: the device's SMs, a TMA map of bytes */
 int mok__sm90_sms(void);
 int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,

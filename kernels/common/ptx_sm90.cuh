@@ -338,10 +338,11 @@ __device__ static inline void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint
       : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-/* D[64x128] (+)= A[64x32] B[32x128] in e4m3 (f32 accumulation, as the
- * tensor cores keep it), both operands K-major in shared memory (e4m3 has
- * no transposed form); a k32 step is 32 bytes of each row. The registers
- * are as wgmma_m64n128k16's. */
+/* D[64x128] (+)= A[64x32] B[32x128] in e4m3, into f32 registers at the
+ * tensor cores' e4m3 accumulation precision (narrower than f32: callers
+ * promote the partial sums), both operands K-major in shared memory (e4m3
+ * has no transposed form); a k32 step is 32 bytes of each row. The
+ * registers are as wgmma_m64n128k16's. */
 __device__ static inline void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db,
                                                     int scale_d) {
   asm volatile(
