@@ -1431,6 +1431,22 @@ static void fp8_case(const char *name, int T, int H, int I, int E_loc, int K, bo
   int32_t st = -1;
   CUDA_CHECK(cudaMemcpy(&st, L.status, 4, cudaMemcpyDeviceToHost));
   EXPECT(st == 0, "%s: fp8 down: status %d", name, st);
+  /* what the launcher refuses: N or K off the 128 blocks, missing operands */
+  const int R = (int)L.R;
+  EXPECT(mok_k_sm90_fp8_rows_gemm(&d, L.sched, R, H - 64, I, f.q, f.sq, f.w, f.y, L.status, 0) ==
+                 MOK_EINVAL &&
+             mok_k_sm90_fp8_rows_gemm(&d, L.sched, R, H, I + 32, f.q, f.sq, f.w, f.y, L.status,
+                                      0) == MOK_EINVAL &&
+             mok_k_sm90_fp8_rows_gemm(&d, L.sched, R, H, I, NULL, f.sq, f.w, f.y, L.status, 0) ==
+                 MOK_EINVAL &&
+             mok_k_sm90_fp8_rows_gemm(&d, L.sched, R, H, I, f.q, NULL, f.w, f.y, L.status, 0) ==
+                 MOK_EINVAL &&
+             mok_k_sm90_fp8_rows_gemm(&d, NULL, R, H, I, f.q, f.sq, f.w, f.y, L.status, 0) ==
+                 MOK_EINVAL &&
+             mok_k_sm90_fp8_rows_gemm(&d, L.sched, -1, H, I, f.q, f.sq, f.w, f.y, L.status, 0) ==
+                 MOK_EINVAL,
+         "%s: fp8 down: the launcher accepts an N or K off the 128 blocks, or a missing operand",
+         name);
   fp8_down_free(&f);
   layer_free(&L);
 }
