@@ -1012,6 +1012,24 @@ static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n) {
   return (size_t)h[0];
 }
 
+/* One weight gradient on the new kernel alone, from the operands a
+ * backward left in the workspace: which 0 the down one (dy^T h), 1 the
+ * gate/up one (dgu^T x). */
+static void wgrad_run(const layer *L, const bwd_bufs *b, int which) {
+  const mok_k_dims *d = &L->d;
+  const ws_layout WL = mok_k_ws_layout(d);
+  const char *ws = (const char *)L->ws;
+  const int n = d->I, R = (int)L->R;
+  if (which == 0)
+    MOK_CHECK(mok_k_sm90_wgrad(d, L->sched, d->E_loc, R, d->H, n, (const uint16_t *)(ws + WL.dy),
+                               (const uint16_t *)(ws + WL.h), b->dwd, NULL, d->H, n,
+                               (long long)d->H * n, NULL, L->status, 0));
+  else
+    MOK_CHECK(mok_k_sm90_wgrad(d, L->sched, d->E_loc, R, 2 * n, d->H,
+                               (const uint16_t *)(ws + WL.dgu), L->rx, b->dwg, b->dwu, n, d->H,
+                               (long long)n * d->H, NULL, L->status, 0));
+}
+
 /* Backward GEMMs at the benchmark shapes. expert_backward (all its kernels)
  * with masks 0 (mma.sync), 1, 2, 4 (one mode on sm90), 7 (all); the new
  * kernels alone through their launchers; mma.sync per mode derived as
@@ -1082,12 +1100,8 @@ static void bwd_bench(const char *only, int only_T) {
           MOK_CHECK(mok_k_sm90_gate_up_dgrad(&d, L.sched, Rr, n, (uint16_t *)(ws + WL.dgu), L.wg,
                                              L.wu, b.dxr, L.status, 0));
           CUDA_CHECK(cudaEventRecord(ev[2], 0));
-          MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, d.H, n, (uint16_t *)(ws + WL.dy),
-                                     (uint16_t *)(ws + WL.h), b.dwd, NULL, d.H, n,
-                                     (long long)d.H * n, NULL, L.status, 0));
-          MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, 2 * n, d.H, (uint16_t *)(ws + WL.dgu),
-                                     L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, NULL, L.status,
-                                     0));
+          wgrad_run(&L, &b, 0);
+          wgrad_run(&L, &b, 1);
           CUDA_CHECK(cudaEventRecord(ev[3], 0));
           CUDA_CHECK(cudaEventSynchronize(ev[3]));
           float a, bb, cc;
@@ -1263,9 +1277,6 @@ static void trace(const char *name, int T) {
   const size_t words = (size_t)ctas * MOK_TRACE_STAMPS * (1 + TRACE_TILES);
   unsigned long long *buf = (unsigned long long *)dmalloc(words * 8);
   std::vector<unsigned long long> h(words);
-  const ws_layout WL = mok_k_ws_layout(&d);
-  char *ws = (char *)L.ws;
-  const int n = d.I, Rr = (int)L.R;
   cudaEvent_t ev[2];
   for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
   printf("trace %s T=%d (balanced):\n", sh->name, T);
@@ -1274,14 +1285,7 @@ static void trace(const char *name, int T) {
       CUDA_CHECK(cudaMemset(buf, 0, words * 8));
       MOK_CHECK(mok_k_sm90_set_trace(buf, TRACE_TILES));
       CUDA_CHECK(cudaEventRecord(ev[0], 0));
-      if (which == 0)
-        MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, d.H, n, (uint16_t *)(ws + WL.dy),
-                                   (uint16_t *)(ws + WL.h), b.dwd, NULL, d.H, n,
-                                   (long long)d.H * n, NULL, L.status, 0));
-      else
-        MOK_CHECK(mok_k_sm90_wgrad(&d, L.sched, d.E_loc, Rr, 2 * n, d.H, (uint16_t *)(ws + WL.dgu),
-                                   L.rx, b.dwg, b.dwu, n, d.H, (long long)n * d.H, NULL, L.status,
-                                   0));
+      wgrad_run(&L, &b, which);
       CUDA_CHECK(cudaEventRecord(ev[1], 0));
       CUDA_CHECK(cudaEventSynchronize(ev[1]));
       MOK_CHECK(mok_k_sm90_set_trace(NULL, 0));
