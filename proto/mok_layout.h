@@ -101,15 +101,24 @@ static inline uint64_t mok_ctx_bytes(const mok_layout_dims *d) {
 /* ---- the packed weight of an fp8 layer (docs/math.md, "FP8") --------------
  *
  * One weight [E, N, K] (w_gate, w_up: [E_loc, I, H]; w_down: [E_loc, H, I];
- * the shared expert's with E = 1 and I_s for I), N and K multiples of 128:
+ * the shared expert's with E = 1 and I_s for I), N and K multiples of 128,
+ * in both orientations (the e4m3 tensor-core GEMM takes K-major operands
+ * only: the forward reads the first, the backward's dgrads the second):
  *   the e4m3 bytes [E, N, K] row-major,
+ *   from the next 256-byte boundary the transposed e4m3 bytes [E, K, N]
+ *   (byte (e, k, n) of it is byte (e, n, k) of the first),
  *   from the next 256-byte boundary the f32 block scales [E, N/128, K/128]
- *   (scale of 128x128 block (nb, kb) of matrix e at (e*(N/128) + nb)*(K/128) + kb).
- * MOK_OP_QUANTIZE_WEIGHT writes it from the bf16 weight; an fp8 layer's jobs
- * take it (dtype u8, one dimension of mok_fp8_weight_bytes) in the weight's
- * slot. Every side sizes it from these two functions. */
-static inline uint64_t mok_fp8_scales_offset(uint64_t experts, uint64_t n, uint64_t k) {
+ *   (scale of 128x128 block (nb, kb) of matrix e at (e*(N/128) + nb)*(K/128) + kb;
+ *   block (kb, nb) of the transpose reads scale (nb, kb)).
+ * The bytes between the sections are zero. MOK_OP_QUANTIZE_WEIGHT writes it
+ * from the bf16 weight; an fp8 layer's jobs take it (dtype u8, one dimension
+ * of mok_fp8_weight_bytes) in the weight's slot. Every side sizes it from
+ * these three functions. */
+static inline uint64_t mok_fp8_transposed_offset(uint64_t experts, uint64_t n, uint64_t k) {
   return mok_align256(experts * n * k);
+}
+static inline uint64_t mok_fp8_scales_offset(uint64_t experts, uint64_t n, uint64_t k) {
+  return mok_fp8_transposed_offset(experts, n, k) + mok_align256(experts * n * k);
 }
 static inline uint64_t mok_fp8_weight_bytes(uint64_t experts, uint64_t n, uint64_t k) {
   return mok_fp8_scales_offset(experts, n, k) + 4u * experts * (n / 128u) * (k / 128u);

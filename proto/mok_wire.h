@@ -271,7 +271,8 @@ static inline mok_layout_dims mok_layer_dims(const mok_layer_config *l, uint32_t
   return d;
 }
 
-/* the packed weight of an fp8 layer: mok_fp8_scales_offset and
+/* the packed weight of an fp8 layer (its e4m3 bytes, their transpose, its
+ * scales): mok_fp8_transposed_offset, mok_fp8_scales_offset and
  * mok_fp8_weight_bytes in mok_layout.h (the kernels size it too) */
 
 /* ---- the context of a layer on an expert-parallel group (docs/ep.md) ----

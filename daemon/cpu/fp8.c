@@ -27,13 +27,16 @@ typedef struct quantize_weight_arg {
   const mok_bf16 *w; /* [E, N, K] */
   size_t N, K;
   uint8_t *bytes;    /* [E, N, K] */
+  uint8_t *t_bytes;  /* [E, K, N]: the transpose of bytes */
   char *scales;      /* [E, N/128, K/128] f32, any alignment */
 } quantize_weight_arg;
 
-/* Items: block rows (e, nb), 128 rows of one matrix each. */
+/* Items: block rows (e, nb), 128 rows of one matrix each (and 128 columns
+ * of its transpose). */
 static void quantize_block_rows(void *p, size_t i0, size_t i1) {
   const quantize_weight_arg *a = p;
   const size_t nbs = a->N / BLOCK, kbs = a->K / BLOCK;
+  uint8_t q[BLOCK * BLOCK]; /* one block's bytes, [n][k] */
   for (size_t item = i0; item < i1; item++) {
     const size_t e = item / nbs, nb = item % nbs;
     const size_t row0 = e * a->N + nb * BLOCK;
@@ -47,7 +50,13 @@ static void quantize_block_rows(void *p, size_t i0, size_t i1) {
       for (size_t n = 0; n < BLOCK; n++) {
         const size_t at = (row0 + n) * a->K + kb * BLOCK;
         for (size_t k = 0; k < BLOCK; k++)
-          a->bytes[at + k] = mok_fp8_quantize(mok_bf16_to_f32(a->w[at + k]), ex);
+          q[n * BLOCK + k] = mok_fp8_quantize(mok_bf16_to_f32(a->w[at + k]), ex);
+        memcpy(a->bytes + at, q + n * BLOCK, BLOCK);
+      }
+      /* the transpose: row kb*128 + k of matrix e, columns nb*128 .. +127 */
+      for (size_t k = 0; k < BLOCK; k++) {
+        uint8_t *t = a->t_bytes + (e * a->K + kb * BLOCK + k) * a->N + nb * BLOCK;
+        for (size_t n = 0; n < BLOCK; n++) t[n] = q[n * BLOCK + k];
       }
       const float s = mok_fp8_pow2(ex);
       memcpy(a->scales + ((e * nbs + nb) * kbs + kb) * sizeof s, &s, sizeof s);
@@ -60,11 +69,14 @@ mok_status mok__cpu_op_quantize_weight(job_env *env) {
   if (!mok_slot_weight_dims(env->cfg, env->quant_source, w))
     return mok__cpu_job_fail(env, MOK_EINVAL, "no source weight");
   uint8_t *packed = env->tensors[MOK_SLOT_PACKED_WEIGHT];
+  const size_t used = (size_t)(w[0] * w[1] * w[2]);
+  const size_t t_at = (size_t)mok_fp8_transposed_offset(w[0], w[1], w[2]);
+  const size_t s_at = (size_t)mok_fp8_scales_offset(w[0], w[1], w[2]);
   quantize_weight_arg a = {env->tensors[env->quant_source], (size_t)w[1], (size_t)w[2], packed,
-                           (char *)packed + mok_fp8_scales_offset(w[0], w[1], w[2])};
-  /* the bytes between the e4m3 bytes and the scales: zero, as the layout says */
-  size_t used = (size_t)(w[0] * w[1] * w[2]);
-  memset(packed + used, 0, (size_t)mok_fp8_scales_offset(w[0], w[1], w[2]) - used);
+                           packed + t_at, (char *)packed + s_at};
+  /* the bytes after each e4m3 section, up to the next: zero, as the layout says */
+  memset(packed + used, 0, t_at - used);
+  memset(packed + t_at + used, 0, s_at - t_at - used);
   mok__cpu_par_for(env, (size_t)w[0] * a.N / BLOCK, quantize_block_rows, &a);
   return MOK_OK;
 }

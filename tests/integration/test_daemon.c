@@ -401,7 +401,7 @@ static void test_fp8_quantize_weight_fails_alone_and_writes_only_its_own(void) {
   CHECK_MSG(mok_layer_create(c, &ld, &l) == MOK_OK, "%s", mok_last_error());
   CHECK_MSG(mok_layer_create(other, &ld, &lo) == MOK_OK, "%s", mok_last_error());
   const uint64_t n = 2ull * 128 * 128, pb = mok_layer_packed_weight_bytes(l, MOK_SLOT_W_GATE);
-  CHECK_EQ_INT(pb, n + 4 * 2);
+  CHECK_EQ_INT(pb, 2 * n + 4 * 2); /* e4m3 bytes, their transpose, scales */
   CHECK_EQ_INT(mok_layer_packed_weight_bytes(l, MOK_SLOT_S_GATE), 0); /* no shared expert */
 
   /* the victim's weight and its packed form */

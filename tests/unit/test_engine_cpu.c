@@ -1494,7 +1494,10 @@ static problem *fp8_problem(const spec *s) {
 
 /* Every byte and scale of every packed weight is the recipe's, special
  * values included (NaN, inf, a huge value, a zero block, bf16 subnormals);
- * the bytes between the e4m3 bytes and the scales are zero. */
+ * the transposed section is the first section's transpose byte for byte,
+ * and the bytes between the sections are zero (mok_layout.h; there are
+ * none while N and K are multiples of 128, as a layer's are: 128 * 128 is
+ * a multiple of 256). */
 static void test_fp8_quantize_weight_matches_the_recipe(void) {
   spec s = fp8_spec(31);
   problem *p = fp8_problem(&s);
@@ -1527,15 +1530,25 @@ static void test_fp8_quantize_weight_matches_the_recipe(void) {
     int down = i % 3 == 2, E = i < 3 ? s.E_loc : 1, In = i < 3 ? s.I : s.Is;
     int N = down ? s.H : In, K = down ? In : s.H;
     size_t ns = (size_t)E * (N / 128) * (K / 128), off = (size_t)mok_fp8_scales_offset(E, N, K);
+    size_t t_off = (size_t)mok_fp8_transposed_offset(E, N, K);
+    CHECK(t_off >= n && t_off % 256 == 0 && off >= t_off + n && off % 256 == 0);
     double *q = xmalloc(n * sizeof *q), *sc = xmalloc(ns * sizeof *sc);
     ref_fp8_quantize_weight(w, E, N, K, q, sc);
-    const uint8_t *b = p->packed[i];
+    const uint8_t *b = p->packed[i], *bt = b + t_off;
     for (size_t j = 0; j < n; j++) {
       double got = mok_fp8_decode(b[j]);
       CHECK_MSG((isnan(got) && isnan(q[j])) || (got == q[j] && !signbit(got) == !signbit(q[j])),
                 "weight %d byte %zu: 0x%02x (%g), the recipe gives %g", i, j, b[j], got, q[j]);
     }
-    for (size_t j = n; j < off; j++) CHECK_EQ_INT(b[j], 0);
+    size_t t_bad = 0; /* byte (e, k, n) of the transpose is byte (e, n, k) */
+    for (size_t e8 = 0; e8 < (size_t)E; e8++)
+      for (size_t k = 0; k < (size_t)K; k++)
+        for (size_t nn = 0; nn < (size_t)N; nn++)
+          t_bad += bt[(e8 * K + k) * N + nn] != b[(e8 * N + nn) * K + k];
+    CHECK_MSG(t_bad == 0, "weight %d: %zu bytes of the transposed section are not the transpose",
+              i, t_bad);
+    for (size_t j = n; j < t_off; j++) CHECK_EQ_INT(b[j], 0);
+    for (size_t j = t_off + n; j < off; j++) CHECK_EQ_INT(b[j], 0);
     for (size_t j = 0; j < ns; j++) {
       float got;
       memcpy(&got, b + off + 4 * j, 4);
@@ -1708,6 +1721,20 @@ static void test_fp8_refusals(void) {
   mok_engine_result res = run_job(e, &a);
   CHECK_EQ_INT(res.status, MOK_ESHAPE);
   CHECK_STR_CONTAINS(res.message, "tensor 'w_down' has");
+  /* a packed form without the transposed section (e4m3 bytes, then scales) */
+  const uint64_t one_way = mok_fp8_transposed_offset(s.E_loc, s.H, s.I) +
+                           4u * s.E_loc * (s.H / 128) * (s.I / 128);
+  CHECK(one_way < p->packed_bytes[2]);
+  forward_job(&a, p, &r, 1);
+  a.t[MOK_SLOT_W_DOWN].bytes = one_way;
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  CHECK_STR_CONTAINS(res.message, "tensor 'w_down' has");
+  backward_job(&a, p, &r, MOK_JOB_RECOMPUTE, 0);
+  a.t[MOK_SLOT_W_GATE].bytes = one_way;
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  CHECK_STR_CONTAINS(res.message, "tensor 'w_gate' has");
   forward_job(&a, p, &r, 1);
   put(&a, MOK_SLOT_W_UP, p->wu_l, p->n_w, MOK_DTYPE_BF16); /* the master, not the packed form */
   res = run_job(e, &a);
@@ -1728,6 +1755,9 @@ static void test_fp8_refusals(void) {
   CHECK_EQ_INT(res.status, MOK_EINVAL);
   a.tokens = 0;
   a.t[MOK_SLOT_PACKED_WEIGHT].bytes--;
+  res = run_job(e, &a);
+  CHECK_EQ_INT(res.status, MOK_ESHAPE);
+  a.t[MOK_SLOT_PACKED_WEIGHT].bytes = one_way; /* w_gate's shape is w_down's transposed */
   res = run_job(e, &a);
   CHECK_EQ_INT(res.status, MOK_ESHAPE);
   results_free(&r);

@@ -415,15 +415,19 @@ static void test_fp8_jobs_take_packed_weights(void) {
   add(&f, MOK_SLOT_S_GATE), add(&f, MOK_SLOT_S_UP), add(&f, MOK_SLOT_S_DOWN);
   mok_tensor_ref *wg = find(&f, MOK_SLOT_W_GATE), saved = *wg;
   CHECK(wg->dtype == MOK_DTYPE_U8 && wg->ndim == 1 &&
-        wg->bytes == mok_fp8_weight_bytes(2, 128, 256) && wg->bytes == 65536 + 4 * 2 * 1 * 2);
+        wg->bytes == mok_fp8_weight_bytes(2, 128, 256) &&
+        wg->bytes == 2 * 65536 + 4 * 2 * 1 * 2); /* both orientations, then the scales */
   CHECK_EQ_INT(find(&f, MOK_SLOT_X)->dtype, MOK_DTYPE_BF16);
   char err[256] = "";
   CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
   wg->shape[0]--, wg->bytes--; /* one byte short: the last scale cut */
-  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: dimension 0 is 65551, expected 65552");
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: dimension 0 is 131087, expected 131088");
   *wg = saved;
   wg->bytes--; /* the shape right, the size not */
-  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: 65551 bytes declared");
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: 131087 bytes declared");
+  *wg = saved;
+  wg->shape[0] = 65536 + 16, wg->bytes = 65536 + 16; /* one orientation only, as before */
+  EXPECT_REJECTED(&f, MOK_ESHAPE, "w_gate: dimension 0 is 65552, expected 131088");
   /* the bf16 master where the packed form belongs */
   *wg = saved;
   wg->dtype = MOK_DTYPE_BF16, wg->ndim = 3;
