@@ -118,37 +118,43 @@ void mok__cpu_fp8_quantize_rows(job_env *env, const ffn_set *set, const float *s
   mok__cpu_par_for(env, rows, quantize_rows_fn, &a);
 }
 
-/* ---- packed weights -> f32 operands ---------------------------------------- */
+/* ---- packed weights -> f32 operands ----------------------------------------
+ *
+ * Each GEMM reads the section of the packed form that the cuda engine's
+ * e4m3 tensor cores take as its K-major operand: the forward the first
+ * ([N, K], K its contraction), the dgrads the transposed one ([K, N], N
+ * their contraction). Never one section rebuilt from the other, so both
+ * engines read the same bytes even of a packed form whose sections disagree. */
 
 typedef struct unpack_arg {
   const ffn_group *groups;
-  const uint8_t *bytes; /* [n_w, N, K] */
-  size_t N, K;
-  bool transposed;
+  const uint8_t *bytes; /* one section: [n_w, rows, cols] */
+  size_t rows, cols;
   float *dst;
-  size_t w_stride, row0, ld;
+  size_t w_stride, n0, k0, ld;
 } unpack_arg;
 
-/* Items: source rows (w, n). */
+/* Items: section rows (w, r), each one output column of the GEMM. */
 static void unpack_rows(void *p, size_t i0, size_t i1) {
   const unpack_arg *a = p;
   for (size_t item = i0; item < i1; item++) {
-    const size_t w = item / a->N, n = item % a->N;
+    const size_t w = item / a->rows, r = item % a->rows;
     if (a->groups[w].rows == 0) continue; /* idle expert: never read */
-    const uint8_t *b = a->bytes + item * a->K;
-    float *d = a->dst + w * a->w_stride;
-    if (a->transposed)
-      for (size_t k = 0; k < a->K; k++) d[k * a->ld + a->row0 + n] = mok_fp8_decode(b[k]);
-    else
-      for (size_t k = 0; k < a->K; k++) d[(a->row0 + n) * a->ld + k] = mok_fp8_decode(b[k]);
+    const uint8_t *b = a->bytes + item * a->cols;
+    float *d = a->dst + w * a->w_stride + a->k0 * a->ld + a->n0 + r;
+    for (size_t c = 0; c < a->cols; c++) d[c * a->ld] = mok_fp8_decode(b[c]);
   }
 }
 
 void mok__cpu_fp8_unpack(job_env *env, const ffn_group *groups, size_t n_w, const void *packed,
                          size_t N, size_t K, bool transposed, float *dst, size_t w_stride,
-                         size_t row0, size_t ld, float *scales, size_t s_stride, size_t s_row0) {
-  unpack_arg a = {groups, packed, N, K, transposed, dst, w_stride, row0, ld};
-  mok__cpu_par_for(env, n_w * N, unpack_rows, &a);
+                         size_t n0, size_t k0, size_t ld, float *scales, size_t s_stride,
+                         size_t s_row0) {
+  const uint8_t *section = (const uint8_t *)packed +
+                           (transposed ? (size_t)mok_fp8_transposed_offset(n_w, N, K) : 0);
+  unpack_arg a = {groups, section, transposed ? K : N, transposed ? N : K, dst, w_stride,
+                  n0, k0, ld};
+  mok__cpu_par_for(env, n_w * a.rows, unpack_rows, &a);
   const char *src = (const char *)packed + mok_fp8_scales_offset(n_w, N, K);
   const size_t per_w = (N / BLOCK) * (K / BLOCK);
   for (size_t w = 0; w < n_w; w++)

@@ -493,12 +493,14 @@ static swiglu_clamp layer_clamp(const job_env *env) {
 
 /* ---- the FFN GEMMs of an fp8 layer (docs/math.md, "FP8") ------------------ */
 
-/* The four GEMMs: which weight, and whether it serves as is or transposed. */
+/* The four GEMMs: which weight, and which section of its packed form. Every
+ * one reads a K-major [N, K] matrix (mok_layout.h): the forward kinds the
+ * weight's e4m3 bytes, the dgrads their transposed copy. */
 enum fp8_gemm_kind {
   FP8_GATE_UP_FWD,   /* [x] · [W_gate; W_up]^T: K = H, N = 2I */
   FP8_DOWN_FWD,      /* h · W_down^T: K = I, N = H */
-  FP8_DOWN_DGRAD,    /* d_out · W_down: K = H, N = I */
-  FP8_GATE_UP_DGRAD, /* [dg | du] · [W_gate; W_up]: K = 2I, N = H */
+  FP8_DOWN_DGRAD,    /* d_out · W_down: K = H, N = I (W_down's transposed section) */
+  FP8_GATE_UP_DGRAD, /* [dg | du] · [W_gate; W_up]: K = 2I, N = H (their transposed sections) */
 };
 
 /* C [n_rows, N] = the FP8 GEMM of rows act (| act2, the second half of K)
@@ -508,7 +510,7 @@ static mok_status fp8_ffn_gemm(job_env *env, const ffn_set *s, enum fp8_gemm_kin
                                const float *act, const float *act2, size_t K1, float *C) {
   const size_t H = env->H, I = s->I, R = s->n_rows, B = MOK_FP8_BLOCK;
   const bool gate_up = kind == FP8_GATE_UP_FWD || kind == FP8_GATE_UP_DGRAD;
-  const bool transposed = kind == FP8_GATE_UP_FWD || kind == FP8_DOWN_FWD;
+  const bool dgrad = kind == FP8_DOWN_DGRAD || kind == FP8_GATE_UP_DGRAD;
   const size_t K = act2 ? 2 * K1 : K1, N = kind == FP8_GATE_UP_FWD ? 2 * I
                                            : kind == FP8_DOWN_DGRAD ? I : H;
   const size_t w_per = (gate_up ? 2 * I : I) * H, s_per = w_per / (B * B);
@@ -521,20 +523,22 @@ static mok_status fp8_ffn_gemm(job_env *env, const ffn_set *s, enum fp8_gemm_kin
   mok__cpu_fp8_quantize_rows(env, s, act, R, K1, qa, K, sa, K / B);
   if (act2) mok__cpu_fp8_quantize_rows(env, s, act2, R, K1, qa + K1, K, sa + K1 / B, K / B);
 
-  /* the weight as B[k,n] (k the contraction), its scales as they serve it */
+  /* the weight as B[k,n] = B[k*ldb + n] (k the contraction), its scales as
+   * they serve it (the dgrads read them transposed) */
   size_t ldb, sb_n, sb_k;
   if (gate_up) { /* [W_gate; W_up]: [2I, H], scales [2I/128, H/128] */
-    ldb = transposed ? 2 * I : H;
-    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wg, I, H, transposed, wb, w_per, 0, ldb, sb,
+    /* forward: W_up's rows after W_gate's along N; dgrad: along K */
+    ldb = dgrad ? H : 2 * I;
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wg, I, H, dgrad, wb, w_per, 0, 0, ldb, sb,
                         s_per, 0);
-    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wu, I, H, transposed, wb, w_per, I, ldb, sb,
-                        s_per, I / B);
-    sb_n = transposed ? H / B : 1, sb_k = transposed ? 1 : H / B;
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wu, I, H, dgrad, wb, w_per, dgrad ? 0 : I,
+                        dgrad ? I : 0, ldb, sb, s_per, I / B);
+    sb_n = dgrad ? 1 : H / B, sb_k = dgrad ? H / B : 1;
   } else { /* W_down: [H, I], scales [H/128, I/128] */
-    ldb = transposed ? H : I;
-    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wd, H, I, transposed, wb, w_per, 0, ldb, sb,
+    ldb = dgrad ? I : H;
+    mok__cpu_fp8_unpack(env, s->groups, s->n_w, s->wd, H, I, dgrad, wb, w_per, 0, 0, ldb, sb,
                         s_per, 0);
-    sb_n = transposed ? I / B : 1, sb_k = transposed ? 1 : I / B;
+    sb_n = dgrad ? 1 : I / B, sb_k = dgrad ? I / B : 1;
   }
   size_t n = 0;
   for (size_t w = 0; w < s->n_w; w++) {

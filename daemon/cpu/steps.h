@@ -196,13 +196,17 @@ mok_status mok__cpu_op_quantize_weight(job_env *env);
  * zeros. */
 void mok__cpu_fp8_quantize_rows(job_env *env, const ffn_set *set, const float *src, size_t rows,
                                 size_t K, float *q, size_t ld_q, float *s, size_t ld_s);
-/* A packed weight [n_w, N, K] decoded into dst: matrix w at dst + w*w_stride,
- * element (n, k) at [(row0 + n)*ld + k], or at [k*ld + row0 + n] when
- * transposed; its scales [N/128, K/128] copied to scales + w*s_stride +
+/* One e4m3 section of a packed weight [n_w, N, K] decoded into dst as a
+ * GEMM's K-major operand: the first section [N, K] (transposed false) or
+ * the transposed one [K, N]; the section's rows are the GEMM's output
+ * columns, its columns the contraction, and element (r, c) of matrix w goes
+ * to dst[w*w_stride + (k0 + c)*ld + n0 + r]. The weight's scales [N/128,
+ * K/128] (the one scales section) are copied to scales + w*s_stride +
  * s_row0*(K/128). Weight sets whose group has no rows are skipped. */
 void mok__cpu_fp8_unpack(job_env *env, const ffn_group *groups, size_t n_w, const void *packed,
                          size_t N, size_t K, bool transposed, float *dst, size_t w_stride,
-                         size_t row0, size_t ld, float *scales, size_t s_stride, size_t s_row0);
+                         size_t n0, size_t k0, size_t ld, float *scales, size_t s_stride,
+                         size_t s_row0);
 
 /* ---- cpu/ep.c ----------------------------------------------------------- */
 

@@ -1698,6 +1698,67 @@ static void test_fp8_bitwise(void) {
   check_steps_chain(&s);
 }
 
+/* Which section of a packed weight each job reads (mok_layout.h): the
+ * forward the e4m3 bytes, the backward's dgrads their transposed copy, as
+ * the cuda engine's K-major GEMMs do; never one section rebuilt from the
+ * other. One section of one weight corrupted (every value's sign flipped),
+ * the other left as quantize_weight wrote it: the transposed one leaves the
+ * forward bitwise as it was and changes d_x (only d_x, for the gate and up
+ * weights, which no other gradient reads); the first changes out, and a
+ * backward from the unchanged forward's ctx gives the same bits as before. */
+static void test_fp8_jobs_read_their_own_section(void) {
+  spec s = fp8_spec(36);
+  problem *p = fp8_problem(&s);
+  mok_engine *e = engine_open(2);
+  engine_prepare(e, p);
+  results r0;
+  run_layer(e, p, &r0, 0xa5);
+  const size_t es = esize(s.dtype), xb = p->n_x * es;
+  static const char *const names[6] = {"w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"};
+  for (int i = 0; i < 6; i++) {
+    uint64_t w[3];
+    CHECK(mok_slot_weight_dims(&p->cfg, MOK_SLOT_W_GATE + (uint32_t)i, w));
+    const size_t n = (size_t)(w[0] * w[1] * w[2]);
+    const size_t t_off = (size_t)mok_fp8_transposed_offset(w[0], w[1], w[2]);
+    for (int transposed = 0; transposed < 2; transposed++) {
+      uint8_t *sec = (uint8_t *)p->packed[i] + (transposed ? t_off : 0);
+      for (size_t j = 0; j < n; j++) sec[j] ^= 0x80;
+      results r, rb;
+      run_layer(e, p, &r, 0xa5);
+      results_alloc(&rb, p, 0); /* the backward of the forward before the corruption */
+      memcpy(rb.ctx, r0.ctx, ctx_bytes(p));
+      mok_job_args a;
+      backward_job(&a, p, &rb, 0, 1);
+      run_ok(e, &a);
+      if (transposed) {
+        CHECK_MSG(memcmp(r.out, r0.out, xb) == 0 && memcmp(r.ctx, r0.ctx, ctx_bytes(p)) == 0,
+                  "%s: the forward read the transposed section", names[i]);
+        CHECK_MSG(memcmp(r.d_x, r0.d_x, xb) != 0,
+                  "%s: d_x did not change with the transposed section", names[i]);
+        if (i % 3 != 2) { /* gate, up: only the gate/up dgrad (d_x) reads them */
+          results only_dx = r0;
+          only_dx.d_x = r.d_x;
+          expect_same_grads(p, &only_dx, &r);
+        }
+      } else {
+        CHECK_MSG(memcmp(r.out, r0.out, xb) != 0,
+                  "%s: out did not change with the first section", names[i]);
+        expect_same_grads(p, &r0, &rb); /* the backward reads the transposed one */
+      }
+      for (size_t j = 0; j < n; j++) sec[j] ^= 0x80;
+      results_free(&r);
+      results_free(&rb);
+    }
+  }
+  results r1; /* restored: the same bits again */
+  run_layer(e, p, &r1, 0x3c);
+  expect_same_bytes("out", r1.out, r0.out, xb);
+  expect_same_grads(p, &r0, &r1);
+  results_free(&r0);
+  results_free(&r1);
+  mok_engine_cpu.close(e);
+}
+
 /* Direct jobs (no daemon checks): an fp8 layer of the wrong size, a short
  * packed weight, a quantize job without exactly one source. */
 static void test_fp8_refusals(void) {
@@ -1792,6 +1853,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_fp8_layer_matches_the_recipe),
     CHECK_CASE(test_fp8_error_against_the_unquantised_layer),
     CHECK_CASE(test_fp8_bitwise),
+    CHECK_CASE(test_fp8_jobs_read_their_own_section),
     CHECK_CASE(test_fp8_refusals),
     {0},
 };
