@@ -791,6 +791,23 @@ static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *sc
   p->gather_slots = s.n_slots;
 }
 
+/* The weight gradients of one FFN backward, from dy, h, dg | du and x (the
+ * share `beside` of x's gather beside the first): d_wd[e] = dy^T h, then
+ * [d_wg; d_wu][e] = dgu^T x, over each expert's rows. */
+static int ffn_wgrads(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
+                      gather_share beside, bool wg90, int32_t *status, cudaStream_t stream) {
+  const int n = a->n_inter;
+  gemm_params p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd,
+                             NULL, d->H, n, (long long)d->H * n, a->e_range, status);
+  attach_gather(&p, d, schedule, a, beside);
+  int st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
+  if (st != MOK_OK) return st;
+  return run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu,
+                                           2LL * n, a->x, d->H, a->d_wg, a->d_wu, n, d->H,
+                                           (long long)n * d->H, a->e_range, status),
+                                wg90, stream);
+}
+
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                         int32_t *status, cudaStream_t stream) {
   const int n = a->n_inter;
@@ -825,17 +842,7 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_GU_DGRAD]);
   st = run_gemm<MOK_GM_GU_DGRAD>(p, gu90, stream);
   if (st != MOK_OK) return st;
-  /* d_wd[e] = dy^T h over the expert's rows */
-  p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL, d->H,
-                 n, (long long)d->H * n, a->e_range, status);
-  attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD]);
-  st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
-  if (st != MOK_OK) return st;
-  /* [d_wg; d_wu][e] = dgu^T x */
-  return run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu,
-                                           2LL * n, a->x, d->H, a->d_wg, a->d_wu, n, d->H,
-                                           (long long)n * d->H, a->e_range, status),
-                                wg90, stream);
+  return ffn_wgrads(d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD], wg90, status, stream);
 }
 
 /* The routed backward; gathers: routed_x is written from gather_src by the
@@ -971,4 +978,232 @@ extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
   a.d_wd = (bf16 *)d_s_down;
   a.partial = NULL;
   return ffn_backward(d, NULL, &a, status, stream);
+}
+
+/* ---- fp8 layers (docs/math.md "FP8") ----------------------------------------------------
+ * The products in FP8 on the Hopper kernels (mok_gemm_sm90_fp8.cu); the
+ * weight gradients the bf16 products above, on the unquantised operands. */
+
+/* The quantised h (forward) or dg | du (backward) after the bf16 pieces:
+ * [rows][2n] bytes and [rows][2n/128] scales, routed or shared (one at a time). */
+typedef struct f8_ws {
+  size_t q, s, total;
+} f8_ws;
+
+static f8_ws f8_layout(const mok_k_dims *d) {
+  const int64_t R = mok_k_rows_capacity(d);
+  int64_t q = R * 2 * d->I;
+  if ((int64_t)d->T * 2 * d->I_s > q) q = (int64_t)d->T * 2 * d->I_s;
+  f8_ws w;
+  w.q = mok_k_align256(mok_k_ws_layout(d).total);
+  w.s = w.q + mok_k_align256((size_t)q);
+  w.total = w.s + mok_k_align256((size_t)(q / 128 * 4));
+  return w;
+}
+
+extern "C" size_t mok_k_fp8_workspace_bytes(const mok_k_dims *d) { return f8_layout(d).total; }
+
+static int f8_check(const mok_k_dims *d) {
+  if (!d || mok_k_check_dims(d, NULL, 0) != MOK_OK || d->H % 128 || d->I % 128 || d->I_s % 128)
+    return MOK_EINVAL;
+  return mok_k_sm90_usable() ? MOK_OK : MOK_EUNSUPPORTED;
+}
+
+extern "C" int mok_k_fp8_supported(const mok_k_dims *d) { return f8_check(d) == MOK_OK; }
+
+static uint8_t *f8_q(void *ws, const f8_ws &w) { return (uint8_t *)ws + w.q; }
+static float *f8_s(void *ws, const f8_ws &w) { return (float *)((char *)ws + w.s); }
+
+/* gate/up of M rows (schedule NULL: the shared expert's T), h quantised into the workspace */
+static int f8_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n, int E,
+                      const uint8_t *xq, const float *xs, const void *wg, const void *wu,
+                      mok_k_bf16 *g, mok_k_bf16 *u, void *workspace, int32_t *status,
+                      cudaStream_t stream) {
+  const f8_ws w = f8_layout(d);
+  const mok__f8_b bg = mok__f8_b_of(wg, E, n, d->H, 0), bu = mok__f8_b_of(wu, E, n, d->H, 0);
+  return mok__f8_gate_up(d, schedule, M, n, xq, xs, &bg, &bu, g, u, f8_q(workspace, w),
+                         f8_s(workspace, w), status, stream);
+}
+
+/* y [M][H] = rnd(h W_d^T) from the quantised h f8_gate_up left */
+static int f8_down(const mok_k_dims *d, const int32_t *schedule, int M, int n, int E,
+                   const void *wd, mok_k_bf16 *y, void *workspace, int32_t *status,
+                   cudaStream_t stream) {
+  const f8_ws w = f8_layout(d);
+  const mok__f8_b bd = mok__f8_b_of(wd, E, d->H, n, 0);
+  return mok__f8_rows_gemm(d, schedule, M, d->H, n, f8_q(workspace, w), n, f8_s(workspace, w), &bd,
+                           NULL, n / 128, y, status, stream);
+}
+
+extern "C" int mok_k_fp8_gate_up(const mok_k_dims *d, const int32_t *schedule, const uint8_t *xq,
+                                 const float *xs, const void *w_gate, const void *w_up,
+                                 mok_k_bf16 *acts_g, mok_k_bf16 *acts_u, void *workspace,
+                                 int32_t *status, mok_k_stream stream) {
+  int st = f8_check(d);
+  if (st != MOK_OK) return st;
+  if (!schedule || !status || !w_gate || !w_up || !acts_g || !acts_u || !workspace ||
+      !all_aligned(xq, w_gate, w_up, acts_g, acts_u, workspace))
+    return MOK_EINVAL;
+  return f8_gate_up(d, schedule, (int)mok_k_rows_capacity(d), d->I, d->E_loc, xq, xs, w_gate, w_up,
+                    acts_g, acts_u, workspace, status, stream);
+}
+
+extern "C" int mok_k_fp8_expert_forward(const mok_k_dims *d, const int32_t *schedule,
+                                        const uint8_t *xq, const float *xs, const void *w_gate,
+                                        const void *w_up, const void *w_down, mok_k_bf16 *acts_g,
+                                        mok_k_bf16 *acts_u, mok_k_bf16 *routed_y, void *workspace,
+                                        int32_t *status, mok_k_stream stream) {
+  int st = mok_k_fp8_gate_up(d, schedule, xq, xs, w_gate, w_up, acts_g, acts_u, workspace, status,
+                             stream);
+  if (st != MOK_OK) return st;
+  if (!w_down || !routed_y || !all_aligned(w_down, routed_y, NULL, NULL, NULL, NULL))
+    return MOK_EINVAL;
+  return f8_down(d, schedule, (int)mok_k_rows_capacity(d), d->I, d->E_loc, w_down, routed_y,
+                 workspace, status, stream);
+}
+
+extern "C" int mok_k_fp8_shared_forward(const mok_k_dims *d, const uint8_t *xq, const float *xs,
+                                        const void *s_gate, const void *s_up, const void *s_down,
+                                        mok_k_bf16 *acts_gs, mok_k_bf16 *acts_us,
+                                        mok_k_bf16 *shared_y, void *workspace, int32_t *status,
+                                        mok_k_stream stream) {
+  int st = f8_check(d);
+  if (st != MOK_OK) return st;
+  if (d->I_s == 0 || d->T == 0) return MOK_OK;
+  if (!status || !xq || !xs || !s_gate || !s_up || !s_down || !acts_gs || !acts_us || !shared_y ||
+      !workspace || !all_aligned(xq, s_gate, s_up, s_down, acts_gs, acts_us) ||
+      !all_aligned(shared_y, workspace, NULL, NULL, NULL, NULL))
+    return MOK_EINVAL;
+  st = f8_gate_up(d, NULL, d->T, d->I_s, 1, xq, xs, s_gate, s_up, acts_gs, acts_us, workspace,
+                  status, stream);
+  if (st != MOK_OK) return st;
+  return f8_down(d, NULL, d->T, d->I_s, 1, s_down, shared_y, workspace, status, stream);
+}
+
+/* One FFN backward with FP8 dgrads: a's bf16 pieces as ffn_backward's (its
+ * wg, wu, wd unused), the quantised d_out rows dq, ds, the packed weights
+ * of E matrices. */
+static int f8_ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
+                           const uint8_t *dq, const float *ds, const void *wg, const void *wu,
+                           const void *wd, int E, void *workspace, int32_t *status,
+                           cudaStream_t stream) {
+  const int n = a->n_inter;
+  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
+  /* x's gather: beside the down weight gradient on the Hopper kernels, else first */
+  gather_share beside = {0, 0};
+  if (a->gathers) {
+    if (wg90)
+      beside = gather_share{0, 1};
+    else {
+      const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
+                                       (mok_k_bf16 *)a->x, status, stream);
+      if (st != MOK_OK) return st;
+    }
+  }
+  const f8_ws w = f8_layout(d);
+  uint8_t *q = f8_q(workspace, w);
+  float *s = f8_s(workspace, w);
+  /* a = d_out W_d (W_d's transposed bytes), the SwiGLU backward, dg | du quantised */
+  const mok__f8_b bd = mok__f8_b_of(wd, E, d->H, n, 1);
+  int st = mok__f8_down_dgrad(d, schedule, a->M, n, dq, ds, &bd, (const mok_k_bf16 *)a->g,
+                              (const mok_k_bf16 *)a->u, a->rw, (mok_k_bf16 *)a->dgu,
+                              (mok_k_bf16 *)a->h, a->partial, a->partial ? n / 128 : 0, q, s,
+                              status, stream);
+  if (st != MOK_OK) return st;
+  /* d_xr = [dg | du] [W_g; W_u] (K = 2n: dg's blocks, then du's) */
+  const mok__f8_b bg = mok__f8_b_of(wg, E, n, d->H, 1), bu = mok__f8_b_of(wu, E, n, d->H, 1);
+  st = mok__f8_rows_gemm(d, schedule, a->M, d->H, 2 * n, q, 2LL * n, s, &bg, &bu, n / 128,
+                         (mok_k_bf16 *)a->d_xr, status, stream);
+  if (st != MOK_OK) return st;
+  return ffn_wgrads(d, schedule, a, beside, wg90, status, stream);
+}
+
+extern "C" int mok_k_fp8_expert_backward(
+    const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *acts_g,
+    const mok_k_bf16 *acts_u, const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+    const mok_k_bf16 *routed_d_out, const uint8_t *dq, const float *ds,
+    const float *router_weights, const void *w_gate, const void *w_up, const void *w_down,
+    mok_k_bf16 *routed_d_x, float *d_rw, mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up,
+    mok_k_bf16 *d_w_down, void *workspace, int32_t *status, mok_k_stream stream) {
+  int st = f8_check(d);
+  if (st != MOK_OK) return st;
+  const int R = (int)mok_k_rows_capacity(d);
+  if (!schedule || !status || !acts_g || !acts_u || !routed_x || !routed_d_out || !w_gate ||
+      !w_up || !w_down || !routed_d_x || !d_w_gate || !d_w_up || !d_w_down || !workspace ||
+      (R > 0 && (!dq || !ds)) || (d->T > 0 && (!router_weights || !d_rw)) ||
+      !all_aligned(acts_g, acts_u, routed_x, routed_d_out, w_gate, w_up) ||
+      !all_aligned(w_down, routed_d_x, d_w_gate, d_w_up, d_w_down, workspace) ||
+      !all_aligned(x, dq, NULL, NULL, NULL, NULL))
+    return MOK_EINVAL;
+  const ws_layout L = mok_k_ws_layout(d);
+  char *ws = (char *)workspace;
+  ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
+  a.M = R;
+  a.n_inter = d->I;
+  a.groups = d->E_loc;
+  a.x = (const bf16 *)routed_x;
+  a.d_out = (const bf16 *)routed_d_out;
+  a.dy = (const bf16 *)(ws + L.dy);
+  a.g = (const bf16 *)acts_g;
+  a.u = (const bf16 *)acts_u;
+  a.rw = router_weights;
+  a.dgu = (bf16 *)(ws + L.dgu);
+  a.h = (bf16 *)(ws + L.h);
+  a.d_xr = (bf16 *)routed_d_x;
+  a.d_wg = (bf16 *)d_w_gate;
+  a.d_wu = (bf16 *)d_w_up;
+  a.d_wd = (bf16 *)d_w_down;
+  a.partial = (float *)(ws + L.partial);
+  a.gathers = x != NULL;
+  a.gather_src = (const bf16 *)x;
+  /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
+  st = mok_k_scale_rows(d, schedule, (const bf16 *)routed_d_out, router_weights, (bf16 *)a.dy,
+                        status, stream);
+  if (st == MOK_OK)
+    st = f8_ffn_backward(d, schedule, &a, dq, ds, w_gate, w_up, w_down, d->E_loc, workspace,
+                         status, stream);
+  if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
+  return st;
+}
+
+extern "C" int mok_k_fp8_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
+                                         const mok_k_bf16 *d_out, const uint8_t *dq,
+                                         const float *ds, const mok_k_bf16 *acts_gs,
+                                         const mok_k_bf16 *acts_us, const void *s_gate,
+                                         const void *s_up, const void *s_down,
+                                         mok_k_bf16 *shared_d_x, mok_k_bf16 *d_s_gate,
+                                         mok_k_bf16 *d_s_up, mok_k_bf16 *d_s_down,
+                                         void *workspace, int32_t *status, mok_k_stream stream) {
+  int st = f8_check(d);
+  if (st != MOK_OK) return st;
+  if (d->I_s == 0) return MOK_OK;
+  if (!status || !s_gate || !s_up || !s_down || !d_s_gate || !d_s_up || !d_s_down || !workspace ||
+      (d->T > 0 && (!x || !d_out || !dq || !ds || !acts_gs || !acts_us || !shared_d_x)) ||
+      !all_aligned(x, d_out, acts_gs, acts_us, s_gate, s_up) ||
+      !all_aligned(s_down, shared_d_x, d_s_gate, d_s_up, d_s_down, workspace) ||
+      !all_aligned(dq, NULL, NULL, NULL, NULL, NULL))
+    return MOK_EINVAL;
+  const ws_layout L = mok_k_ws_layout(d);
+  char *ws = (char *)workspace;
+  ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
+  a.M = d->T;
+  a.n_inter = d->I_s;
+  a.groups = 1;
+  a.x = (const bf16 *)x;
+  a.d_out = (const bf16 *)d_out;
+  a.dy = (const bf16 *)d_out; /* rw = 1: dy = d_out exactly */
+  a.g = (const bf16 *)acts_gs;
+  a.u = (const bf16 *)acts_us;
+  a.dgu = (bf16 *)(ws + L.dgus);
+  a.h = (bf16 *)(ws + L.hs);
+  a.d_xr = (bf16 *)shared_d_x;
+  a.d_wg = (bf16 *)d_s_gate;
+  a.d_wu = (bf16 *)d_s_up;
+  a.d_wd = (bf16 *)d_s_down;
+  if (d->T == 0) /* no rows: the weight gradients are zeros, as the bf16 layer's */
+    return ffn_wgrads(d, NULL, &a, gather_share{0, 0}, on_sm90_bwd(MOK_K_SM90_BWD_WGRAD), status,
+                      stream);
+  return f8_ffn_backward(d, NULL, &a, dq, ds, s_gate, s_up, s_down, 1, workspace, status, stream);
 }

@@ -4,7 +4,7 @@
  * Plain C (C11 or C++), no CUDA headers needed: the engine (daemon/
  * cuda/engine.c) calls these launchers with device pointers and a stream.
  * The math and its rounding points are docs/math.md; the schedule, acts
- * and ctx layouts are proto/mok_wire.h. bf16 layers only.
+ * and ctx layouts are proto/mok_wire.h. bf16 layers, and fp8 layers on Hopper.
  *
  * Conventions of every launcher:
  *  - It only enqueues work on `stream`: no host reads of device values, no
@@ -124,6 +124,69 @@ int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n, int k, vo
                               mok_k_stream stream);
 int mok_k_fp8_quantize_rows(const mok_k_bf16 *x, int rows, int k, uint8_t *q, float *scales,
                             mok_k_stream stream);
+
+/* ---- fp8 layers (docs/math.md "FP8"; Hopper only) ----------------------------
+ * An fp8 layer's weights are packed (proto/mok_layout.h: the e4m3 bytes,
+ * their transpose, the 128 x 128 block scales); its activations and
+ * gradients bf16. The launchers below need H, I and I_s multiples of 128,
+ * the Hopper kernels (mok_k_fp8_supported) and a workspace of
+ * mok_k_fp8_workspace_bytes(d) (the bf16 launchers' pieces and the
+ * quantised h, dg | du). Quantised activation rows come as e4m3 bytes
+ * [rows][k] and f32 scales [rows][k/128] (mok_k_fp8_quantize_rows). */
+int mok_k_fp8_supported(const mok_k_dims *d);
+size_t mok_k_fp8_workspace_bytes(const mok_k_dims *d);
+
+/* fp8_gather_rows: routed row r of q [R][H], s [R][H/128] = its slot's
+ * token's row of tok_q [T][H], tok_s [T][H/128] (zeros for padding rows,
+ * scale 0 there). */
+int mok_k_fp8_gather_rows(const mok_k_dims *d, const int32_t *schedule, const uint8_t *tok_q,
+                          const float *tok_s, uint8_t *q, float *s, int32_t *status,
+                          mok_k_stream stream);
+
+/* fp8_gate_up: acts_g, acts_u [R][I] (bf16, pre-clamp) from the quantised
+ * routed x (xq, xs) and the packed w_gate, w_up; h quantised into the
+ * workspace (what fp8_expert_forward's down product reads). */
+int mok_k_fp8_gate_up(const mok_k_dims *d, const int32_t *schedule, const uint8_t *xq,
+                      const float *xs, const void *w_gate, const void *w_up, mok_k_bf16 *acts_g,
+                      mok_k_bf16 *acts_u, void *workspace, int32_t *status, mok_k_stream stream);
+
+/* fp8_expert_forward: fp8_gate_up, then routed_y [R][H] = rnd(h W_d^T) in FP8. */
+int mok_k_fp8_expert_forward(const mok_k_dims *d, const int32_t *schedule, const uint8_t *xq,
+                             const float *xs, const void *w_gate, const void *w_up,
+                             const void *w_down, mok_k_bf16 *acts_g, mok_k_bf16 *acts_u,
+                             mok_k_bf16 *routed_y, void *workspace, int32_t *status,
+                             mok_k_stream stream);
+
+/* fp8_shared_forward: the shared expert on the quantised tokens (xq, xs
+ * [T][H]): acts_gs, acts_us [T][I_s], shared_y [T][H]. MOK_OK at once when
+ * I_s = 0. */
+int mok_k_fp8_shared_forward(const mok_k_dims *d, const uint8_t *xq, const float *xs,
+                             const void *s_gate, const void *s_up, const void *s_down,
+                             mok_k_bf16 *acts_gs, mok_k_bf16 *acts_us, mok_k_bf16 *shared_y,
+                             void *workspace, int32_t *status, mok_k_stream stream);
+
+/* fp8_expert_backward: as expert_backward, the two dgrads in FP8 from the
+ * quantised routed d_out (dq, ds [R][H]) and the weights' transposed bytes,
+ * the weight gradients the bf16 products of routed_d_out, h, dg | du and
+ * routed_x. x non-NULL: routed_x is written from x's rows by the backward
+ * itself (as expert_backward_gathering); NULL: routed_x holds them. */
+int mok_k_fp8_expert_backward(const mok_k_dims *d, const int32_t *schedule,
+                              const mok_k_bf16 *acts_g, const mok_k_bf16 *acts_u,
+                              const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+                              const mok_k_bf16 *routed_d_out, const uint8_t *dq, const float *ds,
+                              const float *router_weights, const void *w_gate, const void *w_up,
+                              const void *w_down, mok_k_bf16 *routed_d_x, float *d_rw,
+                              mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down,
+                              void *workspace, int32_t *status, mok_k_stream stream);
+
+/* fp8_shared_backward: the same for the shared expert (rw = 1, rows =
+ * tokens) from x, d_out [T][H] and d_out quantised (dq, ds [T][H]). */
+int mok_k_fp8_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x, const mok_k_bf16 *d_out,
+                              const uint8_t *dq, const float *ds, const mok_k_bf16 *acts_gs,
+                              const mok_k_bf16 *acts_us, const void *s_gate, const void *s_up,
+                              const void *s_down, mok_k_bf16 *shared_d_x, mok_k_bf16 *d_s_gate,
+                              mok_k_bf16 *d_s_up, mok_k_bf16 *d_s_down, void *workspace,
+                              int32_t *status, mok_k_stream stream);
 
 /* ---- small moves (mok_moves.cu) ---------------------------------------------
  * Copies (src) or zero fills (src NULL) of up to MOK_K_MOVE_BYTES_MAX bytes

@@ -97,8 +97,41 @@ typedef struct ws_layout {
 ws_layout mok_k_ws_layout(const mok_k_dims *d);
 int mok_k_partial_tiles(const mok_k_dims *d); /* column tiles of the down dgrad */
 int mok_k_sched_chunk(void);                  /* slots per schedule-build chunk */
-/* the FP8 kernel's shared-memory limit (mok_gemm_sm90_fp8.cu; mok_k_sm90_init calls it) */
+/* the FP8 kernels' shared-memory limits (mok_gemm_sm90_fp8.cu; mok_k_sm90_init calls it) */
 int mok__sm90_fp8_init(void);
+
+/* ---- the FP8 products (mok_gemm_sm90_fp8.cu; docs/math.md "FP8") ----
+ * A weight operand: e4m3 bytes [E][N][K] (K contiguous) and the scale of
+ * block (e, n/128, k/128) at scales[e*se + nb*sn + kb*sk]. */
+typedef struct mok__f8_b {
+  const void *bytes;
+  const float *scales;
+  long long se, sn, sk;
+} mok__f8_b;
+/* A packed weight [E][N][K] as the operand of a product whose B is W
+ * (transposed 0: its bytes) or W^T (1: its transposed bytes, [E][K][N]). */
+mok__f8_b mok__f8_b_of(const void *packed, int E, int N, int K, int transposed);
+/* C [M][N] bf16 = A [M][K] (bytes, ld lda; scales sa [M][K/128]) times B^T,
+ * B's k blocks below k_split from b0, the rest from b1 (its own k from 0).
+ * schedule NULL: one group of M rows (the shared expert). */
+int mok__f8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N, int K,
+                      const uint8_t *a, long long lda, const float *sa, const mok__f8_b *b0,
+                      const mok__f8_b *b1, int k_split, mok_k_bf16 *c, int32_t *status,
+                      cudaStream_t stream);
+/* g, u [M][n] (bf16, pre-clamp) = x W_g^T, x W_u^T (K = H), and h's bytes
+ * hq [M][n] and scales hs [M][n/128], h = rnd(silu(g') u') */
+int mok__f8_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                    const uint8_t *a, const float *sa, const mok__f8_b *bg, const mok__f8_b *bu,
+                    mok_k_bf16 *g, mok_k_bf16 *u, uint8_t *hq, float *hs, int32_t *status,
+                    cudaStream_t stream);
+/* a = d_out W_d (K = H; bd_t: W_d's transposed view), the SwiGLU backward:
+ * dgu [M][2n] (dg | du, bf16), h [M][n], d_rw partials [M][n_partial]
+ * (NULL: none), dg | du quantised: dguq [M][2n], dgus [M][2n/128]; rw NULL: 1 */
+int mok__f8_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int n_inter,
+                       const uint8_t *a, const float *sa, const mok__f8_b *bd_t,
+                       const mok_k_bf16 *g, const mok_k_bf16 *u, const float *rw,
+                       mok_k_bf16 *dgu, mok_k_bf16 *h, float *partial, int n_partial,
+                       uint8_t *dguq, float *dgus, int32_t *status, cudaStream_t stream);
 /* the FP8 kernels' helpers from mok_gemm_sm90.cu: the device's SMs, a TMA map of bytes */
 int mok__sm90_sms(void);
 int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
