@@ -50,6 +50,7 @@
 #include "clock.h"
 #include "engine.h"
 #include "job_check.h"
+#include "layer.h"
 #include "log.h"
 #include "mok_ep_kernels.h"
 #include "mok_kernels.h"
@@ -389,15 +390,11 @@ static int ring_rows_of(const mok_layer_config *c) {
 
 static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, size_t errlen) {
   (void)e;
-  if (cfg->dtype == MOK_DTYPE_FP8_E4M3) {
+  const bool fp8 = cfg->dtype == MOK_DTYPE_FP8_E4M3;
+  if (cfg->dtype != MOK_DTYPE_BF16 && !fp8) {
     snprintf(err, errlen,
-             "fp8 layers run on the cpu engine only; the Hopper FP8 kernels are not built yet");
-    return MOK_EUNSUPPORTED;
-  }
-  if (cfg->dtype != MOK_DTYPE_BF16) {
-    snprintf(err, errlen,
-             "the cuda engine runs bfloat16 layers only (this one is %s); use dtype bfloat16, "
-             "or the cpu engine for float32",
+             "the cuda engine runs bfloat16 and fp8 layers (this one is %s); use dtype "
+             "bfloat16, or the cpu engine for float32",
              cfg->dtype == MOK_DTYPE_F32 ? "float32" : "of an unknown dtype");
     return MOK_EUNSUPPORTED;
   }
@@ -407,6 +404,19 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
   if (mok_k_check_dims(&d, kerr, sizeof kerr) != MOK_OK) {
     snprintf(err, errlen, "the cuda engine cannot run this layer: %s", kerr);
     return MOK_EUNSUPPORTED;
+  }
+  if (fp8) {
+    int r = mok_layer_check_fp8_blocks(cfg, err, errlen);
+    if (r != MOK_OK) return r;
+    if (cfg->group_world) {
+      snprintf(err, errlen, "fp8 layers run without an expert-parallel group for now");
+      return MOK_EUNSUPPORTED;
+    }
+    if (!mok_k_fp8_supported(&d)) {
+      snprintf(err, errlen, "fp8 layers need the Hopper (sm_90a) FP8 kernels, which this GPU "
+               "or driver cannot run");
+      return MOK_EUNSUPPORTED;
+    }
   }
   mok_sched_shape shape = {mok_layer_dims(cfg, cfg->max_tokens), cfg->experts, cfg->first_expert};
   int st = mok_schedule_shape_check(&shape, err, errlen);
@@ -484,7 +494,9 @@ size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op,
   mok_layout_dims ld = mok_layer_dims(cfg, T);
   size_t H = cfg->hidden, I = cfg->intermediate, K = cfg->topk, I_s = cfg->shared_intermediate;
   size_t R = (size_t)mok_rows_capacity(&ld), sched = (size_t)mok_schedule_bytes(&ld);
-  size_t kernels = mok_k_workspace_bytes(&d), acts = (size_t)mok_acts_bytes(&ld);
+  const bool fp8 = cfg->dtype == MOK_DTYPE_FP8_E4M3;
+  size_t kernels = fp8 ? mok_k_fp8_workspace_bytes(&d) : mok_k_workspace_bytes(&d);
+  size_t acts = (size_t)mok_acts_bytes(&ld);
   size_t kernels_aux = 0, ids = builds ? T * K * 4 : 0, ep = 0, ep_own = 0;
   size_t ring_acts = 0, ring_sched = 0, ring_plan = 0;
   if (group) {
@@ -535,7 +547,13 @@ size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op,
   TAKE(&at, ring_acts, base, w->ring_u);
   TAKE(&at, ring_sched, base, w->ring_sched);
   TAKE(&at, ring_plan, base, w->ring_plan);
-  const bool stages = staging && (bwd || op == MOK_OP_COMPUTE_BWD);
+  /* fp8: x or d_out quantised per token, and their routed rows */
+  const bool quantises = fp8 && uses_kernels && op != MOK_OP_DISPATCH;
+  TAKE(&at, quantises ? (size_t)T * H : 0, base, w->f8_tq);
+  TAKE(&at, quantises ? (size_t)T * (H / 128) * 4 : 0, base, w->f8_ts);
+  TAKE(&at, quantises ? R * H : 0, base, w->f8_rq);
+  TAKE(&at, quantises ? R * (H / 128) * 4 : 0, base, w->f8_rs);
+  const bool stages = !fp8 && staging && (bwd || op == MOK_OP_COMPUTE_BWD);
   TAKE(&at, stages ? 3 * (size_t)cfg->local_experts * I * H * 2 : 0, base, w->wstage);
   return (at + 255u) & ~(size_t)255u;
 }
@@ -1136,7 +1154,7 @@ acts_ptrs mok__cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps) {
 }
 
 /* The acts of a ctx (= schedule, zeros to 256, acts). */
-static acts_ptrs ctx_acts(job_ctx *c, void *ctx) {
+acts_ptrs mok__cuda_ctx_acts(job_ctx *c, void *ctx) {
   return mok__cuda_acts_split(c, (char *)ctx + mok_align256(mok_schedule_bytes(&c->ld)), false);
 }
 
@@ -1147,13 +1165,13 @@ static acts_ptrs ctx_acts(job_ctx *c, void *ctx) {
 
 /* The schedule from the job's topk_ids, each read once into the
  * workspace's copy, which is what the build uses. */
-static void sched_build(job_ctx *c) {
+void mok__cuda_sched_build(job_ctx *c) {
   LAUNCH(c, mok_k_schedule_build_snapshot(&c->d, T_(c, MOK_SLOT_TOPK_IDS), c->w.ids, c->w.sched,
                                           c->w.kernels, c->status, c->st));
 }
 
 /* The workspace's schedule out to the client's (ctx or schedule tensor). */
-static void sched_out(job_ctx *c, void *dst) {
+void mok__cuda_sched_out(job_ctx *c, void *dst) {
   mok__cuda_copy_async(c, dst, c->w.sched, (size_t)mok_schedule_bytes(&c->ld));
 }
 
@@ -1162,15 +1180,15 @@ static void sched_out(job_ctx *c, void *dst) {
  * the one batch of moves that also takes the status word back (job_end):
  * one launch at the end instead of one before the first kernel and one
  * after the schedule build. */
-static void ctx_out(job_ctx *c, void *ctx) {
+void mok__cuda_ctx_out(job_ctx *c, void *ctx) {
   uint64_t sb = mok_schedule_bytes(&c->ld);
-  sched_out(c, ctx);
+  mok__cuda_sched_out(c, ctx);
   mok__cuda_memset_async(c, (char *)ctx + sb, mok_align256(sb) - sb);
   (void)mok__cuda_acts_split(c, (char *)ctx + mok_align256(sb), true);
 }
 
 /* A schedule the client brings: copied in, validated, and only the copy used. */
-static const int32_t *sched_in(job_ctx *c, const void *src) {
+const int32_t *mok__cuda_sched_in(job_ctx *c, const void *src) {
   mok__cuda_copy_async(c, c->w.sched, src, (size_t)mok_schedule_bytes(&c->ld));
   LAUNCH(c, mok_k_schedule_validate(&c->d, c->w.sched, c->status, c->st));
   return c->w.sched;
@@ -1249,13 +1267,13 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
 static void op_forward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
-  acts_ptrs a = ctx ? ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
-  sched_build(c);
+  acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
+  mok__cuda_sched_build(c);
   LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF(c, X), w->routed_a, c->status, c->st));
   step_compute(c, w->sched, w->routed_a, &a, w->routed_b, w->shared);
   LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
                           c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
-  if (ctx) ctx_out(c, ctx);
+  if (ctx) mok__cuda_ctx_out(c, ctx);
 }
 
 static void op_backward(job_ctx *c) {
@@ -1266,8 +1284,8 @@ static void op_backward(job_ctx *c) {
   const uint16_t *gather_x = NULL; /* the ctx keeps no routed x: the backward gathers it */
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
     /* dispatch + compute again, bitwise as forward: acts from the same kernel */
-    a = ctx ? ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
-    sched_build(c);
+    a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
+    mok__cuda_sched_build(c);
     LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
     LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
                                    a.u, w->routed_c, c->status, c->st));
@@ -1278,53 +1296,54 @@ static void op_backward(job_ctx *c) {
     mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
     return;
   } else {
-    a = ctx_acts(c, ctx);
-    sched = sched_in(c, ctx);
+    a = mok__cuda_ctx_acts(c, ctx);
+    sched = mok__cuda_sched_in(c, ctx);
     gather_x = BF(c, X);
   }
   LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_b, c->status, c->st));
   step_compute_bwd(c, sched, &a, gather_x, w->routed_a, w->routed_b, w->routed_c, w->shared);
   LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
                                     BF(c, D_X), c->status, c->st));
-  if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx) ctx_out(c, ctx); /* as the forward writes it */
+  if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx)
+    mok__cuda_ctx_out(c, ctx); /* as the forward writes it */
 }
 
 static void op_step(job_ctx *c) {
   const void *client_sched = T_(c, MOK_SLOT_SCHEDULE);
   switch (c->a->op) {
   case MOK_OP_DISPATCH: {
-    sched_build(c);
-    sched_out(c, T_(c, MOK_SLOT_SCHEDULE));
+    mok__cuda_sched_build(c);
+    mok__cuda_sched_out(c, T_(c, MOK_SLOT_SCHEDULE));
     LAUNCH(c, mok_k_gather_rows(&c->d, c->w.sched, BF(c, X), BF(c, ROUTED_X), c->status, c->st));
     break;
   }
   case MOK_OP_COMPUTE: {
-    const int32_t *s = sched_in(c, client_sched);
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
     void *acts = T_(c, MOK_SLOT_ACTS);
     acts_ptrs a = mok__cuda_acts_split(c, acts ? acts : c->w.acts, acts != NULL);
     step_compute(c, s, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
     break;
   }
   case MOK_OP_COMBINE: {
-    const int32_t *s = sched_in(c, client_sched);
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
     LAUNCH(c, mok_k_combine(&c->d, s, BF(c, ROUTED_Y), (const float *)T_(c, MOK_SLOT_ROUTER_W),
                             BF(c, SHARED_Y), BF(c, OUT), c->status, c->st));
     break;
   }
   case MOK_OP_COMBINE_BWD: {
-    const int32_t *s = sched_in(c, client_sched);
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
     LAUNCH(c, mok_k_gather_rows(&c->d, s, BF(c, D_OUT), BF(c, ROUTED_DOUT), c->status, c->st));
     break;
   }
   case MOK_OP_COMPUTE_BWD: {
-    const int32_t *s = sched_in(c, client_sched);
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
     acts_ptrs a = mok__cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
     step_compute_bwd(c, s, &a, NULL, BF(c, ROUTED_X), BF(c, ROUTED_DOUT),
                      BF(c, ROUTED_DX), BF(c, SHARED_DX));
     break;
   }
   case MOK_OP_DISPATCH_BWD: {
-    const int32_t *s = sched_in(c, client_sched);
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
     LAUNCH(c, mok_k_dispatch_backward(&c->d, s, BF(c, ROUTED_DX), BF(c, SHARED_DX), BF(c, D_X),
                                       c->status, c->st));
     break;
@@ -1400,12 +1419,13 @@ bool mok__cuda_check_job(job_ctx *c) {
     mok__cuda_job_fail(c, MOK_EINVAL, "the layer has no device state");
     return false;
   }
-  if (a->layer->dtype != MOK_DTYPE_BF16 || a->layer->row_align != (uint32_t)mok_k_row_align()) {
+  if ((a->layer->dtype != MOK_DTYPE_BF16 && a->layer->dtype != MOK_DTYPE_FP8_E4M3) ||
+      a->layer->row_align != (uint32_t)mok_k_row_align()) {
     mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "the layer was not prepared by the cuda engine");
     return false;
   }
   char err[MOK_JOB_MESSAGE_MAX];
-  int st = mok_job_check_tokens(a->layer, a->tokens, MOK_ELIMIT, err, sizeof err);
+  int st = mok_job_check_tokens_op(a->layer, a->op, a->tokens, MOK_ELIMIT, err, sizeof err);
   if (st == MOK_OK) st = mok_job_check_flags_op(a->op, a->flags, err, sizeof err);
   if (st != MOK_OK) {
     mok__cuda_job_fail(c, st, "%s", err);
@@ -1787,7 +1807,8 @@ static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
     if (c.mark_steps)
       snprintf(j->mark_label, sizeof j->mark_label, " T=%d H=%d I=%d E_loc=%d K=%d I_s=%d",
                (int)c.d.T, (int)c.d.H, (int)c.d.I, (int)c.d.E_loc, (int)c.d.K, (int)c.d.I_s);
-    if (a->op == MOK_OP_FORWARD) op_forward(&c);
+    if (a->layer->dtype == MOK_DTYPE_FP8_E4M3) mok__cuda_fp8_job(&c);
+    else if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
     else op_step(&c);
   }

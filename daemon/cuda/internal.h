@@ -178,6 +178,10 @@ typedef struct job_ws {
   int32_t *ring_sched; /* a macrobatch's schedule */
   int32_t *ring_plan;  /* [ring_batches, 4] */
   uint16_t *wstage;   /* the routed weights, staged for the mma.sync backward */
+  /* fp8 layers: x or d_out quantised per token [T, H] and scales [T, H/128],
+   * their routed rows [R, H], [R, H/128] (cuda/fp8.c) */
+  uint8_t *f8_tq, *f8_rq;
+  float *f8_ts, *f8_rs;
 } job_ws;
 
 /* The workspace layout of a job (op, flags, T of layer cfg; brings_acts:
@@ -255,6 +259,17 @@ acts_ptrs mok__cuda_acts_split(job_ctx *c, void *acts, bool zero_gaps);
 void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **wu,
                              const uint16_t **wd);
 bool mok__cuda_check_job(job_ctx *c);
+/* The schedule: built from the job's ids into the workspace; out to a
+ * client tensor; a client's copied in and validated (the copy returned). */
+void mok__cuda_sched_build(job_ctx *c);
+void mok__cuda_sched_out(job_ctx *c, void *dst);
+const int32_t *mok__cuda_sched_in(job_ctx *c, const void *src);
+/* A ctx's acts; the rest of a ctx a job writes (schedule, gap zeros), last. */
+acts_ptrs mok__cuda_ctx_acts(job_ctx *c, void *ctx);
+void mok__cuda_ctx_out(job_ctx *c, void *ctx);
+
+/* cuda/fp8.c: every op of an fp8 layer, within its frame */
+void mok__cuda_fp8_job(job_ctx *c);
 
 /* A job's frame (cuda/engine.c start()): the job's record, the wait for
  * the client's fence and the start event, then the op's work (single-daemon

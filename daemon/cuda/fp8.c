@@ -1,0 +1,190 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The cuda engine's jobs on fp8 layers (docs/math.md, "FP8 (e4m3,
+ * block-scaled)"): the bf16 layer's ops with the GEMMs in FP8 on the
+ * Hopper kernels. What differs from the bf16 ops (cuda/engine.c):
+ *  - x (forward) and d_out (backward) are quantised once per token into
+ *    the job's workspace, and the routed rows copy their token's bytes and
+ *    scales; the shared expert reads the token rows. A single step that
+ *    brings routed rows (compute, compute_backward) quantises those;
+ *  - the weight slots hold packed weights (their dtype u8, checked by the
+ *    daemon against mok_fp8_weight_bytes), read in place: every FP8 product
+ *    reads its operands through TMA, so nothing is staged;
+ *  - quantize_weight writes a packed weight from its bf16 source.
+ * Everything else (schedule, dispatch, combine, their backward forms, the
+ * weight gradients) is the bf16 layer's, on the same kernels. */
+#include <stdint.h>
+
+#include "cuda/internal.h"
+#include "mok_kernels.h"
+#include "mok_slots.h"
+
+static void *slot(const job_ctx *c, int s) { return c->a->t[s].ptr; }
+#define BF16(c, s) ((uint16_t *)slot((c), MOK_SLOT_##s))
+#define PACKED(c, s) ((const void *)slot((c), MOK_SLOT_##s))
+
+/* rows of src [rows, H] quantised into q, s */
+static void quantize(job_ctx *c, const uint16_t *src, int rows, uint8_t *q, float *s) {
+  LAUNCH(c, mok_k_fp8_quantize_rows(src, rows, c->d.H, q, s, c->st));
+}
+
+/* src [T, H] per token, then its routed rows (workspace f8_tq -> f8_rq) */
+static void quantize_routed(job_ctx *c, const int32_t *sched, const uint16_t *src) {
+  const job_ws *w = &c->w;
+  quantize(c, src, c->d.T, w->f8_tq, w->f8_ts);
+  LAUNCH(c, mok_k_fp8_gather_rows(&c->d, sched, w->f8_tq, w->f8_ts, w->f8_rq, w->f8_rs, c->status,
+                                  c->st));
+}
+
+static int rows_of(const job_ctx *c) { return (int)mok_k_rows_capacity(&c->d); }
+
+/* compute: the routed experts from f8_rq, the shared one from f8_tq */
+static void compute(job_ctx *c, const int32_t *sched, const acts_ptrs *a, uint16_t *routed_y,
+                    uint16_t *shared_y) {
+  const job_ws *w = &c->w;
+  LAUNCH(c, mok_k_fp8_expert_forward(&c->d, sched, w->f8_rq, w->f8_rs, PACKED(c, W_GATE),
+                                     PACKED(c, W_UP), PACKED(c, W_DOWN), a->g, a->u, routed_y,
+                                     w->kernels, c->status, c->st));
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_fp8_shared_forward(&c->d, w->f8_tq, w->f8_ts, PACKED(c, S_GATE),
+                                       PACKED(c, S_UP), PACKED(c, S_DOWN), a->gs, a->us, shared_y,
+                                       w->kernels, c->status, c->st));
+}
+
+/* compute_backward: d_out's quantised rows in f8_rq (routed) and f8_tq
+ * (tokens); gather_x non-NULL: routed_x is written from it by the backward */
+static void compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
+                        const uint16_t *gather_x, uint16_t *routed_x, const uint16_t *routed_dout,
+                        uint16_t *routed_dx, uint16_t *shared_dx) {
+  const job_ws *w = &c->w;
+  LAUNCH(c, mok_k_fp8_expert_backward(
+                &c->d, sched, a->g, a->u, gather_x, routed_x, routed_dout, w->f8_rq, w->f8_rs,
+                (const float *)slot(c, MOK_SLOT_ROUTER_W), PACKED(c, W_GATE), PACKED(c, W_UP),
+                PACKED(c, W_DOWN), routed_dx, (float *)slot(c, MOK_SLOT_D_RW), BF16(c, D_W_GATE),
+                BF16(c, D_W_UP), BF16(c, D_W_DOWN), w->kernels, c->status, c->st));
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_fp8_shared_backward(&c->d, BF16(c, X), BF16(c, D_OUT), w->f8_tq, w->f8_ts,
+                                        a->gs, a->us, PACKED(c, S_GATE), PACKED(c, S_UP),
+                                        PACKED(c, S_DOWN), shared_dx, BF16(c, D_S_GATE),
+                                        BF16(c, D_S_UP), BF16(c, D_S_DOWN), w->kernels, c->status,
+                                        c->st));
+}
+
+static void fp8_forward(job_ctx *c) {
+  void *ctx = slot(c, MOK_SLOT_CTX);
+  const job_ws *w = &c->w;
+  acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
+  mok__cuda_sched_build(c);
+  quantize_routed(c, w->sched, BF16(c, X));
+  compute(c, w->sched, &a, w->routed_b, w->shared);
+  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)slot(c, MOK_SLOT_ROUTER_W),
+                          c->d.I_s ? w->shared : NULL, BF16(c, OUT), c->status, c->st));
+  if (ctx) mok__cuda_ctx_out(c, ctx);
+}
+
+static void fp8_backward(job_ctx *c) {
+  void *ctx = slot(c, MOK_SLOT_CTX);
+  const job_ws *w = &c->w;
+  const int32_t *sched = w->sched;
+  acts_ptrs a;
+  if (c->a->flags & MOK_JOB_RECOMPUTE) {
+    /* the forward's g, u again, bitwise: the same quantisation and kernels */
+    a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
+    mok__cuda_sched_build(c);
+    quantize_routed(c, sched, BF16(c, X));
+    LAUNCH(c, mok_k_fp8_gate_up(&c->d, sched, w->f8_rq, w->f8_rs, PACKED(c, W_GATE),
+                                PACKED(c, W_UP), a.g, a.u, w->kernels, c->status, c->st));
+    if (c->d.I_s)
+      LAUNCH(c, mok_k_fp8_shared_forward(&c->d, w->f8_tq, w->f8_ts, PACKED(c, S_GATE),
+                                         PACKED(c, S_UP), PACKED(c, S_DOWN), a.gs, a.us,
+                                         w->shared, w->kernels, c->status, c->st));
+  } else if (!ctx) {
+    mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
+    return;
+  } else {
+    a = mok__cuda_ctx_acts(c, ctx);
+    sched = mok__cuda_sched_in(c, ctx);
+  }
+  /* the ctx keeps no routed x: the backward gathers it (beside a product) */
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF16(c, D_OUT), w->routed_b, c->status, c->st));
+  quantize_routed(c, sched, BF16(c, D_OUT));
+  compute_bwd(c, sched, &a, BF16(c, X), w->routed_a, w->routed_b, w->routed_c, w->shared);
+  LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
+                                    BF16(c, D_X), c->status, c->st));
+  if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx) mok__cuda_ctx_out(c, ctx);
+}
+
+/* quantize_weight: the one source weight present (the daemon checked it) */
+static void fp8_quantize_weight(job_ctx *c) {
+  uint64_t present = 0;
+  for (int s = 0; s < MOK_SLOT_COUNT_; s++)
+    if (c->a->t[s].ptr) present |= 1ull << s;
+  const uint32_t source = mok_quantize_source(present);
+  uint64_t w[3];
+  if (source == MOK_SLOT_COUNT_ || !mok_slot_weight_dims(c->a->layer, source, w)) {
+    mok__cuda_job_fail(c, MOK_EINVAL, "quantize_weight takes exactly one source weight");
+    return;
+  }
+  LAUNCH(c, mok_k_fp8_quantize_weight(slot(c, (int)source), (int)w[0], (int)w[1], (int)w[2],
+                                      slot(c, MOK_SLOT_PACKED_WEIGHT), c->st));
+}
+
+static void fp8_step(job_ctx *c) {
+  const void *client_sched = slot(c, MOK_SLOT_SCHEDULE);
+  const job_ws *w = &c->w;
+  switch (c->a->op) {
+  case MOK_OP_DISPATCH:
+    mok__cuda_sched_build(c);
+    mok__cuda_sched_out(c, slot(c, MOK_SLOT_SCHEDULE));
+    LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF16(c, X), BF16(c, ROUTED_X), c->status, c->st));
+    break;
+  case MOK_OP_COMPUTE: {
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
+    void *acts = slot(c, MOK_SLOT_ACTS);
+    acts_ptrs a = mok__cuda_acts_split(c, acts ? acts : w->acts, acts != NULL);
+    quantize(c, BF16(c, ROUTED_X), rows_of(c), w->f8_rq, w->f8_rs);
+    if (c->d.I_s) quantize(c, BF16(c, X), c->d.T, w->f8_tq, w->f8_ts);
+    compute(c, s, &a, BF16(c, ROUTED_Y), BF16(c, SHARED_Y));
+    break;
+  }
+  case MOK_OP_COMBINE: {
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
+    LAUNCH(c, mok_k_combine(&c->d, s, BF16(c, ROUTED_Y), (const float *)slot(c, MOK_SLOT_ROUTER_W),
+                            BF16(c, SHARED_Y), BF16(c, OUT), c->status, c->st));
+    break;
+  }
+  case MOK_OP_COMBINE_BWD: {
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
+    LAUNCH(c, mok_k_gather_rows(&c->d, s, BF16(c, D_OUT), BF16(c, ROUTED_DOUT), c->status, c->st));
+    break;
+  }
+  case MOK_OP_COMPUTE_BWD: {
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
+    acts_ptrs a = mok__cuda_acts_split(c, slot(c, MOK_SLOT_ACTS), false);
+    quantize(c, BF16(c, ROUTED_DOUT), rows_of(c), w->f8_rq, w->f8_rs);
+    if (c->d.I_s) quantize(c, BF16(c, D_OUT), c->d.T, w->f8_tq, w->f8_ts);
+    compute_bwd(c, s, &a, NULL, BF16(c, ROUTED_X), BF16(c, ROUTED_DOUT), BF16(c, ROUTED_DX),
+                BF16(c, SHARED_DX));
+    break;
+  }
+  case MOK_OP_DISPATCH_BWD: {
+    const int32_t *s = mok__cuda_sched_in(c, client_sched);
+    LAUNCH(c, mok_k_dispatch_backward(&c->d, s, BF16(c, ROUTED_DX), BF16(c, SHARED_DX),
+                                      BF16(c, D_X), c->status, c->st));
+    break;
+  }
+  case MOK_OP_QUANTIZE_WEIGHT:
+    fp8_quantize_weight(c);
+    break;
+  default:
+    mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
+  }
+}
+
+void mok__cuda_fp8_job(job_ctx *c) {
+  if (c->a->op == MOK_OP_FORWARD)
+    fp8_forward(c);
+  else if (c->a->op == MOK_OP_BACKWARD)
+    fp8_backward(c);
+  else
+    fp8_step(c);
+}
