@@ -20,6 +20,7 @@
 
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
+#include "../../proto/mok_layout.h"
 #include "../../proto/mok_status.h"
 
 #include "bench_common.h"
@@ -84,6 +85,13 @@ typedef struct layer {
   void *allocs[64];
   int n_allocs;
   size_t bytes;
+  /* the fp8 layer on the same inputs (layer_add_fp8): packed weights, x or
+   * d_out quantised per token (tq, ts) and routed (rq, rs), its workspace */
+  void *pwg, *pwu, *pwd, *psg, *psu, *psd;
+  uint8_t *tq, *rq;
+  float *ts, *rs;
+  void *ws8;
+  int fp8; /* the enqueue functions run the fp8 layer */
 } layer;
 
 /* Inputs the layer reads from somewhere else (layer_alloc neither allocates
@@ -210,6 +218,29 @@ static void layer_alloc(layer *L, const mok_k_dims *d, bench_pool *pool, const l
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+/* The fp8 layer's pieces beside a bf16 layer's (docs/math.md "FP8"): the
+ * weights quantised once (what a trainer does after each optimizer step). */
+static void layer_add_fp8(layer *L) {
+  const mok_k_dims *d = &L->d;
+  void **packed[6] = {&L->pwg, &L->pwu, &L->pwd, &L->psg, &L->psu, &L->psd};
+  const uint16_t *masters[6] = {L->wg, L->wu, L->wd, L->sg, L->su, L->sd};
+  for (int i = 0; i < 6; i++) {
+    const int shared = i >= 3, down = i % 3 == 2, n = shared ? d->I_s : d->I;
+    const int E = shared ? 1 : d->E_loc, N = down ? d->H : n, K = down ? n : d->H;
+    *packed[i] = NULL;
+    if (n == 0) continue;
+    *packed[i] = client_alloc(L, (size_t)mok_fp8_weight_bytes((uint64_t)E, (uint64_t)N, (uint64_t)K));
+    MOK_CHECK(mok_k_fp8_quantize_weight(masters[i], E, N, K, *packed[i], 0));
+  }
+  const size_t TH = (size_t)d->T * d->H, RH = (size_t)L->R * d->H;
+  L->tq = (uint8_t *)dalloc(L, TH);
+  L->ts = (float *)dalloc(L, TH / 128 * 4);
+  L->rq = (uint8_t *)dalloc(L, RH);
+  L->rs = (float *)dalloc(L, RH / 128 * 4);
+  L->ws8 = dalloc(L, mok_k_fp8_workspace_bytes(d));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 #define FWD_STEPS 5
 #define BWD_STEPS 4
 static const char *FWD_NAMES[FWD_STEPS] = {"schedule_build", "gather", "expert_forward",
@@ -218,11 +249,32 @@ static const char *BWD_NAMES[BWD_STEPS] = {"gather_d_out", "expert_backward", "s
                                            "dispatch_backward"};
 
 /* ev: FWD_STEPS+1 events recorded between the steps (NULL: none) */
+/* fp8: "gather" quantises x per token and copies the routed rows' bytes */
+static void enqueue_forward_fp8(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
+  const mok_k_dims *d = &L->d;
+  MOK_CHECK(mok_k_fp8_quantize_rows(L->x[s], d->T, d->H, L->tq, L->ts, st));
+  MOK_CHECK(mok_k_fp8_gather_rows(d, L->sched, L->tq, L->ts, L->rq, L->rs, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+  MOK_CHECK(mok_k_fp8_expert_forward(d, L->sched, L->rq, L->rs, L->pwg, L->pwu, L->pwd, L->acts_g,
+                                     L->acts_u, L->routed_y, L->ws8, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+  MOK_CHECK(mok_k_fp8_shared_forward(d, L->tq, L->ts, L->psg, L->psu, L->psd, L->acts_gs,
+                                     L->acts_us, L->shared_y, L->ws8, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
+}
+
 static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
   const mok_k_dims *d = &L->d;
   if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
   MOK_CHECK(mok_k_schedule_build(d, L->ids[s], L->sched, L->ws, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
+  if (L->fp8) {
+    enqueue_forward_fp8(L, s, ev, st);
+    MOK_CHECK(mok_k_combine(d, L->sched, L->routed_y, L->rw[s], L->shared_y, L->out, L->status,
+                            st));
+    if (ev) CUDA_CHECK(cudaEventRecord(ev[5], st));
+    return;
+  }
   MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x[s], L->routed_x, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
   MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
@@ -237,8 +289,35 @@ static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
 }
 
 /* ev: BWD_STEPS+1 events (NULL: none); after enqueue_forward of the same set */
+/* fp8: as mokd runs it, the backward gathers x's routed rows itself (the
+ * fp8 forward writes none), beside its down weight gradient */
+static void enqueue_backward_fp8(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
+  const mok_k_dims *d = &L->d;
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
+  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
+  MOK_CHECK(mok_k_fp8_quantize_rows(L->d_out[s], d->T, d->H, L->tq, L->ts, st));
+  MOK_CHECK(mok_k_fp8_gather_rows(d, L->sched, L->tq, L->ts, L->rq, L->rs, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
+  MOK_CHECK(mok_k_fp8_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->x[s], L->routed_x,
+                                      L->routed_d_out, L->rq, L->rs, L->rw[s], L->pwg, L->pwu,
+                                      L->pwd, L->routed_d_x, L->d_rw, L->dwg, L->dwu, L->dwd,
+                                      L->ws8, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+  MOK_CHECK(mok_k_fp8_shared_backward(d, L->x[s], L->d_out[s], L->tq, L->ts, L->acts_gs,
+                                      L->acts_us, L->psg, L->psu, L->psd, L->shared_d_x, L->dsg,
+                                      L->dsu, L->dsd, L->ws8, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+  MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x, L->status,
+                                    st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
+}
+
 static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
   const mok_k_dims *d = &L->d;
+  if (L->fp8) {
+    enqueue_backward_fp8(L, s, ev, st);
+    return;
+  }
   if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
   MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));

@@ -10,11 +10,13 @@
  * --variants: each configuration once per Hopper tile variant (mok_gemm_sm90.h;
  * "pingpong-plain": pingpong with its down dgrad on plain CTAs, "pingpong-pipe":
  * with one wgmma batch in flight in the k loops, "hmma" for the mma.sync
- * kernels), on the same buffers, the variants taking
+ * kernels, "fp8" for the fp8 layer: block-scaled e4m3 products, weights
+ * quantised once before the timing, on the init's bf16 kernels for the rest),
+ * on the same buffers, the variants taking
  * turns rep by rep (so a drift of the clocks weighs on all alike);
  * the JSON then has one result per (configuration, variant) with its
  * "variant", and every variant's hash of set 0 must equal the first one's
- * (all paths are bitwise equal). Without it: the backend and variant that
+ * (all bf16 paths are bitwise equal; fp8's only to its own runs). Without it: the backend and variant that
  * mok_k_init chose (MOK_GEMM, MOK_GEMM_VARIANT), one result each.
  *
  * For each configuration (shape, T, routing; the same priority order as the
@@ -71,11 +73,16 @@ typedef struct result {
 typedef struct bench_path {
   const char *name;
   int backend, variant, pp_pairs, pipe;
+  int fp8; /* the fp8 layer (docs/math.md "FP8") on the init's bf16 kernels */
 } bench_path;
 
 static int g_band; /* --band */
 
+static layer *g_layer; /* run_config's, for select_path's fp8 switch */
+
 static int select_path(const bench_path *bp) {
+  if (g_layer) g_layer->fp8 = bp->fp8;
+  if (bp->fp8 && !(g_layer && g_layer->ws8)) return 0;
   if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
   mok_k_sm90_set_pp_pairs(bp->pp_pairs);
   mok_k_sm90_set_tuning(bp->pipe, g_band, 0, 0);
@@ -103,6 +110,9 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   }
   layer L;
   layer_alloc(&L, &d, &g_pool, NULL);
+  g_layer = &L;
+  for (int v = 0; paths && v < n_paths; v++)
+    if (paths[v].fp8 && mok_k_fp8_supported(&d) && !L.ws8) layer_add_fp8(&L);
 
   const size_t TK = (size_t)d.T * d.K;
   int32_t *ids = (int32_t *)malloc(TK * 4);
@@ -197,7 +207,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     unsigned long long h2 = chain_hash(&L, 0, st);
     r->hash0 = h0;
     r->deterministic = h0 == h2;
-    r->same_as_first = v == 0 || h0 == res[0].hash0;
+    r->same_as_first = v == 0 || h0 == res[0].hash0 || paths[v].fp8; /* fp8: other arithmetic */
     if (r->status == 0) r->status = read_status(&L, st);
     r->ok = r->status == 0 && r->nonfinite == 0 && r->deterministic && r->same_as_first;
   }
@@ -207,6 +217,8 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     mok_k_sm90_set_pp_pairs(1);
     mok_k_sm90_set_tuning(0, g_band, 0, 0);
   }
+  L.fp8 = 0;
+  g_layer = NULL;
   free(col);
   free(tf);
   free(tb);
@@ -365,14 +377,19 @@ int main(int argc, char **argv) {
     /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs;
      * pingpong-pipe: with one wgmma batch kept in flight in the k loops */
     const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
-    const int sv = plain || piped ? MOK_K_SM90_PINGPONG : mok_k_sm90_variant_parse(one);
+    const int fp8 = !strcmp(one, "fp8");
+    const int sv = plain || piped ? MOK_K_SM90_PINGPONG
+                   : fp8          ? mok_k_sm90_variant()
+                                  : mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, hmma; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, hmma, fp8; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
     bench_path *bp = &D.paths[D.n_paths++];
-    bp->name = plain   ? "pingpong-plain"
+    bp->fp8 = fp8;
+    bp->name = fp8     ? "fp8"
+               : plain ? "pingpong-plain"
                : piped ? "pingpong-pipe"
                : sv >= 0 ? mok_k_sm90_variant_name(sv)
                          : "hmma";
