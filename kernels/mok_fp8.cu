@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* FP8 (e4m3, block-scaled) quantisers: a weight into its packed form (one
- * scale per 128 x 128 block) and activation rows (one scale per 128 of a
- * row). The arithmetic is kernels/common/fp8_e4m3.h, the one the cpu engine
+/* FP8 (e4m3, block-scaled) quantisers: a weight into its packed form (its
+ * e4m3 bytes, their transpose, one scale per 128 x 128 block:
+ * proto/mok_layout.h) and activation rows (one scale per 128 of a row).
+ * The arithmetic is kernels/common/fp8_e4m3.h, the one the cpu engine
  * runs, and a block's amax is a max (order-free, NaN ignored as fmaxf does),
  * so every byte and every scale equals the cpu engine's (docs/math.md
  * "FP8"). The GPU GEMMs that consume them are not built yet. */
@@ -22,13 +23,27 @@ __device__ static float warps_amax(float mine, int w0, int nw) {
   return m;
 }
 
+/* Where word w (bytes 4w .. 4w+3) of row n of a staged 128 x 128 block
+ * lies in its row: w ^ fp8_swizzle(n). Both passes are free of bank
+ * conflicts: a warp storing (16 rows, two 16-word halves a row: the row's
+ * low 2 and next 2 bits, and the half, give the 5 bank bits) and a warp
+ * reading one column (32 lanes, rows 4l + m: l itself is the bank). */
+__device__ __forceinline__ static int fp8_swizzle(int n) {
+  return ((n >> 2) ^ ((n & 3) << 2)) & 31;
+}
+
 /* One 128 x 128 block (blockIdx: k block, n block, expert) of w [E][N][K]:
- * thread t takes row t / 2, columns 64 * (t % 2) .. +63. */
+ * thread t takes row t / 2, columns 64 * (t % 2) .. +63, and writes their
+ * bytes to q [E][N][K] and to shared memory; then the block's transpose
+ * goes to qt [E][K][N], one 128-byte row of it a warp at a time (lane l
+ * bytes 4l .. 4l+3). q and qt are 4-byte aligned (the launcher's check). */
 __global__ void __launch_bounds__(FP8_THREADS)
     fp8_weight_kernel(const __nv_bfloat16 *__restrict__ w, int N, int K, uint8_t *__restrict__ q,
-                      float *__restrict__ scales) {
+                      uint8_t *__restrict__ qt, float *__restrict__ scales) {
+  __shared__ uint32_t tile[128][32]; /* the block's bytes [n][k], words swizzled */
   const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z;
-  const int row = nb * 128 + (threadIdx.x >> 1), col = kb * 128 + 64 * (threadIdx.x & 1);
+  const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const int row = nb * 128 + r, col = kb * 128 + 64 * half;
   const size_t at = ((size_t)e * N + row) * K + col;
   float v[64], amax = 0.0f;
 #pragma unroll
@@ -37,13 +52,31 @@ __global__ void __launch_bounds__(FP8_THREADS)
     amax = fmaxf(amax, fabsf(v[i]));
   }
   const int ex = mok_fp8_scale_exp(warps_amax(amax, 0, FP8_THREADS / 32));
+  uint32_t *q4 = (uint32_t *)(q + at); /* at is a multiple of 64 */
 #pragma unroll
-  for (int i = 0; i < 64; i++) q[at + i] = mok_fp8_quantize(v[i], ex);
+  for (int j = 0; j < 16; j++) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 4; b++) word |= (uint32_t)mok_fp8_quantize(v[4 * j + b], ex) << (8 * b);
+    q4[j] = word;
+    tile[r][(16 * half + j) ^ fp8_swizzle(r)] = word;
+  }
   if (threadIdx.x == 0)
     scales[((size_t)e * (N / 128) + nb) * (K / 128) + kb] = mok_fp8_pow2(ex);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int k = threadIdx.x >> 5; k < 128; k += FP8_THREADS / 32) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+      const int n = 4 * lane + m;
+      word |= (tile[n][(k >> 2) ^ fp8_swizzle(n)] >> (8 * (k & 3)) & 0xffu) << (8 * m);
+    }
+    *(uint32_t *)(qt + ((size_t)e * K + kb * 128 + k) * N + nb * 128 + 4 * lane) = word;
+  }
 }
 
-/* The bytes between the e4m3 bytes and the scales are zero, as the layout says. */
+/* The bytes after each e4m3 section, up to the next, are zero, as the layout says. */
 __global__ void fp8_zero_kernel(uint8_t *p, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
@@ -57,11 +90,16 @@ extern "C" int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n
     return MOK_EINVAL;
   uint8_t *q = (uint8_t *)packed;
   const size_t used = (size_t)experts * n * k;
-  const size_t at = (size_t)mok_fp8_scales_offset((uint64_t)experts, (uint64_t)n, (uint64_t)k);
-  if (at > used) fp8_zero_kernel<<<1, 256, 0, stream>>>(q + used, at - used);
+  const uint64_t E64 = (uint64_t)experts, n64 = (uint64_t)n, k64 = (uint64_t)k;
+  const size_t t_at = (size_t)mok_fp8_transposed_offset(E64, n64, k64);
+  const size_t s_at = (size_t)mok_fp8_scales_offset(E64, n64, k64);
+  /* (no gaps while n and k are multiples of 128; the layout allows them) */
+  if (t_at > used) fp8_zero_kernel<<<1, 256, 0, stream>>>(q + used, t_at - used);
+  if (s_at > t_at + used)
+    fp8_zero_kernel<<<1, 256, 0, stream>>>(q + t_at + used, s_at - t_at - used);
   fp8_weight_kernel<<<dim3((unsigned)(k / 128), (unsigned)(n / 128), (unsigned)experts),
-                      FP8_THREADS, 0, stream>>>((const __nv_bfloat16 *)w, n, k, q,
-                                                (float *)(q + at));
+                      FP8_THREADS, 0, stream>>>((const __nv_bfloat16 *)w, n, k, q, q + t_at,
+                                                (float *)(q + s_at));
   return mok_k_launch_status();
 }
 

@@ -114,7 +114,7 @@ int mok_k_sm90_pair_clusters(void);
  * "FP8"): c [M][N] bf16 = the rows of a [M][K] (e4m3 bytes, scales
  * a_scales [M][K/128], mok_k_fp8_quantize_rows) times their expert's
  * b_packed [E_loc][N][K] transposed (mok_k_fp8_quantize_weight's packed
- * form), for the routed rows of the schedule (M its row capacity); padding
+ * form: its first e4m3 section and its scales), for the routed rows of the schedule (M its row capacity); padding
  * rows get zeros. N and K multiples of 128. MOK_EUNSUPPORTED off sm_90.
  * A tested kernel: no layer op calls it yet. */
 int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N, int K,

@@ -116,8 +116,9 @@ int mok_k_schedule_build_snapshot(const mok_k_dims *d, const int32_t *topk_ids,
 /* ---- FP8 quantisers (mok_fp8.cu; docs/math.md "FP8") -------------------------
  * quantize_weight: w [experts][n][k] bf16 (n, k multiples of 128) into its
  * packed form (mok_fp8_weight_bytes of proto/mok_layout.h, 4-byte aligned):
- * the e4m3 bytes, zeros to the 256-byte boundary, then one f32 scale per
- * 128 x 128 block. quantize_rows: x [rows][k] into e4m3 bytes q [rows][k]
+ * the e4m3 bytes [experts][n][k], zeros to the 256-byte boundary, their
+ * transpose [experts][k][n], zeros to the 256-byte boundary, then one f32
+ * scale per 128 x 128 block. quantize_rows: x [rows][k] into e4m3 bytes q [rows][k]
  * and scales [rows][k/128] (one per 128 of a row). Bytes and scales equal
  * the cpu engine's (kernels/common/fp8_e4m3.h). */
 int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n, int k, void *packed,

@@ -860,9 +860,10 @@ static float bf16_value(uint16_t b) {
 }
 
 /* The GPU quantisers against the header's arithmetic on the host (the one
- * the cpu engine runs): every byte of the packed weight (zero gap and
- * scales included) and of the quantised rows; decoded values within e4m3's
- * precision of their inputs; bad calls refused. */
+ * the cpu engine runs): every byte of the packed weight (its e4m3 bytes,
+ * their transpose, the zero gaps and the scales) and of the quantised rows;
+ * decoded values within e4m3's precision of their inputs; bad calls
+ * refused. */
 static void test_fp8_quantizers(cudaStream_t stream) {
   const int E = 3, N = 256, K = 384, rows = 37, KR = 640;
   std::vector<uint16_t> w((size_t)E * N * K), x((size_t)rows * KR);
@@ -873,6 +874,7 @@ static void test_fp8_quantizers(cudaStream_t stream) {
   for (size_t i = 0; i < x.size(); i++) x[i] = fp8_test_value((i / KR) * (KR / 128) + (i % KR) / 128);
   const size_t packed_bytes = (size_t)mok_fp8_weight_bytes(E, N, K);
   const size_t at = (size_t)mok_fp8_scales_offset(E, N, K);
+  const size_t t_at = (size_t)mok_fp8_transposed_offset(E, N, K);
   std::vector<unsigned char> want(packed_bytes, 0);
   size_t close = 0, normal = 0;
   for (int e = 0; e < E; e++)
@@ -889,6 +891,8 @@ static void test_fp8_quantizers(cudaStream_t stream) {
             const size_t i = ((size_t)e * N + nb * 128 + n) * K + kb * 128 + k;
             const float v = bf16_value(w[i]);
             want[i] = mok_fp8_quantize(v, ex);
+            /* the transposed section: byte (e, k, n) is byte (e, n, k) */
+            want[t_at + ((size_t)e * K + kb * 128 + k) * N + nb * 128 + n] = want[i];
             const float back = mok_fp8_decode(want[i]) * sc;
             if (isfinite(v) && fabsf(v) > amax / 64.0f) {
               normal++;
@@ -907,9 +911,11 @@ static void test_fp8_quantizers(cudaStream_t stream) {
   MOK_CHECK(mok_k_fp8_quantize_weight((const mok_k_bf16 *)dw, E, N, K, dp, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<unsigned char> got = download_raw(dp, packed_bytes);
-  size_t bad = 0;
+  size_t bad = 0, bad_t = 0;
   for (size_t i = 0; i < packed_bytes; i++) bad += got[i] != want[i];
-  EXPECT(bad == 0, "fp8: %zu of %zu packed-weight bytes differ from the host's", bad, packed_bytes);
+  for (size_t i = t_at; i < at; i++) bad_t += got[i] != want[i];
+  EXPECT(bad == 0, "fp8: %zu of %zu packed-weight bytes differ from the host's (%zu of them in "
+         "the transposed section)", bad, packed_bytes, bad_t);
 
   std::vector<unsigned char> wq((size_t)rows * KR);
   std::vector<float> wsc((size_t)rows * (KR / 128));
