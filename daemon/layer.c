@@ -29,14 +29,24 @@ int mok_layer_check_fp8_blocks(const mok_layer_config *cfg, char *err, size_t er
              dims[i].name, dims[i].v, MOK_FP8_BLOCK, MOK_FP8_BLOCK);
     return MOK_EINVAL;
   }
-  /* a packed weight is one u8 dimension, which the wire holds in 32 bits */
-  uint64_t E = cfg->local_experts;
-  uint64_t bytes = mok_fp8_weight_bytes(E, cfg->intermediate, cfg->hidden);
-  if (bytes > UINT32_MAX) {
+  /* a packed weight (its e4m3 bytes in both orientations, then its scales)
+   * is one u8 dimension, which the wire holds in 32 bits; w_up and w_down
+   * are w_gate's size, s_up and s_down s_gate's */
+  const struct {
+    const char *name, *advice;
+    uint64_t bytes;
+  } packed[] = {
+      {"w_gate", "fewer experts per layer (expert parallelism) or smaller H, I",
+       mok_fp8_weight_bytes(cfg->local_experts, cfg->intermediate, cfg->hidden)},
+      {"s_gate", "a smaller H or shared_intermediate",
+       mok_fp8_weight_bytes(1, cfg->shared_intermediate, cfg->hidden)},
+  };
+  for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
+    if (packed[i].bytes <= UINT32_MAX) continue;
     snprintf(err, errlen,
-             "an fp8 layer's packed w_gate would be %llu bytes, more than the 4 GiB one tensor "
-             "dimension holds: use fewer experts per layer (expert parallelism) or smaller H, I",
-             (unsigned long long)bytes);
+             "an fp8 layer's packed %s would be %llu bytes (its e4m3 bytes and their transpose, "
+             "then its scales), more than the 4 GiB one tensor dimension holds: use %s",
+             packed[i].name, (unsigned long long)packed[i].bytes, packed[i].advice);
     return MOK_ELIMIT;
   }
   return MOK_OK;

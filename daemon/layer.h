@@ -18,7 +18,9 @@
 int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen);
 /* An fp8 layer's dimensions are whole FP8 blocks (H, I and I_s multiples of
  * MOK_FP8_BLOCK; I_s may be 0): MOK_OK, or MOK_EINVAL naming the dimension;
- * MOK_ELIMIT when a packed weight would pass 4 GiB (one wire dimension).
+ * MOK_ELIMIT when a packed weight (routed or shared; both orientations
+ * and the scales, mok_fp8_weight_bytes) would pass 4 GiB (one wire
+ * dimension).
  * mok_layer_validate checks it; the cpu engine repeats it for direct jobs. */
 int mok_layer_check_fp8_blocks(const mok_layer_config *cfg, char *err, size_t errlen);
 

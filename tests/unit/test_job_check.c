@@ -397,9 +397,23 @@ static void test_fp8_layers_need_whole_blocks(void) {
   CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
   c.shared_intermediate = 0;
   CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
-  c.experts = 4096, c.hidden = c.intermediate = 1024; /* packed w_gate: 4 GiB + scales */
+  c.experts = 4096, c.hidden = c.intermediate = 1024; /* packed w_gate: 2 x 4 GiB + scales */
   CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_ELIMIT);
   CHECK_STR_CONTAINS(err, "more than the 4 GiB one tensor dimension holds");
+  /* both orientations count: 2 x 2 GiB + scales is refused, 2 x 1 GiB + scales is not */
+  c.experts = 2048;
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_ELIMIT);
+  CHECK_STR_CONTAINS(err, "an fp8 layer's packed w_gate would be 4295491584 bytes");
+  c.experts = 1024;
+  CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
+  /* the shared expert's weights too: s_gate [32768, 65536] twice is 4 GiB + scales */
+  c.experts = 4, c.intermediate = 128, c.hidden = 65536, c.shared_intermediate = 32768;
+  CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_ELIMIT);
+  CHECK_STR_CONTAINS(err, "packed s_gate would be");
+  CHECK_STR_CONTAINS(err, "use a smaller H or shared_intermediate");
+  c.shared_intermediate = 16384;
+  CHECK_MSG(mok_layer_validate(&c, err, sizeof err) == MOK_OK, "%s", err);
+  c.shared_intermediate = 0;
   c.experts = 4, c.hidden = 256, c.intermediate = 384;
   c.dtype = MOK_DTYPE_U8; /* not a layer dtype */
   CHECK_EQ_INT(mok_layer_validate(&c, err, sizeof err), MOK_EINVAL);
