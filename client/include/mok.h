@@ -251,7 +251,8 @@ MOK_EXTERN int mok_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
  * and quantises each into its packed buffer after every optimizer step. */
 
 /* The bytes of the packed form of weight_slot (MOK_SLOT_W_GATE ..
- * MOK_SLOT_S_DOWN) of an fp8 layer; 0 for another layer or slot.
+ * MOK_SLOT_S_DOWN) of an fp8 layer (its e4m3 bytes in both orientations,
+ * then its block scales: proto/mok_layout.h); 0 for another layer or slot.
  * mok_tensor_for gives that slot's packed tensor too. */
 MOK_EXTERN uint64_t mok_layer_packed_weight_bytes(const mok_layer *l, uint32_t weight_slot);
 /* A quantize_weight job: the bf16 weight (in the shape a bf16 layer takes
