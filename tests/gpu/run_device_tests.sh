@@ -4,7 +4,8 @@
 #   1. the kernel library's own tests (tests/gpu/run_kernel_tests.sh)
 #   2. mokd --engine cuda + tests/gpu/test_cuda_engine through libmok:
 #      correctness vs ref64 and the cpu engine, single-step chain, determinism,
-#      errors, stream fences, host-memfd and device (IPC) memory
+#      errors, stream fences, host-memfd and device (IPC) memory; fp8 layers
+#      (the fp8 step) against the cpu engine's fp8 recipe and ref64
 #   3. 4 concurrent client processes, without and with MPS: same bits
 #   4. a client fence that never comes (MOK_FENCE_TIMEOUT_MS) -> ETIMEOUT
 #   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py)
@@ -19,7 +20,7 @@
 # and prints a summary. Binaries: $MOK_DEVBUILD (default .devbuild, built on a
 # development machine with tests/gpu/build_device.sh and copied here), else `make`.
 #
-#   tests/gpu/run_device_tests.sh [--out DIR] [STEP...]   STEP: kernels correct concurrent fence
+#   tests/gpu/run_device_tests.sh [--out DIR] [STEP...]   STEP: kernels correct fp8 concurrent fence
 #                                             python sanitize time ep hostile hostile_mps
 #                                             hostile_memcheck watchdog workspace
 #                                             (default: all of them)
@@ -63,6 +64,15 @@ step_correct() {
   local rc=${PIPESTATUS[0]}
   stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
   record correct "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
+step_fp8() {
+  note "mokd --engine cuda: fp8 layers through libmok"
+  start_mokd || { record fp8 "FAIL (mokd)"; return; }
+  timeout 300 "$TEST" fp8 2>&1 | tee "$LOGS/fp8.log"
+  local rc=${PIPESTATUS[0]}
+  stop_mokd || { echo "mokd exit status non-zero"; rc=1; }
+  record fp8 "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
 concurrent_hashes() { # label -> prints "label: N distinct hashes" ; returns 0 when one
@@ -170,12 +180,12 @@ step_isolation() { # STEP
 }
 
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(kernels correct concurrent fence python sanitize time ep hostile
+[ ${#steps[@]} = 0 ] && steps=(kernels correct fp8 concurrent fence python sanitize time ep hostile
   hostile_mps hostile_memcheck watchdog workspace)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 for s in "${steps[@]}"; do
   case $s in
-    kernels|correct|concurrent|fence|sanitize|python|time|ep) "step_$s" ;;
+    kernels|correct|fp8|concurrent|fence|sanitize|python|time|ep) "step_$s" ;;
     hostile|hostile_mps|hostile_memcheck|watchdog|workspace) step_isolation "$s" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
