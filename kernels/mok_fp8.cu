@@ -103,25 +103,27 @@ extern "C" int mok_k_fp8_quantize_weight(const mok_k_bf16 *w, int experts, int n
   return mok_k_launch_status();
 }
 
-/* Rows of x [rows][K], two 128-element blocks a CTA (blockIdx.x: a pair of
- * blocks; rows from blockIdx.y in steps of gridDim.y); each thread takes one
- * element. */
+/* Rows of x [rows][K]: one warp per 128-element block (lane i: elements
+ * 4i .. 4i+3, one 8-byte load and one 4-byte store), the block's amax a
+ * warp reduction; blocks in grid-stride order. No shared memory and no
+ * block barrier, so the kernel streams at copy speed. */
+#define FP8_ROW_WARPS (FP8_THREADS / 32)
 __global__ void __launch_bounds__(FP8_THREADS)
-    fp8_rows_kernel(const __nv_bfloat16 *__restrict__ x, int rows, int K,
+    fp8_rows_kernel(const __nv_bfloat16 *__restrict__ x, long long blocks,
                     uint8_t *__restrict__ q, float *__restrict__ scales) {
-  const int half = threadIdx.x >> 7, kb = 2 * blockIdx.x + half;
-  const bool in = kb < K / 128;
-  for (int row = blockIdx.y; row < rows; row += gridDim.y) {
-    const size_t at = (size_t)row * K + (size_t)kb * 128 + (threadIdx.x & 127);
-    const float v = in ? __bfloat162float(x[at]) : 0.0f;
-    /* the amax of this thread's 128-element half: warps 0-3 or 4-7 */
-    const float amax = warps_amax(fabsf(v), 4 * half, 4);
-    __syncthreads(); /* warps_amax's table is written again for the next row */
-    if (in) {
-      const int ex = mok_fp8_scale_exp(amax);
-      q[at] = mok_fp8_quantize(v, ex);
-      if ((threadIdx.x & 127) == 0) scales[(size_t)row * (K / 128) + kb] = mok_fp8_pow2(ex);
-    }
+  const int lane = threadIdx.x & 31;
+  for (long long b = (long long)blockIdx.x * FP8_ROW_WARPS + (threadIdx.x >> 5); b < blocks;
+       b += (long long)gridDim.x * FP8_ROW_WARPS) {
+    const size_t at = (size_t)b * 128 + 4 * lane; /* blocks of a row are contiguous */
+    const uint2 raw = *(const uint2 *)(x + at);
+    const __nv_bfloat162 *p2 = (const __nv_bfloat162 *)&raw;
+    const float2 a = __bfloat1622float2(p2[0]), c = __bfloat1622float2(p2[1]);
+    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(c.x), fabsf(c.y)));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int ex = mok_fp8_scale_exp(amax);
+    *(uint32_t *)(q + at) =
+        (uint32_t)mok_fp8_quantize2(a.x, a.y, ex) | (uint32_t)mok_fp8_quantize2(c.x, c.y, ex) << 16;
+    if (lane == 0) scales[b] = mok_fp8_pow2(ex);
   }
 }
 
@@ -129,7 +131,11 @@ extern "C" int mok_k_fp8_quantize_rows(const mok_k_bf16 *x, int rows, int k, uin
                                        float *scales, mok_k_stream stream) {
   if (rows < 0 || k < 128 || k % 128 || (rows > 0 && (!x || !q || !scales))) return MOK_EINVAL;
   if (rows == 0) return MOK_OK;
-  fp8_rows_kernel<<<dim3((unsigned)((k / 128 + 1) / 2), (unsigned)(rows < 65535 ? rows : 65535)),
-                    FP8_THREADS, 0, stream>>>((const __nv_bfloat16 *)x, rows, k, q, scales);
+  if (!mok_k_aligned16(x) || ((uintptr_t)q & 3u)) return MOK_EINVAL;
+  /* row r's block kb is block r * (k/128) + kb of the whole: scales [rows][k/128] */
+  const long long blocks = (long long)rows * (k / 128);
+  const long long ctas = (blocks + FP8_ROW_WARPS - 1) / FP8_ROW_WARPS;
+  fp8_rows_kernel<<<(unsigned)(ctas < 8192 ? ctas : 8192), FP8_THREADS, 0, stream>>>(
+      (const __nv_bfloat16 *)x, blocks, q, scales);
   return mok_k_launch_status();
 }

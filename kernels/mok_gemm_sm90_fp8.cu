@@ -158,8 +158,7 @@ __device__ static inline void f8_quantize_row(const __nv_bfloat162 (&v)[16], boo
 #pragma unroll
   for (int j = 0; j < 16; j++) {
     const float2 f = __bfloat1622float2(v[j]);
-    const uint16_t b = used ? (uint16_t)(mok_fp8_quantize(f.x, ex) | (mok_fp8_quantize(f.y, ex) << 8))
-                            : (uint16_t)0;
+    const uint16_t b = used ? mok_fp8_quantize2(f.x, f.y, ex) : (uint16_t)0;
     *(uint16_t *)(q + 8 * j + cq) = b;
   }
   if ((threadIdx.x & 3) == 0) *qs = used ? mok_fp8_pow2(ex) : 0.0f;
@@ -310,15 +309,24 @@ __device__ static void f8_consume(const f8_params &p, uint32_t base, uint32_t ba
     const bool u0 = r0 < b.used_end, u1 = r1 < b.used_end;
     const float *sa0 = p.sa + (long long)r0 * kblocks, *sa1 = p.sa + (long long)r1 * kblocks;
     const long long eb = b.e < 0 ? 0 : b.e;
+    /* k block kb's scales, loaded a block ahead: their latency (L2) never
+     * waits between the stage's arrival and the products (measured: no
+     * change at the bench shapes, kernels/PERF.md "FP8 layer") */
+    float na0 = 0.0f, na1 = 0.0f, nsb = 0.0f;
+    auto load_scales = [&](int hf, int kb) {
+      int kk;
+      const mok__f8_b &bw = f8_second<MODE>(p, hf, kb, &kk) ? p.b1 : p.b0;
+      nsb = bw.scales[eb * bw.se + nb * bw.sn + kk * bw.sk];
+      na0 = u0 ? sa0[kb] : 0.0f;
+      na1 = u1 ? sa1[kb] : 0.0f;
+    };
     for (int hf = 0; hf < f8_halves<MODE>(); hf++) {
 #pragma unroll
       for (int i = 0; i < 64; i++) sum[i] = 0.0f;
+      if (nk > 0) load_scales(hf, 0);
       for (int kb = 0; kb < nk; kb++) {
-        /* this block's scales: issued before the wait, used after the products */
-        int kk;
-        const mok__f8_b &bw = f8_second<MODE>(p, hf, kb, &kk) ? p.b1 : p.b0;
-        const float sb = bw.scales[eb * bw.se + nb * bw.sn + kk * bw.sk];
-        const float s0 = u0 ? sa0[kb] * sb : 0.0f, s1 = u1 ? sa1[kb] * sb : 0.0f;
+        const float s0 = na0 * nsb, s1 = na1 * nsb;
+        if (kb + 1 < nk) load_scales(hf, kb + 1);
         mbar_wait(bars + 8 * s, ph);
         const uint32_t st = base + s * F8_STAGE_BYTES;
         const uint64_t da = wgmma_desc_k128(st + cw * 64 * 128), db = wgmma_desc_k128(st + F8_A_BYTES);

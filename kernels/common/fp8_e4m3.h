@@ -108,4 +108,26 @@ MOK_FP8_FN int mok_fp8_scale_exp(float amax) {
  * the product one f32 rounding (exact unless far below e4m3's range). */
 MOK_FP8_FN uint8_t mok_fp8_quantize(float x, int e) { return mok_fp8_encode(x * mok_fp8_pow2(-e)); }
 
+#ifdef __CUDACC__
+/* Two encodes at once by the hardware's cvt.rn.satfinite.e4m3x2.f32 (byte
+ * 0: a, byte 1: b): the same bytes as mok_fp8_encode for every f32, NaN
+ * aside (the hardware's NaN has no sign), so NaN keeps the software path.
+ * tests/gpu/test_kernels holds the two equal over all 2^32 inputs. */
+__device__ __forceinline__ uint16_t mok_fp8_encode2(float a, float b) {
+  uint16_t r;
+#ifdef __CUDA_ARCH__
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
+  if (__builtin_expect(a != a || b != b, 0))
+#endif
+    r = (uint16_t)(mok_fp8_encode(a) | (uint16_t)mok_fp8_encode(b) << 8);
+  return r;
+}
+
+/* e4m3(a * 2^-e), e4m3(b * 2^-e): mok_fp8_quantize of each, two at once */
+__device__ __forceinline__ uint16_t mok_fp8_quantize2(float a, float b, int e) {
+  const float s = mok_fp8_pow2(-e);
+  return mok_fp8_encode2(a * s, b * s);
+}
+#endif
+
 #endif /* MOK_FP8_E4M3_H */

@@ -864,6 +864,41 @@ static float bf16_value(uint16_t b) {
  * their transpose, the zero gaps and the scales) and of the quantised rows;
  * decoded values within e4m3's precision of their inputs; bad calls
  * refused. */
+/* The hardware encode (mok_fp8_encode2) against the definition
+ * (mok_fp8_encode) over every f32 bit pattern: mismatches counted, the
+ * first few kept. */
+__global__ void fp8_encode_all_kernel(unsigned long long *bad, uint32_t *first) {
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const float f = mok_fp8_f32_of_bits((uint32_t)i);
+    const uint16_t hw = mok_fp8_encode2(f, -f);
+    const uint16_t sw = (uint16_t)(mok_fp8_encode(f) | (uint16_t)mok_fp8_encode(-f) << 8);
+    if (hw != sw) {
+      const unsigned long long k = atomicAdd(bad, 1ull);
+      if (k < 4) first[k] = (uint32_t)i;
+    }
+  }
+}
+
+static void test_fp8_encode_all(cudaStream_t stream) {
+  unsigned long long *dbad, bad = 0;
+  uint32_t *dfirst, first[4] = {0, 0, 0, 0};
+  CUDA_CHECK(cudaMalloc(&dbad, 8));
+  CUDA_CHECK(cudaMalloc(&dfirst, 16));
+  CUDA_CHECK(cudaMemsetAsync(dbad, 0, 8, stream));
+  fp8_encode_all_kernel<<<4096, 256, 0, stream>>>(dbad, dfirst);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpyAsync(&bad, dbad, 8, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaMemcpyAsync(first, dfirst, 16, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  printf("fp8: hardware e4m3 encode vs the definition over all 2^32 f32 (and their negations): "
+         "%llu differ\n", bad);
+  EXPECT(bad == 0, "fp8: the hardware encode differs from mok_fp8_encode on %llu inputs "
+         "(first 0x%08x 0x%08x)", bad, first[0], first[1]);
+  CUDA_CHECK(cudaFree(dbad));
+  CUDA_CHECK(cudaFree(dfirst));
+}
+
 static void test_fp8_quantizers(cudaStream_t stream) {
   const int E = 3, N = 256, K = 384, rows = 37, KR = 640;
   std::vector<uint16_t> w((size_t)E * N * K), x((size_t)rows * KR);
@@ -1366,6 +1401,7 @@ int main(int argc, char **argv) {
   if (!strcmp(mode, "correct")) {
     test_layout();
     test_moves(stream);
+    test_fp8_encode_all(stream);
     test_fp8_quantizers(stream);
     for (size_t i = 0; i < sizeof small_shapes / sizeof small_shapes[0]; i++)
       test_shape(&small_shapes[i], 5, stream);
