@@ -4,7 +4,8 @@
 MoEFunction (torch.autograd.Function) runs one layer's forward and backward
 as mokd jobs on torch.cuda.current_stream(), every tensor named in place
 (zero copy), or CPU tensors through the binding's numpy path on the cpu engine;
-MoE is the nn.Module holding the expert weights as bf16 Parameters. Design notes:
+MoE is the nn.Module holding the expert weights as bf16 Parameters (the masters of an
+fp8 layer, whose packed forms the module keeps beside them). Design notes:
 docs/torch.md.
 """
 from __future__ import annotations
@@ -182,6 +183,35 @@ def _shared_group(client, pg, sizing):
     return g, 0
 
 
+_WEIGHTS = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8": "fp8", "float8_e4m3fn": "fp8"}
+
+
+def _module_dtype(dtype):
+    """"bfloat16" or "fp8" for MoE(dtype=...): the names the binding takes for those two,
+    or torch.bfloat16 / torch.float8_e4m3fn."""
+    if isinstance(dtype, torch.dtype):
+        name = {torch.bfloat16: "bfloat16",
+                getattr(torch, "float8_e4m3fn", None): "fp8"}.get(dtype)
+    else:
+        name = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
+    if name is None:
+        raise ValueError("mok.torch.MoE: dtype must be \"bfloat16\" (the default) or \"fp8\" "
+                         "(also \"float8_e4m3fn\"; block-scaled e4m3 GEMMs, docs/math.md), "
+                         "got %r" % (dtype,))
+    return name
+
+
+class _Packed:
+    """One weight's packed fp8 form: the u8 buffer (allocated once), the master it was
+    quantised from (a weak reference), that master's (_version, data_ptr) then, and how
+    many times the buffer was written."""
+    __slots__ = ("buf", "src", "key", "generation")
+
+    def __init__(self, buf):
+        self.buf, self.src, self.key, self.generation = buf, None, None, 0
+
+
 def _np(t):
     """A CPU tensor as a numpy array over the same memory (bf16 as uint16 bit patterns)."""
     t = t.detach()
@@ -193,13 +223,15 @@ def _np(t):
 
 
 class _Slot:
-    """The mok layer of one MoE module; re-created larger when T grows."""
+    """The mok layer of one MoE module; re-created larger when T grows. An fp8 slot also
+    holds the packed weights (pack)."""
 
     def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
-                 swiglu_limit, max_tokens, group=None, group_tag=0):
+                 swiglu_limit, max_tokens, group=None, group_tag=0, dtype="bfloat16"):
         self.client = client
+        self.fp8 = dtype == "fp8"
         self.args = dict(hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
-                         shared_intermediate=shared_intermediate, dtype="bfloat16",
+                         shared_intermediate=shared_intermediate, dtype=dtype,
                          swiglu_limit=swiglu_limit)
         if group is not None:
             # a layer on a group cannot grow past the group's buffers
@@ -210,6 +242,9 @@ class _Slot:
         self.max_tokens = max_tokens
         self.layer = None
         self.lock = threading.Lock()
+        self.packed = {}  # weight slot -> _Packed (fp8)
+        self.quantizations = 0  # quantize_weight jobs run for this slot
+        self.pack_lock = threading.Lock()
 
         self.standing = {}  # (layer, op, T, flags, addresses) -> mok Standing (capture)
 
@@ -223,6 +258,65 @@ class _Slot:
                 # a layer still referenced by a pending backward stays alive until it ran
                 self.layer = self.client.layer(max_tokens=n, **self.args)
             return self.layer
+
+    # ---- fp8: the packed weights (docs/torch.md "FP8 layers") ----
+    def pack(self, layer, masters, force=False):
+        """The packed forms of an fp8 layer's weights, masters {slot: bf16 tensor or None}:
+        ({slot: u8 tensor}, {slot: generation}). A weight is quantised (layer.quantize_weight,
+        into its buffer, allocated once per weight and device) only when its master is
+        another tensor, or the same one at another _version or data_ptr, than at its last
+        quantisation: once per optimizer step, none while the weights stay as they are."""
+        bufs, gens = {}, {}
+        with self.pack_lock:
+            for name, w in masters.items():
+                if w is None:
+                    continue
+                n = layer.packed_weight_bytes(name)  # the library's size, whatever the layout
+                e = self.packed.get(name)
+                if e is None or e.buf.numel() != n or e.buf.device != w.device:
+                    e = self.packed[name] = _Packed(torch.empty(n, dtype=torch.uint8,
+                                                                device=w.device))
+                key = (w._version, w.data_ptr())
+                if force or e.key != key or e.src is None or e.src() is not w:
+                    _quantize(layer, name, w, e.buf)
+                    e.src, e.key = weakref.ref(w), key
+                    e.generation += 1
+                    self.quantizations += 1
+                bufs[name], gens[name] = e.buf, e.generation
+        return bufs, gens
+
+    def packed_now(self, names, gens=None):
+        """The packed buffers as they are (for a backward). gens: the generations a forward
+        used; a buffer written since raises (the backward would read other weights)."""
+        with self.pack_lock:
+            out = {}
+            for name in names:
+                e = self.packed.get(name)
+                if e is None:
+                    raise Error("EINVAL", "mok.torch: no packed %s for this fp8 backward (no "
+                                "forward quantised it)" % name)
+                if gens is not None and gens.get(name) != e.generation:
+                    raise RuntimeError(
+                        "mok.torch.MoE(dtype='fp8'): %s was quantised again (its master "
+                        "changed) between this forward and its backward; the backward would "
+                        "run on the new weights. Run backward before the optimizer step and "
+                        "before the next forward that follows a change of the weights" % name)
+                out[name] = e.buf
+            return out
+
+
+def _quantize(layer, name, w, buf):
+    """quantize_weight of master w into buf (u8 of packed_weight_bytes(name))."""
+    if w.dtype != torch.bfloat16 or tuple(w.shape) != layer._master_shape(name):
+        raise Error("ESHAPE", "mok.torch: the fp8 master %s must be bf16 of shape %s, got %s "
+                    "%s" % (name, layer._master_shape(name), w.dtype, tuple(w.shape)))
+    if w.is_cuda:
+        # not reached today: the cuda engine refuses fp8 layers at creation
+        raise Error("EUNSUPPORTED", "mok.torch: quantize_weight of CUDA tensors is not "
+                    "wired (the cuda engine has no fp8 layers yet)")
+    with torch.no_grad():
+        layer.quantize_weight(name, _np(w), out=_np(buf))
+
 
 # ---- the jobs, on CUDA tensors (the torch path of the binding) or CPU ones (numpy) -------
 
@@ -253,8 +347,8 @@ def _ctx_region(layer, T, t):
 
 
 def _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute):
-    """One forward job; ws {slot: tensor}: the tensors of the weight slots. Returns (out,
-    the saved ctx as a uint8 tensor or None)."""
+    """One forward job; ws {slot: tensor}: the weight slots (bf16 masters, or the packed u8
+    weights of an fp8 layer). Returns (out, the saved ctx as a uint8 tensor or None)."""
     T = x.shape[0]
     w = {k: v for k, v in ws.items() if v is not None}
     out = torch.empty_like(x)
@@ -276,8 +370,8 @@ def _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute):
 
 def _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out, masters):
     """One backward job: saved is topk_ids (recompute) or the forward's ctx tensor; ws the
-    weight slots as in forward; the weight gradients take the shapes of masters (the
-    module's weights). Returns {gradient name: fresh tensor}."""
+    weight slots as in forward; the weight gradients take the masters' shapes (bf16 on an
+    fp8 layer too). Returns {gradient name: fresh tensor}."""
     w = {k: v for k, v in ws.items() if v is not None}
     names = list(_GRAD_NAMES[:5]) + (list(_GRAD_NAMES[5:]) if "s_gate" in w else [])
     like = dict(masters, x=x, router_weights=router_weights)
@@ -321,7 +415,9 @@ class MoEFunction(torch.autograd.Function):
     """out = MoE(x, topk_ids, router_weights; w_gate, w_up, w_down[, s_gate, s_up, s_down])
     through mokd (docs/design.md#the-layer). Call through moe() or MoE; arguments must already be
     contiguous tensors of the slot dtypes (bf16, int32, float32), all CUDA (the cuda engine,
-    in place) or all CPU (the binding's numpy path, the cpu engine)."""
+    in place) or all CPU (the binding's numpy path, the cpu engine). On an fp8 slot the
+    weights are the bf16 masters: the jobs take their packed forms (_Slot.pack), and the
+    weight gradients are the masters' (bf16)."""
 
     @staticmethod
     def forward(ctx, slot, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
@@ -334,11 +430,14 @@ class MoEFunction(torch.autograd.Function):
                                      s_up, s_down))
         T = x.shape[0]
         layer = slot.layer_for(T)
-        ws = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
-                  s_down=s_down)
+        masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
+                       s_down=s_down)
+        ws, gens = slot.pack(layer, masters) if slot.fp8 else (masters, None)
         out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
         ctx.slot, ctx.layer, ctx.recompute, ctx.tokens = slot, layer, recompute, T
-        # saved mode: the uint8 ctx (schedule + activations) replaces topk_ids
+        ctx.gens = gens
+        # saved mode: the uint8 ctx (schedule + activations) replaces topk_ids; the masters
+        # are kept on an fp8 layer too (their version counters catch an in-place change)
         ctx.save_for_backward(topk_ids if recompute else region, x, router_weights, w_gate,
                               w_up, w_down, s_gate, s_up, s_down)
         return out
@@ -350,9 +449,12 @@ class MoEFunction(torch.autograd.Function):
         if x.is_cuda:
             _check_capture("backward")
             d_out = aligned(d_out)
-        ws = dict(w_gate=wg, w_up=wu, w_down=wd, s_gate=sg, s_up=su, s_down=sd)
+        masters = dict(w_gate=wg, w_up=wu, w_down=wd, s_gate=sg, s_up=su, s_down=sd)
+        ws = masters
+        if ctx.gens is not None:  # fp8: the packed weights this forward ran on
+            ws = ctx.slot.packed_now(list(ctx.gens), ctx.gens)
         out = _run_backward(ctx.slot, ctx.layer, ctx.tokens, ctx.recompute, saved, x, rw, ws,
-                            d_out, ws)
+                            d_out, masters)
         need = ctx.needs_input_grad
         g = [out["d_x"], None, out["d_router_weights"], out["d_w_gate"], out["d_w_up"],
              out["d_w_down"], out.get("d_s_gate"), out.get("d_s_up"), out.get("d_s_down")]
@@ -374,7 +476,7 @@ def moe(slot: _Slot, x: torch.Tensor, topk_ids: torch.Tensor, router_weights: to
     float dtype), topk_ids [..., K] (int32), router_weights [..., K] (float32); returns
     out [..., H] bf16. CUDA tensors run on the cuda engine (in place, on the current
     stream), CPU tensors through the binding's numpy path (the cpu engine); all on one
-    device."""
+    device. On an fp8 slot the weights are the bf16 masters (quantised as _Slot.pack says)."""
     H = x.shape[-1]
     K = topk_ids.shape[-1]
     lead = x.shape[:-1]
@@ -433,7 +535,17 @@ class MoE(torch.nn.Module):
     sizes the group), group_options passes timeout_ms, capacity, ring_rows, transport or
     agree_timeout_s to the join, and every MoE on the same process group, client and
     sizing shares one mok group; group_tag=None gives each the next tag in creation order
-    (0, 1, ...)."""
+    (0, 1, ...).
+
+    dtype="fp8" (or "float8_e4m3fn", torch.float8_e4m3fn) runs an fp8 layer (block-scaled
+    e4m3 GEMMs, docs/math.md "FP8"): the Parameters stay the bf16 masters (the optimizer
+    updates them; their gradients are bf16 as before), and the module keeps one packed
+    uint8 buffer per weight beside them (packed_weights), written by the layer's
+    quantize_weight job at a forward whenever the master changed since its last
+    quantisation (torch's version counter or data_ptr: one quantisation per weight per
+    optimizer step). The jobs take the packed buffers in the weight slots. Refused with
+    group= and with backend="torch"; the cpu engine runs fp8 layers (CPU tensors),
+    H, I and I_s multiples of 128. CUDA graph capture of an fp8 module is refused."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
@@ -441,10 +553,21 @@ class MoE(torch.nn.Module):
                  max_tokens: Optional[int] = None,
                  device: Optional[Union[str, int, torch.device]] = None,
                  group=None, group_tag: Optional[int] = None,
-                 group_options: Optional[dict] = None) -> None:
+                 group_options: Optional[dict] = None,
+                 dtype: Union[str, torch.dtype] = "bfloat16") -> None:
         super().__init__()
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        dtype = _module_dtype(dtype)
+        if dtype == "fp8" and group is not None:
+            # before any join: a process group's join is collective
+            raise ValueError("mok.torch.MoE: dtype='fp8' with group= is not supported yet: mokd "
+                             "refuses fp8 layers on expert-parallel groups; use "
+                             "dtype='bfloat16' on a group, or fp8 without one")
+        if dtype == "fp8" and backend != "mokd":
+            raise ValueError("mok.torch.MoE: dtype='fp8' needs backend='mokd' (backend='torch' "
+                             "runs moe_reference, the bf16 layer)")
+        self.dtype = dtype
         if group is not None and not isinstance(group, Group):
             import torch.distributed as tdist
             if not isinstance(group, tdist.ProcessGroup):
@@ -524,6 +647,7 @@ class MoE(torch.nn.Module):
                                  "" if self.swiglu_limit is None else ", swiglu_limit=%g" %
                                  self.swiglu_limit, self.backend,
                                  ", recompute" if self.recompute else "") + \
+            (", dtype=fp8" if self.dtype == "fp8" else "") + \
             ("" if self.group is None else ", group rank %d of %d, tag %d" %
              (self.group.rank, self.group.world, self.group_tag))
 
@@ -542,8 +666,38 @@ class MoE(torch.nn.Module):
         if self._slot is None:
             self._slot = _Slot(self.client, self.hidden, self.intermediate, self.experts,
                                self.topk, self.shared_intermediate, self.swiglu_limit,
-                               self._max_tokens, self.group, self.group_tag)
+                               self._max_tokens, self.group, self.group_tag, self.dtype)
         return self._slot
+
+    def _masters(self):
+        return {n: getattr(self, n) for n in _WEIGHTS}
+
+    # ---- fp8: the packed weights beside the bf16 masters ----
+    @property
+    def quantizations(self) -> int:
+        """quantize_weight jobs this module has run (fp8; 0 for bf16): one per weight whose
+        master changed, at the next forward (docs/torch.md "FP8 layers")."""
+        return self._slot.quantizations if self._slot is not None else 0
+
+    @property
+    def packed_weights(self) -> dict:
+        """{weight name: its packed uint8 tensor} (fp8: the buffers the layer's jobs take in
+        the weight slots, written by quantize_weight; empty before the first forward)."""
+        if self._slot is None:
+            return {}
+        with self._slot.pack_lock:
+            return {n: e.buf for n, e in self._slot.packed.items()}
+
+    def quantize_weights(self, force: bool = False) -> int:
+        """fp8: quantise now every weight whose master changed since its last quantisation
+        (every weight with force=True, e.g. after writes through .data, which torch's version
+        counter does not see); returns how many were quantised. A forward does this itself."""
+        if self.dtype != "fp8":
+            raise ValueError("mok.torch.MoE: quantize_weights() is for dtype='fp8' modules")
+        slot = self._get_slot()
+        before = slot.quantizations
+        slot.pack(slot.layer_for(1), self._masters(), force=force)
+        return slot.quantizations - before
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 router_weights: torch.Tensor) -> torch.Tensor:
@@ -560,8 +714,18 @@ class MoE(torch.nn.Module):
             if self.group is None:
                 return _forward_op(self, x, topk_ids, router_weights)
         elif _capturing(x):
+            if self.dtype == "fp8":
+                _refuse_fp8_capture()
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
+
+
+def _refuse_fp8_capture():
+    raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') under CUDA graph capture is not "
+                "supported: a replay would run the standing jobs on the packed weights of the "
+                "capture while the optimizer changes the masters, and quantize_weight has no "
+                "standing job (nor does the cuda engine run fp8 layers yet); run fp8 modules "
+                "eagerly or under torch.compile without CUDA graphs")
 
 
 @torch.compiler.disable
@@ -717,7 +881,8 @@ def _row_align(m, x):
 def _ctx_nbytes(m, T, row_align=128):
     """proto/mok_layout.h mok_ctx_bytes with the engine's row alignment (default the cuda
     engine's): the schedule (header, counts, offsets, row_slot, slot_row), then g and u of
-    the routed rows and of the shared expert (bf16), each part 256-aligned. Works on symbolic T too."""
+    the routed rows and of the shared expert (bf16; an fp8 layer's acts are bf16 too), each
+    part 256-aligned. Works on symbolic T too."""
     K, E, I, I_s = m.topk, m.w_gate.shape[0], m.intermediate, m.shared_intermediate
 
     def a256(v):
@@ -755,6 +920,8 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
     T = x.shape[0]
     layer = slot.layer_for(T)
     if _capturing(x):
+        if slot.fp8:
+            _refuse_fp8_capture()
         shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
         out = torch.empty_like(x)
         ctx = torch.empty(0 if recompute else layer.ctx_bytes(T), dtype=torch.uint8,
@@ -764,6 +931,10 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
         _standing_run(slot, layer, "forward", T, t, 0)
         return out, ctx
     ws = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up, s_down=s_down)
+    if slot.fp8:
+        # the module's own Parameters are the masters the packed cache follows (under
+        # torch.compile the op may see other tensor objects over the same memory)
+        ws, _ = slot.pack(layer, m._masters())
     out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
     if region is None:
         region = torch.empty(0, dtype=torch.uint8, device=x.device)
@@ -792,6 +963,8 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
     masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
                    s_down=s_down)
     if _capturing(x):
+        if slot.fp8:
+            _refuse_fp8_capture()
         ins = {k: v for k, v in dict(masters, x=x, router_weights=router_weights).items()
                if v is not None}
         names = list(_GRAD_NAMES[:5]) + (list(_GRAD_NAMES[5:]) if s_gate is not None else [])
@@ -805,7 +978,10 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
             t.update(ctx=saved)
             _standing_run(slot, layer, "backward", T, t, 0)
         return [out[n] for n in names]
-    out = _run_backward(slot, layer, T, recompute, saved, x, router_weights, masters, d_out,
+    ws = masters
+    if slot.fp8:  # the packed weights as the forward left them
+        ws = slot.packed_now([k for k, v in masters.items() if v is not None])
+    out = _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out,
                         masters)
     return list(out.values())
 
