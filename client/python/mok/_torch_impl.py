@@ -311,9 +311,10 @@ def _quantize(layer, name, w, buf):
         raise Error("ESHAPE", "mok.torch: the fp8 master %s must be bf16 of shape %s, got %s "
                     "%s" % (name, layer._master_shape(name), w.dtype, tuple(w.shape)))
     if w.is_cuda:
-        # not reached today: the cuda engine refuses fp8 layers at creation
-        raise Error("EUNSUPPORTED", "mok.torch: quantize_weight of CUDA tensors is not "
-                    "wired (the cuda engine has no fp8 layers yet)")
+        raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') on CUDA tensors is not "
+                    "supported yet: the module quantises its weights through the binding's "
+                    "quantize_weight, which takes host memory only; run fp8 modules on CPU "
+                    "tensors with a client on the cpu engine")
     with torch.no_grad():
         layer.quantize_weight(name, _np(w), out=_np(buf))
 
@@ -544,8 +545,8 @@ class MoE(torch.nn.Module):
     quantize_weight job at a forward whenever the master changed since its last
     quantisation (torch's version counter or data_ptr: one quantisation per weight per
     optimizer step). The jobs take the packed buffers in the weight slots. Refused with
-    group= and with backend="torch"; the cpu engine runs fp8 layers (CPU tensors),
-    H, I and I_s multiples of 128. CUDA graph capture of an fp8 module is refused."""
+    group= and with backend="torch"; CPU tensors with a client on the cpu engine only
+    (CUDA tensors and CUDA graph capture are refused); H, I and I_s multiples of 128."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
@@ -724,8 +725,8 @@ def _refuse_fp8_capture():
     raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') under CUDA graph capture is not "
                 "supported: a replay would run the standing jobs on the packed weights of the "
                 "capture while the optimizer changes the masters, and quantize_weight has no "
-                "standing job (nor does the cuda engine run fp8 layers yet); run fp8 modules "
-                "eagerly or under torch.compile without CUDA graphs")
+                "standing job; run fp8 modules eagerly or under torch.compile without CUDA "
+                "graphs")
 
 
 @torch.compiler.disable
