@@ -4,8 +4,9 @@
 # torch (CPU use of the PyPI build), numpy, pytest and transformers, then runs the
 # torch tests of tests/python against the build in $MOK_BUILD (default build/; make it
 # first): mok.distributed over gloo with cpu-engine mokd daemons, mok.torchtitan and
-# mok.hf_transformers against their references, mok.torch's import rules and staging.
-#   tests/python/ci_torch.sh OUTDIR        (about 65 s to install, 40 s to run)
+# mok.hf_transformers against their references, mok.torch's import rules and staging,
+# mok.torch.MoE(dtype="fp8") on CPU tensors with a cpu-engine mokd (test_torch_fp8.py).
+#   tests/python/ci_torch.sh OUTDIR        (about 65 s to install, 60 s to run)
 # Environment: TORCH_VERSION (2.11.0), TRANSFORMERS_VERSION (5.24.0; "none" skips it),
 # PIP_ARGS (extra pip arguments). Logs: OUTDIR/pip.log, OUTDIR/pytest.log. Exit status
 # 0 when every test passed; the last line is pytest's summary.
@@ -48,7 +49,8 @@ export MOK_BUILD="$BUILD" GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} OMP_NUM_T
 set +e
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs \
   tests/python/test_torch_distributed.py tests/python/test_torch_integrations_cpu.py \
-  tests/python/test_torch_import.py tests/python/test_torch_compile.py tests/python/test_binding.py 2>&1 | tee "$OUTDIR/pytest.log"
+  tests/python/test_torch_import.py tests/python/test_torch_compile.py tests/python/test_torch_fp8.py \
+  tests/python/test_binding.py 2>&1 | tee "$OUTDIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # a skip here means a missing piece, not a passing test
 if grep -q "SKIPPED" "$OUTDIR/pytest.log"; then

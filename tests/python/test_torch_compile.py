@@ -73,7 +73,8 @@ def test_fullgraph_traces_forward_and_backward(recompute):
     out_meta = [u for u in fw[0].users]
     vals = fw[0].meta["val"]
     assert tuple(vals[0].shape) == (T, H) and vals[0].dtype == torch.bfloat16
-    n_ctx = 0 if recompute else _torch_impl._ctx_nbytes(m.moe, T)
+    # CPU tensors: the ctx of the cpu engine, row alignment 1 (CUDA ones: the cuda engine's 128)
+    n_ctx = 0 if recompute else _torch_impl._ctx_nbytes(m.moe, T, row_align=1)
     assert tuple(vals[1].shape) == (n_ctx,) and vals[1].dtype == torch.uint8
     grads = bw[0].meta["val"]
     want = [(T, H), (T, 2), tuple(m.moe.w_gate.shape), tuple(m.moe.w_up.shape),
@@ -103,7 +104,7 @@ def test_fake_kernels_in_fake_mode():
         wg, wu, wd = (mode.from_tensor(p) for p in (m.w_gate, m.w_up, m.w_down))
         out, ctx = torch.ops.mok.moe_forward(m._mok_op_id, False, x, ids, rw, wg, wu, wd,
                                              None, None, None)
-        assert out.shape == (10, 64) and ctx.shape == (_torch_impl._ctx_nbytes(m, 10),)
+        assert out.shape == (10, 64) and ctx.shape == (_torch_impl._ctx_nbytes(m, 10, 1),)
         g = torch.ops.mok.moe_backward(m._mok_op_id, False, ctx, x, rw, wg, wu, wd, None,
                                        None, None, out)
         assert [tuple(t.shape) for t in g] == [(10, 64), (10, 2), tuple(wg.shape),

@@ -78,7 +78,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, backend, client):
+    def __init__(self, cfg, backend, client, dtype="bfloat16"):
         super().__init__()
         d = cfg.hidden
         self.E, self.K = cfg.experts, cfg.topk
@@ -86,7 +86,8 @@ class Block(nn.Module):
         self.attn = Attention(d, cfg.heads)
         self.router = nn.Linear(d, cfg.experts, bias=False)
         self.moe = mt.MoE(d, cfg.intermediate, cfg.experts, cfg.topk,
-                          shared_intermediate=cfg.shared, backend=backend, client=client)
+                          shared_intermediate=cfg.shared, backend=backend, client=client,
+                          dtype=dtype)
 
     def forward(self, h):
         h = h + self.attn(self.ln1(h))
@@ -103,12 +104,16 @@ class Block(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, cfg, backend, client=None):
+    """dtype: the MoE layers' ("fp8": e4m3 GEMMs on bf16 master weights, the cpu engine;
+    tests/python/test_torch_fp8.py trains it on the CPU both ways)."""
+
+    def __init__(self, cfg, backend, client=None, dtype="bfloat16"):
         super().__init__()
         self.cfg = cfg
         self.tok = nn.Parameter(torch.randn(cfg.vocab, cfg.hidden) * 0.5)
         self.pos = nn.Parameter(torch.randn(2 * cfg.seq, cfg.hidden) * 0.5)
-        self.blocks = nn.ModuleList(Block(cfg, backend, client) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, backend, client, dtype)
+                                    for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 

@@ -3,8 +3,10 @@
 
 MoEFunction (torch.autograd.Function) runs one layer's forward and backward
 as mokd jobs on torch.cuda.current_stream(), every tensor named in place
-(zero copy); MoE is the nn.Module holding the expert weights as bf16
-Parameters. Design notes: docs/torch.md.
+(zero copy), or CPU tensors through the binding's numpy path on the cpu engine;
+MoE is the nn.Module holding the expert weights as bf16 Parameters (the masters of an
+fp8 layer, whose packed forms the module keeps beside them). Design notes:
+docs/torch.md.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import threading
 import weakref
 from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -132,6 +135,12 @@ def registrations(client: Optional[Client] = None) -> int:
 
 # ---- the autograd Function -----------------------------------------------------------------
 
+def _capturing(x):
+    """CUDA graph capture on x's device's current stream (never for CPU tensors: a CUDA
+    build of torch on a machine without a driver raises on the query)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _check_capture(what):
     # MoE modules (with or without a group) take the custom-op path under capture
     # (standing jobs); this Function (eager jobs through the ring) refuses capture
@@ -174,14 +183,55 @@ def _shared_group(client, pg, sizing):
     return g, 0
 
 
+_WEIGHTS = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8": "fp8", "float8_e4m3fn": "fp8"}
+
+
+def _module_dtype(dtype):
+    """"bfloat16" or "fp8" for MoE(dtype=...): the names the binding takes for those two,
+    or torch.bfloat16 / torch.float8_e4m3fn."""
+    if isinstance(dtype, torch.dtype):
+        name = {torch.bfloat16: "bfloat16",
+                getattr(torch, "float8_e4m3fn", None): "fp8"}.get(dtype)
+    else:
+        name = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
+    if name is None:
+        raise ValueError("mok.torch.MoE: dtype must be \"bfloat16\" (the default) or \"fp8\" "
+                         "(also \"float8_e4m3fn\"; block-scaled e4m3 GEMMs, docs/math.md), "
+                         "got %r" % (dtype,))
+    return name
+
+
+class _Packed:
+    """One weight's packed fp8 form: the u8 buffer (allocated once), the master it was
+    quantised from (a weak reference), that master's (_version, data_ptr) then, and how
+    many times the buffer was written."""
+    __slots__ = ("buf", "src", "key", "generation")
+
+    def __init__(self, buf):
+        self.buf, self.src, self.key, self.generation = buf, None, None, 0
+
+
+def _np(t):
+    """A CPU tensor as a numpy array over the same memory (bf16 as uint16 bit patterns)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
 class _Slot:
-    """The mok layer of one MoE module; re-created larger when T grows."""
+    """The mok layer of one MoE module; re-created larger when T grows. An fp8 slot also
+    holds the packed weights (pack)."""
 
     def __init__(self, client, hidden, intermediate, experts, topk, shared_intermediate,
-                 swiglu_limit, max_tokens, group=None, group_tag=0):
+                 swiglu_limit, max_tokens, group=None, group_tag=0, dtype="bfloat16"):
         self.client = client
+        self.fp8 = dtype == "fp8"
         self.args = dict(hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
-                         shared_intermediate=shared_intermediate, dtype="bfloat16",
+                         shared_intermediate=shared_intermediate, dtype=dtype,
                          swiglu_limit=swiglu_limit)
         if group is not None:
             # a layer on a group cannot grow past the group's buffers
@@ -192,6 +242,9 @@ class _Slot:
         self.max_tokens = max_tokens
         self.layer = None
         self.lock = threading.Lock()
+        self.packed = {}  # weight slot -> _Packed (fp8)
+        self.quantizations = 0  # quantize_weight jobs run for this slot
+        self.pack_lock = threading.Lock()
 
         self.standing = {}  # (layer, op, T, flags, addresses) -> mok Standing (capture)
 
@@ -206,66 +259,208 @@ class _Slot:
                 self.layer = self.client.layer(max_tokens=n, **self.args)
             return self.layer
 
+    # ---- fp8: the packed weights (docs/torch.md "FP8 layers") ----
+    def pack(self, layer, masters, force=False):
+        """The packed forms of an fp8 layer's weights, masters {slot: bf16 tensor or None}:
+        ({slot: u8 tensor}, {slot: generation}). A weight is quantised (layer.quantize_weight,
+        into its buffer, allocated once per weight and device) only when its master is
+        another tensor, or the same one at another _version or data_ptr, than at its last
+        quantisation: once per optimizer step, none while the weights stay as they are."""
+        bufs, gens = {}, {}
+        with self.pack_lock:
+            for name, w in masters.items():
+                if w is None:
+                    continue
+                n = layer.packed_weight_bytes(name)  # the library's size, whatever the layout
+                e = self.packed.get(name)
+                if e is None or e.buf.numel() != n or e.buf.device != w.device:
+                    e = self.packed[name] = _Packed(torch.empty(n, dtype=torch.uint8,
+                                                                device=w.device))
+                key = (w._version, w.data_ptr())
+                if force or e.key != key or e.src is None or e.src() is not w:
+                    _quantize(layer, name, w, e.buf)
+                    e.src, e.key = weakref.ref(w), key
+                    e.generation += 1
+                    self.quantizations += 1
+                bufs[name], gens[name] = e.buf, e.generation
+        return bufs, gens
 
-class MoEFunction(torch.autograd.Function):
-    """out = MoE(x, topk_ids, router_weights; w_gate, w_up, w_down[, s_gate, s_up, s_down])
-    through mokd (docs/design.md#the-layer). Call through moe() or MoE; arguments must already be
-    contiguous CUDA tensors of the slot dtypes (bf16, int32, float32)."""
+    def packed_now(self, names, gens=None):
+        """The packed buffers as they are (for a backward). gens: the generations a forward
+        used; a buffer written since raises (the backward would read other weights)."""
+        with self.pack_lock:
+            out = {}
+            for name in names:
+                e = self.packed.get(name)
+                if e is None:
+                    raise Error("EINVAL", "mok.torch: no packed %s for this fp8 backward (no "
+                                "forward quantised it)" % name)
+                if gens is not None and gens.get(name) != e.generation:
+                    raise RuntimeError(
+                        "mok.torch.MoE(dtype='fp8'): %s was quantised again (its master "
+                        "changed) between this forward and its backward; the backward would "
+                        "run on the new weights. Run backward before the optimizer step and "
+                        "before the next forward that follows a change of the weights" % name)
+                out[name] = e.buf
+            return out
 
-    @staticmethod
-    def forward(ctx, slot, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
-                s_gate, s_up, s_down):
-        _check_capture("forward")
-        # views at offsets that are not 16-byte aligned: an aligned copy (docs/torch.md)
-        x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate, s_up, s_down = (
-            aligned(t) for t in (x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
-                                 s_up, s_down))
-        T = x.shape[0]
-        layer = slot.layer_for(T)
-        out = torch.empty_like(x)
-        shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
-        out, mctx = layer.forward(x, topk_ids, router_weights, w_gate, w_up, w_down,
-                                  recompute=recompute, out=out, **shared)
+
+def _quantize(layer, name, w, buf):
+    """quantize_weight of master w into buf (u8 of packed_weight_bytes(name))."""
+    if w.dtype != torch.bfloat16 or tuple(w.shape) != layer._master_shape(name):
+        raise Error("ESHAPE", "mok.torch: the fp8 master %s must be bf16 of shape %s, got %s "
+                    "%s" % (name, layer._master_shape(name), w.dtype, tuple(w.shape)))
+    if w.is_cuda:
+        raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') on CUDA tensors is not "
+                    "supported yet: the module quantises its weights through the binding's "
+                    "quantize_weight, which takes host memory only; run fp8 modules on CPU "
+                    "tensors with a client on the cpu engine")
+    with torch.no_grad():
+        layer.quantize_weight(name, _np(w), out=_np(buf))
+
+
+# ---- the jobs, on CUDA tensors (the torch path of the binding) or CPU ones (numpy) -------
+
+def _ctx_tensor(layer, T, region):
+    """The saved ctx of a host forward (a region of the client's ctx pool) as a uint8 CPU
+    tensor over the same memory; the region goes back to the pool when the tensor is freed."""
+    a = region.u8[:layer.ctx_bytes(T)]
+    weakref.finalize(a, layer.client._ctx_returned.append, region)
+    return torch.from_numpy(a)
+
+
+def _ctx_region(layer, T, t):
+    """(region, temporary) holding the saved ctx t for a host backward: t's own region when
+    t is a _ctx_tensor, else a pool region t is copied into (temporary: give it back)."""
+    c, n = layer.client, layer.ctx_bytes(T)
+    p = t.data_ptr()
+    with c._lock:
+        c._check_open()
+        for r in c._ctx_all:
+            if r.ptr == p and r.cap >= n:
+                return r, False
+        r = c._ctx_acquire(n)
+    if t.numel() < n:
+        raise Error("ESHAPE", "mok.torch: a saved ctx of %d bytes, the layer needs %d at T=%d"
+                    % (t.numel(), n, T))
+    np.copyto(r.u8[:n], _np(t)[:n])
+    return r, True
+
+
+def _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute):
+    """One forward job; ws {slot: tensor}: the weight slots (bf16 masters, or the packed u8
+    weights of an fp8 layer). Returns (out, the saved ctx as a uint8 tensor or None)."""
+    T = x.shape[0]
+    w = {k: v for k, v in ws.items() if v is not None}
+    out = torch.empty_like(x)
+    if x.is_cuda:
+        shared = {k: w[k] for k in ("s_gate", "s_up", "s_down") if k in w}
+        out, mctx = layer.forward(x, topk_ids, router_weights, w["w_gate"], w["w_up"],
+                                  w["w_down"], recompute=recompute, out=out, **shared)
         region = None if recompute else mctx._region
         mctx.release()  # the autograd ctx keeps what backward needs (save_for_backward)
-        _tracker(slot.client).note((x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
-                                    s_up, s_down, out, region))
-        ctx.slot, ctx.layer, ctx.recompute, ctx.tokens = slot, layer, recompute, T
-        # saved mode: the uint8 CUDA ctx (schedule + activations) replaces topk_ids
-        ctx.save_for_backward(topk_ids if recompute else region, x, router_weights, w_gate,
-                              w_up, w_down, s_gate, s_up, s_down)
-        return out
+        _tracker(slot.client).note((x, topk_ids, router_weights) + tuple(w.values()) +
+                                   (out, region))
+        return out, region
+    ins = dict(x=_np(x), topk_ids=_np(topk_ids), router_weights=_np(router_weights),
+               **{k: _np(v) for k, v in w.items()})
+    _, region = layer._job("forward", T, ins, ["out"], {"out": _np(out)},
+                           ctx=None if recompute else "save")
+    return out, (None if region is None else _ctx_tensor(layer, T, region))
 
-    @staticmethod
-    def backward(ctx, d_out):
-        _check_capture("backward")
-        saved, x, rw, wg, wu, wd, sg, su, sd = ctx.saved_tensors
-        layer, T = ctx.layer, ctx.tokens
-        d_out = aligned(d_out.to(torch.bfloat16).contiguous())
-        ins = dict(x=x, router_weights=rw, w_gate=wg, w_up=wu, w_down=wd)
-        names = ["d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down"]
-        if sg is not None:
-            ins.update(s_gate=sg, s_up=su, s_down=sd)
-            names += ["d_s_gate", "d_s_up", "d_s_down"]
-        # fresh gradient buffers, written by mokd; autograd's AccumulateGrad then takes
-        # them as .grad (when None) or adds them with a torch op
-        out = {n: torch.empty_like(ins[n[2:]]) for n in names}
-        if ctx.recompute:
-            ins["topk_ids"] = saved
-            ins["d_out"] = d_out
+
+def _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out, masters):
+    """One backward job: saved is topk_ids (recompute) or the forward's ctx tensor; ws the
+    weight slots as in forward; the weight gradients take the masters' shapes (bf16 on an
+    fp8 layer too). Returns {gradient name: fresh tensor}."""
+    w = {k: v for k, v in ws.items() if v is not None}
+    names = list(_GRAD_NAMES[:5]) + (list(_GRAD_NAMES[5:]) if "s_gate" in w else [])
+    like = dict(masters, x=x, router_weights=router_weights)
+    # fresh gradient buffers, written by mokd; autograd's AccumulateGrad then takes
+    # them as .grad (when None) or adds them with a torch op
+    out = {n: torch.empty_like(like[n[2:]]) for n in names}
+    ins = dict(x=x, router_weights=router_weights, **w)
+    if x.is_cuda:
+        if recompute:
+            ins.update(topk_ids=saved, d_out=d_out)
             scratch = torch.empty(layer.ctx_bytes(T), dtype=torch.uint8, device=x.device)
             layer._job("backward", T, ins, names, out, flags=_lib.JOB_RECOMPUTE, ctx=scratch)
             extra = (saved, scratch)
         else:
             layer.backward(Context(layer, T, False, ins, saved), d_out, out=out)
             extra = (saved,)
-        _tracker(ctx.slot.client).note((d_out,) + extra + tuple(out.values()))
+        _tracker(slot.client).note((d_out,) + extra + tuple(out.values()))
+        return out
+    ins = {k: _np(v) for k, v in ins.items()}
+    ins["d_out"] = _np(d_out)
+    outs = {k: _np(v) for k, v in out.items()}
+    if recompute:
+        ins["topk_ids"] = _np(saved)
+        layer._job("backward", T, ins, names, outs, flags=_lib.JOB_RECOMPUTE, ctx="scratch")
+        return out
+    region, temporary = _ctx_region(layer, T, saved)
+    try:
+        layer._job("backward", T, ins, names, outs, ctx=region)
+    finally:
+        if temporary:
+            with layer.client._lock:
+                layer.client._ctx_release(region)
+    return out
+
+
+_GRAD_NAMES = ("d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down", "d_s_gate",
+               "d_s_up", "d_s_down")
+
+
+class MoEFunction(torch.autograd.Function):
+    """out = MoE(x, topk_ids, router_weights; w_gate, w_up, w_down[, s_gate, s_up, s_down])
+    through mokd (docs/design.md#the-layer). Call through moe() or MoE; arguments must already be
+    contiguous tensors of the slot dtypes (bf16, int32, float32), all CUDA (the cuda engine,
+    in place) or all CPU (the binding's numpy path, the cpu engine). On an fp8 slot the
+    weights are the bf16 masters: the jobs take their packed forms (_Slot.pack), and the
+    weight gradients are the masters' (bf16)."""
+
+    @staticmethod
+    def forward(ctx, slot, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
+                s_gate, s_up, s_down):
+        if x.is_cuda:
+            _check_capture("forward")
+            # views at offsets that are not 16-byte aligned: an aligned copy (docs/torch.md)
+            x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate, s_up, s_down = (
+                aligned(t) for t in (x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
+                                     s_up, s_down))
+        T = x.shape[0]
+        layer = slot.layer_for(T)
+        masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
+                       s_down=s_down)
+        ws, gens = slot.pack(layer, masters) if slot.fp8 else (masters, None)
+        out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
+        ctx.slot, ctx.layer, ctx.recompute, ctx.tokens = slot, layer, recompute, T
+        ctx.gens = gens
+        # saved mode: the uint8 ctx (schedule + activations) replaces topk_ids; the masters
+        # are kept on an fp8 layer too (their version counters catch an in-place change)
+        ctx.save_for_backward(topk_ids if recompute else region, x, router_weights, w_gate,
+                              w_up, w_down, s_gate, s_up, s_down)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        saved, x, rw, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+        d_out = d_out.to(torch.bfloat16).contiguous()
+        if x.is_cuda:
+            _check_capture("backward")
+            d_out = aligned(d_out)
+        masters = dict(w_gate=wg, w_up=wu, w_down=wd, s_gate=sg, s_up=su, s_down=sd)
+        ws = masters
+        if ctx.gens is not None:  # fp8: the packed weights this forward ran on
+            ws = ctx.slot.packed_now(list(ctx.gens), ctx.gens)
+        out = _run_backward(ctx.slot, ctx.layer, ctx.tokens, ctx.recompute, saved, x, rw, ws,
+                            d_out, masters)
         need = ctx.needs_input_grad
         g = [out["d_x"], None, out["d_router_weights"], out["d_w_gate"], out["d_w_up"],
              out["d_w_down"], out.get("d_s_gate"), out.get("d_s_up"), out.get("d_s_down")]
         g = [v if (v is not None and need[i + 2]) else None for i, v in enumerate(g)]
         return (None, None) + tuple(g)
-
 
 @torch.compiler.disable
 def _apply(slot, recompute, x, ids, rw, wg, wu, wd, sg, su, sd):
@@ -280,12 +475,21 @@ def moe(slot: _Slot, x: torch.Tensor, topk_ids: torch.Tensor, router_weights: to
         s_down: Optional[torch.Tensor] = None, recompute: bool = False) -> torch.Tensor:
     """The functional form (slot: MoE._slot). x [..., H] (cast to bf16 when it is another
     float dtype), topk_ids [..., K] (int32), router_weights [..., K] (float32); returns
-    out [..., H] bf16."""
+    out [..., H] bf16. CUDA tensors run on the cuda engine (in place, on the current
+    stream), CPU tensors through the binding's numpy path (the cpu engine); all on one
+    device. On an fp8 slot the weights are the bf16 masters (quantised as _Slot.pack says)."""
     H = x.shape[-1]
     K = topk_ids.shape[-1]
     lead = x.shape[:-1]
-    if not x.is_cuda:
-        raise Error("EINVAL", "mok.torch: x must be a CUDA tensor (mokd reads it in place)")
+    if x.device.type not in ("cuda", "cpu"):
+        raise Error("EINVAL", "mok.torch: x must be a CUDA tensor (the cuda engine reads it in "
+                    "place) or a CPU tensor (the cpu engine), got %s" % x.device)
+    for name, t in (("topk_ids", topk_ids), ("router_weights", router_weights),
+                    ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("s_gate", s_gate),
+                    ("s_up", s_up), ("s_down", s_down)):
+        if t is not None and t.device != x.device:
+            raise Error("EINVAL", "mok.torch: %s is on %s, x on %s: every tensor of the layer "
+                        "must be on one device" % (name, t.device, x.device))
     if not x.is_floating_point():
         raise Error("ESHAPE", "mok.torch: x must be a float tensor, got %s" % x.dtype)
     if topk_ids.shape[:-1] != lead or router_weights.shape != topk_ids.shape:
@@ -305,7 +509,8 @@ class MoE(torch.nn.Module):
 
     Parameters (bf16): w_gate, w_up [E,I,H], w_down [E,H,I]; with shared_intermediate > 0
     also s_gate, s_up [I_s,H], s_down [H,I_s]. forward(x, topk_ids, router_weights):
-    x [..., H] CUDA (bf16; other float dtypes are cast), topk_ids [..., K] (-1 drops a
+    x [..., H] CUDA, or CPU with a client on the cpu engine (bf16; other float dtypes are
+    cast), topk_ids [..., K] (-1 drops a
     slot), router_weights [..., K] float32 (differentiable: d_router_weights flows back to
     the router) -> out [..., H] bf16 = shared(x) + sum_k rw[k] * expert_{ids[k]}(x).
 
@@ -331,7 +536,17 @@ class MoE(torch.nn.Module):
     sizes the group), group_options passes timeout_ms, capacity, ring_rows, transport or
     agree_timeout_s to the join, and every MoE on the same process group, client and
     sizing shares one mok group; group_tag=None gives each the next tag in creation order
-    (0, 1, ...)."""
+    (0, 1, ...).
+
+    dtype="fp8" (or "float8_e4m3fn", torch.float8_e4m3fn) runs an fp8 layer (block-scaled
+    e4m3 GEMMs, docs/math.md "FP8"): the Parameters stay the bf16 masters (the optimizer
+    updates them; their gradients are bf16 as before), and the module keeps one packed
+    uint8 buffer per weight beside them (packed_weights), written by the layer's
+    quantize_weight job at a forward whenever the master changed since its last
+    quantisation (torch's version counter or data_ptr: one quantisation per weight per
+    optimizer step). The jobs take the packed buffers in the weight slots. Refused with
+    group= and with backend="torch"; CPU tensors with a client on the cpu engine only
+    (CUDA tensors and CUDA graph capture are refused); H, I and I_s multiples of 128."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
@@ -339,10 +554,21 @@ class MoE(torch.nn.Module):
                  max_tokens: Optional[int] = None,
                  device: Optional[Union[str, int, torch.device]] = None,
                  group=None, group_tag: Optional[int] = None,
-                 group_options: Optional[dict] = None) -> None:
+                 group_options: Optional[dict] = None,
+                 dtype: Union[str, torch.dtype] = "bfloat16") -> None:
         super().__init__()
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        dtype = _module_dtype(dtype)
+        if dtype == "fp8" and group is not None:
+            # before any join: a process group's join is collective
+            raise ValueError("mok.torch.MoE: dtype='fp8' with group= is not supported yet: mokd "
+                             "refuses fp8 layers on expert-parallel groups; use "
+                             "dtype='bfloat16' on a group, or fp8 without one")
+        if dtype == "fp8" and backend != "mokd":
+            raise ValueError("mok.torch.MoE: dtype='fp8' needs backend='mokd' (backend='torch' "
+                             "runs moe_reference, the bf16 layer)")
+        self.dtype = dtype
         if group is not None and not isinstance(group, Group):
             import torch.distributed as tdist
             if not isinstance(group, tdist.ProcessGroup):
@@ -422,6 +648,7 @@ class MoE(torch.nn.Module):
                                  "" if self.swiglu_limit is None else ", swiglu_limit=%g" %
                                  self.swiglu_limit, self.backend,
                                  ", recompute" if self.recompute else "") + \
+            (", dtype=fp8" if self.dtype == "fp8" else "") + \
             ("" if self.group is None else ", group rank %d of %d, tag %d" %
              (self.group.rank, self.group.world, self.group_tag))
 
@@ -440,8 +667,38 @@ class MoE(torch.nn.Module):
         if self._slot is None:
             self._slot = _Slot(self.client, self.hidden, self.intermediate, self.experts,
                                self.topk, self.shared_intermediate, self.swiglu_limit,
-                               self._max_tokens, self.group, self.group_tag)
+                               self._max_tokens, self.group, self.group_tag, self.dtype)
         return self._slot
+
+    def _masters(self):
+        return {n: getattr(self, n) for n in _WEIGHTS}
+
+    # ---- fp8: the packed weights beside the bf16 masters ----
+    @property
+    def quantizations(self) -> int:
+        """quantize_weight jobs this module has run (fp8; 0 for bf16): one per weight whose
+        master changed, at the next forward (docs/torch.md "FP8 layers")."""
+        return self._slot.quantizations if self._slot is not None else 0
+
+    @property
+    def packed_weights(self) -> dict:
+        """{weight name: its packed uint8 tensor} (fp8: the buffers the layer's jobs take in
+        the weight slots, written by quantize_weight; empty before the first forward)."""
+        if self._slot is None:
+            return {}
+        with self._slot.pack_lock:
+            return {n: e.buf for n, e in self._slot.packed.items()}
+
+    def quantize_weights(self, force: bool = False) -> int:
+        """fp8: quantise now every weight whose master changed since its last quantisation
+        (every weight with force=True, e.g. after writes through .data, which torch's version
+        counter does not see); returns how many were quantised. A forward does this itself."""
+        if self.dtype != "fp8":
+            raise ValueError("mok.torch.MoE: quantize_weights() is for dtype='fp8' modules")
+        slot = self._get_slot()
+        before = slot.quantizations
+        slot.pack(slot.layer_for(1), self._masters(), force=force)
+        return slot.quantizations - before
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 router_weights: torch.Tensor) -> torch.Tensor:
@@ -454,19 +711,32 @@ class MoE(torch.nn.Module):
         # order (docs/ep.md "Capture and replay on a group"). Compiling: the ops for layers
         # without a group (their fake kernels size the ctx without a group).
         # (is_compiling first: dynamo must not trace the capture query)
-        if (self.group is None if torch.compiler.is_compiling()
-                else torch.cuda.is_current_stream_capturing()):
+        if torch.compiler.is_compiling():
+            if self.group is None:
+                return _forward_op(self, x, topk_ids, router_weights)
+        elif _capturing(x):
+            if self.dtype == "fp8":
+                _refuse_fp8_capture()
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
+
+
+def _refuse_fp8_capture():
+    raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') under CUDA graph capture is not "
+                "supported: a replay would run the standing jobs on the packed weights of the "
+                "capture while the optimizer changes the masters, and quantize_weight has no "
+                "standing job; run fp8 modules eagerly or under torch.compile without CUDA "
+                "graphs")
 
 
 @torch.compiler.disable
 def _forward_mokd(m, x, topk_ids, router_weights):
     # one graph break per MoE call under torch.compile (see _apply)
     for p in m.parameters():
-        if p.dtype != torch.bfloat16 or not p.is_cuda or not p.is_contiguous():
-            raise Error("ESHAPE", "mok.torch.MoE: parameters must stay contiguous bf16 CUDA "
-                        "tensors (got %s %s on %s)" % (p.dtype, tuple(p.shape), p.device))
+        if p.dtype != torch.bfloat16 or p.device != x.device or not p.is_contiguous():
+            raise Error("ESHAPE", "mok.torch.MoE: parameters must stay contiguous bf16 tensors "
+                        "on x's device %s (got %s %s on %s)" % (x.device, p.dtype,
+                                                               tuple(p.shape), p.device))
     return moe(m._get_slot(), x, topk_ids, router_weights, m.w_gate, m.w_up, m.w_down,
                m.s_gate, m.s_up, m.s_down, recompute=m.recompute)
 
@@ -600,10 +870,20 @@ def _module(mid):
     return m
 
 
+def _row_align(m, x):
+    """The row alignment of the engine that will run m's layer on x: its layer's when it has
+    one, else the cuda engine's 128 for CUDA tensors and the cpu engine's 1 for CPU ones."""
+    slot = m._slot
+    if slot is not None and slot.layer is not None:
+        return slot.layer.row_align
+    return 128 if x.device.type == "cuda" else 1
+
+
 def _ctx_nbytes(m, T, row_align=128):
-    """proto/mok_layout.h mok_ctx_bytes with the cuda engine's row alignment: the schedule
-    (header, counts, offsets, row_slot, slot_row), then g and u of the routed rows and of
-    the shared expert (bf16), each part 256-aligned. Works on symbolic T too."""
+    """proto/mok_layout.h mok_ctx_bytes with the engine's row alignment (default the cuda
+    engine's): the schedule (header, counts, offsets, row_slot, slot_row), then g and u of
+    the routed rows and of the shared expert (bf16; an fp8 layer's acts are bf16 too), each
+    part 256-aligned. Works on symbolic T too."""
     K, E, I, I_s = m.topk, m.w_gate.shape[0], m.intermediate, m.shared_intermediate
 
     def a256(v):
@@ -640,21 +920,23 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
     slot = m._get_slot()
     T = x.shape[0]
     layer = slot.layer_for(T)
-    shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
-    out = torch.empty_like(x)
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing(x):
+        if slot.fp8:
+            _refuse_fp8_capture()
+        shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
+        out = torch.empty_like(x)
         ctx = torch.empty(0 if recompute else layer.ctx_bytes(T), dtype=torch.uint8,
                           device=x.device)
         t = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, w_gate=w_gate,
                  w_up=w_up, w_down=w_down, out=out, ctx=None if recompute else ctx, **shared)
         _standing_run(slot, layer, "forward", T, t, 0)
         return out, ctx
-    out, mctx = layer.forward(x, topk_ids, router_weights, w_gate, w_up, w_down,
-                              recompute=recompute, out=out, **shared)
-    region = mctx._region if not recompute else None
-    mctx.release()
-    _tracker(slot.client).note((x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
-                                s_up, s_down, out, region))
+    ws = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up, s_down=s_down)
+    if slot.fp8:
+        # the module's own Parameters are the masters the packed cache follows (under
+        # torch.compile the op may see other tensor objects over the same memory)
+        ws, _ = slot.pack(layer, m._masters())
+    out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
     if region is None:
         region = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, region
@@ -664,12 +946,8 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
 def _op_forward_fake(mid, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
                      s_gate, s_up, s_down):
     m = _module(mid)
-    n = 0 if recompute else _ctx_nbytes(m, x.shape[0])
+    n = 0 if recompute else _ctx_nbytes(m, x.shape[0], _row_align(m, x))
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.uint8)
-
-
-_GRAD_NAMES = ("d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down", "d_s_gate",
-               "d_s_up", "d_s_down")
 
 
 @torch.library.custom_op("mok::moe_backward", mutates_args=())
@@ -683,13 +961,15 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
     T = x.shape[0]
     layer = slot.layer_for(T)
     d_out = d_out.contiguous()
-    ins = dict(x=x, router_weights=router_weights, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    names = list(_GRAD_NAMES[:5])
-    if s_gate is not None:
-        ins.update(s_gate=s_gate, s_up=s_up, s_down=s_down)
-        names += list(_GRAD_NAMES[5:])
-    out = {n: torch.empty_like(ins[n[2:]]) for n in names}
-    if torch.cuda.is_current_stream_capturing():
+    masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
+                   s_down=s_down)
+    if _capturing(x):
+        if slot.fp8:
+            _refuse_fp8_capture()
+        ins = {k: v for k, v in dict(masters, x=x, router_weights=router_weights).items()
+               if v is not None}
+        names = list(_GRAD_NAMES[:5]) + (list(_GRAD_NAMES[5:]) if s_gate is not None else [])
+        out = {n: torch.empty_like(ins[n[2:]]) for n in names}
         t = dict(ins, d_out=d_out, **out)
         if recompute:
             t.update(topk_ids=saved, ctx=torch.empty(layer.ctx_bytes(T), dtype=torch.uint8,
@@ -699,14 +979,12 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
             t.update(ctx=saved)
             _standing_run(slot, layer, "backward", T, t, 0)
         return [out[n] for n in names]
-    if recompute:
-        ins.update(topk_ids=saved, d_out=d_out)
-        scratch = torch.empty(layer.ctx_bytes(T), dtype=torch.uint8, device=x.device)
-        layer._job("backward", T, ins, names, out, flags=_lib.JOB_RECOMPUTE, ctx=scratch)
-    else:
-        layer.backward(Context(layer, T, False, ins, saved), d_out, out=out)
-    _tracker(slot.client).note((d_out, saved) + tuple(out.values()))
-    return [out[n] for n in names]
+    ws = masters
+    if slot.fp8:  # the packed weights as the forward left them
+        ws = slot.packed_now([k for k, v in masters.items() if v is not None])
+    out = _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out,
+                        masters)
+    return list(out.values())
 
 
 @_op_backward.register_fake
@@ -740,7 +1018,7 @@ def _forward_op(m, x, topk_ids, router_weights):
     """MoE.forward through the custom op (compiling, or capturing a CUDA graph)."""
     for p in m.parameters():
         if p.dtype != torch.bfloat16 or not p.is_contiguous():
-            raise Error("ESHAPE", "mok.torch.MoE: parameters must stay contiguous bf16 CUDA "
+            raise Error("ESHAPE", "mok.torch.MoE: parameters must stay contiguous bf16 "
                         "tensors (got %s %s)" % (p.dtype, tuple(p.shape)))
     H, K = x.shape[-1], topk_ids.shape[-1]
     lead = x.shape[:-1]

@@ -13,6 +13,9 @@ implementation is mok._torch_impl; docs/torch.md describes the design
 (saved context, streams, registration cache, gradients, torch.compile, CUDA
 graphs).
 
+MoE(..., dtype="fp8") runs an fp8 layer on the cpu engine (CPU tensors) with the bf16
+Parameters as master weights, quantised once per change (docs/torch.md, "FP8 layers").
+
 Names: MoE, MoEFunction, moe, moe_reference, default_client, registrations,
 set_default_client, aligned, check_graphs. Beside it: mok.distributed (groups from
 torch.distributed process groups), mok.torchtitan and mok.hf_transformers (model
