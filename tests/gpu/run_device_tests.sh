@@ -8,7 +8,8 @@
 #      (the fp8 step) against the cpu engine's fp8 recipe and ref64
 #   3. 4 concurrent client processes, without and with MPS: same bits
 #   4. a client fence that never comes (MOK_FENCE_TIMEOUT_MS) -> ETIMEOUT
-#   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py)
+#   5. the Python binding with torch CUDA tensors (tests/gpu/test_torch.py; fp8
+#      modules: tests/gpu/test_torch_fp8.py)
 #      and compute-sanitizer memcheck on mokd (small shapes)
 #   6. timings at T=2048 (the benchmark shapes of docs/design.md, balanced routing)
 #   7. expert parallelism: the EP integration tests on the cuda engine, under
@@ -147,6 +148,9 @@ step_python() {
   PYTHONPATH="$pp" MOK_LIBRARY="$ROOT/$B/lib/libmok.so" PYTHONUNBUFFERED=1 \
     timeout 180 python3 tests/gpu/test_torch.py 2>&1 | tee "$LOGS/python.log"
   local rc=${PIPESTATUS[0]}
+  PYTHONPATH="$pp" MOK_LIBRARY="$ROOT/$B/lib/libmok.so" PYTHONUNBUFFERED=1 \
+    timeout 180 python3 tests/gpu/test_torch_fp8.py 2>&1 | tee "$LOGS/python_fp8.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   stop_mokd || rc=1
   record python "$([ $rc = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }

@@ -455,18 +455,13 @@ def test_fp8_with_a_group_is_refused(client, tmp_path, monkeypatch):
     assert joins == []
 
 
-def test_cuda_tensors_and_capture_are_refused_with_a_message(client):
-    """No GPU here: the refusals' own code, with a stand-in for a CUDA master weight."""
+def test_capture_is_refused_with_a_message(client):
+    """No GPU here: the refusal's own code (fp8 modules on CUDA tensors run on the cuda
+    engine: tests/gpu/test_torch_fp8.py)."""
     from mok import _torch_impl
     with pytest.raises(mok.Error) as ei:
         _torch_impl._refuse_fp8_capture()
     assert ei.value.status == "EUNSUPPORTED" and "CUDA graph capture" in ei.value.message
-    layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K, dtype="fp8")
-    cuda_master = types.SimpleNamespace(dtype=torch.bfloat16, shape=(E, I, H), is_cuda=True)
-    with pytest.raises(mok.Error) as ei:
-        _torch_impl._quantize(layer, "w_gate", cuda_master, None)
-    assert ei.value.status == "EUNSUPPORTED" and "on CUDA tensors is not supported yet" in \
-        ei.value.message
 
 
 # ---- training: the example model, bf16 and fp8 layers -----------------------------------

@@ -104,8 +104,9 @@ class Block(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    """dtype: the MoE layers' ("fp8": e4m3 GEMMs on bf16 master weights, the cpu engine;
-    tests/python/test_torch_fp8.py trains it on the CPU both ways)."""
+    """dtype: the MoE layers' ("fp8": e4m3 GEMMs on bf16 master weights, on either engine;
+    tests/python/test_torch_fp8.py trains it on the CPU both ways, tests/gpu/test_torch_fp8.py
+    on the GPU)."""
 
     def __init__(self, cfg, backend, client=None, dtype="bfloat16"):
         super().__init__()

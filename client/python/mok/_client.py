@@ -889,6 +889,8 @@ class Layer:
             raise Error("EINVAL", "quantize_weight: %s is not a weight of an fp8 layer (this "
                         "layer is %s%s)" % (slot, self.dtype, "" if self.shared else
                                             ", without a shared expert"))
+        if _is_torch_cuda(weight):
+            return self._quantize_weight_cuda(slot, weight, out, n)
         _check_torch(slot, weight)
         w = np.asarray(weight)
         if is_bf16(w.dtype):
@@ -927,6 +929,38 @@ class Layer:
                 np.copyto(out, view)
                 return out
             return view.copy()
+
+    def _quantize_weight_cuda(self, slot, w, out, n):
+        """quantize_weight of a torch CUDA bf16 weight into out (a torch CUDA uint8 tensor of
+        n bytes, allocated when None). The job is ordered by its ticket, not by a stream:
+        the current stream is synchronised first (the weight's last writes land before
+        mokd reads it) and the call returns once the packed bytes are written."""
+        import torch
+        shape = self._master_shape(slot)
+        if w.dtype != torch.bfloat16 or tuple(w.shape) != shape or not w.is_contiguous() or \
+                w.data_ptr() % 16:
+            raise Error("ESHAPE", "quantize_weight: %s must be a contiguous bfloat16 tensor of "
+                        "shape %s at a multiple of 16 bytes, got %s %s" %
+                        (slot, shape, w.dtype, tuple(w.shape)))
+        if out is None:
+            out = torch.empty(n, dtype=torch.uint8, device=w.device)
+        elif not (_is_torch_cuda(out) and out.dtype == torch.uint8 and tuple(out.shape) == (n,)
+                  and out.is_contiguous() and out.data_ptr() % 16 == 0):
+            raise Error("ESHAPE", "quantize_weight: out must be a contiguous CUDA uint8 tensor "
+                        "of %d bytes at a multiple of 16 bytes, got %s" % (n, _describe(out)))
+        torch.cuda.current_stream(w.device).synchronize()
+        c, L = self.client, _lib.lib()
+        with c._lock:
+            c._check_open()
+            c._service()
+            h = self._h()
+            ticket = c_uint64()
+            st = L.mok_quantize_weight(h, SLOT[slot], c_void_p(w.data_ptr()),
+                                       c_void_p(out.data_ptr()), byref(ticket))
+            if st:
+                _raise(st)
+            c._wait(ticket.value, None)
+        return out
 
     def standing(self, op: str, T: int, tensors: Mapping[str, Any], flags: int = 0,
                  hold: bool = True) -> "Standing":

@@ -310,13 +310,11 @@ def _quantize(layer, name, w, buf):
     if w.dtype != torch.bfloat16 or tuple(w.shape) != layer._master_shape(name):
         raise Error("ESHAPE", "mok.torch: the fp8 master %s must be bf16 of shape %s, got %s "
                     "%s" % (name, layer._master_shape(name), w.dtype, tuple(w.shape)))
-    if w.is_cuda:
-        raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') on CUDA tensors is not "
-                    "supported yet: the module quantises its weights through the binding's "
-                    "quantize_weight, which takes host memory only; run fp8 modules on CPU "
-                    "tensors with a client on the cpu engine")
     with torch.no_grad():
-        layer.quantize_weight(name, _np(w), out=_np(buf))
+        if w.is_cuda:  # the cuda engine: in place, after the current stream's work
+            layer.quantize_weight(name, w, out=buf)
+        else:
+            layer.quantize_weight(name, _np(w), out=_np(buf))
 
 
 # ---- the jobs, on CUDA tensors (the torch path of the binding) or CPU ones (numpy) -------
@@ -545,8 +543,9 @@ class MoE(torch.nn.Module):
     quantize_weight job at a forward whenever the master changed since its last
     quantisation (torch's version counter or data_ptr: one quantisation per weight per
     optimizer step). The jobs take the packed buffers in the weight slots. Refused with
-    group= and with backend="torch"; CPU tensors with a client on the cpu engine only
-    (CUDA tensors and CUDA graph capture are refused); H, I and I_s multiples of 128."""
+    group= and with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with a
+    client on the cpu engine (CUDA graph capture is refused); H, I and I_s multiples of
+    128."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
