@@ -66,6 +66,7 @@ typedef struct result {
   int routing_from_file;
   float fwd_ms, bwd_ms, fwd_part[FWD_STEPS], bwd_part[BWD_STEPS];
   double flops_fwd, mem_gib;
+  double ws_bytes; /* the path's workspace (fp8: with the quantised token and routed rows) */
 } result;
 
 /* A path to time: the GEMM backend and, on the Hopper one, the tile variant
@@ -146,6 +147,10 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   for (int v = 0; v < n_res; v++) {
     result *r = &res[v];
     r->mem_gib = L.bytes / 1073741824.0;
+    const double R = (double)L.R, TH = (double)d.T * d.H;
+    r->ws_bytes = paths && paths[v].fp8
+                      ? (double)mok_k_fp8_workspace_bytes(&d) + (TH + R * d.H) * (1.0 + 4.0 / 128)
+                      : (double)mok_k_workspace_bytes(&d);
     r->routing_from_file = from_file;
     for (int s = 0; s < N_SETS; s++) {
       r->max_over_mean[s] = mom[s];
@@ -281,10 +286,10 @@ static void write_json(const run_doc *D) {
       first = 0;
       fprintf(f, "   \"ok\": %s, \"status\": %d, \"deterministic\": %s, \"same_as_first_variant\": %s, "
                  "\"nonfinite\": %llu, \"hash0\": \"%016llx\", \"routing_from_file\": %s, "
-                 "\"mem_gib\": %.2f,\n",
+                 "\"mem_gib\": %.2f, \"ws_bytes\": %.0f,\n",
               r->ok ? "true" : "false", r->status, r->deterministic ? "true" : "false",
               r->same_as_first ? "true" : "false", r->nonfinite, r->hash0,
-              r->routing_from_file ? "true" : "false", r->mem_gib);
+              r->routing_from_file ? "true" : "false", r->mem_gib, r->ws_bytes);
       fprintf(f, "   \"max_over_mean\": [%.3f, %.3f], \"min_max_rows\": [[%d, %d], [%d, %d]],\n",
               r->max_over_mean[0], r->max_over_mean[1], r->min_rows[0], r->max_rows[0],
               r->min_rows[1], r->max_rows[1]);

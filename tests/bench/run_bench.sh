@@ -29,7 +29,10 @@
 # BENCH_BUILD_ONLY=1 builds and stops (on a machine with nvcc and no GPU);
 # BENCH_T (default "2048,8192"), BENCH_REPS (10), BENCH_WARMUP (3),
 # BENCH_DEADLINE_BASE / BENCH_DEADLINE_MOK (seconds after which each program
-# starts no new configuration; default 150 / 120), BENCH_ONLY (shape names).
+# starts no new configuration; default 150 / 120), BENCH_ONLY (shape names),
+# BENCH_FP8=1: a second mok_bench run of the bf16 layer (on BENCH_FP8_WITH, default
+# pingpong) and the fp8 layer taking turns, tabled by tests/bench/fp8_table.py
+# (mok_fp8.json, fp8.json, fp8_table.txt).
 # Exit status: 0 when everything ran and every check passed.
 set -uo pipefail
 
@@ -136,6 +139,14 @@ if [ -x "$BIN" ]; then
     --warmup "$WARMUP" --deadline "$DL_MOK" "${only_arg[@]}" 2>&1 | tee "$OUTDIR/mok.log" || status=1
 fi
 
+# ---- the fp8 layer beside the bf16 one (BENCH_FP8=1) -------------------------------
+if [ -x "$BIN" ] && [ "${BENCH_FP8:-0}" = 1 ]; then
+  note "mok kernels, bf16 and fp8 layers taking turns (in-process)"
+  "$BIN" --out "$OUTDIR/mok_fp8.json" --routing-dir "$ROUTING" --T "$BENCH_T" --reps "$REPS" \
+    --warmup "$WARMUP" --deadline "$DL_MOK" --variants "${BENCH_FP8_WITH:-pingpong},fp8" \
+    "${only_arg[@]}" 2>&1 | tee "$OUTDIR/mok_fp8.log" || status=1
+fi
+
 # ---- through the daemon ------------------------------------------------------------
 daemon_arg=()
 if [ "${BENCH_DAEMON:-1}" != 0 ]; then
@@ -182,5 +193,9 @@ fi
 note "table"
 "$PYTHON" tests/bench/bench_table.py "$OUTDIR/baseline.json" "$OUTDIR/mok.json" \
   "${daemon_arg[@]}" --out "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/table.txt" || status=1
+if [ -f "$OUTDIR/mok_fp8.json" ] && [ "${BENCH_FP8:-0}" = 1 ]; then
+  "$PYTHON" tests/bench/fp8_table.py "$OUTDIR/baseline.json" "$OUTDIR/mok_fp8.json" \
+    --out "$OUTDIR/fp8.json" 2>&1 | tee "$OUTDIR/fp8_table.txt" || status=1
+fi
 note "JSON and logs in $OUTDIR"
 exit $status
