@@ -845,6 +845,64 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   return ffn_wgrads(d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD], wg90, status, stream);
 }
 
+/* A routed backward's pieces (schedule's rows, workspace pieces, outputs);
+ * the weights (bf16 products only) and the expert range are the caller's. */
+static ffn_bwd_args routed_bwd_args(const mok_k_dims *d, void *workspace, const bf16 *acts_g,
+                                    const bf16 *acts_u, const bf16 *routed_x,
+                                    const bf16 *routed_d_out, const float *router_weights,
+                                    bf16 *routed_d_x, bf16 *d_w_gate, bf16 *d_w_up,
+                                    bf16 *d_w_down, bool gathers, const bf16 *gather_src) {
+  const ws_layout L = mok_k_ws_layout(d);
+  char *ws = (char *)workspace;
+  ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
+  a.M = (int)mok_k_rows_capacity(d);
+  a.n_inter = d->I;
+  a.groups = d->E_loc;
+  a.x = routed_x;
+  a.d_out = routed_d_out;
+  a.dy = (const bf16 *)(ws + L.dy);
+  a.g = acts_g;
+  a.u = acts_u;
+  a.rw = router_weights;
+  a.dgu = (bf16 *)(ws + L.dgu);
+  a.h = (bf16 *)(ws + L.h);
+  a.d_xr = routed_d_x;
+  a.d_wg = d_w_gate;
+  a.d_wu = d_w_up;
+  a.d_wd = d_w_down;
+  a.partial = (float *)(ws + L.partial);
+  a.gathers = gathers;
+  a.gather_src = gather_src;
+  return a;
+}
+
+/* The shared expert's (rw = 1, rows = tokens, one group, no d_rw); weights the caller's. */
+static ffn_bwd_args shared_bwd_args(const mok_k_dims *d, void *workspace, const bf16 *x,
+                                    const bf16 *d_out, const bf16 *acts_gs, const bf16 *acts_us,
+                                    bf16 *shared_d_x, bf16 *d_s_gate, bf16 *d_s_up,
+                                    bf16 *d_s_down) {
+  const ws_layout L = mok_k_ws_layout(d);
+  char *ws = (char *)workspace;
+  ffn_bwd_args a;
+  memset(&a, 0, sizeof a);
+  a.M = d->T;
+  a.n_inter = d->I_s;
+  a.groups = 1;
+  a.x = x;
+  a.d_out = d_out;
+  a.dy = d_out; /* rw = 1: dy = d_out exactly */
+  a.g = acts_gs;
+  a.u = acts_us;
+  a.dgu = (bf16 *)(ws + L.dgus);
+  a.h = (bf16 *)(ws + L.hs);
+  a.d_xr = shared_d_x;
+  a.d_wg = d_s_gate;
+  a.d_wu = d_s_up;
+  a.d_wd = d_s_down;
+  return a;
+}
+
 /* The routed backward; gathers: routed_x is written from gather_src by the
  * backward itself (mok_k_expert_backward_gathering). */
 static int expert_backward(const mok_k_dims *d, const int32_t *schedule, const bf16 *acts_g,
@@ -862,34 +920,15 @@ static int expert_backward(const mok_k_dims *d, const int32_t *schedule, const b
       !all_aligned(w_down, routed_d_x, d_w_gate, d_w_up, d_w_down, workspace) ||
       !mok_k_aligned16(gather_src))
     return MOK_EINVAL;
-  const ws_layout L = mok_k_ws_layout(d);
-  char *ws = (char *)workspace;
-  ffn_bwd_args a;
-  memset(&a, 0, sizeof a);
-  a.M = (int)mok_k_rows_capacity(d);
-  a.n_inter = d->I;
-  a.groups = d->E_loc;
-  a.x = routed_x;
-  a.d_out = routed_d_out;
-  a.dy = (const bf16 *)(ws + L.dy);
-  a.g = acts_g;
-  a.u = acts_u;
+  ffn_bwd_args a = routed_bwd_args(d, workspace, acts_g, acts_u, routed_x, routed_d_out,
+                                   router_weights, routed_d_x, d_w_gate, d_w_up, d_w_down,
+                                   gathers, gather_src);
   a.wg = w_gate;
   a.wu = w_up;
   a.wd = w_down;
-  a.rw = router_weights;
-  a.dgu = (bf16 *)(ws + L.dgu);
-  a.h = (bf16 *)(ws + L.h);
-  a.d_xr = routed_d_x;
-  a.d_wg = d_w_gate;
-  a.d_wu = d_w_up;
-  a.d_wd = d_w_down;
-  a.partial = (float *)(ws + L.partial);
   a.e_range = expert_range;
-  a.gathers = gathers;
-  a.gather_src = gather_src;
   /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
-  int st = mok_k_scale_rows(d, schedule, routed_d_out, router_weights, (bf16 *)(ws + L.dy), status,
+  int st = mok_k_scale_rows(d, schedule, routed_d_out, router_weights, (bf16 *)a.dy, status,
                             stream);
   if (st == MOK_OK) st = ffn_backward(d, schedule, &a, status, stream);
   if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
@@ -953,30 +992,13 @@ extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,
       !all_aligned(x, d_out, acts_gs, acts_us, s_gate, s_up) ||
       !all_aligned(s_down, shared_d_x, d_s_gate, d_s_up, d_s_down, workspace))
     return MOK_EINVAL;
-  const ws_layout L = mok_k_ws_layout(d);
-  char *ws = (char *)workspace;
-  ffn_bwd_args a;
-  memset(&a, 0, sizeof a);
-  a.M = d->T;
-  a.n_inter = d->I_s;
-  a.groups = 1;
-  a.e_range = NULL;
-  a.x = (const bf16 *)x;
-  a.d_out = (const bf16 *)d_out;
-  a.dy = (const bf16 *)d_out; /* rw = 1: dy = d_out exactly */
-  a.g = (const bf16 *)acts_gs;
-  a.u = (const bf16 *)acts_us;
+  ffn_bwd_args a = shared_bwd_args(d, workspace, (const bf16 *)x, (const bf16 *)d_out,
+                                   (const bf16 *)acts_gs, (const bf16 *)acts_us,
+                                   (bf16 *)shared_d_x, (bf16 *)d_s_gate, (bf16 *)d_s_up,
+                                   (bf16 *)d_s_down);
   a.wg = (const bf16 *)s_gate;
   a.wu = (const bf16 *)s_up;
   a.wd = (const bf16 *)s_down;
-  a.rw = NULL;
-  a.dgu = (bf16 *)(ws + L.dgus);
-  a.h = (bf16 *)(ws + L.hs);
-  a.d_xr = (bf16 *)shared_d_x;
-  a.d_wg = (bf16 *)d_s_gate;
-  a.d_wu = (bf16 *)d_s_up;
-  a.d_wd = (bf16 *)d_s_down;
-  a.partial = NULL;
   return ffn_backward(d, NULL, &a, status, stream);
 }
 
@@ -1135,28 +1157,11 @@ extern "C" int mok_k_fp8_expert_backward(
       !all_aligned(w_down, routed_d_x, d_w_gate, d_w_up, d_w_down, workspace) ||
       !all_aligned(x, dq, NULL, NULL, NULL, NULL))
     return MOK_EINVAL;
-  const ws_layout L = mok_k_ws_layout(d);
-  char *ws = (char *)workspace;
-  ffn_bwd_args a;
-  memset(&a, 0, sizeof a);
-  a.M = R;
-  a.n_inter = d->I;
-  a.groups = d->E_loc;
-  a.x = (const bf16 *)routed_x;
-  a.d_out = (const bf16 *)routed_d_out;
-  a.dy = (const bf16 *)(ws + L.dy);
-  a.g = (const bf16 *)acts_g;
-  a.u = (const bf16 *)acts_u;
-  a.rw = router_weights;
-  a.dgu = (bf16 *)(ws + L.dgu);
-  a.h = (bf16 *)(ws + L.h);
-  a.d_xr = (bf16 *)routed_d_x;
-  a.d_wg = (bf16 *)d_w_gate;
-  a.d_wu = (bf16 *)d_w_up;
-  a.d_wd = (bf16 *)d_w_down;
-  a.partial = (float *)(ws + L.partial);
-  a.gathers = x != NULL;
-  a.gather_src = (const bf16 *)x;
+  ffn_bwd_args a = routed_bwd_args(d, workspace, (const bf16 *)acts_g, (const bf16 *)acts_u,
+                                   (const bf16 *)routed_x, (const bf16 *)routed_d_out,
+                                   router_weights, (bf16 *)routed_d_x, (bf16 *)d_w_gate,
+                                   (bf16 *)d_w_up, (bf16 *)d_w_down, x != NULL,
+                                   (const bf16 *)x);
   /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
   st = mok_k_scale_rows(d, schedule, (const bf16 *)routed_d_out, router_weights, (bf16 *)a.dy,
                         status, stream);
@@ -1184,24 +1189,10 @@ extern "C" int mok_k_fp8_shared_backward(const mok_k_dims *d, const mok_k_bf16 *
       !all_aligned(s_down, shared_d_x, d_s_gate, d_s_up, d_s_down, workspace) ||
       !all_aligned(dq, NULL, NULL, NULL, NULL, NULL))
     return MOK_EINVAL;
-  const ws_layout L = mok_k_ws_layout(d);
-  char *ws = (char *)workspace;
-  ffn_bwd_args a;
-  memset(&a, 0, sizeof a);
-  a.M = d->T;
-  a.n_inter = d->I_s;
-  a.groups = 1;
-  a.x = (const bf16 *)x;
-  a.d_out = (const bf16 *)d_out;
-  a.dy = (const bf16 *)d_out; /* rw = 1: dy = d_out exactly */
-  a.g = (const bf16 *)acts_gs;
-  a.u = (const bf16 *)acts_us;
-  a.dgu = (bf16 *)(ws + L.dgus);
-  a.h = (bf16 *)(ws + L.hs);
-  a.d_xr = (bf16 *)shared_d_x;
-  a.d_wg = (bf16 *)d_s_gate;
-  a.d_wu = (bf16 *)d_s_up;
-  a.d_wd = (bf16 *)d_s_down;
+  ffn_bwd_args a = shared_bwd_args(d, workspace, (const bf16 *)x, (const bf16 *)d_out,
+                                   (const bf16 *)acts_gs, (const bf16 *)acts_us,
+                                   (bf16 *)shared_d_x, (bf16 *)d_s_gate, (bf16 *)d_s_up,
+                                   (bf16 *)d_s_down);
   if (d->T == 0) /* no rows: the weight gradients are zeros, as the bf16 layer's */
     return ffn_wgrads(d, NULL, &a, gather_share{0, 0}, on_sm90_bwd(MOK_K_SM90_BWD_WGRAD), status,
                       stream);

@@ -1308,7 +1308,7 @@ static void op_backward(job_ctx *c) {
     mok__cuda_ctx_out(c, ctx); /* as the forward writes it */
 }
 
-static void op_step(job_ctx *c) {
+void mok__cuda_op_step(job_ctx *c) {
   const void *client_sched = T_(c, MOK_SLOT_SCHEDULE);
   switch (c->a->op) {
   case MOK_OP_DISPATCH: {
@@ -1810,7 +1810,7 @@ static mok_engine_job *start_single(mok_engine *e, const mok_job_args *a,
     if (a->layer->dtype == MOK_DTYPE_FP8_E4M3) mok__cuda_fp8_job(&c);
     else if (a->op == MOK_OP_FORWARD) op_forward(&c);
     else if (a->op == MOK_OP_BACKWARD) op_backward(&c);
-    else op_step(&c);
+    else mok__cuda_op_step(&c);
   }
   return job_end(&c, res);
 }

@@ -128,15 +128,12 @@ static void fp8_quantize_weight(job_ctx *c) {
                                       slot(c, MOK_SLOT_PACKED_WEIGHT), c->st));
 }
 
+/* The single steps with products; dispatch, combine and their backward forms
+ * are the bf16 layer's (mok__cuda_op_step). */
 static void fp8_step(job_ctx *c) {
   const void *client_sched = slot(c, MOK_SLOT_SCHEDULE);
   const job_ws *w = &c->w;
   switch (c->a->op) {
-  case MOK_OP_DISPATCH:
-    mok__cuda_sched_build(c);
-    mok__cuda_sched_out(c, slot(c, MOK_SLOT_SCHEDULE));
-    LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF16(c, X), BF16(c, ROUTED_X), c->status, c->st));
-    break;
   case MOK_OP_COMPUTE: {
     const int32_t *s = mok__cuda_sched_in(c, client_sched);
     void *acts = slot(c, MOK_SLOT_ACTS);
@@ -144,17 +141,6 @@ static void fp8_step(job_ctx *c) {
     quantize(c, BF16(c, ROUTED_X), rows_of(c), w->f8_rq, w->f8_rs);
     if (c->d.I_s) quantize(c, BF16(c, X), c->d.T, w->f8_tq, w->f8_ts);
     compute(c, s, &a, BF16(c, ROUTED_Y), BF16(c, SHARED_Y));
-    break;
-  }
-  case MOK_OP_COMBINE: {
-    const int32_t *s = mok__cuda_sched_in(c, client_sched);
-    LAUNCH(c, mok_k_combine(&c->d, s, BF16(c, ROUTED_Y), (const float *)slot(c, MOK_SLOT_ROUTER_W),
-                            BF16(c, SHARED_Y), BF16(c, OUT), c->status, c->st));
-    break;
-  }
-  case MOK_OP_COMBINE_BWD: {
-    const int32_t *s = mok__cuda_sched_in(c, client_sched);
-    LAUNCH(c, mok_k_gather_rows(&c->d, s, BF16(c, D_OUT), BF16(c, ROUTED_DOUT), c->status, c->st));
     break;
   }
   case MOK_OP_COMPUTE_BWD: {
@@ -166,17 +152,11 @@ static void fp8_step(job_ctx *c) {
                 BF16(c, SHARED_DX));
     break;
   }
-  case MOK_OP_DISPATCH_BWD: {
-    const int32_t *s = mok__cuda_sched_in(c, client_sched);
-    LAUNCH(c, mok_k_dispatch_backward(&c->d, s, BF16(c, ROUTED_DX), BF16(c, SHARED_DX),
-                                      BF16(c, D_X), c->status, c->st));
-    break;
-  }
   case MOK_OP_QUANTIZE_WEIGHT:
     fp8_quantize_weight(c);
     break;
   default:
-    mok__cuda_job_fail(c, MOK_EUNSUPPORTED, "op %u is not known to the cuda engine", c->a->op);
+    mok__cuda_op_step(c);
   }
 }
 

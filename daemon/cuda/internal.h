@@ -268,6 +268,9 @@ const int32_t *mok__cuda_sched_in(job_ctx *c, const void *src);
 acts_ptrs mok__cuda_ctx_acts(job_ctx *c, void *ctx);
 void mok__cuda_ctx_out(job_ctx *c, void *ctx);
 
+/* A single step of a bf16 layer (cuda/engine.c), within its frame: the fp8
+ * layer's steps without products run it too */
+void mok__cuda_op_step(job_ctx *c);
 /* cuda/fp8.c: every op of an fp8 layer, within its frame */
 void mok__cuda_fp8_job(job_ctx *c);
 
