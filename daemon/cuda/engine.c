@@ -1064,8 +1064,6 @@ void mok__cuda_launched(job_ctx *c, int st, const char *what) {
   }
 }
 
-static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
-#define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
 
 static bool ranges_overlap(const void *a, size_t an, const void *b, size_t bn) {
   uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;

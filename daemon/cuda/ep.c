@@ -361,8 +361,6 @@ static int map_peers(ep_state *st, mok_ep_group *g, mok_k_ep *kg, char *err, siz
 
 /* ---- one job --------------------------------------------------------------------------- */
 
-static void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
-#define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
 
 typedef struct ep_job {
   job_ctx *c;

@@ -18,9 +18,7 @@
 #include "mok_kernels.h"
 #include "mok_slots.h"
 
-static void *slot(const job_ctx *c, int s) { return c->a->t[s].ptr; }
-#define BF16(c, s) ((uint16_t *)slot((c), MOK_SLOT_##s))
-#define PACKED(c, s) ((const void *)slot((c), MOK_SLOT_##s))
+#define PACKED(c, s) ((const void *)T_((c), MOK_SLOT_##s))
 
 /* rows of src [rows, H] quantised into q, s */
 static void quantize(job_ctx *c, const uint16_t *src, int rows, uint8_t *q, float *s) {
@@ -58,31 +56,31 @@ static void compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
   const job_ws *w = &c->w;
   LAUNCH(c, mok_k_fp8_expert_backward(
                 &c->d, sched, a->g, a->u, gather_x, routed_x, routed_dout, w->f8_rq, w->f8_rs,
-                (const float *)slot(c, MOK_SLOT_ROUTER_W), PACKED(c, W_GATE), PACKED(c, W_UP),
-                PACKED(c, W_DOWN), routed_dx, (float *)slot(c, MOK_SLOT_D_RW), BF16(c, D_W_GATE),
-                BF16(c, D_W_UP), BF16(c, D_W_DOWN), w->kernels, c->status, c->st));
+                (const float *)T_(c, MOK_SLOT_ROUTER_W), PACKED(c, W_GATE), PACKED(c, W_UP),
+                PACKED(c, W_DOWN), routed_dx, (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE),
+                BF(c, D_W_UP), BF(c, D_W_DOWN), w->kernels, c->status, c->st));
   if (c->d.I_s)
-    LAUNCH(c, mok_k_fp8_shared_backward(&c->d, BF16(c, X), BF16(c, D_OUT), w->f8_tq, w->f8_ts,
+    LAUNCH(c, mok_k_fp8_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), w->f8_tq, w->f8_ts,
                                         a->gs, a->us, PACKED(c, S_GATE), PACKED(c, S_UP),
-                                        PACKED(c, S_DOWN), shared_dx, BF16(c, D_S_GATE),
-                                        BF16(c, D_S_UP), BF16(c, D_S_DOWN), w->kernels, c->status,
+                                        PACKED(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
+                                        BF(c, D_S_UP), BF(c, D_S_DOWN), w->kernels, c->status,
                                         c->st));
 }
 
 static void fp8_forward(job_ctx *c) {
-  void *ctx = slot(c, MOK_SLOT_CTX);
+  void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
   acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
   mok__cuda_sched_build(c);
-  quantize_routed(c, w->sched, BF16(c, X));
+  quantize_routed(c, w->sched, BF(c, X));
   compute(c, w->sched, &a, w->routed_b, w->shared);
-  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)slot(c, MOK_SLOT_ROUTER_W),
-                          c->d.I_s ? w->shared : NULL, BF16(c, OUT), c->status, c->st));
+  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
+                          c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
   if (ctx) mok__cuda_ctx_out(c, ctx);
 }
 
 static void fp8_backward(job_ctx *c) {
-  void *ctx = slot(c, MOK_SLOT_CTX);
+  void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
   const int32_t *sched = w->sched;
   acts_ptrs a;
@@ -90,7 +88,7 @@ static void fp8_backward(job_ctx *c) {
     /* the forward's g, u again, bitwise: the same quantisation and kernels */
     a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
     mok__cuda_sched_build(c);
-    quantize_routed(c, sched, BF16(c, X));
+    quantize_routed(c, sched, BF(c, X));
     LAUNCH(c, mok_k_fp8_gate_up(&c->d, sched, w->f8_rq, w->f8_rs, PACKED(c, W_GATE),
                                 PACKED(c, W_UP), a.g, a.u, w->kernels, c->status, c->st));
     if (c->d.I_s)
@@ -105,11 +103,11 @@ static void fp8_backward(job_ctx *c) {
     sched = mok__cuda_sched_in(c, ctx);
   }
   /* the ctx keeps no routed x: the backward gathers it (beside a product) */
-  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF16(c, D_OUT), w->routed_b, c->status, c->st));
-  quantize_routed(c, sched, BF16(c, D_OUT));
-  compute_bwd(c, sched, &a, BF16(c, X), w->routed_a, w->routed_b, w->routed_c, w->shared);
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_b, c->status, c->st));
+  quantize_routed(c, sched, BF(c, D_OUT));
+  compute_bwd(c, sched, &a, BF(c, X), w->routed_a, w->routed_b, w->routed_c, w->shared);
   LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
-                                    BF16(c, D_X), c->status, c->st));
+                                    BF(c, D_X), c->status, c->st));
   if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx) mok__cuda_ctx_out(c, ctx);
 }
 
@@ -124,32 +122,32 @@ static void fp8_quantize_weight(job_ctx *c) {
     mok__cuda_job_fail(c, MOK_EINVAL, "quantize_weight takes exactly one source weight");
     return;
   }
-  LAUNCH(c, mok_k_fp8_quantize_weight(slot(c, (int)source), (int)w[0], (int)w[1], (int)w[2],
-                                      slot(c, MOK_SLOT_PACKED_WEIGHT), c->st));
+  LAUNCH(c, mok_k_fp8_quantize_weight(T_(c, (int)source), (int)w[0], (int)w[1], (int)w[2],
+                                      T_(c, MOK_SLOT_PACKED_WEIGHT), c->st));
 }
 
 /* The single steps with products; dispatch, combine and their backward forms
  * are the bf16 layer's (mok__cuda_op_step). */
 static void fp8_step(job_ctx *c) {
-  const void *client_sched = slot(c, MOK_SLOT_SCHEDULE);
+  const void *client_sched = T_(c, MOK_SLOT_SCHEDULE);
   const job_ws *w = &c->w;
   switch (c->a->op) {
   case MOK_OP_COMPUTE: {
     const int32_t *s = mok__cuda_sched_in(c, client_sched);
-    void *acts = slot(c, MOK_SLOT_ACTS);
+    void *acts = T_(c, MOK_SLOT_ACTS);
     acts_ptrs a = mok__cuda_acts_split(c, acts ? acts : w->acts, acts != NULL);
-    quantize(c, BF16(c, ROUTED_X), rows_of(c), w->f8_rq, w->f8_rs);
-    if (c->d.I_s) quantize(c, BF16(c, X), c->d.T, w->f8_tq, w->f8_ts);
-    compute(c, s, &a, BF16(c, ROUTED_Y), BF16(c, SHARED_Y));
+    quantize(c, BF(c, ROUTED_X), rows_of(c), w->f8_rq, w->f8_rs);
+    if (c->d.I_s) quantize(c, BF(c, X), c->d.T, w->f8_tq, w->f8_ts);
+    compute(c, s, &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
     break;
   }
   case MOK_OP_COMPUTE_BWD: {
     const int32_t *s = mok__cuda_sched_in(c, client_sched);
-    acts_ptrs a = mok__cuda_acts_split(c, slot(c, MOK_SLOT_ACTS), false);
-    quantize(c, BF16(c, ROUTED_DOUT), rows_of(c), w->f8_rq, w->f8_rs);
-    if (c->d.I_s) quantize(c, BF16(c, D_OUT), c->d.T, w->f8_tq, w->f8_ts);
-    compute_bwd(c, s, &a, NULL, BF16(c, ROUTED_X), BF16(c, ROUTED_DOUT), BF16(c, ROUTED_DX),
-                BF16(c, SHARED_DX));
+    acts_ptrs a = mok__cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
+    quantize(c, BF(c, ROUTED_DOUT), rows_of(c), w->f8_rq, w->f8_rs);
+    if (c->d.I_s) quantize(c, BF(c, D_OUT), c->d.T, w->f8_tq, w->f8_ts);
+    compute_bwd(c, s, &a, NULL, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
+                BF(c, SHARED_DX));
     break;
   }
   case MOK_OP_QUANTIZE_WEIGHT:

@@ -218,6 +218,10 @@ typedef struct job_ctx {
   bool start_pending;
 } job_ctx;
 
+/* The job's tensor in a slot (NULL: not given), and a bf16 one by slot name. */
+static inline void *T_(const job_ctx *c, int slot) { return c->a->t[slot].ptr; }
+#define BF(c, slot) ((uint16_t *)T_((c), MOK_SLOT_##slot))
+
 typedef struct acts_ptrs {
   uint16_t *g, *u, *gs, *us;
 } acts_ptrs;
