@@ -306,10 +306,8 @@ class _Slot:
 
 
 def _quantize(layer, name, w, buf):
-    """quantize_weight of master w into buf (u8 of packed_weight_bytes(name))."""
-    if w.dtype != torch.bfloat16 or tuple(w.shape) != layer._master_shape(name):
-        raise Error("ESHAPE", "mok.torch: the fp8 master %s must be bf16 of shape %s, got %s "
-                    "%s" % (name, layer._master_shape(name), w.dtype, tuple(w.shape)))
+    """quantize_weight of master w into buf (u8 of packed_weight_bytes(name)); the binding
+    checks w's dtype and shape (ESHAPE)."""
     with torch.no_grad():
         if w.is_cuda:  # the cuda engine: in place, after the current stream's work
             layer.quantize_weight(name, w, out=buf)
