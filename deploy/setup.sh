@@ -3,6 +3,7 @@
 # Installs what mok needs to build and test, from Debian's (or Ubuntu's) packages.
 # As root it installs what is missing; otherwise it says exactly what is.
 set -eu
+cd "$(dirname "$0")/.."
 # needed to build and test
 pkgs=(build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
       libsystemd-dev python3 python3-numpy python3-pytest)
@@ -46,6 +47,8 @@ if command -v clang >/dev/null 2>&1; then
 fi
 echo "setup: build and test dependencies are installed"
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  # the pinned CUTLASS headers the grouped GEMMs build on (kernels/cutlass/)
+  deploy/cutlass.sh
   echo "setup: nvcc found: the CUDA parts will build"
 else
   echo "setup: no nvcc: the CUDA parts are skipped (the cpu engine runs everywhere)"
