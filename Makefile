@@ -59,7 +59,14 @@ CLIENT_SRC := $(wildcard client/src/*.c)
 REF_SRC := $(wildcard tests/ref/*.c)
 UNIT_SRC := $(wildcard tests/unit/test_*.c tests/integration/test_*.c)
 BENCH_SRC := $(wildcard tests/bench/*.c)
-KERNEL_SRC := $(wildcard kernels/*.cu)
+KERNEL_SRC := $(wildcard kernels/*.cu) kernels/cutlass_gemm/launch.cu
+# CUTLASS's headers (deploy/cutlass.sh, run by deploy/setup.sh): with them the
+# CUTLASS configurations build (kernels/cutlass_gemm/cfg_*.cu), each its own unit
+CUTLASS_DIR ?= .deps/cutlass-4.2.0
+HAVE_CUTLASS := $(if $(wildcard $(CUTLASS_DIR)/include/cutlass/cutlass.h),1)
+ifneq ($(HAVE_CUTLASS),)
+  KERNEL_SRC += $(wildcard kernels/cutlass_gemm/cfg_*.cu)
+endif
 
 ifneq ($(NVCC),)
   HAVE_CUDA := 1
@@ -80,12 +87,16 @@ DAEMON_OBJ := $(call o,$(DAEMON_SRC))
 CLIENT_OBJ := $(call o,$(CLIENT_SRC))
 REF_OBJ := $(call o,$(REF_SRC))
 
+# The kernel library does not depend on the C flags (sanitizers included):
+# `make sanitize` builds it once, in $(KBUILD), for every pass.
+KBUILD ?= $(BUILD)
+KLIB := $(KBUILD)/lib/libmokkernels.a
 ifneq ($(HAVE_CUDA),)
-  KERNEL_OBJ := $(patsubst %.cu,$(OBJ)/%.o,$(KERNEL_SRC))
+  KERNEL_OBJ := $(patsubst %.cu,$(KBUILD)/obj/%.o,$(KERNEL_SRC))
   ifneq ($(wildcard $(CUDA_DAEMON_SRC)),)
     DAEMON_OBJ += $(call o,$(CUDA_DAEMON_SRC))
     CFLAGS += -DMOK_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-    DAEMON_LIBS_CUDA := $(BUILD)/lib/libmokkernels.a $(CUDA_LIBS)
+    DAEMON_LIBS_CUDA := $(KLIB) $(CUDA_LIBS)
   endif
 endif
 
@@ -126,9 +137,21 @@ $(OBJ)/gen/mok.pb-c.o: $(GEN)/mok.pb-c.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Wno-error -c $< -o $@
 
-$(OBJ)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_layout.h
+KERNEL_HEADERS := $(wildcard kernels/*.h kernels/*.cuh kernels/common/*.cuh kernels/cutlass_gemm/*.h) \
+	proto/mok_layout.h
+# KERNEL_NVCC_EXTRA: flags for the kernels alone (the build scripts' -Xptxas -v)
+KERNEL_NVCC = $(NVCC) $(NVCCFLAGS) $(KERNEL_NVCC_EXTRA) $(if $(HAVE_CUTLASS),-DMOK_HAVE_CUTLASS=1)
+$(KBUILD)/obj/kernels/%.o: kernels/%.cu $(KERNEL_HEADERS)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(KERNEL_NVCC) -c $< -o $@
+
+# CUTLASS's units: its headers, NDEBUG (asserts in its device code would
+# serialise the wgmma pipeline) and constexpr calls across host and device
+CUTLASS_FLAGS := -DNDEBUG --expt-relaxed-constexpr -I$(CUTLASS_DIR)/include \
+	-I$(CUTLASS_DIR)/tools/util/include
+$(KBUILD)/obj/kernels/cutlass_gemm/cfg_%.o: kernels/cutlass_gemm/cfg_%.cu kernels/cutlass_gemm/grouped.cuh $(KERNEL_HEADERS)
+	@mkdir -p $(dir $@)
+	$(KERNEL_NVCC) $(CUTLASS_FLAGS) -c $< -o $@
 
 # ---- libraries and programs -------------------------------------------------
 $(BUILD)/lib/libmokwire.a: $(WIRE_OBJ)
@@ -139,7 +162,7 @@ $(BUILD)/lib/libmokd.a: $(DAEMON_OBJ) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $(filter %.o,$^)
 
-$(BUILD)/lib/libmokkernels.a: $(KERNEL_OBJ)
+$(KLIB): $(KERNEL_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 
@@ -155,7 +178,7 @@ $(BUILD)/lib/libmok.so: $(CLIENT_OBJ) $(WIRE_OBJ) client/libmok.map
 	$(CC) -shared -Wl,-soname,libmok.so.1 -Wl,--version-script=client/libmok.map $(LDFLAGS_SAN) \
 		-o $@ $(filter %.o,$^) $(PB_LIBS) $(LDLIBS)
 
-DAEMON_DEPS := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(if $(DAEMON_LIBS_CUDA),$(BUILD)/lib/libmokkernels.a)
+DAEMON_DEPS := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(if $(DAEMON_LIBS_CUDA),$(KLIB))
 DAEMON_LINK := $(BUILD)/lib/libmokd.a $(BUILD)/lib/libmokwire.a $(DAEMON_LIBS_CUDA) $(UV_LIBS) $(PB_LIBS) $(SD_LIBS) $(LDLIBS)
 
 $(BUILD)/bin/mokd: $(OBJ)/daemon/main.o $(DAEMON_DEPS)
@@ -192,30 +215,30 @@ ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_gemm_sm90
 endif
 $(BUILD)/tests/gpu/test_gemm_sm90: tests/gpu/test_gemm_sm90.cu tests/gpu/host_bf16_rng.h tests/harness/model_shapes.h \
-		$(BUILD)/lib/libmokkernels.a
+		$(KLIB)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(KLIB) -lpthread -lm
 
 # the ring's device test: macrobatches against one pass, bit for bit
 ifneq ($(HAVE_CUDA),)
 GPU_TEST_BINS += $(BUILD)/tests/gpu/test_ring
 endif
-$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/harness/cuda_check.cuh $(BUILD)/lib/libmokkernels.a
+$(BUILD)/tests/gpu/test_ring: tests/gpu/test_ring.cu tests/harness/cuda_check.cuh $(KLIB)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $< $(BUILD)/lib/libmokkernels.a -lpthread -lm
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(KLIB) -lpthread -lm
 
 # the kernels' own test (run_kernel_tests.sh builds it with ptxas reports too)
 $(BUILD)/tests/gpu/test_kernels: tests/gpu/test_kernels.cu $(OBJ)/daemon/schedule.o \
-		$(OBJ)/tests/gpu/sched_shim.o $(REF_OBJ) $(BUILD)/lib/libmokkernels.a
+		$(OBJ)/tests/gpu/sched_shim.o $(REF_OBJ) $(KLIB)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $(filter-out %.a,$^) $(BUILD)/lib/libmokkernels.a -lpthread -lm
+	$(NVCC) $(NVCCFLAGS) -o $@ $(filter-out %.a,$^) $(KLIB) -lpthread -lm
 
 # the NCCL group against the kernels (NCCL is loaded at run time, never linked)
 $(BUILD)/tests/gpu/test_nccl_group: tests/gpu/test_nccl_group.cu $(OBJ)/daemon/cuda/nccl.o \
-		$(BUILD)/lib/libmokkernels.a
+		$(KLIB)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Idaemon -Itests/gpu -o $@ $< $(OBJ)/daemon/cuda/nccl.o \
-		$(BUILD)/lib/libmokkernels.a -ldl -lpthread
+		$(KLIB) -ldl -lpthread
 
 # CUDA clients of libmok: the hostile tenant, the EP bench, the boundary
 # benches (tests/gpu/build_device.sh links protobuf-c statically through PB_LIBS)
@@ -226,18 +249,18 @@ $(BUILD)/tests/gpu/test_hostile: tests/gpu/test_hostile.cu $(BUILD)/lib/libmok.a
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -ldl -lpthread
 $(BUILD)/bench/bench_ep_cuda: tests/bench/bench_ep_cuda.cu $(BUILD)/lib/libmok.a \
-		$(BUILD)/lib/libmokkernels.a $(GPU_TEST_HEADERS)
+		$(KLIB) $(GPU_TEST_HEADERS)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(KLIB) \
 		$(PB_LIBS) -ldl -lpthread
 $(BUILD)/bench/bench_fence: tests/bench/bench_fence.cu $(BUILD)/lib/libmok.a $(GPU_TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(PB_LIBS) -lcuda -ldl -lpthread
 # with the kernel library: --inproc-ab runs the same layer in-process next to mokd's
 $(BUILD)/bench/mok_bench_daemon: tests/bench/mok_bench_daemon.cu $(BUILD)/lib/libmok.a \
-		$(BUILD)/lib/libmokkernels.a $(GPU_TEST_HEADERS)
+		$(KLIB) $(GPU_TEST_HEADERS)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(BUILD)/lib/libmokkernels.a \
+	$(NVCC) $(CUDA_CLIENT_FLAGS) -o $@ $< $(BUILD)/lib/libmok.a $(KLIB) \
 		$(PB_LIBS) -lcuda -ldl -lpthread
 
 GPU_CLIENT_BINS := $(BUILD)/tests/gpu/test_hostile $(BUILD)/bench/bench_ep_cuda \
@@ -246,7 +269,7 @@ GPU_CLIENT_BINS := $(BUILD)/tests/gpu/test_hostile $(BUILD)/bench/bench_ep_cuda 
 gpu-tests: $(if $(HAVE_CUDA),gpu $(BUILD)/tests/gpu/test_cuda_engine $(BUILD)/tests/gpu/test_kernels \
 		$(BUILD)/tests/gpu/test_nccl_group $(GPU_CLIENT_BINS))
 
-gpu: $(if $(HAVE_CUDA),$(BUILD)/lib/libmokkernels.a $(GPU_TEST_BINS))
+gpu: $(if $(HAVE_CUDA),$(KLIB) $(GPU_TEST_BINS))
 	@$(if $(HAVE_CUDA),echo "CUDA kernels built with $(NVCC)",echo "nvcc not found: CUDA parts skipped")
 
 # ---- tests -----------------------------------------------------------------
@@ -304,8 +327,8 @@ fuzz-smoke: fuzz-build
 # (RSS may end further above its baseline there: freed memory sits in quarantine)
 # (into $(BUILD)/asan and $(BUILD)/tsan: BUILD=build-x-san keeps them apart)
 sanitize:
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=$(BUILD)/asan test
-	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=$(BUILD)/tsan test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=address,undefined BUILD=$(BUILD)/asan KBUILD=$(KBUILD) test
+	MOK_RSS_SLACK_KIB=262144 $(MAKE) SAN=thread BUILD=$(BUILD)/tsan KBUILD=$(KBUILD) test
 
 # ---- install -----------------------------------------------------------------
 # make install [DESTDIR=/staging] [PREFIX=/usr/local]

@@ -794,11 +794,17 @@ static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *sc
 /* The weight gradients of one FFN backward, from dy, h, dg | du and x (the
  * share `beside` of x's gather beside the first): d_wd[e] = dy^T h, then
  * [d_wg; d_wu][e] = dgu^T x, over each expert's rows. */
+static gemm_params down_wgrad(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
+                              int32_t *status) {
+  const int n = a->n_inter;
+  return gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL,
+                    d->H, n, (long long)d->H * n, a->e_range, status);
+}
+
 static int ffn_wgrads(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                       gather_share beside, bool wg90, int32_t *status, cudaStream_t stream) {
   const int n = a->n_inter;
-  gemm_params p = gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd,
-                             NULL, d->H, n, (long long)d->H * n, a->e_range, status);
+  gemm_params p = down_wgrad(d, schedule, a, status);
   attach_gather(&p, d, schedule, a, beside);
   int st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
   if (st != MOK_OK) return st;
@@ -818,8 +824,13 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
    * kernels (their idle producer warps), else a kernel of its own first */
   int host = MOK_K_GATHER_KERNEL;
   if (a->gathers) {
-    const int want = mok_k_gather_host();
-    const bool on90[GATHER_PRODUCTS] = {dgrad90, gu90, wg90};
+    /* a weight gradient on CUTLASS carries no gather: its third of the
+     * copy goes beside the two dgrads */
+    const gemm_params pw = down_wgrad(d, schedule, a, status);
+    const bool wg_hosts = wg90 && !mok__sm90_on_cutlass(MOK_GM_WGRAD, &pw);
+    int want = mok_k_gather_host();
+    if (want == MOK_K_GATHER_THREE && wg90 && !wg_hosts) want = MOK_K_GATHER_BOTH_DGRADS;
+    const bool on90[GATHER_PRODUCTS] = {dgrad90, gu90, wg_hosts};
     bool hosts = want != MOK_K_GATHER_KERNEL; /* every product of its share on the Hopper kernels */
     for (int i = 0; i < GATHER_PRODUCTS; i++)
       if (gather_shares[want][i].parts && !on90[i]) hosts = false;

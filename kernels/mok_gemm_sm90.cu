@@ -61,6 +61,7 @@
 #include "common/swiglu.cuh"
 #include "common/tile_locator.cuh"
 #include "common/tile_trace.cuh"
+#include "cutlass_gemm/launch.h"
 #include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
 
@@ -1299,8 +1300,8 @@ extern "C" void mok_k_sm90_set_tuning(int pipe, int band, int pol_a, int pol_b) 
   s9_pol_b = pol_b >= 0 && pol_b <= 2 ? pol_b : 0;
 }
 
-static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {"rows", "expert", "cluster",
-                                                                   "pingpong", "quad"};
+static const char *const s9_variant_names[MOK_K_SM90_VARIANTS] = {
+    "rows", "expert", "cluster", "pingpong", "quad", "cutlass"};
 
 extern "C" const char *mok_k_sm90_variant_name(int variant) {
   return variant >= 0 && variant < MOK_K_SM90_VARIANTS ? s9_variant_names[variant] : "?";
@@ -1483,7 +1484,7 @@ extern "C" int mok_k_sm90_bwd_modes(void) { return s9_bwd_mask; }
  * clusters. */
 static bool s9_use_pairs(int mode, const s9_params &p) {
   return (s9_variant == MOK_K_SM90_CLUSTER || s9_variant == MOK_K_SM90_PINGPONG ||
-          s9_variant == MOK_K_SM90_QUAD) &&
+          s9_variant == MOK_K_SM90_QUAD || s9_variant == MOK_K_SM90_CUTLASS) &&
          S9_PAIRS_MODE(mode) && s9_pair_clusters > 0 &&
          (!p.offsets || S9_TABLE_FITS(p.E_loc));
 }
@@ -1576,15 +1577,21 @@ static int s9_launch_pp(const s9_params &p, const CUtensorMap &a, const CUtensor
 
 /* The product p (mok_gemm.cu's parameters) on the Hopper kernels: the
  * tiling, the TMA maps of its operands, the launch. */
+int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p) {
+  return s9_variant == MOK_K_SM90_CUTLASS && mok__cg_takes(mode, p);
+}
+
 int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
+  if (prod->M <= 0 || prod->N <= 0 || prod->groups <= 0) return MOK_OK;
+  if (mok__sm90_on_cutlass(mode, prod)) return mok__cg_run(mode, prod, s9_grid_override, stream);
   s9_params p = *prod;
-  if (p.M <= 0 || p.N <= 0 || p.groups <= 0) return MOK_OK;
   p.order = s9_variant == MOK_K_SM90_EXPERT ? MOK_ORDER_EXPERT : MOK_ORDER_ROWS;
   p.band = mode == MOK_GM_WGRAD ? 0 : s9_band;
   p.pol_a = s9_pol_a;
   p.pol_b = s9_pol_b;
   const bool pp = mode == MOK_GM_DOWN_DGRAD &&
-                  (s9_variant == MOK_K_SM90_PINGPONG || s9_variant == MOK_K_SM90_QUAD);
+                  (s9_variant == MOK_K_SM90_PINGPONG || s9_variant == MOK_K_SM90_QUAD ||
+                   s9_variant == MOK_K_SM90_CUTLASS);
   p.tile_n = mode == MOK_GM_GATE_UP ? S9_BN / 2 : pp ? S9P_BN : S9_BN;
   p.m_tiles = (p.M + S9_BM - 1) / S9_BM;
   p.n_tiles = (p.N + p.tile_n - 1) / p.tile_n;

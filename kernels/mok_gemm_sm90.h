@@ -95,17 +95,21 @@ int mok_k_sm90_bwd_modes(void);
  *   QUAD     PINGPONG, with GATE_UP, DOWN and the gate/up dgrad in 2x2
  *            clusters (two row blocks x two column tiles): A shared by the
  *            two column tiles, B by the two row blocks of one expert.
- * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad at mok_k_init, or the setter
+ *   CUTLASS  PINGPONG, with DOWN and the weight gradients on CUTLASS's sm90
+ *            grouped GEMM (kernels/cutlass_gemm/, its launch table); in a build
+ *            without CUTLASS's headers, PINGPONG (PERF.md "Kernels v3").
+ * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad|cutlass at mok_k_init, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0
 #define MOK_K_SM90_EXPERT 1
 #define MOK_K_SM90_CLUSTER 2
 #define MOK_K_SM90_PINGPONG 3
 #define MOK_K_SM90_QUAD 4
-#define MOK_K_SM90_VARIANTS 5
+#define MOK_K_SM90_CUTLASS 5
+#define MOK_K_SM90_VARIANTS 6
 int mok_k_sm90_set_variant(int variant);
 int mok_k_sm90_variant(void);
-const char *mok_k_sm90_variant_name(int variant); /* "rows", ..., "pingpong", "quad" */
+const char *mok_k_sm90_variant_name(int variant); /* "rows", ..., "quad", "cutlass" */
 int mok_k_sm90_variant_parse(const char *name);   /* -1: unknown */
 /* 2-CTA clusters the device runs at once (from mok_k_sm90_init); 0: the
  * cluster variant falls back to ROWS order on plain CTAs. */
@@ -120,6 +124,16 @@ int mok_k_sm90_pair_clusters(void);
 int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N, int K,
                              const uint8_t *a, const float *a_scales, const void *b_packed,
                              mok_k_bf16 *c, int32_t *status, mok_k_stream stream);
+
+/* Tests and bench: what the cutlass variant runs on CUTLASS (kernels/cutlass_gemm/):
+ * its launch table (the default), or every product that has a CUTLASS
+ * configuration whatever its rows, with DOWN on the cooperative (EVERY) or
+ * the ping-pong (EVERY_PP) configuration. Results do not depend on it.
+ * MOK_EINVAL for another value. */
+#define MOK_K_CUTLASS_TABLE 0
+#define MOK_K_CUTLASS_EVERY 1
+#define MOK_K_CUTLASS_EVERY_PP 2
+int mok_k_sm90_set_cutlass_choice(int choice);
 
 /* Bench and tests: the pingpong variant's down dgrad in 2-CTA clusters
  * (1, the default) or on plain CTAs (0). Results do not depend on it. */

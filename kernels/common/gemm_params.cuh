@@ -82,5 +82,9 @@ typedef struct mok_gemm_params {
  * mok_gemm_mode; returns a mok_status. The mma.sync launch lives in
  * mok_gemm.cu, which picks between the two. */
 int mok_k_sm90_run(int mode, const mok_gemm_params *p, cudaStream_t stream);
+/* 1 when mok_k_sm90_run sends this product to a CUTLASS configuration (the
+ * cutlass variant and kernels/cutlass_gemm/'s launch table), whose kernels
+ * carry no gather beside them. */
+int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p);
 
 #endif /* MOK_COMMON_GEMM_PARAMS_CUH */

@@ -74,6 +74,7 @@ typedef struct result {
 typedef struct bench_path {
   const char *name;
   int backend, variant, pp_pairs, pipe;
+  int cg_choice; /* what the cutlass variant runs on CUTLASS (mok_k_sm90_set_cutlass_choice) */
   int fp8; /* the fp8 layer (docs/math.md "FP8") on the init's bf16 kernels */
 } bench_path;
 
@@ -86,6 +87,7 @@ static int select_path(const bench_path *bp) {
   if (bp->fp8 && !(g_layer && g_layer->ws8)) return 0;
   if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
   mok_k_sm90_set_pp_pairs(bp->pp_pairs);
+  mok_k_sm90_set_cutlass_choice(bp->cg_choice);
   mok_k_sm90_set_tuning(bp->pipe, g_band, 0, 0);
   return bp->backend != MOK_K_GEMM_SM90 || mok_k_sm90_set_variant(bp->variant) == MOK_OK;
 }
@@ -323,7 +325,7 @@ static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
           "[--warmup N] [--deadline S] [--only NAME[,NAME]] "
-          "[--variants rows,expert,cluster,pingpong,pingpong-plain,pingpong-pipe,quad,hmma] "
+          "[--variants rows,expert,cluster,pingpong,pingpong-plain,pingpong-pipe,quad,cutlass,cutlass-every,cutlass-every-pp,hmma] "
           "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N] "
           "[--band N]\n",
           a0);
@@ -383,11 +385,15 @@ int main(int argc, char **argv) {
      * pingpong-pipe: with one wgmma batch kept in flight in the k loops */
     const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
     const int fp8 = !strcmp(one, "fp8");
+    /* cutlass-every: the cutlass variant with every product that has a CUTLASS
+     * configuration on it, whatever the rows; cutlass-every-pp: DOWN on ping-pong */
+    const int cg_wg = !strcmp(one, "cutlass-every"), cg_pp = !strcmp(one, "cutlass-every-pp");
     const int sv = plain || piped ? MOK_K_SM90_PINGPONG
+                   : cg_pp || cg_wg ? MOK_K_SM90_CUTLASS
                    : fp8          ? mok_k_sm90_variant()
                                   : mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, hmma, fp8; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, cutlass, cutlass-every, cutlass-every-pp, hmma, fp8; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
@@ -396,10 +402,15 @@ int main(int argc, char **argv) {
     bp->name = fp8     ? "fp8"
                : plain ? "pingpong-plain"
                : piped ? "pingpong-pipe"
+               : cg_pp ? "cutlass-every-pp"
+               : cg_wg ? "cutlass-every"
                : sv >= 0 ? mok_k_sm90_variant_name(sv)
                          : "hmma";
     bp->pp_pairs = !plain;
     bp->pipe = piped;
+    bp->cg_choice = cg_pp   ? MOK_K_CUTLASS_EVERY_PP
+                    : cg_wg ? MOK_K_CUTLASS_EVERY
+                            : MOK_K_CUTLASS_TABLE;
     bp->backend = sv >= 0 ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
     bp->variant = sv >= 0 ? sv : MOK_K_SM90_ROWS;
     at += len + (at[len] == ',');

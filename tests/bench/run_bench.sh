@@ -5,7 +5,7 @@
 #
 #   tests/bench/run_bench.sh [OUTDIR]
 #
-# 1. builds tests/bench/mok_bench (kernels/*.cu + mok_bench.cu, nvcc, sm_90a),
+# 1. builds tests/bench/mok_bench (the kernel library + mok_bench.cu, nvcc, sm_90a),
 #    unless a build of the same sources is already in BUILD_DIR;
 # 2. runs the PyTorch baseline (tests/bench/torch_baseline.py: correctness at a
 #    tiny shape against the float64 reference, dense GEMM and copy ceilings,
@@ -59,31 +59,26 @@ status=0
 note() { printf '== %s\n' "$*"; }
 
 # ---- build -------------------------------------------------------------------------
-KERNELS=$(ls kernels/*.cu | sed 's/\.cu$//')
-SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/bench/bench_layer.h tests/bench/bench_pool.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h"
-srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
+# the kernel library through the Makefile (its CUTLASS units with their flags),
+# then mok_bench against it
+KLIBDIR=$BUILD_DIR/k
+KLIB=$KLIBDIR/lib/libmokkernels.a
+SOURCES="$(ls kernels/*.cu kernels/*.h kernels/*.cuh kernels/common/*.cuh kernels/cutlass_gemm/*) proto/mok_status.h proto/mok_layout.h tests/bench/mok_bench.cu tests/bench/bench_common.h tests/bench/bench_layer.h tests/bench/bench_pool.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h"
+srchash=$( (cat $SOURCES; ls .deps/cutlass-*/.wheel-sha256 2>/dev/null) | sha256sum | cut -d' ' -f1)
 {
   if [ -x "$BIN" ] && [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && "$BIN" --version >/dev/null 2>&1; then
     note "mok_bench: reusing $BIN (same sources)"
   else
     note "mok_bench: building with $NVCC"
     ARCH="-gencode=arch=compute_90a,code=sm_90a"
-    FLAGS="-std=c++17 -O3 $ARCH -Xcompiler -Wall,-Wextra"
-    pids=()
-    for f in $KERNELS tests/bench/mok_bench; do
-      "$NVCC" $FLAGS -Xptxas -v -c $f.cu -o "$BUILD_DIR/$(basename $f).o" \
-        >"$BUILD_DIR/ptxas_$(basename $f).log" 2>&1 &
-      pids+=($!)
-    done
-    ok=1
-    for p in "${pids[@]}"; do wait "$p" || ok=0; done
-    objs=("$BUILD_DIR/mok_bench.o")
-    for f in $KERNELS; do objs+=("$BUILD_DIR/$(basename "$f").o"); done
-    if [ $ok = 1 ] && "$NVCC" $ARCH -o "$BIN" "${objs[@]}" -lcuda -lpthread -lm; then
+    if make -s -j"$(nproc)" NVCC="$NVCC" KBUILD="$KLIBDIR" KERNEL_NVCC_EXTRA="-Xptxas -v" "$KLIB" \
+         >"$BUILD_DIR/ptxas_kernels.log" 2>&1 &&
+       "$NVCC" -std=c++17 -O3 $ARCH -Xcompiler -Wall,-Wextra -Ikernels -Iproto -o "$BIN" \
+         tests/bench/mok_bench.cu "$KLIB" -lcuda -lpthread -lm; then
       echo "$srchash" >"$BIN.srchash"
-      grep -hE "spill|Used [0-9]+ registers" "$BUILD_DIR"/ptxas_mok_gemm.log | sed 's/ptxas info    : //' | sort | uniq -c
+      grep -hE "spill|Used [0-9]+ registers" "$BUILD_DIR"/ptxas_kernels.log | sed 's/ptxas info    : //' | sort | uniq -c | sort -rn | head -12
     else
-      cat "$BUILD_DIR"/ptxas_*.log | grep -iE "error" | head -20
+      grep -iE "error" "$BUILD_DIR"/ptxas_kernels.log | head -20
       echo "mok_bench: build FAILED"
     fi
   fi
@@ -92,11 +87,9 @@ srchash=$(cat $SOURCES | sha256sum | cut -d' ' -f1)
     # those mok_bench was just linked from, of these sources
     dsrc=$( (cat tests/bench/mok_bench_daemon.cu tests/bench/bench_common.h tests/bench/bench_layer.h tests/bench/bench_pool.h tests/harness/cuda_check.cuh tests/harness/expect.h tests/harness/model_shapes.h client/include/mok.h proto/mok_enums.h; echo "$srchash") | sha256sum | cut -d' ' -f1)
     PBA=${PROTOBUF_C_A:-/usr/lib/x86_64-linux-gnu/libprotobuf-c.a}
-    kobjs=()
-    for f in $KERNELS; do kobjs+=("$BUILD_DIR/$(basename "$f").o"); done
+    kobjs=("$KLIB")
     kobjs_ok=1
-    [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] || kobjs_ok=0
-    for o in "${kobjs[@]}"; do [ -f "$o" ] || kobjs_ok=0; done
+    [ "$(cat "$BIN.srchash" 2>/dev/null)" = "$srchash" ] && [ -f "$KLIB" ] || kobjs_ok=0
     if [ -x "$DBIN" ] && [ "$(cat "$DBIN.srchash" 2>/dev/null)" = "$dsrc" ]; then
       note "mok_bench_daemon: reusing $DBIN"
     elif [ -f "$MOK_DEVBUILD/lib/libmok.a" ] && [ -f "$PBA" ] && [ $kobjs_ok = 1 ]; then

@@ -25,17 +25,14 @@ mkdir -p "$B/obj" "$B/log"
 status=0
 fail() { printf '!! %s\n' "$*"; status=1; }
 
-KERNELS=$(cd kernels && ls *.cu | sed 's/\.cu$//')
-# the kernels, then the test programs, each batch in parallel
-pids=()
-for f in $KERNELS; do
-  "$NVCC" $FLAGS -Xptxas -v -c "kernels/$f.cu" -o "$B/obj/$f.o" >"$B/log/ptxas_$f.log" 2>&1 &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || status=1; done
+# the kernel library through the Makefile (its CUTLASS units with their
+# flags), then the test programs in parallel
+KLIB=$B/k/lib/libmokkernels.a
+make -s -j"$(nproc)" NVCC="$NVCC" KBUILD="$B/k" KERNEL_NVCC_EXTRA="-Xptxas -v -Xcompiler -Wall,-Wextra" \
+  "$KLIB" >"$B/log/ptxas_kernels.log" 2>&1 || status=1
 pids=()
 for t in tests/gpu/test_gemm_sm90 tests/gpu/test_kernels tests/gpu/test_ring tests/bench/mok_bench; do
-  "$NVCC" $FLAGS -c "$t.cu" -o "$B/obj/$(basename "$t").o" >"$B/log/build_$(basename "$t").log" 2>&1 &
+  "$NVCC" $FLAGS -Ikernels -Iproto -c "$t.cu" -o "$B/obj/$(basename "$t").o" >"$B/log/build_$(basename "$t").log" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || status=1; done
@@ -47,8 +44,7 @@ if [ $status != 0 ]; then
   fail "nvcc"
   exit 1
 fi
-kobjs=()
-for f in $KERNELS; do kobjs+=("$B/obj/$f.o"); done
+kobjs=("$KLIB")
 "$NVCC" $ARCH -o "$B/test_gemm_sm90" "$B/obj/test_gemm_sm90.o" "${kobjs[@]}" -lpthread -lm || fail "link test_gemm_sm90"
 "$NVCC" $ARCH -o "$B/test_ring" "$B/obj/test_ring.o" "${kobjs[@]}" -lpthread -lm || fail "link test_ring"
 "$NVCC" $ARCH -o "$B/mok_bench" "$B/obj/mok_bench.o" "${kobjs[@]}" -lcuda -lpthread -lm || fail "link mok_bench"
@@ -71,7 +67,7 @@ fi
 if [ -n "$CUOBJDUMP" ]; then
   # matrix and TMA instructions, spills in SASS: HGMMA present, no LDL/STL
   # outside the down dgrad
-  "$CUOBJDUMP" -sass "$B/obj/mok_gemm_sm90.o" | awk '
+  "$CUOBJDUMP" -sass "$B/k/obj/kernels/mok_gemm_sm90.o" | awk '
     /Function :/ { fn = $3 }
     /HGMMA/ { h[fn]++ } /UTMALDG/ { t[fn]++ } /UTMASTG/ { s[fn]++ }
     /[^A-Z](LDL|STL)[ .]/ { l[fn]++ } /Function :/ { f[fn] = 1 }

@@ -13,8 +13,9 @@
 # (V3_BUDGET seconds, default 360):
 #   test_gemm_sm90 correct    forward: every variant bitwise = default path = mma.sync
 #   test_gemm_sm90 bwd        backward: the same, each mode alone and all together
+#                             (both again with the cutlass variant's DOWN on ping-pong)
 #   test_kernels correct      the whole layer against the float64 reference
-#   test_kernels quick        the same on the cluster, pingpong and quad variants (MOK_GEMM_VARIANT)
+#   test_kernels quick        the same on the cluster, pingpong, quad and cutlass variants (MOK_GEMM_VARIANT)
 #   test_ring                 macrobatches = one pass, on every backend and variant
 #   mok_bench                 the layer at the four shapes, T=2048 and 8192, balanced
 #                             routing, per variant (rows, expert, cluster): ms, TFLOP/s,
@@ -27,7 +28,7 @@
 # /opt/nvidia; NCU=none: no profile), PYTHON (python3), V3_SHAPE / V3_T (the
 # ncu configuration), V3_SKIP (step names to leave out, e.g. "kernels_correct"),
 # V3_VARIANTS / V3_NCU_VARIANTS (the variants benched / profiled; default
-# rows,expert,cluster,pingpong,quad / rows,cluster,pingpong,quad).
+# rows,expert,cluster,pingpong,quad,cutlass / rows,cluster,pingpong,quad,cutlass).
 # Exit status: 0 when every step passed.
 set -uo pipefail
 
@@ -88,6 +89,10 @@ step gemm_correct 80 "$B/test_gemm_sm90" correct
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step gemm_bwd 90 "$B/test_gemm_sm90" bwd
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
+step gemm_correct_pp 80 "$B/test_gemm_sm90" correct every-pp
+rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
+step gemm_bwd_pp 90 "$B/test_gemm_sm90" bwd every-pp
+rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step kernels_correct 100 "$B/test_kernels" correct
 step kernels_cluster 30 env MOK_GEMM_VARIANT=cluster "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
@@ -95,11 +100,13 @@ step kernels_pingpong 30 env MOK_GEMM_VARIANT=pingpong "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step kernels_quad 30 env MOK_GEMM_VARIANT=quad "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
+step kernels_cutlass 30 env MOK_GEMM_VARIANT=cutlass "$B/test_kernels" quick
+rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step ring 40 "$B/test_ring"
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 
-VARIANTS=${V3_VARIANTS:-rows,expert,cluster,pingpong,quad}
-NCU_VARIANTS=${V3_NCU_VARIANTS:-rows,cluster,pingpong,quad}
+VARIANTS=${V3_VARIANTS:-rows,expert,cluster,pingpong,quad,cutlass}
+NCU_VARIANTS=${V3_NCU_VARIANTS:-rows,cluster,pingpong,quad,cutlass}
 if [ $cluster_ok = 0 ]; then
   note "a test step timed out: the cluster variant is left out of the bench and ncu"
   VARIANTS=rows,expert
@@ -115,7 +122,7 @@ step bench "$left" "$B/mok_bench" --out "$OUTDIR/mok.json" --T 2048,8192 --routi
 if [ $have_ncu = 1 ]; then
   echo "$NCU_VARIANTS" >"$OUTDIR/ncu_variants.txt"
   rm -f "$OUTDIR/v3.ncu-rep"
-  step ncu 75 "$NCU" --profile-from-start off --clock-control none --kernel-name regex:s9_gemm \
+  step ncu 75 "$NCU" --profile-from-start off --clock-control none --kernel-name 'regex:s9_gemm|device_kernel' \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section ComputeWorkloadAnalysis \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second \

@@ -26,6 +26,10 @@
  *                            outputs poisoned first), also with grids 7 and
  *                            1, in every tile variant and with NaN in the
  *                            padding rows
+ *   correct and bwd take the cutlass variant's choice as a second word:
+ *                            every (the default: every product with a
+ *                            CUTLASS configuration, whatever its rows) or
+ *                            every-pp (the same with DOWN on ping-pong)
  *   test_gemm_sm90 profile SHAPE T [VARIANTS]
  *                            one launch of each GEMM per tile variant
  *                            (default "rows,cluster") inside a profiler
@@ -1267,7 +1271,7 @@ static void trace(const char *name, int T) {
     return;
   }
   layer L;
-  mok_k_dims d = bench_layer(sh, T, &L);
+  (void)bench_layer(sh, T, &L);
   bwd_bufs b;
   layer_forward(&L, false);
   bwd_alloc(&b, &L);
@@ -1520,6 +1524,19 @@ int main(int argc, char **argv) {
     return 1;
   }
   bool all = !strcmp(mode, "all");
+  /* the cutlass variant with every product that has a CUTLASS configuration
+   * on it, whatever the rows (the small shapes here are below the launch
+   * table's thresholds): DOWN cooperative, or ping-pong with "every-pp" */
+  if (all || !strcmp(mode, "correct") || !strcmp(mode, "bwd")) {
+    const bool pp = argc > 2 && !strcmp(argv[2], "every-pp");
+    if (argc > 2 && !pp && strcmp(argv[2], "every")) {
+      fprintf(stderr, "%s: the cutlass choice is every or every-pp, not '%s'\n", mode, argv[2]);
+      return 2;
+    }
+    MOK_CHECK(mok_k_sm90_set_cutlass_choice(pp ? MOK_K_CUTLASS_EVERY_PP : MOK_K_CUTLASS_EVERY));
+    printf("the cutlass variant: every product with a CUTLASS configuration, DOWN %s\n",
+           pp ? "ping-pong" : "cooperative");
+  }
   if (all || !strcmp(mode, "correct")) {
     for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
       test_case(&CASES[i]);

@@ -166,7 +166,7 @@ def ncu_table(out, shape, T, lines):
         kname = row[col["Kernel Name"]] if "Kernel Name" in col else "?"
         prod = PRODUCTS[i % len(PRODUCTS)]
         var = variants[i // len(PRODUCTS)] if i // len(PRODUCTS) < len(variants) else "?"
-        kind = "pairs" if "pairs" in kname else "ctas"
+        kind = "cutls" if "device_kernel" in kname else "pairs" if "pairs" in kname else "ctas"
         ns = get(row, "gpu__time_duration.sum")
         hz = get(row, "sm__cycles_elapsed.avg.per_second")
         hit = get(row, "lts__t_sector_hit_rate.pct")

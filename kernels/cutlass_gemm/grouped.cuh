@@ -1,0 +1,246 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The layer's plain grouped products on CUTLASS's sm90 grouped GEMM
+ * (GemmUniversal over a GroupProblemShape: persistent, warp-specialised,
+ * TMA + wgmma, per-group TMA descriptors made on the device).
+ *
+ * A product is a list of groups; each group's shape and base pointers are
+ * written on the device, by one small kernel on the job's stream, from the
+ * schedule's offsets and counts (the validated copy the launcher is given,
+ * never client memory) and the job's status word: a failed job gets groups
+ * of no rows, so the GEMM writes nothing. No host reads a device value.
+ *
+ * Every output element is one accumulation over k in ascending order from
+ * zero, rounded once to bf16, as in the mma.sync kernels: results are
+ * bitwise equal to theirs (tests/gpu/test_gemm_sm90.cu checks).
+ *
+ * Each configuration is instantiated in a translation unit of its own
+ * (kernels/cutlass_gemm/cfg_NAME.cu); launch.h is what the rest of the library sees. */
+#ifndef MOK_CUTLASS_GROUPED_CUH
+#define MOK_CUTLASS_GROUPED_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "common/gemm_params.cuh"
+#include "cutlass_gemm/launch.h"
+#include "mok_kernels_internal.cuh"
+
+namespace mok_cg {
+
+using namespace cute;
+using cutlass::bfloat16_t;
+
+/* One configuration: operand layouts (CUTLASS's names: RowMajor A is
+ * K-major, ColumnMajor B is K-major), the CTA tile, the cluster and the
+ * kernel schedule (cooperative or ping-pong). D is row-major bf16. */
+template <class LayoutA, class LayoutB, class Tile, class Cluster, bool PingPong>
+struct Config {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using KernelSchedule =
+      std::conditional_t<PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using LayoutD = cutlass::layout::RowMajor;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD *, 8,
+      bfloat16_t, LayoutD *, 8, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bfloat16_t, LayoutA *, 8, bfloat16_t,
+      LayoutB *, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+/* A stride of one operand: its leading dimension in the one dynamic mode
+ * (the other is the unit stride, the batch mode unused). */
+template <class S> __host__ __device__ inline S ld_stride(int64_t ld) {
+  S s{};
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(get<0>(s))>>::value)
+    get<1>(s) = ld;
+  else
+    get<0>(s) = ld;
+  return s;
+}
+
+/* The groups' arguments in device memory, one block per launch. */
+template <class C> struct Args {
+  typename C::Shape3 *shape;
+  const bfloat16_t **a;
+  const bfloat16_t **b;
+  bfloat16_t **d;
+  typename C::StrideA *sa;
+  typename C::StrideB *sb;
+  typename C::StrideD *sd;
+};
+
+template <class C> inline size_t args_bytes(int groups) {
+  const size_t g = (size_t)groups;
+  auto up = [](size_t v) { return (v + 255) & ~(size_t)255; };
+  return up(g * sizeof(typename C::Shape3)) + 3 * up(g * sizeof(void *)) +
+         up(g * sizeof(typename C::StrideA)) + up(g * sizeof(typename C::StrideB)) +
+         up(g * sizeof(typename C::StrideD));
+}
+
+template <class C> inline Args<C> args_at(void *mem, int groups) {
+  const size_t g = (size_t)groups;
+  auto up = [](size_t v) { return (v + 255) & ~(size_t)255; };
+  char *p = (char *)mem;
+  Args<C> a;
+  a.shape = (typename C::Shape3 *)p;
+  p += up(g * sizeof(typename C::Shape3));
+  a.a = (const bfloat16_t **)p;
+  p += up(g * sizeof(void *));
+  a.b = (const bfloat16_t **)p;
+  p += up(g * sizeof(void *));
+  a.d = (bfloat16_t **)p;
+  p += up(g * sizeof(void *));
+  a.sa = (typename C::StrideA *)p;
+  p += up(g * sizeof(typename C::StrideA));
+  a.sb = (typename C::StrideB *)p;
+  p += up(g * sizeof(typename C::StrideB));
+  a.sd = (typename C::StrideD *)p;
+  return a;
+}
+
+/* DOWN: group e is y[rows] [count, H] = h[rows] [count, I] W_d[e]^T. */
+template <class C> __global__ void down_args(const mok_gemm_params p, Args<C> a) {
+  const bool failed = job_failed(p.status);
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
+    const mok__cg_rows r = mok__cg_group_rows(p, e, p.M);
+    a.shape[e] = typename C::Shape3(failed ? 0 : r.count, p.N, p.K);
+    a.a[e] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda);
+    a.b[e] = (const bfloat16_t *)(p.B0 + (long long)e * p.b_expert_stride);
+    a.d[e] = (bfloat16_t *)(p.C0 + (long long)r.first * p.ldc);
+    a.sa[e] = ld_stride<typename C::StrideA>(p.lda);
+    a.sb[e] = ld_stride<typename C::StrideB>(p.ldb);
+    a.sd[e] = ld_stride<typename C::StrideD>(p.ldc);
+  }
+}
+
+/* WGRAD: per expert e (in e_range) and output half s (rows < c_split to
+ * C0, the rest to C1): D [m, N] = a[rows, cols of the half]^T b[rows, :],
+ * K = the expert's rows. An expert without rows gets no group (CUTLASS's
+ * k loop needs one k tile); wgrad_zero writes its zeros. */
+template <class C> __global__ void wgrad_args(const mok_gemm_params p, Args<C> a, int halves) {
+  const bool failed = job_failed(p.status);
+  int e0 = 0, e1 = p.groups;
+  if (p.e_range) {
+    e0 = max(0, min(p.e_range[0], p.groups));
+    e1 = max(e0, min(p.e_range[1], p.groups));
+  }
+  const int n = p.groups * halves;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int e = i / halves, s = i % halves;
+    const mok__cg_rows r = mok__cg_group_rows(p, e, p.K);
+    const int m0 = s ? p.c_split : 0, m = s ? p.M - p.c_split : (halves > 1 ? p.c_split : p.M);
+    const bool live = !failed && e >= e0 && e < e1 && r.count > 0;
+    a.shape[i] = typename C::Shape3(live ? m : 0, p.N, live ? r.count : 0);
+    a.a[i] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda + m0);
+    a.b[i] = (const bfloat16_t *)(p.B0 + (long long)r.first * p.ldb);
+    a.d[i] = (bfloat16_t *)((s ? p.C1 : p.C0) + (long long)e * p.c_expert_stride);
+    a.sa[i] = ld_stride<typename C::StrideA>(p.lda);
+    a.sb[i] = ld_stride<typename C::StrideB>(p.ldb);
+    a.sd[i] = ld_stride<typename C::StrideD>(p.ldc);
+  }
+}
+
+/* The device's SMs and the most clusters of this kernel that run at once,
+ * asked once per configuration (the device is the process's current one). */
+template <class C> inline cutlass::KernelHardwareInfo hw_info() {
+  static const cutlass::KernelHardwareInfo info = [] {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    return cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename C::Kernel>(dev);
+  }();
+  return info;
+}
+
+/* One product on configuration C (WGRAD: a weight gradient in `halves`
+ * output halves; else DOWN) on `ctas` persistent CTAs (0: every SM): the
+ * groups' arguments and CUTLASS's workspace in one stream-ordered
+ * allocation, the arguments kernel, the GEMM. Returns a mok_status. */
+template <class C, bool Wgrad>
+int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
+  using Gemm = typename C::Gemm;
+  const int n = p.groups * (Wgrad ? halves : 1);
+  if (n <= 0) return MOK_OK;
+  const size_t ab = args_bytes<C>(n);
+  void *mem = nullptr;
+  /* the arguments' pointers are known before the allocation only as an
+   * offset: size CUTLASS's workspace from arguments of the same shape */
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.hw_info = hw_info<C>();
+  if (ctas > 0) { /* tests: fewer persistent CTAs, in whole clusters */
+    const int cs = (int)cute::size(typename C::Kernel::ClusterShape{});
+    const int clusters = (ctas + cs - 1) / cs;
+    args.hw_info.sm_count = clusters * cs;
+    args.hw_info.max_active_clusters = clusters;
+  }
+  const size_t ws = [&] {
+    typename Gemm::Arguments probe = args;
+    probe.problem_shape = {n, nullptr, nullptr};
+    return Gemm::get_workspace_size(probe);
+  }();
+  cudaError_t ce = cudaMallocAsync(&mem, ab + ws, stream);
+  if (ce != cudaSuccess) {
+    mok_k_set_cuda_error((int)ce);
+    return MOK_EENGINE;
+  }
+  const Args<C> a = args_at<C>(mem, n);
+  const int threads = 128, blocks = (n + threads - 1) / threads;
+  if constexpr (Wgrad)
+    wgrad_args<C><<<blocks, threads, 0, stream>>>(p, a, halves);
+  else
+    down_args<C><<<blocks, threads, 0, stream>>>(p, a);
+  args.problem_shape = {n, a.shape, nullptr};
+  args.mainloop = {a.a, a.sa, a.b, a.sb};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = a.d;
+  args.epilogue.dD = a.sd;
+  Gemm gemm;
+  int st = MOK_OK;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) st = MOK_EINVAL;
+  if (st == MOK_OK && gemm.initialize(args, (char *)mem + ab, stream) != cutlass::Status::kSuccess)
+    st = MOK_EENGINE;
+  if (st == MOK_OK && gemm.run(stream) != cutlass::Status::kSuccess) st = MOK_EENGINE;
+  ce = cudaFreeAsync(mem, stream);
+  if (st == MOK_OK && ce != cudaSuccess) {
+    mok_k_set_cuda_error((int)ce);
+    st = MOK_EENGINE;
+  }
+  if (st == MOK_OK) st = mok_k_launch_status();
+  return st;
+}
+
+} // namespace mok_cg
+
+#endif /* MOK_CUTLASS_GROUPED_CUH */

@@ -1,0 +1,152 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The CUTLASS products' launch table, the zeros their contracts owe beside
+ * the GEMM, and the dispatch (launch.h). Built with or without CUTLASS's
+ * headers: without them (MOK_HAVE_CUTLASS unset) nothing runs here. */
+#include <atomic>
+
+#include "cutlass_gemm/launch.h"
+#include "mok_gemm_sm90.h"
+#include "mok_kernels_internal.cuh"
+
+/* ---- the launch table ---------------------------------------------------------------------
+ * One row a product it serves: the configuration, and the fewest rows a
+ * group must be able to hold (the row capacity over the groups: a pure
+ * function of the job's dims, never of timing or of the routing) for it to
+ * run there; below, the product stays on the hand-written Hopper kernels
+ * (mok_gemm_sm90.cu). Each row's reason is measured in kernels/PERF.md
+ * ("Kernels v3"). */
+enum { CG_DOWN_COOP_128x256_C2, CG_DOWN_PP_128x128_C2, CG_WGRAD_COOP_128x256 };
+
+struct cg_row {
+  int mode;
+  int config;
+  long long min_group_rows;
+};
+static const cg_row cg_table[] = {
+    /* the shared expert and the routed products at T = 8192: 3-8 % faster;
+     * the routed products at T = 2048 (~350 rows an expert): within +-2 % */
+    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 1024},
+};
+
+/* The tests' and the bench's alternatives to the table (mok_gemm_sm90.h):
+ * every product that has a configuration, whatever the rows, DOWN on the
+ * cooperative or on the ping-pong one. */
+static const cg_row cg_every[] = {
+    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 0},
+    {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
+};
+static const cg_row cg_every_pp[] = {
+    {MOK_GM_DOWN, CG_DOWN_PP_128x128_C2, 0},
+    {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
+};
+static std::atomic<int> cg_choice{MOK_K_CUTLASS_TABLE};
+
+extern "C" int mok_k_sm90_set_cutlass_choice(int choice) {
+  if (choice < MOK_K_CUTLASS_TABLE || choice > MOK_K_CUTLASS_EVERY_PP) return MOK_EINVAL;
+  cg_choice.store(choice, std::memory_order_relaxed);
+  return MOK_OK;
+}
+
+int mok__cg_built(void) {
+#ifdef MOK_HAVE_CUTLASS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* The row that serves product `mode` with these parameters, or NULL. */
+template <size_t N>
+static const cg_row *cg_find(const cg_row (&rows)[N], int mode, const mok_gemm_params *p) {
+  for (const cg_row &r : rows)
+    if (r.mode == mode && (long long)p->M >= r.min_group_rows * p->groups) return &r;
+  return nullptr;
+}
+static const cg_row *cg_row_of(int mode, const mok_gemm_params *p) {
+  switch (cg_choice.load(std::memory_order_relaxed)) {
+  case MOK_K_CUTLASS_EVERY: return cg_find(cg_every, mode, p);
+  case MOK_K_CUTLASS_EVERY_PP: return cg_find(cg_every_pp, mode, p);
+  default: return cg_find(cg_table, mode, p);
+  }
+}
+
+static bool ld_ok(long long ld) { return ld > 0 && ld % 8 == 0; }
+
+int mok__cg_takes(int mode, const mok_gemm_params *p) {
+  if (!mok__cg_built() || !p || p->M <= 0 || p->N <= 0 || p->groups <= 0) return 0;
+  if (!cg_row_of(mode, p) || p->N % 8 || !ld_ok(p->lda) || !ld_ok(p->ldb) || !ld_ok(p->ldc))
+    return 0;
+  if (mode == MOK_GM_DOWN) return p->K > 0 && p->K % 8 == 0 && p->gather_dst == nullptr;
+  /* WGRAD: the gather beside it needs the hand kernel's idle producer warps;
+   * the second half's A starts c_split columns in (16-byte aligned) */
+  if (mode == MOK_GM_WGRAD)
+    return p->gather_dst == nullptr && p->M % 8 == 0 && (p->c_split >= p->M || p->c_split % 8 == 0);
+  return 0;
+}
+
+/* ---- the zeros ------------------------------------------------------------------------------ */
+
+/* Row r's N columns (ld apart) as zeros, 16-byte vectors by the block. */
+__device__ static void zero_row(bf16 *c, long long ld, long long r, int N) {
+  uint4 *row = (uint4 *)(c + r * ld);
+  for (int v = threadIdx.x; v < N / 8; v += blockDim.x) row[v] = make_uint4(0, 0, 0, 0);
+}
+
+/* DOWN: blockIdx.y = group e: its padding rows [first + count, next group's
+ * first); blockIdx.y = groups: the rows past the last group unless no_tail.
+ * Derived from the offsets and counts the GEMM's groups were made of, so
+ * the two cover every row once. */
+__global__ static void down_zero_rows(const mok_gemm_params p) {
+  if (job_failed(p.status) || !p.offsets) return;
+  const int e = blockIdx.y, M = p.M;
+  auto clampM = [M](int v) { return v < 0 ? 0 : v > M ? M : v; };
+  int lo, hi;
+  if (e < p.groups) {
+    const mok__cg_rows g = mok__cg_group_rows(p, e, M);
+    lo = g.first + g.count;
+    hi = clampM(p.offsets[e + 1]);
+  } else {
+    if (p.no_tail) return;
+    lo = clampM(p.offsets[p.groups]);
+    hi = M;
+  }
+  for (long long r = lo + blockIdx.x; r < hi; r += gridDim.x) zero_row(p.C0, p.ldc, r, p.N);
+}
+
+/* WGRAD: blockIdx.y = expert e in e_range with no rows: d_W[e] as zeros
+ * (rows < c_split in C0, the rest in C1). */
+__global__ static void wgrad_zero(const mok_gemm_params p) {
+  if (job_failed(p.status)) return;
+  const int e = blockIdx.y;
+  if (p.e_range && (e < p.e_range[0] || e >= p.e_range[1])) return;
+  if (mok__cg_group_rows(p, e, p.K).count > 0) return;
+  const int split = p.C1 && p.c_split < p.M ? p.c_split : p.M;
+  for (long long r = blockIdx.x; r < p.M; r += gridDim.x) {
+    bf16 *c = (r < split ? p.C0 : p.C1) + (long long)e * p.c_expert_stride;
+    zero_row(c, p.ldc, r < split ? r : r - split, p.N);
+  }
+}
+
+/* ---- the dispatch --------------------------------------------------------------------------- */
+
+int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t stream) {
+  if (!mok__cg_takes(mode, p)) return MOK_EUNSUPPORTED;
+#ifdef MOK_HAVE_CUTLASS
+  switch (cg_row_of(mode, p)->config) {
+  case CG_DOWN_COOP_128x256_C2:
+  case CG_DOWN_PP_128x128_C2:
+    if (p->offsets) down_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(*p);
+    return cg_row_of(mode, p)->config == CG_DOWN_PP_128x128_C2
+               ? mok__cg_down_pp_128x128_c2(p, ctas, stream)
+               : mok__cg_down_coop_128x256_c2(p, ctas, stream);
+  case CG_WGRAD_COOP_128x256:
+    wgrad_zero<<<dim3(32, p->groups), 256, 0, stream>>>(*p);
+    return mok__cg_wgrad_coop_128x256(p, p->C1 && p->c_split < p->M ? 2 : 1, ctas, stream);
+  }
+  return MOK_EUNSUPPORTED;
+#else
+  (void)ctas;
+  (void)stream;
+  return MOK_EUNSUPPORTED;
+#endif
+}

@@ -1,0 +1,48 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The products the library runs on CUTLASS's sm90 grouped GEMM (grouped.cuh),
+ * as the rest of the kernel library sees them. Internal to kernels/. */
+#ifndef MOK_CUTLASS_LAUNCH_H
+#define MOK_CUTLASS_LAUNCH_H
+
+#include <cuda_runtime.h>
+
+#include "common/gemm_params.cuh"
+
+/* The rows of group e of the schedule: [first, first + count), clamped to
+ * [0, M) (the launcher's copy is validated; the clamp keeps every kernel in
+ * bounds whatever it holds). No schedule: one group of M rows. The GEMM's
+ * groups and the zeros beside them both come from here. */
+struct mok__cg_rows {
+  int first, count;
+};
+__device__ inline mok__cg_rows mok__cg_group_rows(const mok_gemm_params &p, int e, int M) {
+  if (!p.offsets) return mok__cg_rows{0, M};
+  int first = p.offsets[e], count = p.counts[e];
+  if (first < 0 || first > M) first = M;
+  if (count < 0) count = 0;
+  if (count > M - first) count = M - first;
+  return mok__cg_rows{first, count};
+}
+
+/* 1 when this build has the CUTLASS products (CUTLASS's headers were found
+ * at build time); 0: every call below returns MOK_EUNSUPPORTED. */
+int mok__cg_built(void);
+
+/* Whether product `mode` with these parameters runs on a CUTLASS
+ * configuration (the launch table's row for it, and the shape's limits:
+ * 16-byte aligned rows for TMA). */
+int mok__cg_takes(int mode, const mok_gemm_params *p);
+
+/* Runs product `mode` (MOK_GM_DOWN or MOK_GM_WGRAD) on its configuration,
+ * the zeros its contract owes included, on `ctas` persistent CTAs (0: one
+ * per SM; tests use fewer). Returns a mok_status. */
+int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t stream);
+
+/* The configurations, one translation unit each (kernels/cutlass_gemm/cfg_NAME.cu):
+ * halves is WGRAD's number of output halves (1 or 2). */
+int mok__cg_down_coop_128x256_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
+int mok__cg_down_pp_128x128_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
+int mok__cg_wgrad_coop_128x256(const mok_gemm_params *p, int halves, int ctas,
+                               cudaStream_t stream);
+
+#endif /* MOK_CUTLASS_LAUNCH_H */
