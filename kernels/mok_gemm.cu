@@ -17,6 +17,7 @@
  */
 #include <atomic>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/gemm_params.cuh"
@@ -391,18 +392,20 @@ template <int MODE> static int set_smem_limit(void) {
  * launch without one) decides. */
 static std::atomic<int> gemm_backend{-1};
 
-/* The environment's choice: MOK_GEMM=hmma keeps every product on mma.sync;
- * otherwise the Hopper kernels where the device has them. */
-static int backend_from_env(void) {
-  const char *v = getenv("MOK_GEMM");
-  if (v && !strcmp(v, "hmma")) return MOK_K_GEMM_HMMA;
+/* mok_k_init_with's gemm choice: 1 when it kept every product on mma.sync */
+static std::atomic<int> gemm_chose_hmma{0};
+
+/* The init's choice: mma.sync when it said so; otherwise the Hopper kernels
+ * where the device has them. */
+static int backend_chosen(void) {
+  if (gemm_chose_hmma.load(std::memory_order_relaxed)) return MOK_K_GEMM_HMMA;
   return mok_k_sm90_usable() ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
 }
 
 extern "C" int mok_k_gemm_backend(void) {
   int b = gemm_backend.load(std::memory_order_relaxed);
   if (b < 0) { /* no mok_k_init yet: the same choice it makes (every racer computes the same) */
-    b = backend_from_env();
+    b = backend_chosen();
     gemm_backend.store(b, std::memory_order_relaxed);
   }
   return b;
@@ -415,7 +418,7 @@ extern "C" int mok_k_set_gemm_backend(int backend) {
   else if (backend == MOK_K_GEMM_SM90)
     b = mok_k_sm90_usable() ? MOK_K_GEMM_SM90 : MOK_K_GEMM_HMMA;
   else
-    b = backend_from_env();
+    b = backend_chosen();
   gemm_backend.store(b, std::memory_order_relaxed);
   return b;
 }
@@ -425,7 +428,40 @@ static bool on_sm90(void) { return mok_k_gemm_backend() == MOK_K_GEMM_SM90; }
 /* A backward mode (MOK_K_SM90_BWD_*) on the Hopper kernels */
 static bool on_sm90_bwd(int mode_bit) { return (mok_k_sm90_bwd_modes() & mode_bit) && on_sm90(); }
 
-extern "C" int mok_k_init(void) {
+static char choice_error[160];
+
+extern "C" const char *mok_k_choice_error(void) { return choice_error; }
+
+/* The choices by name, checked before anything changes: MOK_EINVAL names
+ * the first unknown one. */
+static int take_choices(const mok_k_choices *c) {
+  const char *gemm = c && c->gemm && *c->gemm ? c->gemm : NULL;
+  const char *var = c && c->variant && *c->variant ? c->variant : NULL;
+  const char *gather = c && c->gather_beside && *c->gather_beside ? c->gather_beside : NULL;
+  const int v = var ? mok_k_sm90_variant_parse(var) : -1;
+  const int host = gather ? mok_k_gather_host_parse(gather) : -1;
+  if (gemm && strcmp(gemm, "hmma") && strcmp(gemm, "sm90"))
+    snprintf(choice_error, sizeof choice_error, "MOK_GEMM=%.40s: hmma or sm90", gemm);
+  else if (var && v < 0)
+    snprintf(choice_error, sizeof choice_error,
+             "MOK_GEMM_VARIANT=%.40s: rows, expert, cluster, pingpong, quad or cutlass", var);
+  else if (gather && host < 0)
+    snprintf(choice_error, sizeof choice_error,
+             "MOK_GATHER_BESIDE=%.40s: kernel, down_dgrad, gu_dgrad, down_wgrad, both_dgrads "
+             "or three", gather);
+  else {
+    gemm_chose_hmma.store(gemm && !strcmp(gemm, "hmma"), std::memory_order_relaxed);
+    if (v >= 0) (void)mok_k_sm90_set_variant(v);
+    if (host >= 0) (void)mok_k_set_gather_host(host);
+    return MOK_OK;
+  }
+  return MOK_EINVAL;
+}
+
+extern "C" int mok_k_init(void) { return mok_k_init_with(NULL); }
+
+extern "C" int mok_k_init_with(const mok_k_choices *c) {
+  if (take_choices(c) != MOK_OK) return MOK_EINVAL;
   int st = set_smem_limit<MOK_GM_GATE_UP>();
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_DOWN>();
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_DOWN_DGRAD>();
@@ -433,10 +469,7 @@ extern "C" int mok_k_init(void) {
   if (st == MOK_OK) st = set_smem_limit<MOK_GM_WGRAD>();
   const bool sm90 = mok_k_sm90_usable() != 0;
   if (st == MOK_OK && sm90) st = mok_k_sm90_init();
-  if (st == MOK_OK) gemm_backend.store(backend_from_env(), std::memory_order_relaxed);
-  /* MOK_GATHER_BESIDE (mok_k_set_gather_host): a bench knob, read here only */
-  const int host = mok_k_gather_host_parse(getenv("MOK_GATHER_BESIDE"));
-  if (host >= 0) (void)mok_k_set_gather_host(host);
+  if (st == MOK_OK) gemm_backend.store(backend_chosen(), std::memory_order_relaxed);
   return st;
 }
 

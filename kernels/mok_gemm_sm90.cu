@@ -1411,9 +1411,6 @@ extern "C" int mok_k_sm90_init(void) {
   if (st != MOK_OK) return st;
   s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2>, 2);
   s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>, 4);
-  /* the tile variant, read once: MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad */
-  const int v = mok_k_sm90_variant_parse(getenv("MOK_GEMM_VARIANT"));
-  if (v >= 0) s9_variant = v;
   return MOK_OK;
 }
 

@@ -17,11 +17,11 @@ extern "C" {
 #endif
 
 /* ---- the backend: chosen once -----------------------------------------------
- * mok_k_init picks it from the environment (MOK_GEMM=hmma: mma.sync for
- * every product; otherwise the Hopper kernels where the device has them)
- * and from then on no launch reads the environment. Tests and benches set
- * it with mok_k_set_gemm_backend (returns the backend in force: SM90 asked
- * on a device without it gives HMMA; AUTO: the environment's choice). */
+ * mok_k_init_with takes it from its choices (gemm "hmma": mma.sync for
+ * every product; otherwise the Hopper kernels where the device has them).
+ * Tests and benches set it with mok_k_set_gemm_backend (returns the backend
+ * in force: SM90 asked on a device without it gives HMMA; AUTO: the init's
+ * choice). */
 #define MOK_K_GEMM_AUTO (-1)
 #define MOK_K_GEMM_HMMA 0
 #define MOK_K_GEMM_SM90 1
@@ -30,8 +30,8 @@ int mok_k_gemm_backend(void);
 
 /* ---- the Hopper kernels ------------------------------------------------------ */
 
-/* Raises the kernels' shared-memory limit, counts the 2-CTA clusters the
- * device runs at once and reads MOK_GEMM_VARIANT (from mok_k_init). */
+/* Raises the kernels' shared-memory limit and counts the 2-CTA clusters the
+ * device runs at once (from mok_k_init_with). */
 int mok_k_sm90_init(void);
 
 /* 1 when the current device is sm_90 and the driver offers the TMA
@@ -98,7 +98,7 @@ int mok_k_sm90_bwd_modes(void);
  *   CUTLASS  PINGPONG, with DOWN and the weight gradients on CUTLASS's sm90
  *            grouped GEMM (kernels/cutlass_gemm/, its launch table); in a build
  *            without CUTLASS's headers, PINGPONG (PERF.md "Kernels v3").
- * MOK_GEMM_VARIANT=rows|expert|cluster|pingpong|quad|cutlass at mok_k_init, or the setter
+ * The variant choice rows|expert|cluster|pingpong|quad|cutlass at mok_k_init_with, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
 #define MOK_K_SM90_ROWS 0
 #define MOK_K_SM90_EXPERT 1

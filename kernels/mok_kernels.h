@@ -27,6 +27,10 @@
  *    docs/math.md; "R" below is the row capacity mok_k_rows_capacity().
  *  - Deterministic: no float atomics; every output element has one owner
  *    and a fixed summation order, so results are bitwise repeatable.
+ *  - The products on CUTLASS (kernels/cutlass_gemm/) also take their
+ *    groups' arguments and CUTLASS's workspace, tens of KB, from the
+ *    device's default memory pool on `stream` (cudaMallocAsync, freed by
+ *    cudaFreeAsync behind the launch): stream-ordered, no synchronisation.
  *  - `workspace` is device scratch of mok_k_workspace_bytes(dims) bytes
  *    (16-byte aligned). Launchers that take it use it only while their own
  *    kernels run (stream order), so one workspace serves a whole chain on
@@ -69,18 +73,34 @@ int mok_k_row_align(void);
  * Returns a mok_status and fills err (may be NULL). */
 int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen);
 
+/* What the library runs, each by name (NULL or "": its default). The
+ * library reads no environment: its callers pass what they were told (mokd:
+ * MOK_GEMM, MOK_GEMM_VARIANT and MOK_GATHER_BESIDE, docs/cuda.md; the tests
+ * and benches likewise, tests/harness/kernel_choices.h).
+ *   gemm           "hmma": every product on mma.sync; "sm90" (the default):
+ *                  the Hopper kernels where the device has them
+ *   variant        the Hopper tile variant (mok_gemm_sm90.h: rows, expert,
+ *                  cluster, pingpong (the default), quad, cutlass)
+ *   gather_beside  where the backward gathers x (mok_k_set_gather_host) */
+typedef struct mok_k_choices {
+  const char *gemm, *variant, *gather_beside;
+} mok_k_choices;
+
 /* Once per device (after cudaSetDevice) before any launch: raises the
- * kernels' shared-memory limits and chooses the GEMM backend and tile
- * variant from the environment, read here only (MOK_GEMM=hmma: mma.sync;
- * MOK_GEMM_VARIANT=rows|expert|cluster: kernels/mok_gemm_sm90.h). Returns
- * a mok_status. */
-int mok_k_init(void);
+ * kernels' shared-memory limits and takes the choices (NULL: every
+ * default). Returns a mok_status: MOK_EINVAL for a name it does not know
+ * (mok_k_choice_error says which), MOK_EENGINE for a CUDA failure. */
+int mok_k_init_with(const mok_k_choices *c);
+int mok_k_init(void); /* mok_k_init_with(NULL) */
+/* After MOK_EINVAL from mok_k_init_with: "MOK_GEMM_VARIANT=..." style text
+ * naming the refused choice and the names it takes. */
+const char *mok_k_choice_error(void);
 
 /* The cudaError_t of the last failed launch on this thread (0: none). */
 int mok_k_last_cuda_error(void);
 
 /* 1 when every backward GEMM of these dims runs on the Hopper (TMA) kernels
- * (not forced onto mma.sync by MOK_GEMM=hmma at mok_k_init, I and I_s
+ * (not forced onto mma.sync by the gemm choice "hmma" at mok_k_init_with, I and I_s
  * multiples of 16):
  * those read weights through any mapping at full speed, so the engine need
  * not copy a client's weights first. */
@@ -314,9 +334,9 @@ int mok_k_expert_backward_gathering(const mok_k_dims *d, const int32_t *schedule
  * down weight gradient, half beside each dgrad, or a third beside each of
  * those three (the default); each precedes the gate/up weight gradient (a
  * kernel first where a host product runs on mma.sync). The results are the same bytes wherever it
- * runs. MOK_GATHER_BESIDE=kernel|down_dgrad|gu_dgrad|down_wgrad|both_dgrads|
- * three at mok_k_init (a bench knob), or the setter (MOK_EINVAL for anything
- * else). */
+ * runs. The gather_beside choice kernel|down_dgrad|gu_dgrad|down_wgrad|
+ * both_dgrads|three at mok_k_init_with (a bench knob), or the setter
+ * (MOK_EINVAL for anything else). */
 enum {
   MOK_K_GATHER_KERNEL = 0,
   MOK_K_GATHER_DOWN_DGRAD = 1,

@@ -297,8 +297,14 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
     free(e);
     return MOK_EENGINE;
   }
-  st = mok_k_init();
+  /* the kernel library's choices, from mokd's environment (docs/cuda.md):
+   * the library itself reads none */
+  const mok_k_choices kc = {getenv("MOK_GEMM"), getenv("MOK_GEMM_VARIANT"),
+                            getenv("MOK_GATHER_BESIDE")};
+  st = mok_k_init_with(&kc);
   if (st == MOK_OK) st = ws_pool_create(e, err, errlen);
+  else if (st == MOK_EINVAL)
+    snprintf(err, errlen, "cuda engine: %s", mok_k_choice_error());
   else
     snprintf(err, errlen, "cuda engine: kernel set-up failed (CUDA error %d: %s)",
              mok_k_last_cuda_error(), cudaGetErrorString((cudaError_t)mok_k_last_cuda_error()));

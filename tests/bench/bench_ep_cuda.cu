@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "../harness/cuda_check.cuh"
+#include "../harness/kernel_choices.h"
 #include "mok.h"
 #include "mok_ep_kernels.h"
 
@@ -65,7 +66,7 @@ static int bench_kernels(int W, int T, int H, int K, int gpus) {
     CUDA_CHECK(cudaDeviceEnablePeerAccess(d, 0));
   }
   CUDA_CHECK(cudaSetDevice(0));
-  CUDA_CHECK((cudaError_t)(mok_k_init() == MOK_OK ? cudaSuccess : cudaErrorUnknown));
+  CUDA_CHECK((cudaError_t)(kernel_init_from_env() == MOK_OK ? cudaSuccess : cudaErrorUnknown));
   mok_k_ep_layout lay = mok_k_ep_layout_of(T, H, K);
   mok_k_ep g[MOK_K_EP_MAX_WORLD];
   memset(g, 0, sizeof g);

@@ -48,6 +48,7 @@
 #include <sys/time.h>
 
 /* the layer, its buffers, the chain and the hashes (shared with mok_bench_daemon --inproc-ab) */
+#include "../harness/kernel_choices.h"
 #include "bench_layer.h"
 
 /* --memory (bench_pool.h): where the client's tensors live */
@@ -435,7 +436,7 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   snprintf(D.device, sizeof D.device, "%s", prop.name);
   D.sms = prop.multiProcessorCount;
-  MOK_CHECK(mok_k_init());
+  MOK_CHECK(kernel_init_from_env());
   printf("mok_bench: %s, sm_%d%d, %d SMs; GEMM backend %s, variant %s, %d 2-CTA clusters%s%s\n",
          prop.name, prop.major, prop.minor, prop.multiProcessorCount,
          mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "mma.sync" : "sm90",

@@ -72,6 +72,7 @@
 #include <string.h>
 
 #include "mok.h"
+#include "../harness/kernel_choices.h"
 #include "bench_common.h"
 #include "bench_pool.h"
 /* the in-process layer (--inproc-ab): the kernel library as mok_bench calls it */
@@ -619,7 +620,7 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaFree(NULL));
   if (g_vmm) CU_OK(cuInit(0));
   if (g_ab) { /* the in-process side's kernels, in this process's context */
-    MOK_CHECK(mok_k_init());
+    MOK_CHECK(kernel_init_from_env());
     printf("mok_bench_daemon: in-process side: GEMM backend %s, variant %s\n",
            mok_k_gemm_backend() == MOK_K_GEMM_HMMA ? "mma.sync" : "sm90", inproc_kernels());
   }

@@ -65,6 +65,7 @@
 #include "../../kernels/common/fp8_e4m3.h"
 #include "../../kernels/common/tile_trace.cuh"
 #include "../../kernels/mok_gemm_sm90.h"
+#include "../harness/kernel_choices.h"
 #include "../../kernels/mok_kernels.h"
 #include "../../kernels/mok_kernels_internal.cuh"
 #include "../../proto/mok_status.h"
@@ -1516,7 +1517,7 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("device: %s, sm_%d%d, %d SMs; sm90 path usable: %d\n", prop.name, prop.major,
          prop.minor, prop.multiProcessorCount, mok_k_sm90_usable());
-  MOK_CHECK(mok_k_init());
+  MOK_CHECK(kernel_init_from_env());
   printf("2-CTA clusters at once: %d%s\n", mok_k_sm90_pair_clusters(),
          mok_k_sm90_pair_clusters() ? "" : " (the cluster variant runs as rows)");
   if (!mok_k_sm90_usable()) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "../../kernels/mok_kernels.h"
+#include "../harness/kernel_choices.h"
 #include "../../kernels/common/fp8_e4m3.h"
 #include "../../proto/mok_layout.h"
 #include "../../proto/mok_status.h"
@@ -1394,7 +1395,7 @@ int main(int argc, char **argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
          prop.multiProcessorCount);
-  MOK_CHECK(mok_k_init());
+  MOK_CHECK(kernel_init_from_env());
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 

@@ -21,6 +21,7 @@
 #include "../../kernels/mok_ep_kernels.h"
 #include "../../kernels/mok_gemm_sm90.h"
 #include "../../kernels/mok_kernels.h"
+#include "../harness/kernel_choices.h"
 #include "../../proto/mok_status.h"
 #include "../harness/cuda_check.cuh"
 
@@ -317,7 +318,7 @@ static void run_case(const char *gemm, int ring_rows_wanted, int no_tail) {
 }
 
 int main(void) {
-  MOK_CHECK(mok_k_init());
+  MOK_CHECK(kernel_init_from_env());
   run_case(NULL, 0, 0);     /* Hopper kernels; the ring holds the largest expert */
   run_case("hmma", 0, 0);   /* mma.sync kernels */
   run_case(NULL, 2048, 0);  /* a larger ring: fewer, fuller macrobatches */
