@@ -1408,6 +1408,7 @@ extern "C" int mok_k_sm90_init(void) {
   int st = MOK_OK;
   for (int i = 0; i < 19 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st == MOK_OK) st = mok__sm90_fp8_init();
+  if (st == MOK_OK) st = mok__cg_init();
   if (st != MOK_OK) return st;
   s9_pair_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2>, 2);
   s9_quad_clusters = s9_query_clusters((const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>, 4);

@@ -47,6 +47,21 @@ extern "C" int mok_k_sm90_set_cutlass_choice(int choice) {
   return MOK_OK;
 }
 
+int mok__cg_init(void) {
+#ifdef MOK_HAVE_CUTLASS
+  /* The groups' arguments and CUTLASS's workspace (tens of KB a launch) come
+   * from the device's default memory pool, stream-ordered: let the pool keep
+   * what it frees, so that a launch does not map fresh pages each time. */
+  int dev = 0;
+  cudaMemPool_t pool;
+  uint64_t keep = 64ull << 20;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, dev) != cudaSuccess ||
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+    return mok_k_launch_status();
+#endif
+  return MOK_OK;
+}
+
 int mok__cg_built(void) {
 #ifdef MOK_HAVE_CUTLASS
   return 1;

@@ -24,6 +24,10 @@ __device__ inline mok__cg_rows mok__cg_group_rows(const mok_gemm_params &p, int 
   return mok__cg_rows{first, count};
 }
 
+/* Once per device, from mok_k_sm90_init: the memory pool the launches'
+ * small allocations come from keeps what they free. Returns a mok_status. */
+int mok__cg_init(void);
+
 /* 1 when this build has the CUTLASS products (CUTLASS's headers were found
  * at build time); 0: every call below returns MOK_EUNSUPPORTED. */
 int mok__cg_built(void);
