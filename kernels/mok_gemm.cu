@@ -440,6 +440,8 @@ static int take_choices(const mok_k_choices *c) {
   const char *gather = c && c->gather_beside && *c->gather_beside ? c->gather_beside : NULL;
   const int v = var ? mok_k_sm90_variant_parse(var) : -1;
   const int host = gather ? mok_k_gather_host_parse(gather) : -1;
+  const char *cg = c && c->cutlass && *c->cutlass ? c->cutlass : NULL;
+  const int cgc = cg ? mok_k_sm90_cutlass_choice_parse(cg) : -1;
   if (gemm && strcmp(gemm, "hmma") && strcmp(gemm, "sm90"))
     snprintf(choice_error, sizeof choice_error, "MOK_GEMM=%.40s: hmma or sm90", gemm);
   else if (var && v < 0)
@@ -449,10 +451,14 @@ static int take_choices(const mok_k_choices *c) {
     snprintf(choice_error, sizeof choice_error,
              "MOK_GATHER_BESIDE=%.40s: kernel, down_dgrad, gu_dgrad, down_wgrad, both_dgrads "
              "or three", gather);
+  else if (cg && cgc < 0)
+    snprintf(choice_error, sizeof choice_error, "MOK_GEMM_CUTLASS=%.40s: table, every or every-pp",
+             cg);
   else {
     gemm_chose_hmma.store(gemm && !strcmp(gemm, "hmma"), std::memory_order_relaxed);
     if (v >= 0) (void)mok_k_sm90_set_variant(v);
     if (host >= 0) (void)mok_k_set_gather_host(host);
+    if (cgc >= 0) (void)mok_k_sm90_set_cutlass_choice(cgc);
     return MOK_OK;
   }
   return MOK_EINVAL;

@@ -134,6 +134,7 @@ int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M
 #define MOK_K_CUTLASS_EVERY 1
 #define MOK_K_CUTLASS_EVERY_PP 2
 int mok_k_sm90_set_cutlass_choice(int choice);
+int mok_k_sm90_cutlass_choice_parse(const char *name); /* "table", "every", "every-pp"; -1: other */
 
 /* Bench and tests: the pingpong variant's down dgrad in 2-CTA clusters
  * (1, the default) or on plain CTAs (0). Results do not depend on it. */

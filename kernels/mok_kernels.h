@@ -75,15 +75,19 @@ int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen);
 
 /* What the library runs, each by name (NULL or "": its default). The
  * library reads no environment: its callers pass what they were told (mokd:
- * MOK_GEMM, MOK_GEMM_VARIANT and MOK_GATHER_BESIDE, docs/cuda.md; the tests
+ * MOK_GEMM, MOK_GEMM_VARIANT, MOK_GATHER_BESIDE and MOK_GEMM_CUTLASS; the tests
  * and benches likewise, tests/harness/kernel_choices.h).
  *   gemm           "hmma": every product on mma.sync; "sm90" (the default):
  *                  the Hopper kernels where the device has them
  *   variant        the Hopper tile variant (mok_gemm_sm90.h: rows, expert,
  *                  cluster, pingpong (the default), quad, cutlass)
- *   gather_beside  where the backward gathers x (mok_k_set_gather_host) */
+ *   gather_beside  where the backward gathers x (mok_k_set_gather_host)
+ *   cutlass        what the cutlass variant runs on CUTLASS (mok_gemm_sm90.h,
+ *                  mok_k_sm90_set_cutlass_choice): "table" (the default),
+ *                  "every" or "every-pp" (tests: every CUTLASS product at
+ *                  every size) */
 typedef struct mok_k_choices {
-  const char *gemm, *variant, *gather_beside;
+  const char *gemm, *variant, *gather_beside, *cutlass;
 } mok_k_choices;
 
 /* Once per device (after cudaSetDevice) before any launch: raises the

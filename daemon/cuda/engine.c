@@ -300,7 +300,7 @@ static int cuda_open(const mok_engine_config *cfg, mok_engine **ret, char *err, 
   /* the kernel library's choices, from mokd's environment (docs/cuda.md):
    * the library itself reads none */
   const mok_k_choices kc = {getenv("MOK_GEMM"), getenv("MOK_GEMM_VARIANT"),
-                            getenv("MOK_GATHER_BESIDE")};
+                            getenv("MOK_GATHER_BESIDE"), getenv("MOK_GEMM_CUTLASS")};
   st = mok_k_init_with(&kc);
   if (st == MOK_OK) st = ws_pool_create(e, err, errlen);
   else if (st == MOK_EINVAL)

@@ -3,6 +3,7 @@
  * the GEMM, and the dispatch (launch.h). Built with or without CUTLASS's
  * headers: without them (MOK_HAVE_CUTLASS unset) nothing runs here. */
 #include <atomic>
+#include <string.h>
 
 #include "cutlass_gemm/launch.h"
 #include "mok_gemm_sm90.h"
@@ -45,6 +46,13 @@ extern "C" int mok_k_sm90_set_cutlass_choice(int choice) {
   if (choice < MOK_K_CUTLASS_TABLE || choice > MOK_K_CUTLASS_EVERY_PP) return MOK_EINVAL;
   cg_choice.store(choice, std::memory_order_relaxed);
   return MOK_OK;
+}
+
+extern "C" int mok_k_sm90_cutlass_choice_parse(const char *name) {
+  static const char *const names[] = {"table", "every", "every-pp"};
+  for (int i = 0; name && i < 3; i++)
+    if (!strcmp(name, names[i])) return MOK_K_CUTLASS_TABLE + i;
+  return -1;
 }
 
 int mok__cg_init(void) {

@@ -100,7 +100,7 @@ step kernels_pingpong 30 env MOK_GEMM_VARIANT=pingpong "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step kernels_quad 30 env MOK_GEMM_VARIANT=quad "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
-step kernels_cutlass 30 env MOK_GEMM_VARIANT=cutlass "$B/test_kernels" quick
+step kernels_cutlass 30 env MOK_GEMM_VARIANT=cutlass MOK_GEMM_CUTLASS=every "$B/test_kernels" quick
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0
 step ring 40 "$B/test_ring"
 rc=$?; [ $rc = 124 ] || [ $rc = 137 ] && cluster_ok=0

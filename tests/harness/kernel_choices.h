@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The kernel library's choices as the tests and benches take them: from
  * their environment, as mokd does (MOK_GEMM, MOK_GEMM_VARIANT,
- * MOK_GATHER_BESIDE; kernels/mok_kernels.h, mok_k_init_with). The library
+ * MOK_GATHER_BESIDE, MOK_GEMM_CUTLASS; kernels/mok_kernels.h,
+ * mok_k_init_with). The library
  * itself reads no environment. */
 #ifndef MOK_TEST_KERNEL_CHOICES_H
 #define MOK_TEST_KERNEL_CHOICES_H
@@ -17,6 +18,7 @@ static inline mok_k_choices kernel_choices_from_env(void) {
   c.gemm = getenv("MOK_GEMM");
   c.variant = getenv("MOK_GEMM_VARIANT");
   c.gather_beside = getenv("MOK_GATHER_BESIDE");
+  c.cutlass = getenv("MOK_GEMM_CUTLASS");
   return c;
 }
 
