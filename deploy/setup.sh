@@ -47,7 +47,16 @@ if command -v clang >/dev/null 2>&1; then
 fi
 echo "setup: build and test dependencies are installed"
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-  # the pinned CUTLASS headers the grouped GEMMs build on (kernels/cutlass/)
+  # the pinned CUTLASS headers the grouped GEMMs build on (kernels/cutlass_gemm/),
+  # downloaded by pip from the package index
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ]; then
+      install_pkgs python3-pip
+    else
+      echo "setup: CUTLASS's headers come through pip: sudo apt-get install python3-pip" >&2
+      exit 1
+    fi
+  fi
   deploy/cutlass.sh
   echo "setup: nvcc found: the CUDA parts will build"
 else
