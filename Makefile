@@ -149,7 +149,7 @@ $(KBUILD)/obj/kernels/%.o: kernels/%.cu $(KERNEL_HEADERS)
 # serialise the wgmma pipeline) and constexpr calls across host and device
 CUTLASS_FLAGS := -DNDEBUG --expt-relaxed-constexpr -I$(CUTLASS_DIR)/include \
 	-I$(CUTLASS_DIR)/tools/util/include
-$(KBUILD)/obj/kernels/cutlass_gemm/cfg_%.o: kernels/cutlass_gemm/cfg_%.cu kernels/cutlass_gemm/grouped.cuh $(KERNEL_HEADERS)
+$(KBUILD)/obj/kernels/cutlass_gemm/cfg_%.o: kernels/cutlass_gemm/cfg_%.cu $(wildcard kernels/cutlass_gemm/*.cuh) $(KERNEL_HEADERS)
 	@mkdir -p $(dir $@)
 	$(KERNEL_NVCC) $(CUTLASS_FLAGS) -c $< -o $@
 

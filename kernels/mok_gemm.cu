@@ -813,6 +813,22 @@ static const gather_share gather_shares[MOK_K_GATHER_HOSTS][GATHER_PRODUCTS] = {
 };
 static_assert(MOK_K_GATHER_HOSTS == 6 && MOK_K_GATHER_THREE == 5, "one row per placement");
 
+/* The placement that runs: the one wanted when each product of its share
+ * runs where a gather can ride (on90), else the first of these that can,
+ * else a kernel of its own. */
+static int gather_placement(int want, const bool (&on90)[GATHER_PRODUCTS]) {
+  const int order[] = {want, MOK_K_GATHER_BOTH_DGRADS, MOK_K_GATHER_GU_DGRAD, MOK_K_GATHER_DOWN_WGRAD,
+                       MOK_K_GATHER_DOWN_DGRAD};
+  if (want == MOK_K_GATHER_KERNEL) return want;
+  for (int h : order) {
+    bool fits = true;
+    for (int i = 0; i < GATHER_PRODUCTS; i++)
+      if (gather_shares[h][i].parts && !on90[i]) fits = false;
+    if (fits) return h;
+  }
+  return MOK_K_GATHER_KERNEL;
+}
+
 /* The gather of the routed x (gather_rows's rows) beside product p: its
  * share of the buffer's R rows (none when sh.parts is 0). */
 static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *schedule,
@@ -859,31 +875,24 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
   const bool dgrad90 = on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD);
   const bool gu90 = on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0;
   const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
-  /* x's gather: beside the chosen product where it runs on the Hopper
-   * kernels (their idle producer warps), else a kernel of its own first */
+  /* a = d_out W_d, SwiGLU backward */
+  gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
+                                  a->h, a->partial, (int)cdiv(n, BN), status);
+  /* x's gather: beside the chosen products where they run on the
+   * hand-written Hopper kernels (their idle producer warps; a product on
+   * CUTLASS carries none), else a kernel of its own first */
   int host = MOK_K_GATHER_KERNEL;
   if (a->gathers) {
-    /* a weight gradient on CUTLASS carries no gather: its third of the
-     * copy goes beside the two dgrads */
     const gemm_params pw = down_wgrad(d, schedule, a, status);
-    const bool wg_hosts = wg90 && !mok__sm90_on_cutlass(MOK_GM_WGRAD, &pw);
-    int want = mok_k_gather_host();
-    if (want == MOK_K_GATHER_THREE && wg90 && !wg_hosts) want = MOK_K_GATHER_BOTH_DGRADS;
-    const bool on90[GATHER_PRODUCTS] = {dgrad90, gu90, wg_hosts};
-    bool hosts = want != MOK_K_GATHER_KERNEL; /* every product of its share on the Hopper kernels */
-    for (int i = 0; i < GATHER_PRODUCTS; i++)
-      if (gather_shares[want][i].parts && !on90[i]) hosts = false;
-    if (hosts)
-      host = want;
-    else {
+    const bool on90[GATHER_PRODUCTS] = {dgrad90 && !mok__sm90_on_cutlass(MOK_GM_DOWN_DGRAD, &p), gu90,
+                                        wg90 && !mok__sm90_on_cutlass(MOK_GM_WGRAD, &pw)};
+    host = gather_placement(mok_k_gather_host(), on90);
+    if (host == MOK_K_GATHER_KERNEL) {
       const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
                                        (mok_k_bf16 *)a->x, status, stream);
       if (st != MOK_OK) return st;
     }
   }
-  /* a = d_out W_d, SwiGLU backward */
-  gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
-                                  a->h, a->partial, (int)cdiv(n, BN), status);
   attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_DOWN_DGRAD]);
   int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, dgrad90, stream);
   if (st != MOK_OK) return st;

@@ -1432,21 +1432,28 @@ static int s9_map3(CUtensorMap *m, const void *ptr, int rank, long long d0, long
   return r == CUDA_SUCCESS ? MOK_OK : MOK_EENGINE;
 }
 
-/* A map of bytes (e4m3 tiles) for the FP8 kernels: [d2][d1][d0] bytes,
- * rows ld and slices s2 bytes apart, boxes of box0 x box1 (x 1), 128-byte
- * swizzle, zero fill out of bounds. */
-int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
-                     long long d2, long long ld, long long s2, int box0, int box1) {
+/* A map of bytes for the FP8 kernels and the CUTLASS epilogues: [d2][d1][d0]
+ * bytes, rows ld and slices s2 bytes apart, boxes of box0 x box1 (x 1),
+ * `swizzle` bytes (128 or 64) of swizzle, zero fill out of bounds. */
+int mok__sm90_map_bytes(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
+                        long long d2, long long ld, long long s2, int box0, int box1,
+                        int swizzle) {
   PFN_cuTensorMapEncodeTiled_v12000 enc = s9_encode_fn();
-  if (!enc) return MOK_EENGINE;
+  if (!enc || (swizzle != 64 && swizzle != 128)) return MOK_EENGINE;
   cuuint64_t dims[3] = {(cuuint64_t)d0, (cuuint64_t)d1, (cuuint64_t)d2};
   cuuint64_t strides[2] = {(cuuint64_t)ld, (cuuint64_t)s2};
   cuuint32_t box[3] = {(cuuint32_t)box0, (cuuint32_t)box1, 1};
   cuuint32_t estr[3] = {1, 1, 1};
   CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, (cuuint32_t)rank, (void *)ptr, dims, strides,
-                   box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? MOK_OK : MOK_EENGINE;
+}
+
+int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
+                     long long d2, long long ld, long long s2, int box0, int box1) {
+  return mok__sm90_map_bytes(m, ptr, rank, d0, d1, d2, ld, s2, box0, box1, 128);
 }
 
 /* 2D: d1 rows of d0 elements, ld apart */

@@ -132,10 +132,15 @@ int mok__f8_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int 
                        const mok_k_bf16 *g, const mok_k_bf16 *u, const float *rw,
                        mok_k_bf16 *dgu, mok_k_bf16 *h, float *partial, int n_partial,
                        uint8_t *dguq, float *dgus, int32_t *status, cudaStream_t stream);
-/* the FP8 kernels' helpers from mok_gemm_sm90.cu: the device's SMs, a TMA map of bytes */
+/* helpers from mok_gemm_sm90.cu for the FP8 kernels and the CUTLASS
+ * products: the device's SMs, a TMA map of bytes (128-byte swizzle; or
+ * `swizzle` 64 or 128) */
 int mok__sm90_sms(void);
 int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
                      long long d2, long long ld, long long s2, int box0, int box1);
+int mok__sm90_map_bytes(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
+                        long long d2, long long ld, long long s2, int box0, int box1,
+                        int swizzle);
 /* out[t] = rnd(base[t] + sum_k (rw *) routed[slot_row[t*K+k]]) (mok_routing.cu) */
 int mok_k_ksum_rows(const mok_k_dims *d, const int32_t *slot_row, int capacity,
                     const mok_k_bf16 *routed, const float *rw, const mok_k_bf16 *base,

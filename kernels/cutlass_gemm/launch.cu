@@ -16,7 +16,13 @@
  * run there; below, the product stays on the hand-written Hopper kernels
  * (mok_gemm_sm90.cu). Each row's reason is measured in kernels/PERF.md
  * ("Kernels v3"). */
-enum { CG_DOWN_COOP_128x256_C2, CG_DOWN_PP_128x128_C2, CG_WGRAD_COOP_128x256 };
+enum {
+  CG_DOWN_COOP_128x256_C2,
+  CG_DOWN_PP_128x128_C2,
+  CG_WGRAD_COOP_128x256,
+  CG_DGRAD_COOP_128x256_C2,
+  CG_DGRAD_PP_128x128_C2,
+};
 
 struct cg_row {
   int mode;
@@ -27,17 +33,23 @@ static const cg_row cg_table[] = {
     /* the shared expert and the routed products at T = 8192: 3-8 % faster;
      * the routed products at T = 2048 (~350 rows an expert): within +-2 % */
     {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 1024},
+    /* the down dgrad with its SwiGLU backward, g and u in by TMA during
+     * the k loop: cooperative 3.40 ms, ping-pong 3.80, the hand-written
+     * ping-pong 3.86 at kimi-k2.7 T=8192 (PERF.md "The down dgrad on CUTLASS") */
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 0},
 };
 
 /* The tests' and the bench's alternatives to the table (mok_gemm_sm90.h):
- * every product that has a configuration, whatever the rows, DOWN on the
- * cooperative or on the ping-pong one. */
+ * every product that has a configuration, whatever the rows, DOWN and the
+ * down dgrad on the cooperative or on the ping-pong ones. */
 static const cg_row cg_every[] = {
     {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 0},
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 0},
     {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
 };
 static const cg_row cg_every_pp[] = {
     {MOK_GM_DOWN, CG_DOWN_PP_128x128_C2, 0},
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_PP_128x128_C2, 0},
     {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
 };
 static std::atomic<int> cg_choice{MOK_K_CUTLASS_TABLE};
@@ -100,6 +112,11 @@ int mok__cg_takes(int mode, const mok_gemm_params *p) {
   if (!cg_row_of(mode, p) || p->N % 8 || !ld_ok(p->lda) || !ld_ok(p->ldb) || !ld_ok(p->ldc))
     return 0;
   if (mode == MOK_GM_DOWN) return p->K > 0 && p->K % 8 == 0 && p->gather_dst == nullptr;
+  /* DOWN_DGRAD: g, u and h rows of N, dg | du rows of 2N (the epilogue's
+   * layout); the TMA boxes of g and u need 16-byte rows */
+  if (mode == MOK_GM_DOWN_DGRAD)
+    return p->K > 0 && p->K % 8 == 0 && p->gather_dst == nullptr && p->G && p->U && p->C1 &&
+           p->ldc == 2LL * p->N && (!p->rw || p->row_slot);
   /* WGRAD: the gather beside it needs the hand kernel's idle producer warps;
    * the second half's A starts c_split columns in (16-byte aligned) */
   if (mode == MOK_GM_WGRAD)
@@ -115,25 +132,44 @@ __device__ static void zero_row(bf16 *c, long long ld, long long r, int N) {
   for (int v = threadIdx.x; v < N / 8; v += blockDim.x) row[v] = make_uint4(0, 0, 0, 0);
 }
 
-/* DOWN: blockIdx.y = group e: its padding rows [first + count, next group's
- * first); blockIdx.y = groups: the rows past the last group unless no_tail.
- * Derived from the offsets and counts the GEMM's groups were made of, so
- * the two cover every row once. */
-__global__ static void down_zero_rows(const mok_gemm_params p) {
-  if (job_failed(p.status) || !p.offsets) return;
-  const int e = blockIdx.y, M = p.M;
+/* The rows a row product's GEMM does not write, [lo, hi): for e < groups
+ * group e's padding [first + count, next group's first); for e = groups
+ * the rows past the last group (none when no_tail). Derived from the
+ * offsets and counts the GEMM's groups were made of, so the two cover
+ * every row once. */
+__device__ static void unwritten_rows(const mok_gemm_params &p, int e, int *lo, int *hi) {
+  const int M = p.M;
   auto clampM = [M](int v) { return v < 0 ? 0 : v > M ? M : v; };
-  int lo, hi;
   if (e < p.groups) {
     const mok__cg_rows g = mok__cg_group_rows(p, e, M);
-    lo = g.first + g.count;
-    hi = clampM(p.offsets[e + 1]);
+    *lo = g.first + g.count;
+    *hi = clampM(p.offsets[e + 1]);
   } else {
-    if (p.no_tail) return;
-    lo = clampM(p.offsets[p.groups]);
-    hi = M;
+    *lo = clampM(p.offsets[p.groups]);
+    *hi = p.no_tail ? *lo : M;
   }
+}
+
+/* DOWN: zeros in y's unwritten rows (blockIdx.y: e of unwritten_rows). */
+__global__ static void down_zero_rows(const mok_gemm_params p) {
+  if (job_failed(p.status) || !p.offsets) return;
+  int lo, hi;
+  unwritten_rows(p, blockIdx.y, &lo, &hi);
   for (long long r = lo + blockIdx.x; r < hi; r += gridDim.x) zero_row(p.C0, p.ldc, r, p.N);
+}
+
+/* DOWN_DGRAD: zeros in the unwritten rows of dg | du (2N), h (N) and the
+ * d_rw partials, as the hand-written kernels store them. */
+__global__ static void dgrad_zero_rows(const mok_gemm_params p) {
+  if (job_failed(p.status) || !p.offsets) return;
+  int lo, hi;
+  unwritten_rows(p, blockIdx.y, &lo, &hi);
+  for (long long r = lo + blockIdx.x; r < hi; r += gridDim.x) {
+    zero_row(p.C0, p.ldc, r, 2 * p.N);
+    zero_row(p.C1, p.N, r, p.N);
+    if (p.partial)
+      for (int i = threadIdx.x; i < p.n_partial; i += blockDim.x) p.partial[r * p.n_partial + i] = 0.0f;
+  }
 }
 
 /* WGRAD: blockIdx.y = expert e in e_range with no rows: d_W[e] as zeros
@@ -162,6 +198,12 @@ int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t strea
     return cg_row_of(mode, p)->config == CG_DOWN_PP_128x128_C2
                ? mok__cg_down_pp_128x128_c2(p, ctas, stream)
                : mok__cg_down_coop_128x256_c2(p, ctas, stream);
+  case CG_DGRAD_COOP_128x256_C2:
+  case CG_DGRAD_PP_128x128_C2:
+    if (p->offsets) dgrad_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(*p);
+    return cg_row_of(mode, p)->config == CG_DGRAD_PP_128x128_C2
+               ? mok__cg_down_dgrad_pp_128x128_c2(p, ctas, stream)
+               : mok__cg_down_dgrad_coop_128x256_c2(p, ctas, stream);
   case CG_WGRAD_COOP_128x256:
     wgrad_zero<<<dim3(32, p->groups), 256, 0, stream>>>(*p);
     return mok__cg_wgrad_coop_128x256(p, p->C1 && p->c_split < p->M ? 2 : 1, ctas, stream);

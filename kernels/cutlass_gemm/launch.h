@@ -37,7 +37,7 @@ int mok__cg_built(void);
  * 16-byte aligned rows for TMA). */
 int mok__cg_takes(int mode, const mok_gemm_params *p);
 
-/* Runs product `mode` (MOK_GM_DOWN or MOK_GM_WGRAD) on its configuration,
+/* Runs product `mode` (MOK_GM_DOWN, MOK_GM_DOWN_DGRAD or MOK_GM_WGRAD) on its configuration,
  * the zeros its contract owes included, on `ctas` persistent CTAs (0: one
  * per SM; tests use fewer). Returns a mok_status. */
 int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t stream);
@@ -46,6 +46,8 @@ int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t strea
  * halves is WGRAD's number of output halves (1 or 2). */
 int mok__cg_down_coop_128x256_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
 int mok__cg_down_pp_128x128_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
+int mok__cg_down_dgrad_coop_128x256_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
+int mok__cg_down_dgrad_pp_128x128_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
 int mok__cg_wgrad_coop_128x256(const mok_gemm_params *p, int halves, int ctas,
                                cudaStream_t stream);
 

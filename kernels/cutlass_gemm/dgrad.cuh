@@ -1,0 +1,151 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* DOWN_DGRAD on CUTLASS's sm90 ptr-array grouped GEMM with the epilogue of
+ * dgrad_epilogue.cuh: a = d_out W_d[e] (A: routed d_out [rows][H], K-major;
+ * B(k = h, n = i) = W_d[e][h][i], N-major), each group an expert, its shape
+ * and pointers written on the device from the validated schedule as in
+ * grouped.cuh. One configuration per translation unit (cfg_down_dgrad_*.cu). */
+#ifndef MOK_CUTLASS_DGRAD_CUH
+#define MOK_CUTLASS_DGRAD_CUH
+
+#include "cutlass_gemm/dgrad_epilogue.cuh"
+
+namespace mok_cg_dgrad {
+
+using namespace cute;
+using mok_cg::bfloat16_t;
+
+template <class Epi, class Tile, class Cluster, bool PingPong> struct DgradConfig {
+  using Epilogue = Epi;
+  using ClusterShape = Cluster;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bfloat16_t, cutlass::layout::RowMajor *, 8,
+      bfloat16_t, cutlass::layout::RowMajor *, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epi::SharedStorage))>,
+      std::conditional_t<PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+};
+
+/* The groups' arguments in device memory, one block per launch. */
+template <class C> struct Args {
+  typename C::Shape3 *shape;
+  const bfloat16_t **a;
+  const bfloat16_t **b;
+  typename C::StrideA *sa;
+  typename C::StrideB *sb;
+  int *first;
+};
+
+inline size_t up256(size_t v) { return (v + 255) & ~(size_t)255; }
+
+template <class C> size_t args_bytes(int groups) {
+  const size_t g = (size_t)groups;
+  return up256(g * sizeof(typename C::Shape3)) + 2 * up256(g * sizeof(void *)) +
+         up256(g * sizeof(typename C::StrideA)) + up256(g * sizeof(typename C::StrideB)) +
+         up256(g * sizeof(int));
+}
+
+template <class C> Args<C> args_at(void *mem, int groups) {
+  const size_t g = (size_t)groups;
+  char *p = (char *)mem;
+  Args<C> a;
+  a.shape = (typename C::Shape3 *)p;
+  p += up256(g * sizeof(typename C::Shape3));
+  a.a = (const bfloat16_t **)p;
+  p += up256(g * sizeof(void *));
+  a.b = (const bfloat16_t **)p;
+  p += up256(g * sizeof(void *));
+  a.sa = (typename C::StrideA *)p;
+  p += up256(g * sizeof(typename C::StrideA));
+  a.sb = (typename C::StrideB *)p;
+  p += up256(g * sizeof(typename C::StrideB));
+  a.first = (int *)p;
+  return a;
+}
+
+/* Group e: a[rows of e] [count, N] = d_out[rows] [count, H] W_d[e] ([H, N]);
+ * a failed job's groups have no rows. */
+template <class C> __global__ void dgrad_args(const mok_gemm_params p, Args<C> a) {
+  const bool failed = job_failed(p.status);
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
+    const mok__cg_rows r = mok__cg_group_rows(p, e, p.M);
+    a.shape[e] = typename C::Shape3(failed ? 0 : r.count, p.N, p.K);
+    a.a[e] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda);
+    a.b[e] = (const bfloat16_t *)(p.B0 + (long long)e * p.b_expert_stride);
+    a.sa[e] = mok_cg::ld_stride<typename C::StrideA>(p.lda);
+    a.sb[e] = mok_cg::ld_stride<typename C::StrideB>(p.ldb);
+    a.first[e] = r.first;
+  }
+}
+
+/* The product on configuration C, on `ctas` persistent CTAs (0: every SM):
+ * the TMA maps of g and u, the groups' arguments and CUTLASS's workspace in
+ * one stream-ordered allocation, the arguments kernel, the GEMM. Returns a
+ * mok_status. */
+template <class C> int run(const mok_gemm_params &p, int ctas, cudaStream_t stream) {
+  using Epi = typename C::Epilogue;
+  using Gemm = typename C::Gemm;
+  const int n = p.groups;
+  if (n <= 0) return MOK_OK;
+  typename Epi::Arguments epi{};
+  epi.out = mok_cg::DgradOut{nullptr, p.row_slot, p.rw, p.n_slots, p.C0, p.C1, p.partial,
+                             p.n_partial, p.N, p.has_limit, p.limit};
+  /* g and u [M][N] as bytes, boxes of one stage: 64 bytes x 128 rows */
+  int st = mok__sm90_map_bytes(&epi.map_g, p.G, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
+                               2 * Epi::SN, Epi::BM, 64);
+  if (st == MOK_OK)
+    st = mok__sm90_map_bytes(&epi.map_u, p.U, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
+                             2 * Epi::SN, Epi::BM, 64);
+  if (st != MOK_OK) return st;
+
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.hw_info = mok_cg::hw_info<C>();
+  if (ctas > 0) { /* tests: fewer persistent CTAs, in whole clusters */
+    const int cs = (int)cute::size(typename C::ClusterShape{});
+    const int clusters = (ctas + cs - 1) / cs;
+    args.hw_info.sm_count = clusters * cs;
+    args.hw_info.max_active_clusters = clusters;
+  }
+  const size_t ab = args_bytes<C>(n);
+  const size_t ws = [&] {
+    typename Gemm::Arguments probe = args;
+    probe.problem_shape = {n, nullptr, nullptr};
+    probe.epilogue = epi;
+    return Gemm::get_workspace_size(probe);
+  }();
+  void *mem = nullptr;
+  cudaError_t ce = cudaMallocAsync(&mem, ab + ws, stream);
+  if (ce != cudaSuccess) {
+    mok_k_set_cuda_error((int)ce);
+    return MOK_EENGINE;
+  }
+  const Args<C> a = args_at<C>(mem, n);
+  dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
+  epi.out.first = a.first;
+  args.problem_shape = {n, a.shape, nullptr};
+  args.mainloop = {a.a, a.sa, a.b, a.sb};
+  args.epilogue = epi;
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) st = MOK_EINVAL;
+  if (st == MOK_OK && gemm.initialize(args, (char *)mem + ab, stream) != cutlass::Status::kSuccess)
+    st = MOK_EENGINE;
+  if (st == MOK_OK && gemm.run(stream) != cutlass::Status::kSuccess) st = MOK_EENGINE;
+  ce = cudaFreeAsync(mem, stream);
+  if (st == MOK_OK && ce != cudaSuccess) {
+    mok_k_set_cuda_error((int)ce);
+    st = MOK_EENGINE;
+  }
+  if (st == MOK_OK) st = mok_k_launch_status();
+  return st;
+}
+
+} // namespace mok_cg_dgrad
+
+#endif /* MOK_CUTLASS_DGRAD_CUH */
