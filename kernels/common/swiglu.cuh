@@ -8,12 +8,16 @@
 
 #include <cuda_bf16.h>
 
+/* sigma(v) = 1 / (1 + exp(-v)): the hardware exponential (a few f32 ulp,
+ * far below bf16's rounding) and one correctly rounded reciprocal, not
+ * two IEEE divisions: the down dgrad's epilogue computes this for every
+ * element of its tile, in series with its k loop on the cooperative
+ * kernel (kernels/PERF.md, "The down dgrad on CUTLASS"). */
 __device__ static inline float swiglu_sigmoid(float v) {
-  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-v)));
+  return __frcp_rn(__fadd_rn(1.0f, __expf(-v)));
 }
-__device__ static inline float swiglu_silu(float v) {
-  return __fdiv_rn(v, __fadd_rn(1.0f, expf(-v)));
-}
+/* silu(v) = v sigma(v) */
+__device__ static inline float swiglu_silu(float v) { return __fmul_rn(v, swiglu_sigmoid(v)); }
 
 /* bf16 rounding of an f32, back to f32 */
 __device__ static inline float swiglu_round(float v) {
@@ -53,7 +57,7 @@ __device__ static inline swiglu_grad swiglu_backward(float g, float u, float a, 
     gc = fminf(gc, limit);
     uc = fminf(fmaxf(uc, -limit), limit);
   }
-  const float sig = swiglu_sigmoid(gc), silu = swiglu_silu(gc);
+  const float sig = swiglu_sigmoid(gc), silu = __fmul_rn(gc, sig);
   swiglu_grad r;
   r.h = swiglu_round(__fmul_rn(silu, uc));
   const float dh = __fmul_rn(w, a);
