@@ -9,7 +9,8 @@
 # OUTDIR gets peer.json, peer.txt (the table) and the daemons' logs. SonicMoE must be
 # importable (pip install sonic-moe); without it the mok paths run alone.
 # Environment: MOK_DEVBUILD (the build with bin/mokd and lib/libmok.so; default .devbuild,
-# see tests/gpu/build_device.sh), VARIANTS (default "pingpong cutlass"), PYTHON.
+# see tests/gpu/build_device.sh), VARIANTS (default "pingpong cutlass"), PYTHON,
+# MOKD_LOG_LEVEL (default warn; info with MOK_CUDA_PROFILE=1 logs each job's phases).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUTDIR=${1:?usage: run_peer.sh OUTDIR [peer_sonic.py options...]}
@@ -40,7 +41,7 @@ start_mps || exit 1
 args=()
 for v in $VARIANTS; do
   sock=$(mktemp -u /tmp/mok-peer-$v.XXXXXX.sock)
-  MOK_GEMM_VARIANT=$v "$B/bin/mokd" --engine cuda --socket "$sock" --log-level warn \
+  MOK_GEMM_VARIANT=$v "$B/bin/mokd" --engine cuda --socket "$sock" --log-level "${MOKD_LOG_LEVEL:-warn}" \
     >"$OUTDIR/mokd_$v.log" 2>&1 &
   pids+=($!)
   socks+=("$sock")
