@@ -1085,8 +1085,12 @@ typedef struct refusal_result {
   int a, b, c;
 } refusal_result;
 
+/* b_sent: shared between the ranks' processes; rank 0 sets it once its job
+ * b is sent, and rank 1 sends its job a only then, so rank 0's job a is
+ * still waiting at its barrier when b comes (no race on sleeps) */
 static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_id,
-                         const problem *p, uint32_t rank, refusal_result *res) {
+                         const problem *p, uint32_t rank, refusal_result *res,
+                         volatile int *b_sent) {
   mok_client *c;
   mok_layer *l = rank_layer(sock, "refusal", key, nccl_id, p, rank, &c, NULL);
   uint32_t dt = p->dtype, T = p->T[rank], El = E_ / p->W;
@@ -1104,13 +1108,19 @@ static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_
   mok_forward_args fa = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
                          .s_up = SU, .s_down = SD, .topk_ids = ID, .router_weights = RW,
                          .out = OUT};
-  /* rank 0: job a is taken and waits at its barrier for rank 1 (asleep),
-   * so job b finds one job of the uid in flight and is refused */
-  if (rank == 1) usleep(400000);
+  /* rank 0: job a is taken and waits at its barrier for rank 1 (which
+   * waits for b_sent), so job b finds one job of the uid in flight and is
+   * refused */
+  if (rank == 1) {
+    double t0 = now_s();
+    while (!__atomic_load_n(b_sent, __ATOMIC_ACQUIRE) && now_s() - t0 < 20.0) usleep(1000);
+    CHECK_MSG(__atomic_load_n(b_sent, __ATOMIC_ACQUIRE), "rank 0 never sent its job b");
+  }
   uint64_t ta, tb, tc;
   CHECK_MSG(mok_forward(l, T, &fa, &ta) == MOK_OK, "%s", mok_last_error());
-  if (rank == 0) usleep(150000);
+  if (rank == 0) usleep(150000); /* job a taken by the engine before b comes */
   CHECK_MSG(mok_forward(l, T, &fa, &tb) == MOK_OK, "%s", mok_last_error());
+  if (rank == 0) __atomic_store_n(b_sent, 1, __ATOMIC_RELEASE);
   res->a = mok_wait(c, ta, 20000);
   res->b = mok_wait(c, tb, 20000);
   CHECK_MSG(mok_forward(l, T, &fa, &tc) == MOK_OK, "%s", mok_last_error());
@@ -1137,17 +1147,20 @@ static void test_refused_job_fails_every_rank_at_once(void) {
   char key[96];
   unique_key(key, sizeof key, "refusal");
   const uint8_t *id = nccl_id_for(d[0].sock, key);
-  refusal_result *res = mmap(NULL, 2 * sizeof *res, PROT_READ | PROT_WRITE,
-                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  /* the two ranks' results, then rank 0's b_sent */
+  const size_t shared_bytes = 2 * sizeof(refusal_result) + sizeof(int);
+  refusal_result *res = mmap(NULL, shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                             -1, 0);
   CHECK(res != MAP_FAILED);
-  memset(res, 0, 2 * sizeof *res);
+  memset(res, 0, shared_bytes);
+  volatile int *b_sent = (volatile int *)(res + 2);
   double t0 = now_s();
   pid_t pids[2];
   for (uint32_t r = 0; r < 2; r++) {
     pids[r] = fork();
     CHECK(pids[r] >= 0);
     if (pids[r] == 0) {
-      refusal_rank(d[r].sock, key, id, p, r, &res[r]);
+      refusal_rank(d[r].sock, key, id, p, r, &res[r], b_sent);
       _exit(0);
     }
   }
@@ -1161,7 +1174,7 @@ static void test_refused_job_fails_every_rank_at_once(void) {
   /* nobody waited out the group's 10 s timeout */
   CHECK_MSG(took < 8.0, "the ranks took %.1f s", took);
   stop_daemons(d, 2);
-  munmap(res, 2 * sizeof *res);
+  munmap(res, shared_bytes);
   free(p);
 }
 
