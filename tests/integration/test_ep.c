@@ -1086,8 +1086,9 @@ typedef struct refusal_result {
 } refusal_result;
 
 /* b_sent: shared between the ranks' processes; rank 0 sets it once its job
- * b is sent, and rank 1 sends its job a only then, so rank 0's job a is
- * still waiting at its barrier when b comes (no race on sleeps) */
+ * b is sent, and rank 1 sends its job a a while after that, so rank 0's job
+ * a still waits at its barrier when its daemon takes b, however long each
+ * rank's set-up took */
 static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_id,
                          const problem *p, uint32_t rank, refusal_result *res,
                          volatile int *b_sent) {
@@ -1115,6 +1116,10 @@ static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_
     double t0 = now_s();
     while (!__atomic_load_n(b_sent, __ATOMIC_ACQUIRE) && now_s() - t0 < 20.0) usleep(1000);
     CHECK_MSG(__atomic_load_n(b_sent, __ATOMIC_ACQUIRE), "rank 0 never sent its job b");
+    /* sent is not taken: rank 0's daemon takes b from its ring within
+     * microseconds while a still waits for this rank; our job a sent at
+     * once could let rank 0's a finish first (seen: 1 run in 3) */
+    usleep(250000);
   }
   uint64_t ta, tb, tc;
   CHECK_MSG(mok_forward(l, T, &fa, &ta) == MOK_OK, "%s", mok_last_error());
