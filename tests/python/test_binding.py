@@ -35,6 +35,8 @@ from mok import reference as ref  # noqa: E402
 
 F32_TOL = 1e-5
 BF16_TOL = 1e-2
+BF16_TAIL_TOL = 1.25e-2  # test_bf16_matches_reference: any one seed
+BF16_MEAN_TOL = 7.5e-3   # the same: the mean over its seeds
 
 
 # ---- the daemon ---------------------------------------------------------------------
@@ -214,15 +216,27 @@ def test_f32_matches_reference(client, I_s):
 
 
 def test_bf16_matches_reference(client):
+    """One seed's error is a draw whose tail reaches 0.01 (an output passes through several
+    bf16 roundings and the max over its elements is taken relative to the largest; over 40
+    seeds the tails of out, d_router_weights and d_w_down come within 1 % of it), so the check
+    is over 8 seeds: every error under BF16_TAIL_TOL, and each output's mean under
+    BF16_MEAN_TOL (about 15 % above today's worst mean: one more rounding anywhere moves it)."""
     T, H, I, E, K, I_s = 64, 128, 64, 8, 3, 40
     layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_s,
                          dtype="bfloat16")
-    a, d_out = make_inputs(20, T, H, I, E, K, I_s, dtype="bfloat16")
-    out, grads = run_layer(layer, a, d_out)
-    assert out.dtype == mok.bf16_dtype() and grads.d_w_gate.dtype == mok.bf16_dtype()
-    assert grads.d_router_weights.dtype == np.float32
-    errs = check_vs_reference(a, d_out, out, grads, BF16_TOL)
-    assert errs["out"] > 0  # it really ran in bf16
+    per = []
+    for seed in range(20, 28):
+        a, d_out = make_inputs(seed, T, H, I, E, K, I_s, dtype="bfloat16")
+        out, grads = run_layer(layer, a, d_out)
+        assert out.dtype == mok.bf16_dtype() and grads.d_w_gate.dtype == mok.bf16_dtype()
+        assert grads.d_router_weights.dtype == np.float32
+        errs = check_vs_reference(a, d_out, out, grads, BF16_TAIL_TOL)
+        assert errs["out"] > 0  # it really ran in bf16
+        per.append(errs)
+    means = {k: float(np.mean([e[k] for e in per])) for k in per[0]}
+    bad = {k: v for k, v in means.items() if not v < BF16_MEAN_TOL}
+    assert not bad, "mean relative errors over 8 seeds above %g: %s (all: %s)" % (
+        BF16_MEAN_TOL, bad, means)
 
 
 def _pick_limit(a):
