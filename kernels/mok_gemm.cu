@@ -291,7 +291,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
                        used ? acc[mi][j][2 * hh + 1] : 0.0f);
         }
       }
-  } else { /* MOK_GM_DOWN_DGRAD: a = acc; SwiGLU backward; dg|du to C0 (ldc = 2N), h to C1 (N) */
+  } else { /* MOK_GM_DOWN_DGRAD: a = acc; SwiGLU backward; dg|du to C0 (ldc = 2N), rw h to C1 (N) */
     float rowsum[4][2];
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
@@ -328,7 +328,7 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
           }
           store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
           store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
-          store_bf16x2(p.C1 + at, hv[0], hv[1]);
+          store_bf16x2(p.C1 + at, swiglu_h_weighted(hv[0], w), swiglu_h_weighted(hv[1], w));
         }
       }
     if (p.partial) { /* d_rw partial of this column tile: quad, then warps in order */
@@ -359,8 +359,6 @@ template <int MODE> __global__ void __launch_bounds__(NTHREADS, 2) gemm_kernel(c
 
 /* ---- the mma.sync launch of one product -------------------------------------------- */
 
-int mok_k_scale_rows(const mok_k_dims *d, const int32_t *schedule, const bf16 *src,
-                     const float *rw, bf16 *dst, int32_t *status, cudaStream_t stream);
 int mok_k_drw_reduce(const mok_k_dims *d, const int32_t *schedule, const float *partial,
                      float *d_rw, int32_t *status, cudaStream_t stream);
 
@@ -756,10 +754,11 @@ extern "C" int mok_k_shared_forward(const mok_k_dims *d, const mok_k_bf16 *x,
 /* One SwiGLU FFN backward (routed when schedule != NULL, else shared):
  *   down dgrad + SwiGLU backward -> dgu [M, 2n], h [M, n], d_rw partials
  *   gate/up dgrad -> d_xr [M, H]
- *   wgrads: d_wd = dy^T h, [d_wg; d_wu] = dgu^T x, per expert. */
+ *   wgrads: d_wd = d_out^T h~ (h~ = rw h, as the down dgrad stores it),
+ *   [d_wg; d_wu] = dgu^T x, per expert. */
 typedef struct ffn_bwd_args {
   int M, n_inter, groups;
-  const bf16 *x, *d_out, *dy, *g, *u, *wg, *wu, *wd;
+  const bf16 *x, *d_out, *g, *u, *wg, *wu, *wd;
   const float *rw;
   bf16 *dgu, *h, *d_xr, *d_wg, *d_wu, *d_wd;
   float *partial;
@@ -846,13 +845,13 @@ static void attach_gather(gemm_params *p, const mok_k_dims *d, const int32_t *sc
   p->gather_slots = s.n_slots;
 }
 
-/* The weight gradients of one FFN backward, from dy, h, dg | du and x (the
- * share `beside` of x's gather beside the first): d_wd[e] = dy^T h, then
+/* The weight gradients of one FFN backward, from d_out, h~, dg | du and x
+ * (the share `beside` of x's gather beside the first): d_wd[e] = d_out^T h~, then
  * [d_wg; d_wu][e] = dgu^T x, over each expert's rows. */
 static gemm_params down_wgrad(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                               int32_t *status) {
   const int n = a->n_inter;
-  return gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->dy, d->H, a->h, n, a->d_wd, NULL,
+  return gemm_wgrad(d, schedule, a->groups, a->M, d->H, n, a->d_out, d->H, a->h, n, a->d_wd, NULL,
                     d->H, n, (long long)d->H * n, a->e_range, status);
 }
 
@@ -920,7 +919,6 @@ static ffn_bwd_args routed_bwd_args(const mok_k_dims *d, void *workspace, const 
   a.groups = d->E_loc;
   a.x = routed_x;
   a.d_out = routed_d_out;
-  a.dy = (const bf16 *)(ws + L.dy);
   a.g = acts_g;
   a.u = acts_u;
   a.rw = router_weights;
@@ -950,7 +948,6 @@ static ffn_bwd_args shared_bwd_args(const mok_k_dims *d, void *workspace, const 
   a.groups = 1;
   a.x = x;
   a.d_out = d_out;
-  a.dy = d_out; /* rw = 1: dy = d_out exactly */
   a.g = acts_gs;
   a.u = acts_us;
   a.dgu = (bf16 *)(ws + L.dgus);
@@ -986,10 +983,7 @@ static int expert_backward(const mok_k_dims *d, const int32_t *schedule, const b
   a.wu = w_up;
   a.wd = w_down;
   a.e_range = expert_range;
-  /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
-  int st = mok_k_scale_rows(d, schedule, routed_d_out, router_weights, (bf16 *)a.dy, status,
-                            stream);
-  if (st == MOK_OK) st = ffn_backward(d, schedule, &a, status, stream);
+  int st = ffn_backward(d, schedule, &a, status, stream);
   if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
   return st;
 }
@@ -1221,11 +1215,7 @@ extern "C" int mok_k_fp8_expert_backward(
                                    router_weights, (bf16 *)routed_d_x, (bf16 *)d_w_gate,
                                    (bf16 *)d_w_up, (bf16 *)d_w_down, x != NULL,
                                    (const bf16 *)x);
-  /* dy = rnd(rw * routed_d_out), the down-projection wgrad operand */
-  st = mok_k_scale_rows(d, schedule, (const bf16 *)routed_d_out, router_weights, (bf16 *)a.dy,
-                        status, stream);
-  if (st == MOK_OK)
-    st = f8_ffn_backward(d, schedule, &a, dq, ds, w_gate, w_up, w_down, d->E_loc, workspace,
+  st = f8_ffn_backward(d, schedule, &a, dq, ds, w_gate, w_up, w_down, d->E_loc, workspace,
                          status, stream);
   if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
   return st;

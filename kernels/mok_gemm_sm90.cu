@@ -546,7 +546,7 @@ __device__ __forceinline__ void s9_dgrad_half(const s9_params &p, const float (&
       }
       store_bf16x2(p.C0 + (long long)r * p.ldc + n, dg[0], dg[1]);
       store_bf16x2(p.C0 + (long long)r * p.ldc + p.N + n, du[0], du[1]);
-      store_bf16x2(p.C1 + at, hv[0], hv[1]);
+      store_bf16x2(p.C1 + at, swiglu_h_weighted(hv[0], w), swiglu_h_weighted(hv[1], w));
     }
     /* every lane reaches the shuffles (skipped columns add nothing) */
     rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));

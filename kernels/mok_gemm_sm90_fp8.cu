@@ -275,7 +275,7 @@ __device__ static inline void f8_epilogue_dgrad(const f8_params &p, const mok_ro
         __nv_bfloat16 *dgu = p.C0 + (long long)r * p.ldc + nb * F8_BN + 8 * j + cq;
         *(__nv_bfloat162 *)dgu = dg[j];
         *(__nv_bfloat162 *)(dgu + p.N) = du[j];
-        store_bf16x2(p.C1 + at + 8 * j, h[0], h[1]);
+        store_bf16x2(p.C1 + at + 8 * j, swiglu_h_weighted(h[0], w), swiglu_h_weighted(h[1], w));
       }
     }
     /* the row's d_rw term: this thread's columns ascending, then the quad */

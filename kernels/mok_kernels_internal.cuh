@@ -86,9 +86,8 @@ static inline size_t mok_k_align256(size_t v) { return (v + 255u) & ~(size_t)255
 /* Workspace pieces (byte offsets from the workspace start). */
 typedef struct ws_layout {
   size_t hist;                           /* schedule build: int32 [chunks, E_loc] */
-  size_t h;                              /* routed fwd/bwd: bf16 [R, I] */
+  size_t h;                              /* routed fwd: h; bwd: rw h; bf16 [R, I] */
   size_t dgu;                            /* routed bwd: bf16 [R, 2I] */
-  size_t dy;                             /* routed bwd: bf16 [R, H] */
   size_t partial;                        /* routed bwd: f32 [R, n_partial] */
   size_t hs, dgus;                       /* shared: bf16 [T, I_s], [T, 2 I_s] */
   size_t total;

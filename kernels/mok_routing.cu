@@ -82,11 +82,10 @@ ws_layout mok_k_ws_layout(const mok_k_dims *d) {
   int64_t R = mok_k_rows_capacity(d);
   int64_t chunks = ((int64_t)d->T * d->K + SCHED_CHUNK - 1) / SCHED_CHUNK;
   size_t sched = mok_k_align256((size_t)(chunks * d->E_loc * 4));
-  /* routed backward holds h, dgu, dy and the d_rw partials at once */
+  /* routed backward holds h~, dgu and the d_rw partials at once */
   w.h = 0;
   w.dgu = mok_k_align256(bf16_bytes(R, d->I));
-  w.dy = w.dgu + mok_k_align256(bf16_bytes(R, 2 * (int64_t)d->I));
-  w.partial = w.dy + mok_k_align256(bf16_bytes(R, d->H));
+  w.partial = w.dgu + mok_k_align256(bf16_bytes(R, 2 * (int64_t)d->I));
   size_t routed = w.partial + mok_k_align256((size_t)(R * mok_k_partial_tiles(d) * 4));
   /* shared forward/backward: h_s, dgu_s */
   w.hs = 0;
@@ -377,32 +376,6 @@ __global__ void gather_rows_kernel(const uint4 *src, const int32_t *row_slot, in
   for (int c = lane; c < vecs; c += 32) drow[c] = srow ? srow[c] : make_uint4(0, 0, 0, 0);
 }
 
-/* dst[r] = rnd(rw[slot] * src[r]) for used rows, zeros on padding rows
- * (the dy operand of the down-projection weight gradient). */
-__global__ void scale_rows_kernel(const uint4 *src, const int32_t *row_slot, const float *rw,
-                                  int capacity, const int32_t *rows_used, int n_slots, int vecs,
-                                  uint4 *dst, const int32_t *status) {
-  if (job_failed(status)) return;
-  const int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= capacity || (rows_used && r >= *rows_used)) return; /* no_tail: rows in use only */
-  const int s = row_slot[r];
-  const bool used = s >= 0 && s < n_slots;
-  const float w = used ? rw[s] : 0.0f;
-  for (int c = lane; c < vecs; c += 32) {
-    uint4 out = make_uint4(0, 0, 0, 0);
-    if (used) {
-      uint4 in = src[(size_t)r * vecs + c];
-      const __nv_bfloat162 *iv = (const __nv_bfloat162 *)&in;
-      __nv_bfloat162 *ov = (__nv_bfloat162 *)&out;
-      for (int j = 0; j < 4; j++) {
-        float2 f = __bfloat1622float2(iv[j]);
-        ov[j] = __floats2bfloat162_rn(__fmul_rn(w, f.x), __fmul_rn(w, f.y));
-      }
-    }
-    dst[(size_t)r * vecs + c] = out;
-  }
-}
-
 /* out[t] = rnd(base[t] + sum_k (rw[t,k] *) routed[slot_row[t,k]]), f32,
  * k ascending; base and rw optional (rw absent: plain sum). */
 __global__ void ordered_ksum_kernel(const uint4 *routed, const int32_t *slot_row, const float *rw,
@@ -477,18 +450,6 @@ extern "C" int mok_k_gather_rows(const mok_k_dims *d, const int32_t *schedule,
   gather_rows_kernel<<<(s.capacity + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 32 * ROWS_PER_BLOCK, 0,
                        stream>>>((const uint4 *)src, s.row_slot, s.capacity, d->K, s.n_slots,
                                  d->H / 8, (uint4 *)dst, status);
-  return mok_k_launch_status();
-}
-
-/* Used by the backward launcher (mok_gemm.cu). */
-int mok_k_scale_rows(const mok_k_dims *d, const int32_t *schedule, const bf16 *src,
-                     const float *rw, bf16 *dst, int32_t *status, cudaStream_t stream) {
-  sched_ptrs s = sched_view(d, schedule);
-  if (s.capacity == 0) return MOK_OK;
-  scale_rows_kernel<<<(s.capacity + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 32 * ROWS_PER_BLOCK, 0,
-                      stream>>>((const uint4 *)src, s.row_slot, rw, s.capacity,
-                                d->no_tail ? s.offsets + d->E_loc : NULL, s.n_slots, d->H / 8,
-                                (uint4 *)dst, status);
   return mok_k_launch_status();
 }
 

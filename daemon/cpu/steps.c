@@ -621,20 +621,18 @@ typedef struct bwd_epilogue_arg {
   const ffn_set *set;
   uint32_t dt;
   swiglu_clamp clamp;
-  size_t H;
   const void *acts_g, *acts_u; /* [n_rows, I] layer dtype */
   const float *a;              /* [n_rows, I] = d_out rows · w_down */
-  const float *dout;           /* [n_rows, H] */
   const float *rw_row;         /* router weight per row; NULL: 1 (shared expert) */
-  float *dg, *du, *h;          /* [n_rows, I] */
-  float *dy;                   /* [n_rows, H]; unused when rw_row is NULL */
+  float *dg, *du, *h;          /* [n_rows, I]; h leaves as rw·h (the down wgrad's operand) */
   float *drw_row;              /* per row, or NULL */
 } bwd_epilogue_arg;
 
-/* Per used row: h recomputed as in compute, d_rw = Σ_i a·h, dg, du, dy. */
+/* Per used row: h recomputed as in compute, d_rw = Σ_i a·h, dg, du, then
+ * h~ = rnd(rw·h) in h's place: d_w_down = Σ_r d_out_r·h~_r. */
 static void bwd_epilogue_rows(void *p, size_t r0, size_t r1) {
   const bwd_epilogue_arg *a = p;
-  const size_t I = a->set->I, H = a->H;
+  const size_t I = a->set->I;
   const swiglu_clamp c = a->clamp;
   for (size_t r = r0; r < r1; r++) {
     if (!row_used(a->set, r)) {
@@ -656,13 +654,9 @@ static void bwd_epilogue_rows(void *p, size_t r0, size_t r1) {
       const float dh = a->rw_row ? rw * ar[i] : ar[i];
       dg[i] = rnd(a->dt, dh * uc * dsilu_f32(gc) * pass_gate(c, g));
       du[i] = rnd(a->dt, dh * s * pass_up(c, u));
+      if (a->rw_row) h[i] = rnd(a->dt, rw * h[i]);
     }
     if (a->drw_row) a->drw_row[r] = drw;
-    if (a->rw_row) {
-      const float *d = a->dout + r * H;
-      float *dy = a->dy + r * H;
-      for (size_t j = 0; j < H; j++) dy[j] = rnd(a->dt, rw * d[j]);
-    }
   }
 }
 
@@ -696,18 +690,16 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
   float *A = scratch_f32(env, SCR_A, R * I);
   float *dg = scratch_f32(env, SCR_DG, R * I), *du = scratch_f32(env, SCR_DU, R * I);
   float *hm = scratch_f32(env, SCR_H, R * I);
-  float *dy = rw_row ? scratch_f32(env, SCR_DY, R * H) : NULL;
-  if (!DO || !A || !dg || !du || !hm || (rw_row && !dy)) return env->res->status;
+  if (!DO || !A || !dg || !du || !hm) return env->res->status;
 
   /* a = d_out · w_down  ([rows,H] x [H,I]) */
   mok_status st = env->fp8 ? fp8_ffn_gemm(env, s, FP8_DOWN_DGRAD, DO, NULL, H, A)
                            : down_dgrad_gemm(env, s, DO, A);
   if (st != MOK_OK) return st;
 
-  bwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), H, acts_g, acts_u, A, DO, rw_row,
-                         dg, du, hm, dy, drw_row};
+  bwd_epilogue_arg ep = {s, env->dtype, layer_clamp(env), acts_g, acts_u, A, rw_row,
+                         dg, du, hm, drw_row};
   mok__cpu_par_for(env, R, bwd_epilogue_rows, &ep);
-  if (!rw_row) dy = (float *)DO; /* rw = 1: dy = rnd(d_out) = d_out */
 
   /* dx = dg · w_gate + du · w_up, one sum over i (fp8: over [dg | du]'s blocks) */
   float *DX = f32_out(env, SCR_OUT1, dx, R * H);
@@ -730,7 +722,7 @@ static mok_status ffn_backward(job_env *env, const ffn_set *s, const void *x, co
   for (size_t w = 0; w < s->n_w; w++) {
     const ffn_group *g = &s->groups[w];
     size_t r0 = g->row0, k = g->rows;
-    jobs[n++] = (gemm_job){H, I, k, dy + r0 * H, NULL, 1, H, hm + r0 * I, NULL, I,
+    jobs[n++] = (gemm_job){H, I, k, DO + r0 * H, NULL, 1, H, hm + r0 * I, NULL, I,
                            dWd + w * H * I, I};
     jobs[n++] = (gemm_job){I, H, k, dg + r0 * I, NULL, 1, I, X + r0 * H, NULL, H,
                            dWg + w * I * H, H};

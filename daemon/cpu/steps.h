@@ -43,7 +43,6 @@ enum scratch_id {
   SCR_H,
   SCR_DG,
   SCR_DU,
-  SCR_DY,
   SCR_OUT1,
   SCR_OUT2,
   SCR_OUT3,

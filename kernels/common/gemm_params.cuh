@@ -7,10 +7,10 @@
  *
  *   GATE_UP    rows x N=I,  K=H   A routed_x (K-major), B W_g|W_u (K-major)  -> g, u, h
  *   DOWN       rows x N=H,  K=I   A h,                  B W_d (K-major)      -> y
- *   DOWN_DGRAD rows x N=I,  K=H   A routed_d_out,       B W_d (N-major)      -> dg|du, h, d_rw partials
+ *   DOWN_DGRAD rows x N=I,  K=H   A routed_d_out,       B W_d (N-major)      -> dg|du, rw h, d_rw partials
  *   GU_DGRAD   rows x N=H,  K=2I  A dg|du,              B W_g;W_u (N-major)  -> routed_d_x
- *   WGRAD      M x N per group, K = the group's rows; A dy or dg|du (M-major),
- *              B h or x (N-major)                                            -> d_W[e]
+ *   WGRAD      M x N per group, K = the group's rows; A d_out or dg|du (M-major),
+ *              B rw h or x (N-major)                                         -> d_W[e]
  */
 #ifndef MOK_COMMON_GEMM_PARAMS_CUH
 #define MOK_COMMON_GEMM_PARAMS_CUH

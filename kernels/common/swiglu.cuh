@@ -42,7 +42,9 @@ __device__ static inline void swiglu_forward(float acc_g, float acc_u, int has_l
 /* Backward, one element: saved g, u (pre-clamp), a = d_out W_d (f32) and
  * the router weight w -> h rounded to bf16 (the d_rw term is a * h), dg
  * and du (f32; the caller rounds them when storing). The clamp passes no
- * gradient where it cut. */
+ * gradient where it cut. The h the down dgrad stores for the down weight
+ * gradient is swiglu_h_weighted(h, w): rw folded in there, so that the
+ * weight gradient reads routed d_out as it is (no scaled copy). */
 typedef struct swiglu_grad {
   float h, dg, du;
 } swiglu_grad;
@@ -66,5 +68,9 @@ __device__ static inline swiglu_grad swiglu_backward(float g, float u, float a, 
   r.du = pass_u ? __fmul_rn(dh, silu) : 0.0f;
   return r;
 }
+
+/* h~ = w h (f32; the caller rounds it to bf16 when storing): the down
+ * weight gradient's operand, d_W_d = sum_r d_out_r^T h~_r (docs/math.md) */
+__device__ static inline float swiglu_h_weighted(float h, float w) { return __fmul_rn(w, h); }
 
 #endif /* MOK_COMMON_SWIGLU_CUH */

@@ -56,7 +56,7 @@ struct DgradOut {
   const float *rw;        /* router weight per slot (NULL: 1) */
   int n_slots;
   bf16 *dgu;              /* [rows][2N]: dg | du */
-  bf16 *h;                /* [rows][N] */
+  bf16 *h;                /* [rows][N]: rw h, the down weight gradient's operand */
   float *partial;         /* [rows][n_partial] (NULL: none) */
   int n_partial;
   int N;
@@ -274,7 +274,8 @@ public:
           bf16 *dgu = o.dgu + grow * (2LL * o.N);
           store_bf16x2(dgu + n, dg[0], dg[1]);
           store_bf16x2(dgu + o.N + n, du[0], du[1]);
-          store_bf16x2(o.h + grow * o.N + n, hv[0], hv[1]);
+          store_bf16x2(o.h + grow * o.N + n, swiglu_h_weighted(hv[0], w[i]),
+                       swiglu_h_weighted(hv[1], w[i]));
         }
         /* every lane reaches the shuffles (skipped columns add nothing) */
         rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));

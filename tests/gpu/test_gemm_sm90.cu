@@ -1018,7 +1018,7 @@ static size_t dev_ndiff(const uint16_t *a, const uint16_t *b, size_t n) {
 }
 
 /* One weight gradient on the new kernel alone, from the operands a
- * backward left in the workspace: which 0 the down one (dy^T h), 1 the
+ * backward left in the workspace: which 0 the down one (d_out^T rw h), 1 the
  * gate/up one (dgu^T x). */
 static void wgrad_run(const layer *L, const bwd_bufs *b, int which) {
   const mok_k_dims *d = &L->d;
@@ -1026,7 +1026,7 @@ static void wgrad_run(const layer *L, const bwd_bufs *b, int which) {
   const char *ws = (const char *)L->ws;
   const int n = d->I, R = (int)L->R;
   if (which == 0)
-    MOK_CHECK(mok_k_sm90_wgrad(d, L->sched, d->E_loc, R, d->H, n, (const uint16_t *)(ws + WL.dy),
+    MOK_CHECK(mok_k_sm90_wgrad(d, L->sched, d->E_loc, R, d->H, n, b->rdout,
                                (const uint16_t *)(ws + WL.h), b->dwd, NULL, d->H, n,
                                (long long)d->H * n, NULL, L->status, 0));
   else

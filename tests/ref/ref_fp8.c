@@ -241,10 +241,10 @@ static double ffn8_backward_add(const ffn8 *f, const double *xrow, const double 
   quantize_row(du, n, qu, su);
   for (int j = 0; j < H; j++) /* one sum over the blocks of [dg | du] */
     dx_acc[j] += ref_fp8_bf16(fp8_dot(qg, sg, &f->g, j, 1) + fp8_dot(qu, su, &f->u, j, 1));
-  for (int j = 0; j < H; j++) {
-    double dy = ref_fp8_bf16(rw * dout[j]);
-    for (int i = 0; i < n; i++) dwd[(size_t)j * n + i] += dy * h[i];
-  }
+  /* d_w_down from d_out and h~ = bf16(rw h), as the bf16 layer's recipe */
+  for (int i = 0; i < n; i++) h[i] = ref_fp8_bf16(rw * h[i]);
+  for (int j = 0; j < H; j++)
+    for (int i = 0; i < n; i++) dwd[(size_t)j * n + i] += dout[j] * h[i];
   for (int i = 0; i < n; i++)
     for (int c = 0; c < H; c++) {
       dwg[(size_t)i * H + c] += dg[i] * xrow[c];

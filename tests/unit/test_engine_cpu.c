@@ -1032,10 +1032,11 @@ static float emu_backward_row(const emu *m, const float *xr, const float *dor, f
       acc = acc + (dg[i] * wg[(size_t)i * s->H + j] + du[i] * wu[(size_t)i * s->H + j]);
     dx_row[j] = emu_rnd(m, acc);
   }
-  for (int j = 0; j < s->H; j++) {
-    float dy = shared ? dor[j] : emu_rnd(m, rw * dor[j]);
-    for (int i = 0; i < n; i++) dwd[(size_t)j * n + i] = dwd[(size_t)j * n + i] + dy * h[i];
-  }
+  /* d_w_down = sum over rows of d_out * h~, h~ = rnd(rw h) (h itself for the shared expert) */
+  for (int i = 0; i < n; i++)
+    if (!shared) h[i] = emu_rnd(m, rw * h[i]);
+  for (int j = 0; j < s->H; j++)
+    for (int i = 0; i < n; i++) dwd[(size_t)j * n + i] = dwd[(size_t)j * n + i] + dor[j] * h[i];
   for (int i = 0; i < n; i++)
     for (int j = 0; j < s->H; j++) {
       dwg[(size_t)i * s->H + j] = dwg[(size_t)i * s->H + j] + dg[i] * xr[j];
