@@ -16,7 +16,6 @@ using mok_cg::bfloat16_t;
 
 template <class Epi, class Tile, class Cluster, bool PingPong> struct DgradConfig {
   using Epilogue = Epi;
-  using ClusterShape = Cluster;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bfloat16_t, cutlass::layout::RowMajor *, 8,
@@ -104,46 +103,19 @@ template <class C> int run(const mok_gemm_params &p, int ctas, cudaStream_t stre
                              2 * Epi::SN, Epi::BM, 64);
   if (st != MOK_OK) return st;
 
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.hw_info = mok_cg::hw_info<C>();
-  if (ctas > 0) { /* tests: fewer persistent CTAs, in whole clusters */
-    const int cs = (int)cute::size(typename C::ClusterShape{});
-    const int clusters = (ctas + cs - 1) / cs;
-    args.hw_info.sm_count = clusters * cs;
-    args.hw_info.max_active_clusters = clusters;
-  }
   const size_t ab = args_bytes<C>(n);
-  const size_t ws = [&] {
-    typename Gemm::Arguments probe = args;
-    probe.problem_shape = {n, nullptr, nullptr};
-    probe.epilogue = epi;
-    return Gemm::get_workspace_size(probe);
-  }();
+  size_t ws = 0;
+  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
   void *mem = nullptr;
-  cudaError_t ce = cudaMallocAsync(&mem, ab + ws, stream);
-  if (ce != cudaSuccess) {
-    mok_k_set_cuda_error((int)ce);
-    return MOK_EENGINE;
-  }
+  st = mok_cg::alloc_launch(&mem, ab + ws, stream);
+  if (st != MOK_OK) return st;
   const Args<C> a = args_at<C>(mem, n);
   dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
   epi.out.first = a.first;
   args.problem_shape = {n, a.shape, nullptr};
   args.mainloop = {a.a, a.sa, a.b, a.sb};
   args.epilogue = epi;
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) st = MOK_EINVAL;
-  if (st == MOK_OK && gemm.initialize(args, (char *)mem + ab, stream) != cutlass::Status::kSuccess)
-    st = MOK_EENGINE;
-  if (st == MOK_OK && gemm.run(stream) != cutlass::Status::kSuccess) st = MOK_EENGINE;
-  ce = cudaFreeAsync(mem, stream);
-  if (st == MOK_OK && ce != cudaSuccess) {
-    mok_k_set_cuda_error((int)ce);
-    st = MOK_EENGINE;
-  }
-  if (st == MOK_OK) st = mok_k_launch_status();
-  return st;
+  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
 }
 
 } // namespace mok_cg_dgrad

@@ -180,6 +180,56 @@ template <class C> inline cutlass::KernelHardwareInfo hw_info() {
   return info;
 }
 
+/* The grouped GEMM's arguments for n groups on `ctas` persistent CTAs (0:
+ * every SM; tests: fewer, in whole clusters), and the bytes of CUTLASS's
+ * workspace for them (the groups' pointers are known before the allocation
+ * only as an offset: sized from arguments of the same shape). */
+template <class C>
+typename C::Gemm::Arguments grouped_args(int ctas, int n, size_t *workspace_bytes) {
+  using Gemm = typename C::Gemm;
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.hw_info = hw_info<C>();
+  if (ctas > 0) {
+    const int cs = (int)cute::size(typename C::Kernel::ClusterShape{});
+    const int clusters = (ctas + cs - 1) / cs;
+    args.hw_info.sm_count = clusters * cs;
+    args.hw_info.max_active_clusters = clusters;
+  }
+  typename Gemm::Arguments probe = args;
+  probe.problem_shape = {n, nullptr, nullptr};
+  *workspace_bytes = Gemm::get_workspace_size(probe);
+  return args;
+}
+
+/* One stream-ordered allocation for a launch's groups and workspace.
+ * Returns a mok_status. */
+inline int alloc_launch(void **mem, size_t bytes, cudaStream_t stream) {
+  const cudaError_t ce = cudaMallocAsync(mem, bytes, stream);
+  if (ce == cudaSuccess) return MOK_OK;
+  mok_k_set_cuda_error((int)ce);
+  return MOK_EENGINE;
+}
+
+/* The GEMM on args, CUTLASS's workspace at mem + ab; then mem is freed
+ * (stream-ordered) whatever happened. Returns a mok_status. */
+template <class Gemm>
+int run_and_free(const typename Gemm::Arguments &args, void *mem, size_t ab, cudaStream_t stream) {
+  Gemm gemm;
+  int st = MOK_OK;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) st = MOK_EINVAL;
+  if (st == MOK_OK && gemm.initialize(args, (char *)mem + ab, stream) != cutlass::Status::kSuccess)
+    st = MOK_EENGINE;
+  if (st == MOK_OK && gemm.run(stream) != cutlass::Status::kSuccess) st = MOK_EENGINE;
+  const cudaError_t ce = cudaFreeAsync(mem, stream);
+  if (st == MOK_OK && ce != cudaSuccess) {
+    mok_k_set_cuda_error((int)ce);
+    st = MOK_EENGINE;
+  }
+  if (st == MOK_OK) st = mok_k_launch_status();
+  return st;
+}
+
 /* One product on configuration C (WGRAD: a weight gradient in `halves`
  * output halves; else DOWN) on `ctas` persistent CTAs (0: every SM): the
  * groups' arguments and CUTLASS's workspace in one stream-ordered
@@ -190,28 +240,11 @@ int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
   const int n = p.groups * (Wgrad ? halves : 1);
   if (n <= 0) return MOK_OK;
   const size_t ab = args_bytes<C>(n);
+  size_t ws = 0;
+  typename Gemm::Arguments args = grouped_args<C>(ctas, n, &ws);
   void *mem = nullptr;
-  /* the arguments' pointers are known before the allocation only as an
-   * offset: size CUTLASS's workspace from arguments of the same shape */
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.hw_info = hw_info<C>();
-  if (ctas > 0) { /* tests: fewer persistent CTAs, in whole clusters */
-    const int cs = (int)cute::size(typename C::Kernel::ClusterShape{});
-    const int clusters = (ctas + cs - 1) / cs;
-    args.hw_info.sm_count = clusters * cs;
-    args.hw_info.max_active_clusters = clusters;
-  }
-  const size_t ws = [&] {
-    typename Gemm::Arguments probe = args;
-    probe.problem_shape = {n, nullptr, nullptr};
-    return Gemm::get_workspace_size(probe);
-  }();
-  cudaError_t ce = cudaMallocAsync(&mem, ab + ws, stream);
-  if (ce != cudaSuccess) {
-    mok_k_set_cuda_error((int)ce);
-    return MOK_EENGINE;
-  }
+  const int st = alloc_launch(&mem, ab + ws, stream);
+  if (st != MOK_OK) return st;
   const Args<C> a = args_at<C>(mem, n);
   const int threads = 128, blocks = (n + threads - 1) / threads;
   if constexpr (Wgrad)
@@ -226,19 +259,7 @@ int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = a.d;
   args.epilogue.dD = a.sd;
-  Gemm gemm;
-  int st = MOK_OK;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) st = MOK_EINVAL;
-  if (st == MOK_OK && gemm.initialize(args, (char *)mem + ab, stream) != cutlass::Status::kSuccess)
-    st = MOK_EENGINE;
-  if (st == MOK_OK && gemm.run(stream) != cutlass::Status::kSuccess) st = MOK_EENGINE;
-  ce = cudaFreeAsync(mem, stream);
-  if (st == MOK_OK && ce != cudaSuccess) {
-    mok_k_set_cuda_error((int)ce);
-    st = MOK_EENGINE;
-  }
-  if (st == MOK_OK) st = mok_k_launch_status();
-  return st;
+  return run_and_free<Gemm>(args, mem, ab, stream);
 }
 
 } // namespace mok_cg

@@ -192,19 +192,18 @@ __global__ static void wgrad_zero(const mok_gemm_params p) {
 int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t stream) {
   if (!mok__cg_takes(mode, p)) return MOK_EUNSUPPORTED;
 #ifdef MOK_HAVE_CUTLASS
-  switch (cg_row_of(mode, p)->config) {
+  const int config = cg_row_of(mode, p)->config;
+  switch (config) {
   case CG_DOWN_COOP_128x256_C2:
   case CG_DOWN_PP_128x128_C2:
     if (p->offsets) down_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(*p);
-    return cg_row_of(mode, p)->config == CG_DOWN_PP_128x128_C2
-               ? mok__cg_down_pp_128x128_c2(p, ctas, stream)
-               : mok__cg_down_coop_128x256_c2(p, ctas, stream);
+    return config == CG_DOWN_PP_128x128_C2 ? mok__cg_down_pp_128x128_c2(p, ctas, stream)
+                                           : mok__cg_down_coop_128x256_c2(p, ctas, stream);
   case CG_DGRAD_COOP_128x256_C2:
   case CG_DGRAD_PP_128x128_C2:
     if (p->offsets) dgrad_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(*p);
-    return cg_row_of(mode, p)->config == CG_DGRAD_PP_128x128_C2
-               ? mok__cg_down_dgrad_pp_128x128_c2(p, ctas, stream)
-               : mok__cg_down_dgrad_coop_128x256_c2(p, ctas, stream);
+    return config == CG_DGRAD_PP_128x128_C2 ? mok__cg_down_dgrad_pp_128x128_c2(p, ctas, stream)
+                                            : mok__cg_down_dgrad_coop_128x256_c2(p, ctas, stream);
   case CG_WGRAD_COOP_128x256:
     wgrad_zero<<<dim3(32, p->groups), 256, 0, stream>>>(*p);
     return mok__cg_wgrad_coop_128x256(p, p->C1 && p->c_split < p->M ? 2 : 1, ctas, stream);
