@@ -946,7 +946,14 @@ static void test_watchdog(mok_client *c, cudaStream_t st) {
   CK(cudaStreamSynchronize(st));
   double t0 = now_s();
   for (int i = 0; i < 6; i++) MK(mok_backward_on_stream(D.l, (uint32_t)s.T, 0, &ba, st, &tq[i]));
-  usleep(20000);
+  /* mokd watches the oldest running job only: for its first job-timeout-ms
+   * each queued job is not yet overdue. A fixed sleep could land there (a
+   * job boundary; it did, one run in several, where a backward took 10 ms);
+   * half a job past the first one's end lands in the second, long overdue. */
+  EXPECT(mok_wait(c, tq[0], 60000) == MOK_OK, "watchdog: first queued backward: %s",
+         mok_last_error());
+  const double one_job = now_s() - t0;
+  usleep((useconds_t)(one_job / 2 * 1e6));
   MK(mok_forward_on_stream(D.l, (uint32_t)s.T, &fa, st, &tlate));
   int r = mok_wait(c, tlate, 60000);
   double t_late = now_s() - t0;
@@ -957,8 +964,8 @@ static void test_watchdog(mok_client *c, cudaStream_t st) {
   EXPECT(r == MOK_EBUSY && strstr(mok_last_error(), "job-timeout-ms"),
          "a job behind an overdue one gave %s: %s", mok_status_name(r), mok_last_error());
   EXPECT(queued_done < 6, "the failed job did not fail fast: the queue had drained");
-  int ok = 0;
-  for (int i = 0; i < 6; i++) ok += mok_wait(c, tq[i], 60000) == MOK_OK;
+  int ok = 1; /* the first, waited for above */
+  for (int i = 1; i < 6; i++) ok += mok_wait(c, tq[i], 60000) == MOK_OK;
   EXPECT(ok == 6, "the jobs queued before the overdue one ran: %d of 6 passed", ok);
   CK(cudaStreamSynchronize(st)); /* the failed job's done value released the stream */
   printf("  queued jobs passed: %d of 6; client stream released after %.3f s\n", ok,
