@@ -5,6 +5,7 @@
     python3 tests/bench/peer_sonic.py --out FILE.json [--mok NAME=SOCKET ...]
         [--only SHAPES] [--T 2048,8192] [--routing balanced,skewed]
         [--reps 10] [--warmup 3] [--deadline SECONDS] [--sonic-tune narrow|full]
+        [--start idle|queued|idle,queued]
         [--kernels FILE]
 
 SonicMoE (`pip install sonic-moe`; Dao-AILab, QuACK's CuTe DSL GEMMs) is the
@@ -17,7 +18,10 @@ on that routing (its router metadata, then its up and down projections, as
 its moe_TC_softmax_topk_layer does after the top-k). Per rep every path runs
 one forward and one backward, timed by CUDA events, the paths' order rotating
 from rep to rep; the median of the reps after the warm-up is reported, as
-TFLOP/s by 6*T*K*H*I forward and twice that backward. Each path's out and
+TFLOP/s by 6*T*K*H*I forward and twice that backward. --start queued puts
+about 3 ms of GPU work ahead of each forward (as a training step's earlier
+layers do), so the forward's time is the GPU time it adds; idle (the default)
+starts it on an idle GPU, where the time to submit it counts too. Each path's out and
 d_x are checked against the first path's (max|a-b| / max|b| under 2e-2: both
 round to bf16 at different points) and must be finite.
 
@@ -113,13 +117,17 @@ class MokPath:
         return self.m(x, ids, rw)
 
 
-def run_once(path, x, ids, rw, d_out):
-    """One forward and one backward, each timed by events; (fwd ms, bwd ms, out, d_x)."""
+def run_once(path, x, ids, rw, d_out, ahead=None):
+    """One forward and one backward, each timed by events; (fwd ms, bwd ms, out, d_x).
+    ahead: a function that queues GPU work before the forward's first event (the
+    "queued" start), else the forward starts on an idle GPU."""
     for p in path.params():
         p.grad = None
     xx = x.detach().requires_grad_(True)
     rr = rw.detach().requires_grad_(True)
     e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    if ahead:
+        ahead()
     e[0].record()
     out = path(xx, ids, rr)
     e[1].record()
@@ -156,7 +164,21 @@ def profile_kernels(paths, x, ids, rw, d_out, out_file):
             print("  %9.1f us  %s" % (r["us"], r["kernel"][:150]))
 
 
-def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, kernels=""):
+def queue_ahead(dev):
+    """GPU work to queue before a path's forward (the "queued" start): two 8192^3 bf16
+    products, about 3 ms on an H200, longer than any path's host-side submission, as
+    when a training step's earlier layers keep the GPU busy. The forward's time is then
+    the GPU time it adds; on an idle GPU it also holds the host's time to start it."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def ahead():
+        a @ a
+        a @ a
+    return ahead
+
+
+def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, kernels="",
+               start="idle"):
     _, E, H, I, K = SHAPE[name]
     E_loc = E // EP
     dev = "cuda"
@@ -176,6 +198,7 @@ def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, 
     if sonic_parts:
         paths.append(("sonic", SonicPath(sonic_parts, w_gate, w_up, w_down)))
     del w_gate, w_up, w_down
+    ahead = queue_ahead(dev) if start == "queued" else None
     times = {p: ([], []) for p, _ in paths}
     outs = {}
     t_first = {}
@@ -183,7 +206,7 @@ def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, 
         order = paths[r % len(paths):] + paths[:r % len(paths)]
         for pname, path in order:
             t0 = time.time()
-            f, b, out, dx = run_once(path, x, ids, rw, d_out)
+            f, b, out, dx = run_once(path, x, ids, rw, d_out, ahead)
             if pname not in t_first:
                 t_first[pname] = time.time() - t0
             if r >= warmup:
@@ -194,7 +217,7 @@ def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, 
     if kernels:
         profile_kernels(paths, x, ids, rw, d_out, kernels)
     fl = 6.0 * T * K * H * I
-    res = {"shape": name, "T": T, "routing": routing, "E_loc": E_loc, "H": H, "I": I, "K": K,
+    res = {"shape": name, "T": T, "routing": routing, "start": start, "E_loc": E_loc, "H": H, "I": I, "K": K,
            "hottest_over_mean": float(torch.bincount(ids.flatten().long(), minlength=E_loc).max()
                                       * E_loc / (T * K)),
            "paths": {}}
@@ -207,6 +230,8 @@ def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, 
         e_dx = rel(dx, outs[ref_name][1])
         res["paths"][pname] = {
             "fwd_ms": fm, "bwd_ms": bm, "fwd_tflops": fl / fm / 1e9, "bwd_tflops": 2 * fl / bm / 1e9,
+            # rep by rep (after the warm-up): a GPU that heats up under the load shows here
+            "fwd_ms_reps": times[pname][0], "bwd_ms_reps": times[pname][1],
             "first_call_s": t_first[pname], "finite": finite,
             "rel_out_vs_" + ref_name: e_out, "rel_dx_vs_" + ref_name: e_dx,
             "ok": finite and e_out < 2e-2 and e_dx < 2e-2}
@@ -222,7 +247,7 @@ def table(results, sonic_note):
         for p in r["paths"]:
             if p not in names:
                 names.append(p)
-    hdr = "%-16s %5s %-8s" % ("shape", "T", "routing")
+    hdr = "%-16s %5s %-8s %-6s" % ("shape", "T", "routing", "start")
     for p in names:
         hdr += " | %-10s fwd / bwd TF/s" % p[:10]
     mok_names = [p for p in names if p != "sonic"]
@@ -232,7 +257,7 @@ def table(results, sonic_note):
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for r in results:
-        row = "%-16s %5d %-8s" % (r["shape"], r["T"], r["routing"])
+        row = "%-16s %5d %-8s %-6s" % (r["shape"], r["T"], r["routing"], r.get("start", "idle"))
         for p in names:
             v = r["paths"].get(p)
             row += " | %10s %6.1f / %6.1f%s" % ("", v["fwd_tflops"], v["bwd_tflops"],
@@ -245,7 +270,9 @@ def table(results, sonic_note):
                     if v else " | %22s" % "-"
         lines.append(row)
     lines.append("ratio = SonicMoE ms / mok ms (above 1: mok faster); '!' = a check failed; "
-                 "TFLOP/s by 6*T*K*H*I forward, twice that backward; " + sonic_note)
+                 "TFLOP/s by 6*T*K*H*I forward, twice that backward; start idle: each forward on "
+                 "an idle GPU (its host-side start counts), queued: behind ~3 ms of GPU work; " +
+                 sonic_note)
     return "\n".join(lines)
 
 
@@ -261,6 +288,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deadline", type=float, default=0, help="seconds; 0: none")
+    ap.add_argument("--start", default="idle",
+                    help="idle,queued: each forward on an idle GPU, or behind queued GPU work")
     ap.add_argument("--sonic-tune", choices=("narrow", "full"), default="narrow")
     ap.add_argument("--no-sonic", action="store_true")
     ap.add_argument("--kernels", default="",
@@ -283,15 +312,19 @@ def main():
     ts = [int(t) for t in a.T.split(",") if t]
     routings = [r for r in a.routing.split(",") if r]
     only = set(s for s in a.only.split(",") if s)
-    todo = [(n, T, r) for T in ts for r in routings for n, *_ in SHAPES if not only or n in only]
+    starts = [v for v in a.start.split(",") if v]
+    if not starts or set(starts) - {"idle", "queued"}:
+        ap.error("--start idle, queued or idle,queued")
+    todo = [(n, T, r, st) for T in ts for r in routings for n, *_ in SHAPES if not only or n in only
+            for st in starts]
     t0 = time.time()
     results = []
-    for n, T, r in todo:
+    for n, T, r, st in todo:
         if a.deadline and time.time() - t0 > a.deadline:
-            print("deadline: %s T=%d %s and after left out" % (n, T, r), flush=True)
+            print("deadline: %s T=%d %s %s and after left out" % (n, T, r, st), flush=True)
             break
         res = run_config(n, T, r, spec, sonic_parts, a.reps, a.warmup,
-                         kernels=a.kernels if not results else "")
+                         kernels=a.kernels if not results else "", start=st)
         results.append(res)
         print(json.dumps(res), flush=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sonic": note,
@@ -299,10 +332,10 @@ def main():
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(table(results, note))
-    bad = [(r["shape"], r["T"], r["routing"], p) for r in results for p, v in r["paths"].items()
-           if not v["ok"]]
+    bad = [(r["shape"], r["T"], r["routing"], r["start"], p) for r in results
+           for p, v in r["paths"].items() if not v["ok"]]
     for b in bad:
-        print("check failed: %s T=%d %s on %s" % b)
+        print("check failed: %s T=%d %s (%s start) on %s" % b)
     return 1 if bad or not results else 0
 
 
