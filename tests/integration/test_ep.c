@@ -29,6 +29,7 @@
 #include "harness/check.h"
 #include "ep/group.h"
 #include "harness/daemon.h"
+#include "internal.h"
 #include "mok.h"
 #include "ref64.h"
 
@@ -1085,13 +1086,27 @@ typedef struct refusal_result {
   int a, b, c;
 } refusal_result;
 
-/* b_sent: shared between the ranks' processes; rank 0 sets it once its job
- * b is sent, and rank 1 sends its job a a while after that, so rank 0's job
- * a still waits at its barrier when its daemon takes b, however long each
- * rank's set-up took */
+/* Shared between the ranks' processes: rank 0 sets b_sent once its job b
+ * is sent, rank 1 sets a1_sent once its job a is. */
+typedef struct {
+  int b_sent, a1_sent;
+} refusal_flags;
+
+#ifdef MOK_HAVE_CUDA
+/* On rank 0's stream before its job a: a's client fence opens 200 ms after
+ * rank 1 sent its a, so a is in flight (held for the uid) until then, and
+ * its daemon takes b meanwhile, whenever a's turn in the group began. */
+static void CUDART_CB hold_until_peer_sent(void *arg) {
+  refusal_flags *f = arg;
+  double t0 = now_s();
+  while (!__atomic_load_n(&f->a1_sent, __ATOMIC_ACQUIRE) && now_s() - t0 < 20.0) usleep(1000);
+  usleep(200000);
+}
+#endif
+
 static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_id,
                          const problem *p, uint32_t rank, refusal_result *res,
-                         volatile int *b_sent) {
+                         refusal_flags *flags) {
   mok_client *c;
   mok_layer *l = rank_layer(sock, "refusal", key, nccl_id, p, rank, &c, NULL);
   uint32_t dt = p->dtype, T = p->T[rank], El = E_ / p->W;
@@ -1109,25 +1124,51 @@ static void refusal_rank(const char *sock, const char *key, const uint8_t *nccl_
   mok_forward_args fa = {.x = X, .w_gate = WG, .w_up = WU, .w_down = WD, .s_gate = SG,
                          .s_up = SU, .s_down = SD, .topk_ids = ID, .router_weights = RW,
                          .out = OUT};
-  /* rank 0: job a is taken and waits at its barrier for rank 1 (which
-   * waits for b_sent), so job b finds one job of the uid in flight and is
-   * refused */
+  /* rank 0: job a waits for its client fence, which opens well after rank
+   * 1 sent its a (a's group turn can start no sooner); so job b, sent just
+   * after a, finds one job of the uid in flight whenever it is taken, and
+   * is refused. Timing alone was not enough: with b sent before rank 1's a
+   * and a plain a, rank 0's short a could end before its daemon took b
+   * (1 run in 3; with 250 ms more for rank 1, 1 in 6). */
   if (rank == 1) {
     double t0 = now_s();
-    while (!__atomic_load_n(b_sent, __ATOMIC_ACQUIRE) && now_s() - t0 < 20.0) usleep(1000);
-    CHECK_MSG(__atomic_load_n(b_sent, __ATOMIC_ACQUIRE), "rank 0 never sent its job b");
-    /* sent is not taken: rank 0's daemon takes b from its ring within
-     * microseconds while a still waits for this rank; our job a sent at
-     * once could let rank 0's a finish first (seen: 1 run in 3) */
-    usleep(250000);
+    while (!__atomic_load_n(&flags->b_sent, __ATOMIC_ACQUIRE) && now_s() - t0 < 20.0)
+      usleep(1000);
+    CHECK_MSG(__atomic_load_n(&flags->b_sent, __ATOMIC_ACQUIRE), "rank 0 never sent its job b");
   }
   uint64_t ta, tb, tc;
-  CHECK_MSG(mok_forward(l, T, &fa, &ta) == MOK_OK, "%s", mok_last_error());
-  if (rank == 0) usleep(150000); /* job a taken by the engine before b comes */
+#ifdef MOK_HAVE_CUDA
+  cudaStream_t st = NULL;
+  if (rank == 0) {
+    CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess);
+    CHECK(cudaLaunchHostFunc(st, hold_until_peer_sent, flags) == cudaSuccess);
+    CHECK_MSG(mok_forward_on_stream(l, T, &fa, st, &ta) == MOK_OK, "%s", mok_last_error());
+  } else
+#endif
+    CHECK_MSG(mok_forward(l, T, &fa, &ta) == MOK_OK, "%s", mok_last_error());
+  if (rank == 1) __atomic_store_n(&flags->a1_sent, 1, __ATOMIC_RELEASE);
+  if (rank == 0) {
+    /* b only once a is taken: a job in the ring counts against the uid as
+     * well, so b queued before a's take would have a refused instead */
+    const mok_shm_header *h = c->shm;
+    const uint32_t tail = atomic_load_explicit(&h->sq_tail.value, memory_order_acquire);
+    double t0 = now_s();
+    while ((int32_t)(atomic_load_explicit(&h->sq_head.value, memory_order_acquire) - tail) < 0 &&
+           now_s() - t0 < 20.0)
+      usleep(1000);
+    CHECK_MSG(atomic_load_explicit(&h->sq_head.value, memory_order_acquire) == tail,
+              "rank 0's daemon did not take job a from its ring");
+  }
   CHECK_MSG(mok_forward(l, T, &fa, &tb) == MOK_OK, "%s", mok_last_error());
-  if (rank == 0) __atomic_store_n(b_sent, 1, __ATOMIC_RELEASE);
+  if (rank == 0) __atomic_store_n(&flags->b_sent, 1, __ATOMIC_RELEASE);
   res->a = mok_wait(c, ta, 20000);
   res->b = mok_wait(c, tb, 20000);
+#ifdef MOK_HAVE_CUDA
+  if (st) {
+    CHECK(cudaStreamSynchronize(st) == cudaSuccess);
+    cudaStreamDestroy(st);
+  }
+#endif
   CHECK_MSG(mok_forward(l, T, &fa, &tc) == MOK_OK, "%s", mok_last_error());
   res->c = mok_wait(c, tc, 20000);
   mok_close(c);
@@ -1152,20 +1193,20 @@ static void test_refused_job_fails_every_rank_at_once(void) {
   char key[96];
   unique_key(key, sizeof key, "refusal");
   const uint8_t *id = nccl_id_for(d[0].sock, key);
-  /* the two ranks' results, then rank 0's b_sent */
-  const size_t shared_bytes = 2 * sizeof(refusal_result) + sizeof(int);
+  /* the two ranks' results, then their flags */
+  const size_t shared_bytes = 2 * sizeof(refusal_result) + sizeof(refusal_flags);
   refusal_result *res = mmap(NULL, shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                              -1, 0);
   CHECK(res != MAP_FAILED);
   memset(res, 0, shared_bytes);
-  volatile int *b_sent = (volatile int *)(res + 2);
+  refusal_flags *flags = (refusal_flags *)(res + 2);
   double t0 = now_s();
   pid_t pids[2];
   for (uint32_t r = 0; r < 2; r++) {
     pids[r] = fork();
     CHECK(pids[r] >= 0);
     if (pids[r] == 0) {
-      refusal_rank(d[r].sock, key, id, p, r, &res[r], b_sent);
+      refusal_rank(d[r].sock, key, id, p, r, &res[r], flags);
       _exit(0);
     }
   }
