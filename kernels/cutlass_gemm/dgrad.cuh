@@ -31,7 +31,8 @@ template <class Epi, class Tile, class Cluster, bool PingPong> struct DgradConfi
   using StrideB = typename Kernel::InternalStrideB;
 };
 
-/* The groups' arguments in device memory, one block per launch. */
+/* The groups' arguments in device memory, one block per launch (laid out
+ * as grouped.cuh's), with each group's first row for the epilogue. */
 template <class C> struct Args {
   typename C::Shape3 *shape;
   const bfloat16_t **a;
@@ -39,34 +40,18 @@ template <class C> struct Args {
   typename C::StrideA *sa;
   typename C::StrideB *sb;
   int *first;
+
+  static Args carve(mok_cg::GroupArrays &g) {
+    Args r;
+    r.shape = g.take<typename C::Shape3>();
+    r.a = g.take<const bfloat16_t *>();
+    r.b = g.take<const bfloat16_t *>();
+    r.sa = g.take<typename C::StrideA>();
+    r.sb = g.take<typename C::StrideB>();
+    r.first = g.take<int>();
+    return r;
+  }
 };
-
-inline size_t up256(size_t v) { return (v + 255) & ~(size_t)255; }
-
-template <class C> size_t args_bytes(int groups) {
-  const size_t g = (size_t)groups;
-  return up256(g * sizeof(typename C::Shape3)) + 2 * up256(g * sizeof(void *)) +
-         up256(g * sizeof(typename C::StrideA)) + up256(g * sizeof(typename C::StrideB)) +
-         up256(g * sizeof(int));
-}
-
-template <class C> Args<C> args_at(void *mem, int groups) {
-  const size_t g = (size_t)groups;
-  char *p = (char *)mem;
-  Args<C> a;
-  a.shape = (typename C::Shape3 *)p;
-  p += up256(g * sizeof(typename C::Shape3));
-  a.a = (const bfloat16_t **)p;
-  p += up256(g * sizeof(void *));
-  a.b = (const bfloat16_t **)p;
-  p += up256(g * sizeof(void *));
-  a.sa = (typename C::StrideA *)p;
-  p += up256(g * sizeof(typename C::StrideA));
-  a.sb = (typename C::StrideB *)p;
-  p += up256(g * sizeof(typename C::StrideB));
-  a.first = (int *)p;
-  return a;
-}
 
 /* Group e: a[rows of e] [count, N] = d_out[rows] [count, H] W_d[e] ([H, N]);
  * a failed job's groups have no rows. */
@@ -103,13 +88,13 @@ template <class C> int run(const mok_gemm_params &p, int ctas, cudaStream_t stre
                              2 * Epi::SN, Epi::BM, 64);
   if (st != MOK_OK) return st;
 
-  const size_t ab = args_bytes<C>(n);
+  const size_t ab = mok_cg::group_args_bytes<Args<C>>(n);
   size_t ws = 0;
   typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
   void *mem = nullptr;
   st = mok_cg::alloc_launch(&mem, ab + ws, stream);
   if (st != MOK_OK) return st;
-  const Args<C> a = args_at<C>(mem, n);
+  const Args<C> a = mok_cg::group_args_at<Args<C>>(mem, n);
   dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
   epi.out.first = a.first;
   args.problem_shape = {n, a.shape, nullptr};

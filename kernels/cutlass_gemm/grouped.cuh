@@ -87,6 +87,38 @@ template <class S> __host__ __device__ inline S ld_stride(int64_t ld) {
   return s;
 }
 
+/* Per-group arrays carved from one block of device memory, in the order
+ * they are taken, each at a 256-byte boundary; over a null block it only
+ * measures. Every launch's arguments (Args here, dgrad.cuh's) are laid out
+ * by one of these, so bytes and addresses cannot disagree. */
+class GroupArrays {
+public:
+  GroupArrays(void *mem, int groups) : base_((uintptr_t)mem), groups_((size_t)groups) {}
+  template <class T> T *take() {
+    T *p = reinterpret_cast<T *>(base_ + used_);
+    used_ += (groups_ * sizeof(T) + 255) & ~(size_t)255;
+    return p;
+  }
+  size_t bytes() const { return used_; }
+
+private:
+  uintptr_t base_;
+  size_t groups_;
+  size_t used_ = 0;
+};
+
+/* A launch's argument arrays (A: a struct with static A carve(GroupArrays &)). */
+template <class A> inline size_t group_args_bytes(int groups) {
+  GroupArrays g(nullptr, groups);
+  (void)A::carve(g);
+  return g.bytes();
+}
+
+template <class A> inline A group_args_at(void *mem, int groups) {
+  GroupArrays g(mem, groups);
+  return A::carve(g);
+}
+
 /* The groups' arguments in device memory, one block per launch. */
 template <class C> struct Args {
   typename C::Shape3 *shape;
@@ -96,36 +128,19 @@ template <class C> struct Args {
   typename C::StrideA *sa;
   typename C::StrideB *sb;
   typename C::StrideD *sd;
+
+  static Args carve(GroupArrays &g) {
+    Args r;
+    r.shape = g.take<typename C::Shape3>();
+    r.a = g.take<const bfloat16_t *>();
+    r.b = g.take<const bfloat16_t *>();
+    r.d = g.take<bfloat16_t *>();
+    r.sa = g.take<typename C::StrideA>();
+    r.sb = g.take<typename C::StrideB>();
+    r.sd = g.take<typename C::StrideD>();
+    return r;
+  }
 };
-
-template <class C> inline size_t args_bytes(int groups) {
-  const size_t g = (size_t)groups;
-  auto up = [](size_t v) { return (v + 255) & ~(size_t)255; };
-  return up(g * sizeof(typename C::Shape3)) + 3 * up(g * sizeof(void *)) +
-         up(g * sizeof(typename C::StrideA)) + up(g * sizeof(typename C::StrideB)) +
-         up(g * sizeof(typename C::StrideD));
-}
-
-template <class C> inline Args<C> args_at(void *mem, int groups) {
-  const size_t g = (size_t)groups;
-  auto up = [](size_t v) { return (v + 255) & ~(size_t)255; };
-  char *p = (char *)mem;
-  Args<C> a;
-  a.shape = (typename C::Shape3 *)p;
-  p += up(g * sizeof(typename C::Shape3));
-  a.a = (const bfloat16_t **)p;
-  p += up(g * sizeof(void *));
-  a.b = (const bfloat16_t **)p;
-  p += up(g * sizeof(void *));
-  a.d = (bfloat16_t **)p;
-  p += up(g * sizeof(void *));
-  a.sa = (typename C::StrideA *)p;
-  p += up(g * sizeof(typename C::StrideA));
-  a.sb = (typename C::StrideB *)p;
-  p += up(g * sizeof(typename C::StrideB));
-  a.sd = (typename C::StrideD *)p;
-  return a;
-}
 
 /* DOWN: group e is y[rows] [count, H] = h[rows] [count, I] W_d[e]^T. */
 template <class C> __global__ void down_args(const mok_gemm_params p, Args<C> a) {
@@ -239,13 +254,13 @@ int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
   using Gemm = typename C::Gemm;
   const int n = p.groups * (Wgrad ? halves : 1);
   if (n <= 0) return MOK_OK;
-  const size_t ab = args_bytes<C>(n);
+  const size_t ab = group_args_bytes<Args<C>>(n);
   size_t ws = 0;
   typename Gemm::Arguments args = grouped_args<C>(ctas, n, &ws);
   void *mem = nullptr;
   const int st = alloc_launch(&mem, ab + ws, stream);
   if (st != MOK_OK) return st;
-  const Args<C> a = args_at<C>(mem, n);
+  const Args<C> a = group_args_at<Args<C>>(mem, n);
   const int threads = 128, blocks = (n + threads - 1) / threads;
   if constexpr (Wgrad)
     wgrad_args<C><<<blocks, threads, 0, stream>>>(p, a, halves);
