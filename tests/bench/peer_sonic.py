@@ -21,8 +21,8 @@ from rep to rep; the median of the reps after the warm-up is reported, as
 TFLOP/s by 6*T*K*H*I forward and twice that backward. --start queued puts
 about 3 ms of GPU work ahead of each forward (as a training step's earlier
 layers do), so the forward's time is the GPU time it adds; idle (the default)
-starts it on an idle GPU, where the time to submit it counts too. Each path's out and
-d_x are checked against the first path's (max|a-b| / max|b| under 2e-2: both
+starts it on an idle GPU, where the time to submit it counts too. Each
+path's out and d_x are checked against the first path's (max|a-b| / max|b| under 2e-2: both
 round to bf16 at different points) and must be finite.
 
 SonicMoE autotunes each GEMM at its first use of a shape (minutes; QuACK
@@ -217,7 +217,8 @@ def run_config(name, T, routing, paths_spec, sonic_parts, reps, warmup, seed=0, 
     if kernels:
         profile_kernels(paths, x, ids, rw, d_out, kernels)
     fl = 6.0 * T * K * H * I
-    res = {"shape": name, "T": T, "routing": routing, "start": start, "E_loc": E_loc, "H": H, "I": I, "K": K,
+    res = {"shape": name, "T": T, "routing": routing, "start": start, "E_loc": E_loc, "H": H,
+           "I": I, "K": K,
            "hottest_over_mean": float(torch.bincount(ids.flatten().long(), minlength=E_loc).max()
                                       * E_loc / (T * K)),
            "paths": {}}
@@ -257,7 +258,7 @@ def table(results, sonic_note):
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for r in results:
-        row = "%-16s %5d %-8s %-6s" % (r["shape"], r["T"], r["routing"], r.get("start", "idle"))
+        row = "%-16s %5d %-8s %-6s" % (r["shape"], r["T"], r["routing"], r["start"])
         for p in names:
             v = r["paths"].get(p)
             row += " | %10s %6.1f / %6.1f%s" % ("", v["fwd_tflops"], v["bwd_tflops"],
