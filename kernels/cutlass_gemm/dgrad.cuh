@@ -58,13 +58,7 @@ template <class C> struct Args {
 template <class C> __global__ void dgrad_args(const mok_gemm_params p, Args<C> a) {
   const bool failed = job_failed(p.status);
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
-    const mok__cg_rows r = mok__cg_group_rows(p, e, p.M);
-    a.shape[e] = typename C::Shape3(failed ? 0 : r.count, p.N, p.K);
-    a.a[e] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda);
-    a.b[e] = (const bfloat16_t *)(p.B0 + (long long)e * p.b_expert_stride);
-    a.sa[e] = mok_cg::ld_stride<typename C::StrideA>(p.lda);
-    a.sb[e] = mok_cg::ld_stride<typename C::StrideB>(p.ldb);
-    a.first[e] = r.first;
+    a.first[e] = mok_cg::row_group_args<C>(p, e, failed, a).first;
   }
 }
 

@@ -142,17 +142,27 @@ template <class C> struct Args {
   }
 };
 
+/* Group e of a row-mode product (DOWN, the down dgrad): its shape (no
+ * rows when the job failed), the A rows and B weights it reads and their
+ * strides, into a launch's arrays (an Args with shape, a, b, sa, sb).
+ * Returns the group's rows. */
+template <class C, class A>
+__device__ inline mok__cg_rows row_group_args(const mok_gemm_params &p, int e, bool failed, A &a) {
+  const mok__cg_rows r = mok__cg_group_rows(p, e, p.M);
+  a.shape[e] = typename C::Shape3(failed ? 0 : r.count, p.N, p.K);
+  a.a[e] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda);
+  a.b[e] = (const bfloat16_t *)(p.B0 + (long long)e * p.b_expert_stride);
+  a.sa[e] = ld_stride<typename C::StrideA>(p.lda);
+  a.sb[e] = ld_stride<typename C::StrideB>(p.ldb);
+  return r;
+}
+
 /* DOWN: group e is y[rows] [count, H] = h[rows] [count, I] W_d[e]^T. */
 template <class C> __global__ void down_args(const mok_gemm_params p, Args<C> a) {
   const bool failed = job_failed(p.status);
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
-    const mok__cg_rows r = mok__cg_group_rows(p, e, p.M);
-    a.shape[e] = typename C::Shape3(failed ? 0 : r.count, p.N, p.K);
-    a.a[e] = (const bfloat16_t *)(p.A + (long long)r.first * p.lda);
-    a.b[e] = (const bfloat16_t *)(p.B0 + (long long)e * p.b_expert_stride);
+    const mok__cg_rows r = row_group_args<C>(p, e, failed, a);
     a.d[e] = (bfloat16_t *)(p.C0 + (long long)r.first * p.ldc);
-    a.sa[e] = ld_stride<typename C::StrideA>(p.lda);
-    a.sb[e] = ld_stride<typename C::StrideB>(p.ldb);
     a.sd[e] = ld_stride<typename C::StrideD>(p.ldc);
   }
 }
