@@ -732,6 +732,36 @@ extern "C" int mok_k_expert_forward(const mok_k_dims *d, const int32_t *schedule
   return mok_k_down(d, schedule, h, w_down, routed_y, status, stream);
 }
 
+extern "C" int mok_k_expert_forward_gathering(const mok_k_dims *d, const int32_t *schedule,
+                                              const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+                                              const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+                                              const mok_k_bf16 *w_down, mok_k_bf16 *acts_g,
+                                              mok_k_bf16 *acts_u, mok_k_bf16 *routed_y,
+                                              void *workspace, int32_t *status,
+                                              mok_k_stream stream) {
+  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || (d->T > 0 && !x) ||
+      !routed_x || !w_gate || !w_up || !acts_g || !acts_u || !workspace ||
+      !all_aligned(x, routed_x, w_gate, w_up, acts_g, acts_u) || !mok_k_aligned16(workspace))
+    return MOK_EINVAL;
+  mok_k_bf16 *h = (mok_k_bf16 *)((char *)workspace + mok_k_ws_layout(d).h);
+  gemm_params p = gemm_gate_up(d, schedule, (int)mok_k_rows_capacity(d), d->I,
+                               (const bf16 *)routed_x, (const bf16 *)w_gate, (const bf16 *)w_up,
+                               (bf16 *)acts_g, (bf16 *)acts_u, (bf16 *)h, status);
+  p.a_x = (const bf16 *)x;
+  p.a_k = d->K;
+  int st;
+  if (on_sm90() && mok__sm90_gathers(MOK_GM_GATE_UP, &p)) {
+    st = mok_k_sm90_run(MOK_GM_GATE_UP, &p, stream);
+  } else { /* the routed copy, then the product on it */
+    st = mok_k_gather_rows(d, schedule, x, routed_x, status, stream);
+    if (st == MOK_OK)
+      st = mok_k_gate_up_swiglu(d, schedule, routed_x, w_gate, w_up, acts_g, acts_u, h, status,
+                                stream);
+  }
+  if (st != MOK_OK) return st;
+  return mok_k_down(d, schedule, h, w_down, routed_y, status, stream);
+}
+
 extern "C" int mok_k_shared_forward(const mok_k_dims *d, const mok_k_bf16 *x,
                                     const mok_k_bf16 *s_gate, const mok_k_bf16 *s_up,
                                     const mok_k_bf16 *s_down, mok_k_bf16 *acts_gs,

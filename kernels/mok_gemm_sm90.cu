@@ -47,6 +47,10 @@
  * depend on the grid size, the tile order or the variant, and a row's
  * result depends only on its own input row.
  *
+ * GATE_UP in the cluster variant can read A's rows from x itself (the
+ * producer gathers them with cp.async; mok_k_sm90_set_gather_a, off by
+ * default: measured slower than the routed copy, kernels/PERF.md).
+ *
  * Bench knobs (mok_k_sm90_set_tuning; defaults measured best or equal, see
  * kernels/PERF.md v1): a pipelined consumer loop (one wgmma batch in
  * flight; forward only, not clustered), banded tile order, L2 eviction
@@ -704,8 +708,10 @@ template <int CL> __device__ static inline void s9_release(uint32_t bar, bool le
 /* The consumer warpgroup's k loop over one tile. PIPE = 1 keeps one wgmma
  * batch in flight and releases the previous stage once it is known
  * complete; PIPE = 0 waits for each batch. s, ph: the ring position.
- * kv: valid k rows of the last block (WGRAD; 64 when whole). */
-template <int MODE, int PIPE, int CL>
+ * kv: valid k rows of the last block (WGRAD; 64 when whole). GATHER: A was
+ * written by the producers' cp.async (generic proxy), so each thread
+ * fences before its wgmmas (async proxy) read the stage. */
+template <int MODE, int PIPE, int CL, int GATHER = 0>
 __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128], uint32_t base,
                                           uint32_t bars, int cw, int nk, int kv, int &s, int &ph) {
   constexpr int TA = S9_TA(MODE), TB = S9_TB(MODE), NST = S9_NST(MODE);
@@ -721,6 +727,7 @@ __device__ static inline void s9_mma_loop(const s9_params &p, float (&acc)[128],
   for (int i = 0; i < 128; i++) acc[i] = 0.0f;
   for (int kb = 0; kb < nk; kb++) {
     mbar_wait(bars + 8 * s, ph);
+    if (GATHER) fence_proxy_async_smem();
     const uint32_t sa = base + s * S9_STAGE_BYTES;
     if (MODE == MOK_GM_WGRAD && kv < S9_BK && kb == nk - 1) s9_zero_tail(sa, cw, kv);
     const uint64_t da = TA ? wgmma_desc_mn128(sa + cw * S9_SLAB)
@@ -814,9 +821,81 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
   if (MODE == MOK_GM_WGRAD && (threadIdx.x & 127) == 0) bulk_wait0(); /* before the CTA's smem goes */
 }
 
+/* GATE_UP in 2-CTA clusters with A's rows gathered by the producer
+ * (p.a_x): all 128 producer threads copy the stage's 128 rows x 64
+ * columns of A from x with cp.async, 16 bytes a copy, into the layout a
+ * TMA box with the 128-byte swizzle gives (row r at 128 r, its 16-byte
+ * chunk c at (c ^ (r & 7)) 16), each thread announcing its copies on the
+ * stage's full barrier when they land (noinc: the barrier expects 1 + 128
+ * arrivals); thread 0 also loads the B tile by TMA as s9_produce_pairs does.
+ * Thread t copies chunk t % 8 of rows t / 8 + 16 i (i < 8), so it looks up
+ * its rows' tokens once a unit, in the schedule's validated row -> slot map.
+ * Rows past the block's real rows, slots out of range and columns past K
+ * get zeros, as in the routed copy the TMA path reads. */
+__device__ static void s9_produce_pairs_gather(const s9_params &p, const s9_sched &sc,
+                                               const CUtensorMap *mb0, const CUtensorMap *mb1,
+                                               uint32_t base, uint32_t bars, int rank) {
+  const int units = s9_cluster_units<2>(p), clusters = gridDim.x / 2;
+  const uint64_t pb = l2_policy(p.pol_b);
+  const int nk = s9_full_nk<MOK_GM_GATE_UP>(p);
+  const int t = (int)threadIdx.x, c = t & 7, r0 = t >> 3;
+  const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
+  const int vecs = p.K / 8; /* 16-byte vectors a row of x (the launcher checks K % 8) */
+  const uint4 *x = (const uint4 *)p.a_x;
+  int s = 0, ph = 0;
+  for (int q = blockIdx.x / 2; q < units; q += clusters) {
+    const s9_pair pr = s9_locate_pair(p, sc, q, rank);
+    if (pr.skip) continue; /* the others skip it too */
+    const s9_tile &tl = pr.mine;
+    int tok[8]; /* the x row of each of this thread's rows; -1: zeros */
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const int r = tl.row0 + r0 + 16 * i;
+      const int slot = tl.in_use && r < tl.used_end ? __ldg(p.row_slot + r) : -1;
+      tok[i] = slot >= 0 && slot < p.n_slots ? slot / p.a_k : -1;
+    }
+    for (int kb = 0; kb < nk; kb++) {
+      const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
+      const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
+      mbar_wait(empty, ph ^ 1);
+      if (t == 0) {
+        if (!tl.in_use) { /* nothing to compute: the consumers only follow the ring */
+          mbar_arrive_if(full, true);
+        } else {
+          mbar_arrive_expect_tx(full, S9_B_BYTES);
+          /* multicast: own half of B to both CTAs, the peer sends the other */
+          const int h0 = pr.multicast ? rank : 0, h1 = pr.multicast ? rank + 1 : 2;
+          for (int h = h0; h < h1; h++) {
+            const CUtensorMap *m = h ? mb1 : mb0;
+            if (pr.multicast)
+              tma_load_3d_mc(sb + h * S9_HALF_B, m, kb * S9_BK, tl.n0, tl.e, full, 3, pb);
+            else
+              tma_load_3d_hint(sb + h * S9_HALF_B, m, kb * S9_BK, tl.n0, tl.e, full, pb);
+          }
+        }
+      }
+      if (tl.in_use) {
+        const int v = kb * (S9_BK / 8) + c;
+        const bool col = v < vecs;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          const bool real = col && tok[i] >= 0;
+          cp_async16_zfill(sa + dst0 + 2048u * i, real ? x + (size_t)tok[i] * vecs + v : x,
+                           real ? 16u : 0u);
+        }
+      }
+      cp_async_mbar_arrive_noinc(full);
+      if (++s == S9_STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+  }
+}
+
 /* The cluster variants' consumers: the producer's units, the full k loop
  * each (math only where this CTA's block has rows). */
-template <int MODE, int PIPE, int CN>
+template <int MODE, int PIPE, int CN, int GATHER = 0>
 __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, uint32_t base,
                                         uint32_t bars, int rank) {
   const int cw = threadIdx.x / 128 - 1;
@@ -835,7 +914,7 @@ __device__ static void s9_consume_pairs(const s9_params &p, const s9_sched &sc, 
     }
     const bool have = tl.in_use && tl.used_end > tl.row0;
     if (have && tl.row0 + 64 * cw < tl.used_end)
-      s9_mma_loop<MODE, PIPE, CN>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
+      s9_mma_loop<MODE, PIPE, CN, GATHER>(p, acc, base, bars, cw, nk, S9_BK, s, ph);
     else
       s9_skip_loop<CN>(bars, nk, s, ph);
     if (!tl.skip) s9_epilogue<MODE>(p, tl, acc, cw, have);
@@ -954,7 +1033,7 @@ __device__ static inline s9_sched s9_cluster_sched(const s9_params &p, int32_t *
  * decision from rank 0's reading: the job's status word and the schedule's
  * offsets and counts (copied into shared memory, the others copy rank 0's
  * table). */
-template <int MODE, int PIPE, int CN>
+template <int MODE, int PIPE, int CN, int GATHER = 0>
 __global__ void __launch_bounds__(S9_THREADS, 1)
     s9_gemm_pairs_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_a2,
@@ -968,7 +1047,7 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   const int rank = (int)cluster_ctarank();
   if (threadIdx.x == 0) {
     for (int i = 0; i < S9_STAGES; i++) {
-      mbar_init(bars + 8 * i, 1);
+      mbar_init(bars + 8 * i, GATHER ? 1 + 128 : 1); /* GATHER: every producer thread's copies */
       mbar_init(bars + 8 * (S9_STAGES + i), CN * S9_CONSUMER_WARPS); /* every CTA's warps */
     }
     mbar_fence_init();
@@ -976,7 +1055,16 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
   }
   const s9_sched sc = s9_cluster_sched(p, table, &s_failed, rank);
   if (s_failed) return; /* the same value in every CTA */
-  if (threadIdx.x < 128) {
+  static_assert(!GATHER || (MODE == MOK_GM_GATE_UP && CN == 2 && PIPE == 0),
+                "the gathering producer: GATE_UP in 2-CTA clusters");
+  if (GATHER && threadIdx.x < 128) {
+    regs_dec<56>(); /* the row lookups stay in registers (the consumers keep 224) */
+    if (threadIdx.x == 0) {
+      tma_prefetch_map(&map_b0);
+      tma_prefetch_map(&map_b1);
+    }
+    s9_produce_pairs_gather(p, sc, &map_b0, &map_b1, base, bars, rank);
+  } else if (threadIdx.x < 128) {
     regs_dec<40>();
     if (threadIdx.x == 0) {
       tma_prefetch_map(&map_a);
@@ -988,8 +1076,11 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
       s9_gather_beside<4>(p);
     }
   } else {
-    regs_inc<232>();
-    s9_consume_pairs<MODE, PIPE, CN>(p, sc, base, bars, rank);
+    if (GATHER)
+      regs_inc<224>();
+    else
+      regs_inc<232>();
+    s9_consume_pairs<MODE, PIPE, CN, GATHER>(p, sc, base, bars, rank);
   }
   /* no CTA leaves while another may still write into its shared memory or
    * arrive on its barriers */
@@ -1386,7 +1477,7 @@ static int s9_query_clusters(const void *k, int n) {
 }
 
 extern "C" int mok_k_sm90_init(void) {
-  const void *k[19] = {(const void *)s9_gemm_pp_kernel<1>,
+  const void *k[20] = {(const void *)s9_gemm_pp_kernel<1>,
                        (const void *)s9_gemm_pp_kernel<2>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 4>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 0, 4>,
@@ -1404,9 +1495,10 @@ extern "C" int mok_k_sm90_init(void) {
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 1, 2>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_DOWN, 1, 2>,
                        (const void *)s9_gemm_pairs_kernel<MOK_GM_GU_DGRAD, 1, 2>,
+                       (const void *)s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2, 1>,
                        NULL};
   int st = MOK_OK;
-  for (int i = 0; i < 19 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
+  for (int i = 0; i < 20 && k[i] && st == MOK_OK; i++) st = s9_set_smem(k[i]);
   if (st == MOK_OK) st = mok__sm90_fp8_init();
   if (st == MOK_OK) st = mok__cg_init();
   if (st != MOK_OK) return st;
@@ -1539,10 +1631,13 @@ static int s9_launch(const s9_params &p, const CUtensorMap &a, const CUtensorMap
     s9_pairs_config(&cfg, &attr, q, stream);
     constexpr int PM = S9_PAIRS_MODE(MODE) ? MODE : MOK_GM_GATE_UP;
     /* s9_pipe: one wgmma batch kept in flight in the pairs' k loops (a bench knob) */
+    /* q.a_x: GATE_UP's rows gathered by the producer (mok__sm90_gathers) */
     const cudaError_t err =
-        q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 4>, a, a2, b0, b1, q)
-        : s9_pipe      ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 1, 2>, a, a2, b0, b1, q)
-                       : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 2>, a, a2, b0, b1, q);
+        q.a_x ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<MOK_GM_GATE_UP, 0, 2, 1>, a, a2, b0,
+                                   b1, q)
+        : q.cluster == 4 ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 4>, a, a2, b0, b1, q)
+        : s9_pipe        ? cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 1, 2>, a, a2, b0, b1, q)
+                         : cudaLaunchKernelEx(&cfg, s9_gemm_pairs_kernel<PM, 0, 2>, a, a2, b0, b1, q);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       mok_k_set_cuda_error((int)err);
@@ -1586,9 +1681,27 @@ int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p) {
   return s9_variant == MOK_K_SM90_CUTLASS && mok__cg_takes(mode, p);
 }
 
+/* GATE_UP's rows gathered by the producer: when switched on
+ * (mok_k_sm90_set_gather_a; off by default: kernels/PERF.md measured it
+ * slower than the routed copy), on the 2-CTA cluster kernel (not quads,
+ * not the pipelined bench knob) on a schedule, rows of whole 16-byte
+ * vectors from 16-byte aligned x. */
+static int s9_gather_a = 0;
+
+extern "C" void mok_k_sm90_set_gather_a(int on) { s9_gather_a = on ? 1 : 0; }
+
+int mok__sm90_gathers(int mode, const mok_gemm_params *p) {
+  s9_params q = *p;
+  q.n_tiles = (p->N + S9_BN / 2 - 1) / (S9_BN / 2);
+  return s9_gather_a && mode == MOK_GM_GATE_UP && p->offsets && p->row_slot && p->a_x &&
+         p->a_k > 0 && p->K % 8 == 0 && mok_k_aligned16(p->a_x) && !s9_pipe &&
+         s9_use_pairs(mode, q) && !s9_use_quads(mode, q);
+}
+
 int mok_k_sm90_run(int mode, const mok_gemm_params *prod, cudaStream_t stream) {
   if (prod->M <= 0 || prod->N <= 0 || prod->groups <= 0) return MOK_OK;
   if (mok__sm90_on_cutlass(mode, prod)) return mok__cg_run(mode, prod, s9_grid_override, stream);
+  if (prod->a_x && !mok__sm90_gathers(mode, prod)) return MOK_EINVAL; /* the caller gathers first */
   s9_params p = *prod;
   p.order = s9_variant == MOK_K_SM90_EXPERT ? MOK_ORDER_EXPERT : MOK_ORDER_ROWS;
   p.band = mode == MOK_GM_WGRAD ? 0 : s9_band;

@@ -140,6 +140,13 @@ int mok_k_sm90_cutlass_choice_parse(const char *name); /* "table", "every", "eve
  * (1, the default) or on plain CTAs (0). Results do not depend on it. */
 void mok_k_sm90_set_pp_pairs(int on);
 
+/* Tests and bench: mok_k_expert_forward_gathering's gate/up product
+ * gathers x's rows in its producer (1) where the 2-CTA cluster kernel runs
+ * it, or reads a routed copy gather_rows wrote first (0, the default: the
+ * gathering producer measured slower, kernels/PERF.md). Results do not
+ * depend on it. */
+void mok_k_sm90_set_gather_a(int on);
+
 /* Tests: persistent CTAs per launch (0: one per SM; the cluster variant
  * rounds up to whole clusters). Results must not depend on it. */
 void mok_k_sm90_set_grid(int ctas);

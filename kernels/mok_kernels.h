@@ -268,6 +268,18 @@ int mok_k_expert_forward(const mok_k_dims *d, const int32_t *schedule, const mok
                          mok_k_bf16 *routed_y, void *workspace, int32_t *status,
                          mok_k_stream stream);
 
+/* expert_forward from x [T,H] itself: gather_rows fills routed_x [R,H]
+ * first, or, where the Hopper kernels are set to (mok_gemm_sm90.h,
+ * mok_k_sm90_set_gather_a), the gate/up product's producer reads each routed
+ * row from x through the schedule and routed_x is not written. Outputs
+ * bitwise equal to gather_rows then expert_forward. */
+int mok_k_expert_forward_gathering(const mok_k_dims *d, const int32_t *schedule,
+                                   const mok_k_bf16 *x, mok_k_bf16 *routed_x,
+                                   const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+                                   const mok_k_bf16 *w_down, mok_k_bf16 *acts_g,
+                                   mok_k_bf16 *acts_u, mok_k_bf16 *routed_y, void *workspace,
+                                   int32_t *status, mok_k_stream stream);
+
 /* shared_forward: the shared expert on x [T,H] with s_gate, s_up [I_s,H],
  * s_down [H,I_s]: acts_gs/acts_us [T,I_s] (pre-clamp g, u), shared_y [T,H].
  * Nothing to do (MOK_OK) when I_s = 0. */

@@ -69,6 +69,12 @@ typedef struct mok_gemm_params {
   __nv_bfloat16 *gather_dst;
   const int32_t *gather_row_slot;
   int gather_row0, gather_rows, gather_vecs, gather_k, gather_slots;
+  /* GATE_UP with the rows gathered by the GEMM's producer (a_x != NULL;
+   * only where mok__sm90_gathers says so): row r of A is
+   * a_x[row_slot[r] / a_k], zeros where the slot is not in [0, n_slots),
+   * as gather_rows would write it; A is then never read. */
+  const __nv_bfloat16 *a_x;
+  int a_k;
   /* the Hopper kernel's tiling and knobs (its launcher fills these) */
   int tile_n, m_tiles, n_tiles;
   int order, band;  /* tile order (mok_tile_order) and its band */
@@ -86,5 +92,8 @@ int mok_k_sm90_run(int mode, const mok_gemm_params *p, cudaStream_t stream);
  * cutlass variant and kernels/cutlass_gemm/'s launch table), whose kernels
  * carry no gather beside them. */
 int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p);
+/* 1 when mok_k_sm90_run runs this product (GATE_UP) with its rows gathered
+ * by the producer (p->a_x): the 2-CTA cluster kernel on a schedule. */
+int mok__sm90_gathers(int mode, const mok_gemm_params *p);
 
 #endif /* MOK_COMMON_GEMM_PARAMS_CUH */

@@ -248,6 +248,20 @@ __device__ static inline void fence_proxy_async_smem(void) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros (no
+ * byte is read, but src must still be a mapped address). */
+__device__ static inline void cp_async16_zfill(uint32_t dst, const void *src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+/* One arrival on bar once every cp.async this thread issued before has
+ * landed; noinc: the arrival is one of the barrier's expected count. */
+__device__ static inline void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 __device__ static inline void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }

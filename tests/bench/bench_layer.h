@@ -3,7 +3,10 @@
  * called directly on one stream, as the engine chains it,
  *   forward:  schedule_build, gather_rows(x), expert_forward, shared_forward, combine
  *   backward: gather_rows(d_out), expert_backward, shared_backward, dispatch_backward
- * with its buffers, the random fill both bench programs use, the job
+ * (gathering: as mokd chains it, the forward's expert_forward_gathering with
+ * the gate/up producer gathering x's rows (mok_k_sm90_set_gather_a) and the
+ * backward's expert_backward_gathering copying them again beside its
+ * products) with its buffers, the random fill both bench programs use, the job
  * status word and the hashes that check results bitwise. Used by mok_bench
  * (the in-process bench) and by mok_bench_daemon --inproc-ab (the same
  * chain next to the same layer through mokd). Included by one .cu file of
@@ -92,6 +95,7 @@ typedef struct layer {
   float *ts, *rs;
   void *ws8;
   int fp8; /* the enqueue functions run the fp8 layer */
+  int gathering; /* mokd's chain: no routed x kept from the forward (above) */
 } layer;
 
 /* Inputs the layer reads from somewhere else (layer_alloc neither allocates
@@ -275,10 +279,17 @@ static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
     if (ev) CUDA_CHECK(cudaEventRecord(ev[5], st));
     return;
   }
-  MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x[s], L->routed_x, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
-  MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
-                                 L->acts_u, L->routed_y, L->ws, L->status, st));
+  if (!L->gathering) {
+    MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x[s], L->routed_x, L->status, st));
+    if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+    MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
+                                   L->acts_u, L->routed_y, L->ws, L->status, st));
+  } else { /* the gather is part of expert_forward: an empty "gather" step */
+    if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+    MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x[s], L->routed_x, L->wg, L->wu,
+                                             L->wd, L->acts_g, L->acts_u, L->routed_y, L->ws,
+                                             L->status, st));
+  }
   if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
   MOK_CHECK(mok_k_shared_forward(d, L->x[s], L->sg, L->su, L->sd, L->acts_gs, L->acts_us,
                                  L->shared_y, L->ws, L->status, st));
@@ -321,9 +332,15 @@ static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) 
   if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
   MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
-  MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
-                                  L->routed_d_out, L->rw[s], L->wg, L->wu, L->wd, L->routed_d_x,
-                                  L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, st));
+  if (!L->gathering)
+    MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
+                                    L->routed_d_out, L->rw[s], L->wg, L->wu, L->wd, L->routed_d_x,
+                                    L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, st));
+  else
+    MOK_CHECK(mok_k_expert_backward_gathering(d, L->sched, L->acts_g, L->acts_u, L->x[s],
+                                              L->routed_x, L->routed_d_out, L->rw[s], L->wg,
+                                              L->wu, L->wd, L->routed_d_x, L->d_rw, L->dwg,
+                                              L->dwu, L->dwd, L->ws, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
   MOK_CHECK(mok_k_shared_backward(d, L->x[s], L->d_out[s], L->acts_gs, L->acts_us, L->sg, L->su,
                                   L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws, L->status,

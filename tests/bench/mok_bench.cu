@@ -23,7 +23,9 @@
  * baseline) it runs the layer as the engine chains it:
  *   forward:  schedule_build, gather_rows(x), expert_forward, shared_forward, combine
  *   backward: gather_rows(d_out), expert_backward, shared_backward, dispatch_backward
- * with CUDA events around the chain and between its steps (median of --reps
+ * (a path named NAME-gx: mokd's chain, bench_layer.h "gathering", with the
+ * gate/up producer gathering x's rows) with CUDA events around the chain and
+ * between its steps (median of --reps
  * after --warmup, rotating two input sets: x, routing, rw, d_out). Each
  * backward run follows an untimed forward of the same set.
  * TFLOP/s by the benchmark's formula: forward 6*(T + T*K)*H*I, backward twice.
@@ -77,6 +79,8 @@ typedef struct bench_path {
   int backend, variant, pp_pairs, pipe;
   int cg_choice; /* what the cutlass variant runs on CUTLASS (mok_k_sm90_set_cutlass_choice) */
   int fp8; /* the fp8 layer (docs/math.md "FP8") on the init's bf16 kernels */
+  int gathering; /* NAME-gx: mokd's chain, the gate/up producer gathering x (bench_layer.h) */
+  char label[32]; /* the name as given */
 } bench_path;
 
 static int g_band; /* --band */
@@ -85,6 +89,8 @@ static layer *g_layer; /* run_config's, for select_path's fp8 switch */
 
 static int select_path(const bench_path *bp) {
   if (g_layer) g_layer->fp8 = bp->fp8;
+  if (g_layer) g_layer->gathering = bp->gathering;
+  mok_k_sm90_set_gather_a(bp->gathering);
   if (bp->fp8 && !(g_layer && g_layer->ws8)) return 0;
   if (mok_k_set_gemm_backend(bp->backend) != bp->backend) return 0;
   mok_k_sm90_set_pp_pairs(bp->pp_pairs);
@@ -226,6 +232,8 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     mok_k_sm90_set_tuning(0, g_band, 0, 0);
   }
   L.fp8 = 0;
+  L.gathering = 0;
+  mok_k_sm90_set_gather_a(0);
   g_layer = NULL;
   free(col);
   free(tf);
@@ -326,7 +334,7 @@ static void usage(const char *a0) {
   fprintf(stderr,
           "usage: %s [--out FILE.json] [--routing-dir DIR] [--T 2048,8192] [--reps N] "
           "[--warmup N] [--deadline S] [--only NAME[,NAME]] "
-          "[--variants rows,expert,cluster,pingpong,pingpong-plain,pingpong-pipe,quad,cutlass,cutlass-every,cutlass-every-pp,hmma] "
+          "[--variants rows,expert,cluster,pingpong,pingpong-plain,pingpong-pipe,quad,cutlass,cutlass-every,cutlass-every-pp,hmma][-gx] "
           "[--routing balanced|skewed|both] [--memory own|pool|ipc|ipc-touched|vmm|vmm-ipc] [--pool-gib N] "
           "[--band N]\n",
           a0);
@@ -382,6 +390,11 @@ int main(int argc, char **argv) {
     const size_t len = strcspn(at, ",");
     char one[32];
     snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), at);
+    char label[32];
+    snprintf(label, sizeof label, "%s", one);
+    const size_t ol = strlen(one);
+    const int gx = ol > 3 && !strcmp(one + ol - 3, "-gx");
+    if (gx) one[ol - 3] = '\0';
     /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs;
      * pingpong-pipe: with one wgmma batch kept in flight in the k loops */
     const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
@@ -407,6 +420,11 @@ int main(int argc, char **argv) {
                : cg_wg ? "cutlass-every"
                : sv >= 0 ? mok_k_sm90_variant_name(sv)
                          : "hmma";
+    bp->gathering = gx;
+    if (gx) {
+      snprintf(bp->label, sizeof bp->label, "%s", label);
+      bp->name = bp->label;
+    }
     bp->pp_pairs = !plain;
     bp->pipe = piped;
     bp->cg_choice = cg_pp   ? MOK_K_CUTLASS_EVERY_PP

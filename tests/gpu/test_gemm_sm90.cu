@@ -429,6 +429,79 @@ static void test_variants_fwd(const char *name, layer *L, const outs &o, const o
   }
 }
 
+/* The forward from x (mok_k_expert_forward_gathering): on the cluster
+ * variants the gate/up producer gathers the rows itself and the routed_x
+ * scratch is never read, elsewhere gather_rows fills it first. The scratch
+ * starts as NaN, every variant at grids 132/7/1 and mma.sync: g, u and y
+ * bitwise equal to the routed path's (o). */
+static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
+  const mok_k_dims *d = &L->d;
+  mok_k_sm90_set_gather_a(1);
+  const size_t RH = (size_t)L->R * d->H;
+  uint16_t *scratch = (uint16_t *)dmalloc(RH * 2 + 16);
+  const int grids[3] = {0, 7, 1};
+  int gathered = 0, runs = 0;
+  for (int v = -1; v < MOK_K_SM90_VARIANTS; v++) /* -1: mma.sync */
+    for (int gi = 0; gi < (v < 0 ? 1 : 3); gi++) {
+      set_hmma(v < 0);
+      if (v >= 0) set_variant(v);
+      mok_k_sm90_set_grid(grids[gi]);
+      poison(L);
+      CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
+      MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd,
+                                               L->g, L->u, L->y, L->ws, L->status, 0));
+      CUDA_CHECK(cudaDeviceSynchronize());
+      mok_k_sm90_set_grid(0);
+      set_variant(MOK_K_SM90_ROWS);
+      set_hmma(false);
+      int32_t st = -1;
+      CUDA_CHECK(cudaMemcpy(&st, L->status, 4, cudaMemcpyDeviceToHost));
+      const outs ov = snap(L);
+      size_t nd = 0;
+      for (size_t i = 0; i < o.g.size(); i++) nd += (ov.g[i] != o.g[i]) + (ov.u[i] != o.u[i]);
+      for (size_t i = 0; i < o.y.size(); i++) nd += ov.y[i] != o.y[i];
+      const std::vector<uint16_t> sc = down16(scratch, RH);
+      size_t untouched = 0;
+      for (size_t i = 0; i < sc.size(); i++) untouched += sc[i] == 0xffff;
+      const bool in_producer = RH > 0 && untouched == RH;
+      gathered += in_producer;
+      runs++;
+      EXPECT(st == 0 && nd == 0,
+             "%s: forward from x, %s, grid %d: status %d, %zu elements of g, u, y differ from the "
+             "routed path",
+             name, v < 0 ? "mma.sync" : mok_k_sm90_variant_name(v), grids[gi], st, nd);
+      /* the pair variants gather in the producer (T > 0); rows, expert and
+       * mma.sync copy first; quad does either (it runs pairs when its
+       * column tiles do not pair up) */
+      const bool pairs = v == MOK_K_SM90_CLUSTER || v == MOK_K_SM90_PINGPONG ||
+                         v == MOK_K_SM90_CUTLASS;
+      EXPECT(d->T == 0 || mok_k_sm90_pair_clusters() == 0 || v == MOK_K_SM90_QUAD ||
+                 in_producer == pairs,
+             "%s: forward from x, %s: routed_x %s", name,
+             v < 0 ? "mma.sync" : mok_k_sm90_variant_name(v),
+             in_producer ? "untouched where a copy was due" : "written by a gathering producer");
+    }
+  mok_k_sm90_set_gather_a(0);
+  /* off (the default): every variant copies first */
+  set_variant(MOK_K_SM90_PINGPONG);
+  poison(L);
+  CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
+  MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd, L->g,
+                                           L->u, L->y, L->ws, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  set_variant(MOK_K_SM90_ROWS);
+  const std::vector<uint16_t> sc = down16(scratch, RH), xr = down16(L->rx, RH);
+  const outs ov = snap(L);
+  EXPECT(sc == xr && ov.g == o.g && ov.u == o.u && ov.y == o.y,
+         "%s: forward from x, gathering off: routed_x or the outputs differ from gather_rows and "
+         "the routed path",
+         name);
+  printf("    forward from x: %d runs bitwise equal to the routed path, %d gathered in the "
+         "producer; off: routed copy written\n",
+         runs, gathered);
+  CUDA_CHECK(cudaFree(scratch));
+}
+
 static void test_case(const tcase *c) {
   mok_k_dims d = make_dims(c->T, c->H, c->I, c->E_loc, c->K, c->limit);
   char err[160];
@@ -524,6 +597,7 @@ static void test_case(const tcase *c) {
   /* the v3 tile variants: bitwise equal to the default Hopper path and to
    * mma.sync, whatever the grid (the cluster variant rounds it to pairs) */
   test_variants_fwd(c->name, &L, o, ref_hmma);
+  test_gathering_fwd(c->name, &L, o);
 
   /* NaN in the padding rows of routed_x changes nothing */
   std::vector<uint16_t> xn = xr;
@@ -1159,7 +1233,7 @@ static const bshape *find_bshape(const char *name) {
  * cudaProfilerStart and cudaProfilerStop, after a warm-up of each: for
  * `ncu --profile-from-start off`, which then sees one launch of every GEMM
  * kernel per variant (gate_up, down, down dgrad, gate/up dgrad, the two
- * wgrads), in that order. Outputs are checked against mma.sync's. */
+ * wgrads, then gate_up and down of the forward from x), in that order. Outputs are checked against mma.sync's. */
 static void profile(const char *name, int T, const char *variants) {
   const bshape *sh = find_bshape(name);
   if (!sh || T <= 0) {
@@ -1197,6 +1271,12 @@ static void profile(const char *name, int T, const char *variants) {
     MOK_CHECK(mok_k_down(&d, L.sched, L.h, L.wd, L.y, L.status, 0));
     MOK_CHECK(mok_k_expert_backward(&d, L.sched, L.g, L.u, L.rx, b.rdout, b.rw, L.wg, L.wu, L.wd,
                                     b.dxr, b.drw, b.dwg, b.dwu, b.dwd, L.ws, L.status, 0));
+    /* the forward from x: the gate/up product gathering its rows (pairs
+     * variants), then DOWN; routed x untouched there */
+    mok_k_sm90_set_gather_a(1);
+    MOK_CHECK(mok_k_expert_forward_gathering(&d, L.sched, L.x, L.rx, L.wg, L.wu, L.wd, L.g, L.u,
+                                             L.y, L.ws, L.status, 0));
+    mok_k_sm90_set_gather_a(0);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
   CUDA_CHECK(cudaProfilerStop());
