@@ -749,15 +749,13 @@ extern "C" int mok_k_expert_forward_gathering(const mok_k_dims *d, const int32_t
                                (bf16 *)acts_g, (bf16 *)acts_u, (bf16 *)h, status);
   p.a_x = (const bf16 *)x;
   p.a_k = d->K;
-  int st;
-  if (on_sm90() && mok__sm90_gathers(MOK_GM_GATE_UP, &p)) {
-    st = mok_k_sm90_run(MOK_GM_GATE_UP, &p, stream);
-  } else { /* the routed copy, then the product on it */
-    st = mok_k_gather_rows(d, schedule, x, routed_x, status, stream);
-    if (st == MOK_OK)
-      st = mok_k_gate_up_swiglu(d, schedule, routed_x, w_gate, w_up, acts_g, acts_u, h, status,
-                                stream);
+  if (!on_sm90() || !mok__sm90_gathers(MOK_GM_GATE_UP, &p)) { /* the routed copy first */
+    const int st = mok_k_gather_rows(d, schedule, x, routed_x, status, stream);
+    if (st != MOK_OK) return st;
+    return mok_k_expert_forward(d, schedule, routed_x, w_gate, w_up, w_down, acts_g, acts_u,
+                                routed_y, workspace, status, stream);
   }
+  const int st = mok_k_sm90_run(MOK_GM_GATE_UP, &p, stream);
   if (st != MOK_OK) return st;
   return mok_k_down(d, schedule, h, w_down, routed_y, status, stream);
 }

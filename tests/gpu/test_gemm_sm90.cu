@@ -1233,7 +1233,8 @@ static const bshape *find_bshape(const char *name) {
  * cudaProfilerStart and cudaProfilerStop, after a warm-up of each: for
  * `ncu --profile-from-start off`, which then sees one launch of every GEMM
  * kernel per variant (gate_up, down, down dgrad, gate/up dgrad, the two
- * wgrads, then gate_up and down of the forward from x), in that order. Outputs are checked against mma.sync's. */
+ * wgrads, then gate_up and down of the forward from x), in that order.
+ * Outputs are checked against mma.sync's. */
 static void profile(const char *name, int T, const char *variants) {
   const bshape *sh = find_bshape(name);
   if (!sh || T <= 0) {
