@@ -827,11 +827,16 @@ __device__ static void s9_consume(const s9_params &p, const s9_sched &sc, uint32
  * TMA box with the 128-byte swizzle gives (row r at 128 r, its 16-byte
  * chunk c at (c ^ (r & 7)) 16), each thread announcing its copies on the
  * stage's full barrier when they land (noinc: the barrier expects 1 + 128
- * arrivals); thread 0 also loads the B tile by TMA as s9_produce_pairs does.
- * Thread t copies chunk t % 8 of rows t / 8 + 16 i (i < 8), so it looks up
- * its rows' tokens once a unit, in the schedule's validated row -> slot map.
- * Rows past the block's real rows, slots out of range and columns past K
- * get zeros, as in the routed copy the TMA path reads. */
+ * arrivals); one thread also loads the B tile by TMA as s9_produce_pairs
+ * does, in turn from each warp (the copies of the warp that issues it
+ * start later; kernels/PERF.md measured the turn 5 % faster).
+ * Thread t copies chunk t % 8 of rows t / 8 + 16 i (i < 8): it looks up
+ * its rows' tokens once a unit, in the schedule's validated row -> slot
+ * map, and keeps a pointer per row. The copies are on the critical path
+ * (their instructions measured: each one fewer is time), so a block of
+ * whole rows inside K takes one plain cp.async a row from those pointers;
+ * only a tile with rows past the block's real rows or slots out of range,
+ * and the block past K, take the zero-filling copy. */
 __device__ static void s9_produce_pairs_gather(const s9_params &p, const s9_sched &sc,
                                                const CUtensorMap *mb0, const CUtensorMap *mb1,
                                                uint32_t base, uint32_t bars, int rank) {
@@ -840,25 +845,29 @@ __device__ static void s9_produce_pairs_gather(const s9_params &p, const s9_sche
   const int nk = s9_full_nk<MOK_GM_GATE_UP>(p);
   const int t = (int)threadIdx.x, c = t & 7, r0 = t >> 3;
   const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
-  const int vecs = p.K / 8; /* 16-byte vectors a row of x (the launcher checks K % 8) */
+  const int vecs = p.K / 8;             /* 16-byte vectors a row of x (the launcher checks K % 8) */
+  const int nk_whole = p.K / S9_BK;     /* blocks with all 64 columns inside K */
   const uint4 *x = (const uint4 *)p.a_x;
   int s = 0, ph = 0;
   for (int q = blockIdx.x / 2; q < units; q += clusters) {
     const s9_pair pr = s9_locate_pair(p, sc, q, rank);
     if (pr.skip) continue; /* the others skip it too */
     const s9_tile &tl = pr.mine;
-    int tok[8]; /* the x row of each of this thread's rows; -1: zeros */
+    const uint4 *src[8]; /* chunk c of each of this thread's rows in x; NULL: zeros */
+    bool all_real = true;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
       const int r = tl.row0 + r0 + 16 * i;
       const int slot = tl.in_use && r < tl.used_end ? __ldg(p.row_slot + r) : -1;
-      tok[i] = slot >= 0 && slot < p.n_slots ? slot / p.a_k : -1;
+      const bool real = slot >= 0 && slot < p.n_slots;
+      src[i] = real ? x + (size_t)(slot / p.a_k) * vecs + c : nullptr;
+      all_real = all_real && real;
     }
     for (int kb = 0; kb < nk; kb++) {
       const uint32_t full = bars + 8 * s, empty = bars + 8 * (S9_STAGES + s);
       const uint32_t sa = base + s * S9_STAGE_BYTES, sb = sa + S9_A_BYTES;
       mbar_wait(empty, ph ^ 1);
-      if (t == 0) {
+      if (t == 32 * (kb & 3)) {
         if (!tl.in_use) { /* nothing to compute: the consumers only follow the ring */
           mbar_arrive_if(full, true);
         } else {
@@ -875,13 +884,17 @@ __device__ static void s9_produce_pairs_gather(const s9_params &p, const s9_sche
         }
       }
       if (tl.in_use) {
-        const int v = kb * (S9_BK / 8) + c;
-        const bool col = v < vecs;
+        const int kv = kb * (S9_BK / 8); /* this block's first vector in a row */
+        if (all_real && kb < nk_whole) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-          const bool real = col && tok[i] >= 0;
-          cp_async16_zfill(sa + dst0 + 2048u * i, real ? x + (size_t)tok[i] * vecs + v : x,
-                           real ? 16u : 0u);
+          for (int i = 0; i < 8; i++) cp_async16(sa + dst0 + 2048u * i, src[i] + kv);
+        } else {
+          const bool col = kv + c < vecs;
+#pragma unroll
+          for (int i = 0; i < 8; i++) {
+            const bool real = col && src[i];
+            cp_async16_zfill(sa + dst0 + 2048u * i, real ? src[i] + kv : x, real ? 16u : 0u);
+          }
         }
       }
       cp_async_mbar_arrive_noinc(full);
@@ -1681,19 +1694,25 @@ int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p) {
   return s9_variant == MOK_K_SM90_CUTLASS && mok__cg_takes(mode, p);
 }
 
-/* GATE_UP's rows gathered by the producer: when switched on
- * (mok_k_sm90_set_gather_a; off by default: kernels/PERF.md measured it
- * slower than the routed copy), on the 2-CTA cluster kernel (not quads,
- * not the pipelined bench knob) on a schedule, rows of whole 16-byte
- * vectors from 16-byte aligned x. */
-static int s9_gather_a = 0;
+/* GATE_UP's rows gathered by the producer (mok_k_sm90_set_gather_a), on
+ * the 2-CTA cluster kernel (not quads, not the pipelined bench knob) on a
+ * schedule, rows of whole 16-byte vectors from 16-byte aligned x. By
+ * default where the expert's intermediate size is at most
+ * MOK_K_SM90_GATHER_MAX_I: the copy it saves costs in proportion to T K H,
+ * its own cost (its copies keep the tensor cores a little less busy than a
+ * TMA box does) in proportion to T K H I, so the gain falls as I grows;
+ * measured 2.5-7 % faster forwards at I = 1024 and 1.5-4 % slower at
+ * I = 2048, T = 2048 and 8192 (kernels/PERF.md "The gathering producer's
+ * copies"). -1: that rule; 0: never; 1: wherever the kernel runs. */
+static int s9_gather_a = -1;
 
-extern "C" void mok_k_sm90_set_gather_a(int on) { s9_gather_a = on ? 1 : 0; }
+extern "C" void mok_k_sm90_set_gather_a(int mode) { s9_gather_a = mode < 0 ? -1 : mode ? 1 : 0; }
 
 int mok__sm90_gathers(int mode, const mok_gemm_params *p) {
   s9_params q = *p;
   q.n_tiles = (p->N + S9_BN / 2 - 1) / (S9_BN / 2);
-  return s9_gather_a && mode == MOK_GM_GATE_UP && p->offsets && p->row_slot && p->a_x &&
+  const int on = s9_gather_a < 0 ? p->N <= MOK_K_SM90_GATHER_MAX_I : s9_gather_a;
+  return on && mode == MOK_GM_GATE_UP && p->offsets && p->row_slot && p->a_x &&
          p->a_k > 0 && p->K % 8 == 0 && mok_k_aligned16(p->a_x) && !s9_pipe &&
          s9_use_pairs(mode, q) && !s9_use_quads(mode, q);
 }

@@ -141,11 +141,13 @@ int mok_k_sm90_cutlass_choice_parse(const char *name); /* "table", "every", "eve
 void mok_k_sm90_set_pp_pairs(int on);
 
 /* Tests and bench: mok_k_expert_forward_gathering's gate/up product
- * gathers x's rows in its producer (1) where the 2-CTA cluster kernel runs
- * it, or reads a routed copy gather_rows wrote first (0, the default: the
- * gathering producer measured slower, kernels/PERF.md). Results do not
- * depend on it. */
-void mok_k_sm90_set_gather_a(int on);
+ * gathers x's rows in its producer where the 2-CTA cluster kernel runs it
+ * (1), or reads a routed copy gather_rows wrote first (0), or, the
+ * default (-1), gathers where the expert's intermediate size I is at most
+ * MOK_K_SM90_GATHER_MAX_I (measured faster there, slower above it:
+ * kernels/PERF.md). Results do not depend on it. */
+#define MOK_K_SM90_GATHER_MAX_I 1024
+void mok_k_sm90_set_gather_a(int mode);
 
 /* Tests: persistent CTAs per launch (0: one per SM; the cluster variant
  * rounds up to whole clusters). Results must not depend on it. */

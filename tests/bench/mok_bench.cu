@@ -233,7 +233,7 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
   }
   L.fp8 = 0;
   L.gathering = 0;
-  mok_k_sm90_set_gather_a(0);
+  mok_k_sm90_set_gather_a(-1); /* the default */
   g_layer = NULL;
   free(col);
   free(tf);

@@ -327,6 +327,7 @@ static const tcase CASES[] = {
     {"T0",            0,    64,   64,  4,   2, 0,  R_RANDOM, 0.0,  0},
     {"wide",          1000, 1024, 512, 16,  4, 0,  R_HOLES,  0.05, 96},
     {"big_k",         700,  4096, 1024, 6,  2, 1,  R_RANDOM, 0.05, 48},
+    {"wide_inter",    160,  128,  1152, 3,  2, 0,  R_RANDOM, 0.0,  0},
 };
 
 static std::vector<int32_t> make_ids(const tcase *c) {
@@ -482,7 +483,7 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
              in_producer ? "untouched where a copy was due" : "written by a gathering producer");
     }
   mok_k_sm90_set_gather_a(0);
-  /* off (the default): every variant copies first */
+  /* off: every variant copies first */
   set_variant(MOK_K_SM90_PINGPONG);
   poison(L);
   CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
@@ -496,9 +497,31 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
          "%s: forward from x, gathering off: routed_x or the outputs differ from gather_rows and "
          "the routed path",
          name);
+  /* the default: in the producer where I is small enough, else copied first */
+  mok_k_sm90_set_gather_a(-1);
+  set_variant(MOK_K_SM90_PINGPONG);
+  poison(L);
+  CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
+  MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd, L->g,
+                                           L->u, L->y, L->ws, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  set_variant(MOK_K_SM90_ROWS);
+  {
+    const std::vector<uint16_t> scd = down16(scratch, RH);
+    size_t untouched = 0;
+    for (size_t i = 0; i < scd.size(); i++) untouched += scd[i] == 0xffff;
+    const bool in_producer = RH > 0 && untouched == RH;
+    const outs od = snap(L);
+    EXPECT(od.g == o.g && od.u == o.u && od.y == o.y,
+           "%s: forward from x, the default: outputs differ from the routed path", name);
+    EXPECT(d->T == 0 || mok_k_sm90_pair_clusters() == 0 ||
+               in_producer == (d->I <= MOK_K_SM90_GATHER_MAX_I),
+           "%s: forward from x, the default at I=%d: %s", name, d->I,
+           in_producer ? "gathered in the producer" : "copied first");
+  }
   printf("    forward from x: %d runs bitwise equal to the routed path, %d gathered in the "
-         "producer; off: routed copy written\n",
-         runs, gathered);
+         "producer; off: routed copy written; the default (I=%d): %s\n",
+         runs, gathered, d->I, d->I <= MOK_K_SM90_GATHER_MAX_I ? "in the producer" : "copied first");
   CUDA_CHECK(cudaFree(scratch));
 }
 
