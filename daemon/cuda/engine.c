@@ -1198,11 +1198,20 @@ const int32_t *mok__cuda_sched_in(job_ctx *c, const void *src) {
   return c->w.sched;
 }
 
-static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *routed_x,
-                         const acts_ptrs *a, uint16_t *routed_y, uint16_t *shared_y) {
-  LAUNCH(c, mok_k_expert_forward(&c->d, sched, routed_x, BF(c, W_GATE), BF(c, W_UP),
-                                 BF(c, W_DOWN), a->g, a->u, routed_y, c->w.kernels, c->status,
-                                 c->st));
+/* gather_x non-NULL: routed_x is the workspace's buffer and the routed rows
+ * come from gather_x's (the Hopper gate/up producer reads them itself,
+ * else the library copies them into routed_x first) */
+static void step_compute(job_ctx *c, const int32_t *sched, const uint16_t *gather_x,
+                         uint16_t *routed_x, const acts_ptrs *a, uint16_t *routed_y,
+                         uint16_t *shared_y) {
+  if (gather_x)
+    LAUNCH(c, mok_k_expert_forward_gathering(&c->d, sched, gather_x, routed_x, BF(c, W_GATE),
+                                             BF(c, W_UP), BF(c, W_DOWN), a->g, a->u, routed_y,
+                                             c->w.kernels, c->status, c->st));
+  else
+    LAUNCH(c, mok_k_expert_forward(&c->d, sched, routed_x, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), a->g, a->u, routed_y, c->w.kernels, c->status,
+                                   c->st));
   if (c->d.I_s)
     LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
                                    a->gs, a->us, shared_y, c->w.kernels, c->status, c->st));
@@ -1273,8 +1282,7 @@ static void op_forward(job_ctx *c) {
   const job_ws *w = &c->w;
   acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
   mok__cuda_sched_build(c);
-  LAUNCH(c, mok_k_gather_rows(&c->d, w->sched, BF(c, X), w->routed_a, c->status, c->st));
-  step_compute(c, w->sched, w->routed_a, &a, w->routed_b, w->shared);
+  step_compute(c, w->sched, BF(c, X), w->routed_a, &a, w->routed_b, w->shared);
   LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
                           c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
   if (ctx) mok__cuda_ctx_out(c, ctx);
@@ -1325,7 +1333,7 @@ void mok__cuda_op_step(job_ctx *c) {
     const int32_t *s = mok__cuda_sched_in(c, client_sched);
     void *acts = T_(c, MOK_SLOT_ACTS);
     acts_ptrs a = mok__cuda_acts_split(c, acts ? acts : c->w.acts, acts != NULL);
-    step_compute(c, s, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
+    step_compute(c, s, NULL, BF(c, ROUTED_X), &a, BF(c, ROUTED_Y), BF(c, SHARED_Y));
     break;
   }
   case MOK_OP_COMBINE: {

@@ -29,7 +29,10 @@ LINE = re.compile(r"cuda engine: (\w+) phases \(ms\) (T=\d+ [^:]*): (.*?); total
 MATCH = {
     "forward": {"schedule_build": "schedule_build", "schedule_build_snapshot": "schedule_build",
                 "gather_rows": "gather",
-                "expert_forward": "expert_forward", "shared_forward": "shared_forward",
+                # mokd's forward gathers x inside expert_forward_gathering (logs
+                # before that had a gather_rows of x first)
+                "expert_forward": "expert_forward", "expert_forward_gathering": "expert_forward",
+                "shared_forward": "shared_forward",
                 "combine": "combine"},
     # mokd's backward gathers x inside expert_backward_gathering (logs before
     # that had a gather_rows of x first, and d_out's as gather_rows#2)
