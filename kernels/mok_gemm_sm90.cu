@@ -1701,9 +1701,10 @@ int mok__sm90_on_cutlass(int mode, const mok_gemm_params *p) {
  * MOK_K_SM90_GATHER_MAX_I: the copy it saves costs in proportion to T K H,
  * its own cost (its copies keep the tensor cores a little less busy than a
  * TMA box does) in proportion to T K H I, so the gain falls as I grows;
- * measured 2.5-7 % faster forwards at I = 1024 and 1.5-4 % slower at
- * I = 2048, T = 2048 and 8192 (kernels/PERF.md "The gathering producer's
- * copies"). -1: that rule; 0: never; 1: wherever the kernel runs. */
+ * measured up to 7 % faster forwards at I = 1024 (0.2 % slower at worst)
+ * and up to 4 % slower at I = 2048, T = 2048 and 8192 (kernels/PERF.md "The
+ * gathering producer's copies"). -1: that rule; 0: never; 1: wherever the
+ * kernel runs. */
 static int s9_gather_a = -1;
 
 extern "C" void mok_k_sm90_set_gather_a(int mode) { s9_gather_a = mode < 0 ? -1 : mode ? 1 : 0; }
