@@ -430,6 +430,21 @@ static void test_variants_fwd(const char *name, layer *L, const outs &o, const o
   }
 }
 
+/* One forward from x (mok_k_expert_forward_gathering) with the outputs
+ * poisoned and the routed_x scratch all NaN first: true when the scratch
+ * is still all NaN after it (the gate/up producer gathered the rows). */
+static bool forward_from_x(layer *L, uint16_t *scratch, size_t RH) {
+  poison(L);
+  CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
+  MOK_CHECK(mok_k_expert_forward_gathering(&L->d, L->sched, L->x, scratch, L->wg, L->wu, L->wd,
+                                           L->g, L->u, L->y, L->ws, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> sc = down16(scratch, RH);
+  size_t untouched = 0;
+  for (size_t i = 0; i < sc.size(); i++) untouched += sc[i] == 0xffff;
+  return RH > 0 && untouched == RH;
+}
+
 /* The forward from x (mok_k_expert_forward_gathering): on the cluster
  * variants the gate/up producer gathers the rows itself and the routed_x
  * scratch is never read, elsewhere gather_rows fills it first. The scratch
@@ -447,11 +462,7 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
       set_hmma(v < 0);
       if (v >= 0) set_variant(v);
       mok_k_sm90_set_grid(grids[gi]);
-      poison(L);
-      CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
-      MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd,
-                                               L->g, L->u, L->y, L->ws, L->status, 0));
-      CUDA_CHECK(cudaDeviceSynchronize());
+      const bool in_producer = forward_from_x(L, scratch, RH);
       mok_k_sm90_set_grid(0);
       set_variant(MOK_K_SM90_ROWS);
       set_hmma(false);
@@ -461,10 +472,6 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
       size_t nd = 0;
       for (size_t i = 0; i < o.g.size(); i++) nd += (ov.g[i] != o.g[i]) + (ov.u[i] != o.u[i]);
       for (size_t i = 0; i < o.y.size(); i++) nd += ov.y[i] != o.y[i];
-      const std::vector<uint16_t> sc = down16(scratch, RH);
-      size_t untouched = 0;
-      for (size_t i = 0; i < sc.size(); i++) untouched += sc[i] == 0xffff;
-      const bool in_producer = RH > 0 && untouched == RH;
       gathered += in_producer;
       runs++;
       EXPECT(st == 0 && nd == 0,
@@ -485,11 +492,7 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
   mok_k_sm90_set_gather_a(0);
   /* off: every variant copies first */
   set_variant(MOK_K_SM90_PINGPONG);
-  poison(L);
-  CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
-  MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd, L->g,
-                                           L->u, L->y, L->ws, L->status, 0));
-  CUDA_CHECK(cudaDeviceSynchronize());
+  forward_from_x(L, scratch, RH);
   set_variant(MOK_K_SM90_ROWS);
   const std::vector<uint16_t> sc = down16(scratch, RH), xr = down16(L->rx, RH);
   const outs ov = snap(L);
@@ -500,17 +503,9 @@ static void test_gathering_fwd(const char *name, layer *L, const outs &o) {
   /* the default: in the producer where I is small enough, else copied first */
   mok_k_sm90_set_gather_a(-1);
   set_variant(MOK_K_SM90_PINGPONG);
-  poison(L);
-  CUDA_CHECK(cudaMemset(scratch, 0xff, RH * 2));
-  MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, scratch, L->wg, L->wu, L->wd, L->g,
-                                           L->u, L->y, L->ws, L->status, 0));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  set_variant(MOK_K_SM90_ROWS);
   {
-    const std::vector<uint16_t> scd = down16(scratch, RH);
-    size_t untouched = 0;
-    for (size_t i = 0; i < scd.size(); i++) untouched += scd[i] == 0xffff;
-    const bool in_producer = RH > 0 && untouched == RH;
+    const bool in_producer = forward_from_x(L, scratch, RH);
+    set_variant(MOK_K_SM90_ROWS);
     const outs od = snap(L);
     EXPECT(od.g == o.g && od.u == o.u && od.y == o.y,
            "%s: forward from x, the default: outputs differ from the routed path", name);
