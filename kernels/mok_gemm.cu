@@ -732,6 +732,18 @@ extern "C" int mok_k_expert_forward(const mok_k_dims *d, const int32_t *schedule
   return mok_k_down(d, schedule, h, w_down, routed_y, status, stream);
 }
 
+extern "C" int mok_k_expert_recompute_acts(const mok_k_dims *d, const int32_t *schedule,
+                                           const mok_k_bf16 *routed_x, const mok_k_bf16 *w_gate,
+                                           const mok_k_bf16 *w_up, mok_k_bf16 *acts_g,
+                                           mok_k_bf16 *acts_u, void *workspace, int32_t *status,
+                                           mok_k_stream stream) {
+  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !workspace || !mok_k_aligned16(workspace))
+    return MOK_EINVAL;
+  mok_k_bf16 *h = (mok_k_bf16 *)((char *)workspace + mok_k_ws_layout(d).h);
+  return mok_k_gate_up_swiglu(d, schedule, routed_x, w_gate, w_up, acts_g, acts_u, h, status,
+                              stream);
+}
+
 extern "C" int mok_k_expert_forward_gathering(const mok_k_dims *d, const int32_t *schedule,
                                               const mok_k_bf16 *x, mok_k_bf16 *routed_x,
                                               const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
@@ -883,17 +895,20 @@ static gemm_params down_wgrad(const mok_k_dims *d, const int32_t *schedule, cons
                     d->H, n, (long long)d->H * n, a->e_range, status);
 }
 
+static gemm_params gate_up_wgrad(const mok_k_dims *d, const int32_t *schedule,
+                                 const ffn_bwd_args *a, int32_t *status) {
+  const int n = a->n_inter;
+  return gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu, 2LL * n, a->x, d->H,
+                    a->d_wg, a->d_wu, n, d->H, (long long)n * d->H, a->e_range, status);
+}
+
 static int ffn_wgrads(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                       gather_share beside, bool wg90, int32_t *status, cudaStream_t stream) {
-  const int n = a->n_inter;
   gemm_params p = down_wgrad(d, schedule, a, status);
   attach_gather(&p, d, schedule, a, beside);
   int st = run_gemm<MOK_GM_WGRAD>(p, wg90, stream);
   if (st != MOK_OK) return st;
-  return run_gemm<MOK_GM_WGRAD>(gemm_wgrad(d, schedule, a->groups, a->M, 2 * n, d->H, a->dgu,
-                                           2LL * n, a->x, d->H, a->d_wg, a->d_wu, n, d->H,
-                                           (long long)n * d->H, a->e_range, status),
-                                wg90, stream);
+  return run_gemm<MOK_GM_WGRAD>(gate_up_wgrad(d, schedule, a, status), wg90, stream);
 }
 
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
@@ -1057,6 +1072,53 @@ extern "C" int mok_k_expert_backward_gathering(
                          router_weights, (const bf16 *)w_gate, (const bf16 *)w_up,
                          (const bf16 *)w_down, (bf16 *)routed_d_x, d_rw, (bf16 *)d_w_gate,
                          (bf16 *)d_w_up, (bf16 *)d_w_down, NULL, workspace, status, stream);
+}
+
+/* The routed backward in one [R, H] buffer (mok_kernels.h): the products
+ * in the order that frees each piece before the next writes it. routed
+ * holds d_out's rows for the down dgrad and the down weight gradient; the
+ * gate/up dgrad writes routed d_x over them; one pass sums each token's
+ * rows into d_x and writes x's rows back for the gate/up weight gradient.
+ * Each product computes what ffn_backward's does, so the bits are the same. */
+extern "C" int mok_k_expert_backward_in_place(
+    const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *acts_g,
+    const mok_k_bf16 *acts_u, const mok_k_bf16 *x, mok_k_bf16 *routed,
+    const float *router_weights, const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
+    const mok_k_bf16 *w_down, const mok_k_bf16 *shared_d_x, mok_k_bf16 *d_x, float *d_rw,
+    mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up, mok_k_bf16 *d_w_down, void *workspace,
+    int32_t *status, mok_k_stream stream) {
+  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !acts_g || !acts_u ||
+      !routed || !w_gate || !w_up || !w_down || !d_w_gate || !d_w_up || !d_w_down ||
+      !workspace || (d->T > 0 && (!x || !d_x || !router_weights || !d_rw)) ||
+      !all_aligned(acts_g, acts_u, x, routed, w_gate, w_up) ||
+      !all_aligned(w_down, shared_d_x, d_x, d_w_gate, d_w_up, d_w_down) ||
+      !mok_k_aligned16(workspace))
+    return MOK_EINVAL;
+  ffn_bwd_args a = routed_bwd_args(d, workspace, (const bf16 *)acts_g, (const bf16 *)acts_u,
+                                   (const bf16 *)routed, (const bf16 *)routed, router_weights,
+                                   (bf16 *)routed, (bf16 *)d_w_gate, (bf16 *)d_w_up,
+                                   (bf16 *)d_w_down, false, NULL);
+  a.wg = (const bf16 *)w_gate;
+  a.wu = (const bf16 *)w_up;
+  a.wd = (const bf16 *)w_down;
+  const int n = a.n_inter;
+  const bool dgrad90 = on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD);
+  const bool gu90 = on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0;
+  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
+  int st = run_gemm<MOK_GM_DOWN_DGRAD>(gemm_down_dgrad(d, schedule, a.M, n, a.d_out, a.wd, a.g,
+                                                       a.u, a.rw, a.dgu, a.h, a.partial,
+                                                       (int)cdiv(n, BN), status),
+                                       dgrad90, stream);
+  /* the last reader of d_out's rows before the gate/up dgrad overwrites them */
+  if (st == MOK_OK) st = run_gemm<MOK_GM_WGRAD>(down_wgrad(d, schedule, &a, status), wg90, stream);
+  if (st == MOK_OK)
+    st = run_gemm<MOK_GM_GU_DGRAD>(
+        gemm_gu_dgrad(d, schedule, a.M, n, a.dgu, a.wg, a.wu, a.d_xr, status), gu90, stream);
+  if (st == MOK_OK) st = mok_k_ksum_regather(d, schedule, routed, shared_d_x, x, d_x, status, stream);
+  if (st == MOK_OK)
+    st = run_gemm<MOK_GM_WGRAD>(gate_up_wgrad(d, schedule, &a, status), wg90, stream);
+  if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
+  return st;
 }
 
 extern "C" int mok_k_shared_backward(const mok_k_dims *d, const mok_k_bf16 *x,

@@ -261,12 +261,21 @@ int mok_k_down(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *h
                mok_k_stream stream);
 
 /* expert_forward = gate_up_swiglu then down, h in the workspace (the
- * "compute" step's routed part). */
+ * "compute" step's routed part). routed_y may be routed_x itself: the
+ * gate/up product has read every row before down writes one. */
 int mok_k_expert_forward(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *routed_x,
                          const mok_k_bf16 *w_gate, const mok_k_bf16 *w_up,
                          const mok_k_bf16 *w_down, mok_k_bf16 *acts_g, mok_k_bf16 *acts_u,
                          mok_k_bf16 *routed_y, void *workspace, int32_t *status,
                          mok_k_stream stream);
+
+/* expert_forward's acts again, for a backward that recomputes them: its
+ * gate/up product alone (the same kernel, so the same bits), h left in the
+ * workspace. */
+int mok_k_expert_recompute_acts(const mok_k_dims *d, const int32_t *schedule,
+                                const mok_k_bf16 *routed_x, const mok_k_bf16 *w_gate,
+                                const mok_k_bf16 *w_up, mok_k_bf16 *acts_g, mok_k_bf16 *acts_u,
+                                void *workspace, int32_t *status, mok_k_stream stream);
 
 /* expert_forward from x [T,H] itself: gather_rows fills routed_x [R,H]
  * first, or, where the Hopper kernels are set to (mok_gemm_sm90.h,
@@ -290,7 +299,8 @@ int mok_k_shared_forward(const mok_k_dims *d, const mok_k_bf16 *x, const mok_k_b
 
 /* combine: out[t] = rnd(shared_y[t] + sum_k rw[t,k] routed_y[slot_row[t,k]])
  * in f32, k ascending, each term multiplied and rounded before the add.
- * shared_y may be NULL (no shared expert). rw [T,K] f32, out [T,H]. */
+ * shared_y may be NULL (no shared expert) or out itself (each element read
+ * before it is written). rw [T,K] f32, out [T,H]. */
 int mok_k_combine(const mok_k_dims *d, const int32_t *schedule, const mok_k_bf16 *routed_y,
                   const float *router_weights, const mok_k_bf16 *shared_y, mok_k_bf16 *out,
                   int32_t *status, mok_k_stream stream);
@@ -344,6 +354,27 @@ int mok_k_expert_backward_gathering(const mok_k_dims *d, const int32_t *schedule
                                     float *d_rw, mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up,
                                     mok_k_bf16 *d_w_down, void *workspace, int32_t *status,
                                     mok_k_stream stream);
+
+/* The routed backward and dispatch_backward in one [R,H] buffer, for a
+ * caller that keeps no routed copies (mokd: one such buffer a job, where
+ * the chain above takes three). On entry routed holds
+ * gather_rows(d_out)'s rows; the down dgrad and the down weight gradient
+ * read them, the gate/up dgrad writes routed d_x over them, one pass gives
+ * d_x = dispatch_backward(routed d_x, shared_d_x) and writes x's rows back
+ * (gather_rows(x)'s bytes, padding rows zeros), and the gate/up weight
+ * gradient reads those. Every output (d_x, d_rw, d_w_*) is bitwise
+ * expert_backward_gathering's + dispatch_backward's, and routed ends as
+ * their routed_x. shared_d_x may be NULL (no shared expert) or d_x itself
+ * (its rows read before written); routed must alias nothing else. */
+int mok_k_expert_backward_in_place(const mok_k_dims *d, const int32_t *schedule,
+                                   const mok_k_bf16 *acts_g, const mok_k_bf16 *acts_u,
+                                   const mok_k_bf16 *x, mok_k_bf16 *routed,
+                                   const float *router_weights, const mok_k_bf16 *w_gate,
+                                   const mok_k_bf16 *w_up, const mok_k_bf16 *w_down,
+                                   const mok_k_bf16 *shared_d_x, mok_k_bf16 *d_x, float *d_rw,
+                                   mok_k_bf16 *d_w_gate, mok_k_bf16 *d_w_up,
+                                   mok_k_bf16 *d_w_down, void *workspace, int32_t *status,
+                                   mok_k_stream stream);
 
 /* Where expert_backward_gathering copies x's rows: a kernel of its own
  * before the products, or beside the down dgrad, the gate/up dgrad, the

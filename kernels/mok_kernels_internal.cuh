@@ -144,5 +144,11 @@ int mok__sm90_map_bytes(CUtensorMap *m, const void *ptr, int rank, long long d0,
 int mok_k_ksum_rows(const mok_k_dims *d, const int32_t *slot_row, int capacity,
                     const mok_k_bf16 *routed, const float *rw, const mok_k_bf16 *base,
                     mok_k_bf16 *out, int32_t *status, cudaStream_t stream);
+/* d_x[t] = rnd(base[t] + sum_k routed[slot_row[t*K+k]]) as dispatch_backward,
+ * then routed's rows as gather_rows(x) writes them, in one pass (mok_routing.cu);
+ * base may be NULL or d_x itself */
+int mok_k_ksum_regather(const mok_k_dims *d, const int32_t *schedule, mok_k_bf16 *routed,
+                        const mok_k_bf16 *base, const mok_k_bf16 *x, mok_k_bf16 *d_x,
+                        int32_t *status, cudaStream_t stream);
 
 #endif /* MOK_KERNELS_INTERNAL_CUH */

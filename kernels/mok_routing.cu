@@ -376,51 +376,97 @@ __global__ void gather_rows_kernel(const uint4 *src, const int32_t *row_slot, in
   for (int c = lane; c < vecs; c += 32) drow[c] = srow ? srow[c] : make_uint4(0, 0, 0, 0);
 }
 
-/* out[t] = rnd(base[t] + sum_k (rw[t,k] *) routed[slot_row[t,k]]), f32,
- * k ascending; base and rw optional (rw absent: plain sum). */
+/* Column vector c of rnd(base[t] + sum_k (rw[t,k] *) routed[slot_row[t,k]]),
+ * f32, k ascending; base and rw optional (rw absent: plain sum). The one
+ * arithmetic of every K-sum, so that each sums as the others do. */
+__device__ static inline uint4 ksum_vec(const uint4 *routed, const int32_t *slots,
+                                        const float *rw_t, const uint4 *base_row, int K,
+                                        int capacity, int vecs, int c) {
+  float acc[8];
+  if (base_row) {
+    uint4 b = base_row[c];
+    const __nv_bfloat162 *bv = (const __nv_bfloat162 *)&b;
+    for (int j = 0; j < 4; j++) {
+      float2 f = __bfloat1622float2(bv[j]);
+      acc[2 * j] = f.x;
+      acc[2 * j + 1] = f.y;
+    }
+  } else {
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+  }
+  for (int k = 0; k < K; k++) {
+    const int r = slots[k];
+    if (r < 0 || r >= capacity) continue;
+    uint4 v = routed[(size_t)r * vecs + c];
+    const __nv_bfloat162 *vv = (const __nv_bfloat162 *)&v;
+    if (rw_t) {
+      const float w = rw_t[k];
+      for (int j = 0; j < 4; j++) {
+        float2 f = __bfloat1622float2(vv[j]);
+        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, f.x));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, f.y));
+      }
+    } else {
+      for (int j = 0; j < 4; j++) {
+        float2 f = __bfloat1622float2(vv[j]);
+        acc[2 * j] = __fadd_rn(acc[2 * j], f.x);
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], f.y);
+      }
+    }
+  }
+  uint4 o;
+  __nv_bfloat162 *ov = (__nv_bfloat162 *)&o;
+  for (int j = 0; j < 4; j++) ov[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return o;
+}
+
+/* out[t] = rnd(base[t] + sum_k (rw[t,k] *) routed[slot_row[t,k]]) (ksum_vec) */
 __global__ void ordered_ksum_kernel(const uint4 *routed, const int32_t *slot_row, const float *rw,
                                     const uint4 *base, int T, int K, int capacity, int vecs,
                                     uint4 *out, const int32_t *status) {
   if (job_failed(status)) return;
   const int t = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (t >= T) return;
+  const int32_t *slots = slot_row + (size_t)t * K;
+  const float *rw_t = rw ? rw + (size_t)t * K : NULL;
+  const uint4 *base_row = base ? base + (size_t)t * vecs : NULL;
+  for (int c = lane; c < vecs; c += 32)
+    out[(size_t)t * vecs + c] = ksum_vec(routed, slots, rw_t, base_row, K, capacity, vecs, c);
+}
+
+/* The routed backward's K-sum and x's gather in one pass over one buffer:
+ * the first token_blocks blocks give d_x[t] = rnd(base[t] + sum_k
+ * routed[slot_row[t,k]]) (ksum_vec) and then write x[t] over each of those
+ * rows; the blocks after them write zeros on the rows no slot names. The
+ * buffer then holds gather_rows(x)'s bytes. A used row is named by one slot
+ * (the schedule is validated or built here), so the thread that reads a
+ * column of it is the only one that writes it. base may be d_x itself. */
+__global__ void ksum_regather_kernel(uint4 *routed, const int32_t *slot_row,
+                                     const int32_t *row_slot, const uint4 *base, const uint4 *x,
+                                     int T, int K, int n_slots, int capacity, int token_blocks,
+                                     int vecs, uint4 *d_x, const int32_t *status) {
+  if (job_failed(status)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if ((int)blockIdx.x >= token_blocks) {
+    const int r = ((int)blockIdx.x - token_blocks) * ROWS_PER_BLOCK + warp;
+    if (r >= capacity) return;
+    const int s = row_slot[r];
+    if (s >= 0 && s < n_slots) return; /* a used row: its token's warp writes it */
+    uint4 *drow = routed + (size_t)r * vecs;
+    for (int c = lane; c < vecs; c += 32) drow[c] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int t = blockIdx.x * ROWS_PER_BLOCK + warp;
+  if (t >= T) return;
+  const int32_t *slots = slot_row + (size_t)t * K;
+  const uint4 *base_row = base ? base + (size_t)t * vecs : NULL;
   for (int c = lane; c < vecs; c += 32) {
-    float acc[8];
-    if (base) {
-      uint4 b = base[(size_t)t * vecs + c];
-      const __nv_bfloat162 *bv = (const __nv_bfloat162 *)&b;
-      for (int j = 0; j < 4; j++) {
-        float2 f = __bfloat1622float2(bv[j]);
-        acc[2 * j] = f.x;
-        acc[2 * j + 1] = f.y;
-      }
-    } else {
-      for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-    }
+    d_x[(size_t)t * vecs + c] = ksum_vec(routed, slots, NULL, base_row, K, capacity, vecs, c);
+    const uint4 xv = x[(size_t)t * vecs + c];
     for (int k = 0; k < K; k++) {
-      const int r = slot_row[(size_t)t * K + k];
-      if (r < 0 || r >= capacity) continue;
-      uint4 v = routed[(size_t)r * vecs + c];
-      const __nv_bfloat162 *vv = (const __nv_bfloat162 *)&v;
-      if (rw) {
-        const float w = rw[(size_t)t * K + k];
-        for (int j = 0; j < 4; j++) {
-          float2 f = __bfloat1622float2(vv[j]);
-          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, f.x));
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, f.y));
-        }
-      } else {
-        for (int j = 0; j < 4; j++) {
-          float2 f = __bfloat1622float2(vv[j]);
-          acc[2 * j] = __fadd_rn(acc[2 * j], f.x);
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], f.y);
-        }
-      }
+      const int r = slots[k];
+      if (r >= 0 && r < capacity) routed[(size_t)r * vecs + c] = xv;
     }
-    uint4 o;
-    __nv_bfloat162 *ov = (__nv_bfloat162 *)&o;
-    for (int j = 0; j < 4; j++) ov[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-    out[(size_t)t * vecs + c] = o;
   }
 }
 
@@ -502,4 +548,21 @@ extern "C" int mok_k_dispatch_backward(const mok_k_dims *d, const int32_t *sched
                                        const mok_k_bf16 *shared_d_x, mok_k_bf16 *d_x,
                                        int32_t *status, mok_k_stream stream) {
   return ordered_ksum(d, schedule, routed_d_x, NULL, shared_d_x, d_x, status, stream);
+}
+
+int mok_k_ksum_regather(const mok_k_dims *d, const int32_t *schedule, mok_k_bf16 *routed,
+                        const mok_k_bf16 *base, const mok_k_bf16 *x, mok_k_bf16 *d_x,
+                        int32_t *status, cudaStream_t stream) {
+  if (mok_k_check_dims(d, NULL, 0) != MOK_OK || !schedule || !status || !routed ||
+      (d->T > 0 && (!x || !d_x)) || !mok_k_aligned16(routed) || !mok_k_aligned16(base) ||
+      !mok_k_aligned16(x) || !mok_k_aligned16(d_x))
+    return MOK_EINVAL;
+  sched_ptrs s = sched_view(d, schedule);
+  const long long token_blocks = ((long long)d->T + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  const long long row_blocks = ((long long)s.capacity + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  if (token_blocks + row_blocks == 0) return MOK_OK;
+  ksum_regather_kernel<<<(unsigned)(token_blocks + row_blocks), 32 * ROWS_PER_BLOCK, 0, stream>>>(
+      (uint4 *)routed, s.slot_row, s.row_slot, (const uint4 *)base, (const uint4 *)x, d->T, d->K,
+      s.n_slots, s.capacity, (int)token_blocks, d->H / 8, (uint4 *)d_x, status);
+  return mok_k_launch_status();
 }

@@ -1025,6 +1025,86 @@ static void test_gathering_backward(const shape *s, dev_layer *L,
          "gather host: the setter or the parser accepts what is not a host");
 }
 
+/* The bytes buffer p held in a snapshot of the outputs. */
+static std::vector<unsigned char> snapshot_part(const dev_layer *L,
+                                                const std::vector<unsigned char> &snap,
+                                                const void *p) {
+  size_t at = 0;
+  for (size_t i = 0; i < L->bufs.size(); i++) {
+    if (!L->bufs[i].is_output) continue;
+    if (L->bufs[i].p == p)
+      return std::vector<unsigned char>(snap.begin() + at, snap.begin() + at + L->bufs[i].bytes);
+    at += L->bufs[i].bytes;
+  }
+  return std::vector<unsigned char>();
+}
+
+/* The layer as mokd runs a bf16 layer of one GPU, in one routed buffer
+ * (routed_d_out's here, NaN before each use): the forward's y over x's
+ * rows and the shared expert's y in out, read back by combine; the
+ * backward's shared d_x in d_x (or in shared_d_x), read back by the K-sum
+ * of mok_k_expert_backward_in_place; with the acts recomputed before it or
+ * the forward's kept. Every result equals the chain's bit for bit, and the
+ * buffer ends holding the chain's routed x (padding rows zeros). */
+static void test_one_buffer(const shape *s, dev_layer *L, const std::vector<unsigned char> &first,
+                            cudaStream_t stream) {
+  const mok_k_dims *d = &L->d;
+  uint16_t *buf = L->routed_d_out;
+  const size_t RH = (size_t)L->R * d->H * 2, RI = (size_t)L->R * d->I * 2;
+  for (int shared_in_dx = 0; shared_in_dx < 2; shared_in_dx++)
+    for (int recompute = 0; recompute < 2; recompute++) {
+      poison_outputs(L, stream);
+      uint16_t *shared_y = d->I_s ? L->out : NULL;
+      MOK_CHECK(mok_k_schedule_build(d, L->ids, L->sched, L->ws, L->status, stream));
+      MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x, buf, L->wg, L->wu, L->wd,
+                                               L->acts_g, L->acts_u, buf, L->ws, L->status,
+                                               stream));
+      MOK_CHECK(mok_k_shared_forward(d, L->x, L->sg, L->su, L->sd, L->acts_gs, L->acts_us,
+                                     shared_y, L->ws, L->status, stream));
+      MOK_CHECK(mok_k_combine(d, L->sched, buf, L->rw, shared_y, L->out, L->status, stream));
+      if (recompute) {
+        CUDA_CHECK(cudaMemsetAsync(L->acts_g, 0xff, RI, stream));
+        CUDA_CHECK(cudaMemsetAsync(L->acts_u, 0xff, RI, stream));
+        CUDA_CHECK(cudaMemsetAsync(buf, 0xff, RH, stream));
+        MOK_CHECK(mok_k_gather_rows(d, L->sched, L->x, buf, L->status, stream));
+        MOK_CHECK(mok_k_expert_recompute_acts(d, L->sched, buf, L->wg, L->wu, L->acts_g,
+                                              L->acts_u, L->ws, L->status, stream));
+      }
+      CUDA_CHECK(cudaMemsetAsync(buf, 0xff, RH, stream));
+      uint16_t *sdx = !d->I_s ? NULL : shared_in_dx ? L->d_x : L->shared_d_x;
+      MOK_CHECK(mok_k_shared_backward(d, L->x, L->d_out, L->acts_gs, L->acts_us, L->sg, L->su,
+                                      L->sd, sdx, L->dsg, L->dsu, L->dsd, L->ws, L->status,
+                                      stream));
+      MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out, buf, L->status, stream));
+      MOK_CHECK(mok_k_expert_backward_in_place(d, L->sched, L->acts_g, L->acts_u, L->x, buf,
+                                               L->rw, L->wg, L->wu, L->wd, sdx, L->d_x, L->d_rw,
+                                               L->dwg, L->dwu, L->dwd, L->ws, L->status,
+                                               stream));
+      const int32_t st = read_status(L, stream);
+      EXPECT(st == 0, "%s: one buffer (shared d_x in %s, %s): status %d", s->name,
+             shared_in_dx ? "d_x" : "shared_d_x", recompute ? "acts recomputed" : "acts kept",
+             st);
+      const std::vector<unsigned char> now = snapshot(L);
+      for (size_t i = 0; i < L->bufs.size(); i++) {
+        const dbuf &b = L->bufs[i];
+        /* not written on this path: the chain's other routed buffers, the
+         * shared y (in out), the shared d_x when it went into d_x */
+        if (!b.is_output || b.p == L->routed_x || b.p == L->routed_y || b.p == L->routed_d_x ||
+            b.p == L->shared_y || (shared_in_dx && b.p == L->shared_d_x))
+          continue;
+        const void *want_of = b.p == buf ? (const void *)L->routed_x : b.p;
+        EXPECT(snapshot_part(L, now, b.p) == snapshot_part(L, first, want_of),
+               "%s: one buffer (shared d_x in %s, %s): %s differs from the chain's%s", s->name,
+               shared_in_dx ? "d_x" : "shared_d_x",
+               recompute ? "acts recomputed" : "acts kept", b.name,
+               b.p == buf ? " routed x" : "");
+      }
+    }
+  /* the layer as the chain leaves it (routed_d_out holds x's rows now, the
+   * chain's other routed buffers poison): the tests after this one read it */
+  EXPECT(run_chain(L, stream) == 0, "%s: chain after the one-buffer runs failed", s->name);
+}
+
 static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   mok_k_dims d = dims_of(s);
   char err[160];
@@ -1096,6 +1176,7 @@ static void test_shape(const shape *s, int runs, cudaStream_t stream) {
   }
   EXPECT(same, "%s: outputs differ between runs", s->name);
   test_gathering_backward(s, &L, first, stream);
+  test_one_buffer(s, &L, first, stream);
 
   /* client-provided routed rows (the single-step jobs) may hold anything in
    * padding rows: NaN there must change no bit of any result */
@@ -1181,6 +1262,23 @@ static void test_bad_inputs(cudaStream_t stream) {
   dev_layer_upload(&L, &hin);
   int32_t st = run_chain(&L, stream);
   EXPECT(st == 0, "bad_input base run: status %d", st);
+  /* the in-place backward refuses what it cannot run on */
+  uint16_t *odd = (uint16_t *)((char *)L.routed_d_out + 2);
+  EXPECT(mok_k_expert_backward_in_place(&d, L.sched, L.acts_g, L.acts_u, L.x, NULL, L.rw, L.wg,
+                                        L.wu, L.wd, NULL, L.d_x, L.d_rw, L.dwg, L.dwu, L.dwd,
+                                        L.ws, L.status, stream) == MOK_EINVAL &&
+             mok_k_expert_backward_in_place(&d, L.sched, L.acts_g, L.acts_u, L.x, odd, L.rw,
+                                            L.wg, L.wu, L.wd, NULL, L.d_x, L.d_rw, L.dwg, L.dwu,
+                                            L.dwd, L.ws, L.status, stream) == MOK_EINVAL &&
+             mok_k_expert_backward_in_place(&d, L.sched, L.acts_g, L.acts_u, NULL,
+                                            L.routed_d_out, L.rw, L.wg, L.wu, L.wd, NULL, L.d_x,
+                                            L.d_rw, L.dwg, L.dwu, L.dwd, L.ws, L.status,
+                                            stream) == MOK_EINVAL &&
+             mok_k_expert_backward_in_place(&d, L.sched, L.acts_g, L.acts_u, L.x,
+                                            L.routed_d_out, L.rw, L.wg, L.wu, L.wd, NULL, NULL,
+                                            L.d_rw, L.dwg, L.dwu, L.dwd, L.ws, L.status,
+                                            stream) == MOK_EINVAL,
+         "in-place backward: a NULL or misaligned buffer, a missing x or d_x accepted");
   std::vector<int32_t> good((size_t)L.sched_ints);
   CUDA_CHECK(cudaMemcpy(good.data(), L.sched, good.size() * 4, cudaMemcpyDeviceToHost));
   const int E_loc = d.E_loc, R = (int)L.R, TK = d.T * d.K;
@@ -1245,6 +1343,11 @@ static void test_bad_inputs(cudaStream_t stream) {
     MOK_CHECK(
         mok_k_combine(&d, L.sched, L.routed_y, L.rw, L.shared_y, L.out, L.status, stream));
     enqueue_backward(&L, stream);
+    MOK_CHECK(mok_k_gather_rows(&d, L.sched, L.d_out, L.routed_d_out, L.status, stream));
+    MOK_CHECK(mok_k_expert_backward_in_place(&d, L.sched, L.acts_g, L.acts_u, L.x,
+                                             L.routed_d_out, L.rw, L.wg, L.wu, L.wd,
+                                             L.shared_d_x, L.d_x, L.d_rw, L.dwg, L.dwu, L.dwd,
+                                             L.ws, L.status, stream));
     (void)read_status(&L, stream);
     printf("corrupt schedule %-26s -> device status %d, host validator %d (EINVAL=%d)\n",
            cases[c].name, vst, host_st, MOK_EINVAL);
