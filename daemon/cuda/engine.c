@@ -541,10 +541,15 @@ size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op,
   TAKE(&at, uses_kernels ? kernels : 0, base, w->kernels);
   TAKE(&at, kernels_aux, base, w->kernels_aux);
   TAKE(&at, needs_acts ? acts : 0, base, w->acts);
+  /* A bf16 layer of one GPU keeps one routed buffer (op_forward, op_backward):
+   * x's rows, then y's over them; d_out's, then d_x's, then x's again
+   * (mok_k_expert_backward_in_place). Its shared expert writes into the
+   * client's out or d_x, which the K-sum reads back. */
+  const bool one_buffer = !group && !fp8;
   TAKE(&at, whole ? R * H * 2 : 0, base, w->routed_a);
-  TAKE(&at, whole ? R * H * 2 : 0, base, w->routed_b);
-  TAKE(&at, bwd ? R * (H > I ? H : I) * 2 : 0, base, w->routed_c);
-  TAKE(&at, whole && I_s ? (size_t)T * H * 2 : 0, base, w->shared);
+  TAKE(&at, whole && !one_buffer ? R * H * 2 : 0, base, w->routed_b);
+  TAKE(&at, bwd && !one_buffer ? R * (H > I ? H : I) * 2 : 0, base, w->routed_c);
+  TAKE(&at, whole && I_s && !one_buffer ? (size_t)T * H * 2 : 0, base, w->shared);
   TAKE(&at, ep, base, w->ep_ids);
   TAKE(&at, ep, base, w->ep_rw);
   TAKE(&at, ep, base, w->ep_drw);
@@ -1251,25 +1256,16 @@ void mok__cuda_stage_weights(job_ctx *c, const uint16_t **wg, const uint16_t **w
   }
 }
 
-/* gather_x non-NULL: routed_x is the workspace's buffer, filled from those
- * rows by the backward itself (beside its first product on Hopper) */
+/* The routed and shared backward from the single-step jobs' tensors. */
 static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
-                             const uint16_t *gather_x, uint16_t *routed_x,
-                             const uint16_t *routed_dout, uint16_t *routed_dx,
-                             uint16_t *shared_dx) {
+                             const uint16_t *routed_x, const uint16_t *routed_dout,
+                             uint16_t *routed_dx, uint16_t *shared_dx) {
   const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
-  const float *rw = (const float *)T_(c, MOK_SLOT_ROUTER_W);
-  float *d_rw = (float *)T_(c, MOK_SLOT_D_RW);
   mok__cuda_stage_weights(c, &wg, &wu, &wd);
-  if (gather_x)
-    LAUNCH(c, mok_k_expert_backward_gathering(&c->d, sched, a->g, a->u, gather_x, routed_x,
-                                              routed_dout, rw, wg, wu, wd, routed_dx, d_rw,
-                                              BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN),
-                                              c->w.kernels, c->status, c->st));
-  else
-    LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout, rw, wg, wu,
-                                    wd, routed_dx, d_rw, BF(c, D_W_GATE), BF(c, D_W_UP),
-                                    BF(c, D_W_DOWN), c->w.kernels, c->status, c->st));
+  LAUNCH(c, mok_k_expert_backward(&c->d, sched, a->g, a->u, routed_x, routed_dout,
+                                  (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, routed_dx,
+                                  (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP),
+                                  BF(c, D_W_DOWN), c->w.kernels, c->status, c->st));
   if (c->d.I_s)
     LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), a->gs, a->us, BF(c, S_GATE),
                                     BF(c, S_UP), BF(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
@@ -1277,45 +1273,61 @@ static void step_compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *
                                     c->st));
 }
 
+/* The whole forward in the workspace's one routed buffer: x's rows (or
+ * none, where the gate/up producer reads x), then y's over them; the
+ * shared expert's y goes into out, which combine reads back. */
 static void op_forward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
   acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
+  uint16_t *shared_y = c->d.I_s ? BF(c, OUT) : NULL;
   mok__cuda_sched_build(c);
-  step_compute(c, w->sched, BF(c, X), w->routed_a, &a, w->routed_b, w->shared);
-  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_b, (const float *)T_(c, MOK_SLOT_ROUTER_W),
-                          c->d.I_s ? w->shared : NULL, BF(c, OUT), c->status, c->st));
+  step_compute(c, w->sched, BF(c, X), w->routed_a, &a, w->routed_a, shared_y);
+  LAUNCH(c, mok_k_combine(&c->d, w->sched, w->routed_a, (const float *)T_(c, MOK_SLOT_ROUTER_W),
+                          shared_y, BF(c, OUT), c->status, c->st));
   if (ctx) mok__cuda_ctx_out(c, ctx);
 }
 
+/* The whole backward in the same one buffer: d_out's rows, the routed
+ * backward in place over them (mok_k_expert_backward_in_place), the shared
+ * expert's d_x first into d_x, which the K-sum reads back. */
 static void op_backward(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
   const int32_t *sched = w->sched;
   acts_ptrs a;
-  const uint16_t *gather_x = NULL; /* the ctx keeps no routed x: the backward gathers it */
   if (c->a->flags & MOK_JOB_RECOMPUTE) {
-    /* dispatch + compute again, bitwise as forward: acts from the same kernel */
+    /* dispatch + compute again, bitwise as forward: acts from the same
+     * kernel (the shared expert's y is not needed: d_x takes it, to be
+     * overwritten) */
     a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);
     mok__cuda_sched_build(c);
     LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, X), w->routed_a, c->status, c->st));
-    LAUNCH(c, mok_k_gate_up_swiglu(&c->d, sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP), a.g,
-                                   a.u, w->routed_c, c->status, c->st));
+    LAUNCH(c, mok_k_expert_recompute_acts(&c->d, sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                          a.g, a.u, w->kernels, c->status, c->st));
     if (c->d.I_s)
       LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                     a.gs, a.us, w->shared, w->kernels, c->status, c->st));
+                                     a.gs, a.us, BF(c, D_X), w->kernels, c->status, c->st));
   } else if (!ctx) {
     mok__cuda_job_fail(c, MOK_EINVAL, "backward needs the forward's ctx, or the recompute flag");
     return;
   } else {
     a = mok__cuda_ctx_acts(c, ctx);
     sched = mok__cuda_sched_in(c, ctx);
-    gather_x = BF(c, X);
   }
-  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_b, c->status, c->st));
-  step_compute_bwd(c, sched, &a, gather_x, w->routed_a, w->routed_b, w->routed_c, w->shared);
-  LAUNCH(c, mok_k_dispatch_backward(&c->d, sched, w->routed_c, c->d.I_s ? w->shared : NULL,
-                                    BF(c, D_X), c->status, c->st));
+  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+  mok__cuda_stage_weights(c, &wg, &wu, &wd);
+  uint16_t *shared_dx = c->d.I_s ? BF(c, D_X) : NULL;
+  if (c->d.I_s)
+    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), a.gs, a.us, BF(c, S_GATE),
+                                    BF(c, S_UP), BF(c, S_DOWN), shared_dx, BF(c, D_S_GATE),
+                                    BF(c, D_S_UP), BF(c, D_S_DOWN), w->kernels, c->status, c->st));
+  LAUNCH(c, mok_k_gather_rows(&c->d, sched, BF(c, D_OUT), w->routed_a, c->status, c->st));
+  LAUNCH(c, mok_k_expert_backward_in_place(
+                &c->d, sched, a.g, a.u, BF(c, X), w->routed_a,
+                (const float *)T_(c, MOK_SLOT_ROUTER_W), wg, wu, wd, shared_dx, BF(c, D_X),
+                (float *)T_(c, MOK_SLOT_D_RW), BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN),
+                w->kernels, c->status, c->st));
   if ((c->a->flags & MOK_JOB_RECOMPUTE) && ctx)
     mok__cuda_ctx_out(c, ctx); /* as the forward writes it */
 }
@@ -1350,8 +1362,8 @@ void mok__cuda_op_step(job_ctx *c) {
   case MOK_OP_COMPUTE_BWD: {
     const int32_t *s = mok__cuda_sched_in(c, client_sched);
     acts_ptrs a = mok__cuda_acts_split(c, T_(c, MOK_SLOT_ACTS), false);
-    step_compute_bwd(c, s, &a, NULL, BF(c, ROUTED_X), BF(c, ROUTED_DOUT),
-                     BF(c, ROUTED_DX), BF(c, SHARED_DX));
+    step_compute_bwd(c, s, &a, BF(c, ROUTED_X), BF(c, ROUTED_DOUT), BF(c, ROUTED_DX),
+                     BF(c, SHARED_DX));
     break;
   }
   case MOK_OP_DISPATCH_BWD: {
@@ -1622,15 +1634,23 @@ static int ws_fill_byte(void) {
   return fill;
 }
 
+size_t mok__cuda_ws_roomy(size_t need, size_t most) {
+  const size_t round = (size_t)2 << 20;
+  size_t roomy = (need + need / 8 + round - 1) / round * round;
+  if (roomy > most) roomy = most > need ? most : need;
+  return roomy;
+}
+
 /* The session's workspace holds at least need bytes, stream-ordered on its
  * stream: the old one is freed after the jobs before this one, the new one
  * is taken (with headroom, so that a loop of similar jobs never grows it
- * again) and zeroed, so no byte another tenant used before is ever seen. */
-static cudaError_t ws_reserve(job_ctx *c, size_t need) {
+ * again, but never past most: what the layer's job of this kind needs at its
+ * max_tokens, which no later one of them passes) and zeroed, so no byte
+ * another tenant used before is ever seen. */
+static cudaError_t ws_reserve(job_ctx *c, size_t need, size_t most) {
   mok_engine_session *s = c->s;
   if (s->ws_bytes >= need) return cudaSuccess;
-  const size_t round = (size_t)2 << 20;
-  size_t tries[2] = {(need + need / 8 + round - 1) / round * round, need};
+  size_t tries[2] = {mok__cuda_ws_roomy(need, most), need};
   if (s->ws) s->free_pending = true; /* freed after the jobs before this one: idle() syncs */
   ws_release(c->e, s, c->st);
   cudaError_t r = cudaSuccess;
@@ -1665,21 +1685,28 @@ static bool job_workspace(job_ctx *c) {
                                  : a->op != MOK_OP_COMPUTE || T_(c, MOK_SLOT_ACTS) != NULL;
   bool staging = (a->op == MOK_OP_BACKWARD || a->op == MOK_OP_COMPUTE_BWD) &&
                  stage_weights_enabled(&c->d);
+  const uint32_t T_max = a->layer->max_tokens > a->tokens ? a->layer->max_tokens : a->tokens;
   size_t need =
       mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, NULL, NULL);
+  size_t most =
+      mok__cuda_job_space(a->layer, T_max, a->op, a->flags, brings_acts, staging, NULL, NULL);
   if (a->op == MOK_OP_FORWARD && brings_acts) {
     /* training: the backward from this ctx follows; take its room now rather
      * than grow (a growth holds both sizes until the session next idles) */
-    size_t bwd = mok__cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true,
-                                     stage_weights_enabled(&c->d), NULL, NULL);
+    const bool stages = stage_weights_enabled(&c->d);
+    size_t bwd = mok__cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true, stages, NULL,
+                                     NULL);
+    size_t bwd_most =
+        mok__cuda_job_space(a->layer, T_max, MOK_OP_BACKWARD, 0, true, stages, NULL, NULL);
     if (bwd > need) need = bwd;
+    if (bwd_most > most) most = bwd_most;
   }
-  cudaError_t r = ws_reserve(c, need);
+  cudaError_t r = ws_reserve(c, need, most);
   if (r != cudaSuccess && staging) { /* without the staged weights: slower, but it runs */
     staging = false;
     need =
         mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, false, NULL, NULL);
-    r = ws_reserve(c, need);
+    r = ws_reserve(c, need, need);
   }
   if (r != cudaSuccess) {
     mok__cuda_job_fail(

@@ -166,10 +166,10 @@ typedef struct job_ws {
   int32_t *ids;       /* [T, K] the daemon's copy of the job's topk_ids */
   int32_t *sched;     /* the schedule every kernel reads: built here, or a validated copy */
   void *acts;         /* acts (layout of mok_wire.h) when the job brings none */
-  uint16_t *routed_a; /* routed_x */
-  uint16_t *routed_b; /* routed_y / routed_d_out */
-  uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] */
-  uint16_t *shared;   /* shared_y / shared_d_x [T, H] */
+  uint16_t *routed_a; /* routed_x; a bf16 layer of one GPU: every routed row, in turn */
+  uint16_t *routed_b; /* routed_y / routed_d_out (group and fp8 layers) */
+  uint16_t *routed_c; /* routed_d_x, and h while a recompute runs: [R, max(H, I)] (same) */
+  uint16_t *shared;   /* shared_y / shared_d_x [T, H] (same; else out and d_x hold them) */
   int32_t *ep_ids;    /* [W*T_max, K] every member's ids */
   float *ep_rw;       /* [W*T_max, K] every member's router weights */
   float *ep_drw;      /* [W*T_max*K] d_rw of the local experts' slots, before the push */
@@ -190,6 +190,10 @@ typedef struct job_ws {
  * [base, base + bytes). The one function that both sizes and carves. */
 size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op, uint32_t flags,
                            bool brings_acts, bool staging, char *base, job_ws *w);
+/* What the workspace grows to for a job that needs need bytes: an eighth
+ * more (2 MiB steps), never past most (the layer's job of that kind at its
+ * max_tokens) unless need is. */
+size_t mok__cuda_ws_roomy(size_t need, size_t most);
 
 typedef struct job_ctx {
   mok_engine *e;

@@ -2,11 +2,12 @@
 /* The layer in one process: the kernel library (kernels/mok_kernels.h)
  * called directly on one stream, as the engine chains it,
  *   forward:  schedule_build, gather_rows(x), expert_forward, shared_forward, combine
- *   backward: gather_rows(d_out), expert_backward, shared_backward, dispatch_backward
- * (gathering: as mokd chains it, the forward's expert_forward_gathering with
- * the gate/up producer gathering x's rows (mok_k_sm90_set_gather_a) and the
- * backward's expert_backward_gathering copying them again beside its
- * products) with its buffers, the random fill both bench programs use, the job
+ *   backward: gather_rows(d_out), shared_backward, expert_backward, dispatch_backward
+ * (gathering: as mokd chains a bf16 layer, the forward's
+ * expert_forward_gathering with the gate/up producer gathering x's rows
+ * (mok_k_sm90_set_gather_a) and its y over the routed x, the shared
+ * expert's y in out and its d_x in d_x, and the backward in d_out's routed
+ * buffer, mok_k_expert_backward_in_place) with its buffers, the random fill both bench programs use, the job
  * status word and the hashes that check results bitwise. Used by mok_bench
  * (the in-process bench) and by mok_bench_daemon --inproc-ab (the same
  * chain next to the same layer through mokd). Included by one .cu file of
@@ -249,7 +250,10 @@ static void layer_add_fp8(layer *L) {
 #define BWD_STEPS 4
 static const char *FWD_NAMES[FWD_STEPS] = {"schedule_build", "gather", "expert_forward",
                                            "shared_forward", "combine"};
-static const char *BWD_NAMES[BWD_STEPS] = {"gather_d_out", "expert_backward", "shared_backward",
+/* the shared expert's backward first, as mokd runs it (its d_x is the base
+ * of the K-sum); in the gathering chain the K-sum is part of the routed
+ * backward, and "dispatch_backward" an empty step */
+static const char *BWD_NAMES[BWD_STEPS] = {"gather_d_out", "shared_backward", "expert_backward",
                                            "dispatch_backward"};
 
 /* ev: FWD_STEPS+1 events recorded between the steps (NULL: none) */
@@ -284,18 +288,20 @@ static void enqueue_forward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
     if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
     MOK_CHECK(mok_k_expert_forward(d, L->sched, L->routed_x, L->wg, L->wu, L->wd, L->acts_g,
                                    L->acts_u, L->routed_y, L->ws, L->status, st));
-  } else { /* the gather is part of expert_forward: an empty "gather" step */
+  } else { /* the gather is part of expert_forward: an empty "gather" step; y over x's rows */
     if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
     MOK_CHECK(mok_k_expert_forward_gathering(d, L->sched, L->x[s], L->routed_x, L->wg, L->wu,
-                                             L->wd, L->acts_g, L->acts_u, L->routed_y, L->ws,
+                                             L->wd, L->acts_g, L->acts_u, L->routed_x, L->ws,
                                              L->status, st));
   }
+  /* gathering: the shared expert's y in out, read back by combine (mokd's chain) */
+  uint16_t *routed_y = L->gathering ? L->routed_x : L->routed_y;
+  uint16_t *shared_y = L->gathering && d->I_s ? L->out : L->shared_y;
   if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
   MOK_CHECK(mok_k_shared_forward(d, L->x[s], L->sg, L->su, L->sd, L->acts_gs, L->acts_us,
-                                 L->shared_y, L->ws, L->status, st));
+                                 shared_y, L->ws, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
-  MOK_CHECK(mok_k_combine(d, L->sched, L->routed_y, L->rw[s], L->shared_y, L->out, L->status,
-                          st));
+  MOK_CHECK(mok_k_combine(d, L->sched, routed_y, L->rw[s], shared_y, L->out, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[5], st));
 }
 
@@ -309,45 +315,51 @@ static void enqueue_backward_fp8(layer *L, int s, cudaEvent_t *ev, cudaStream_t 
   MOK_CHECK(mok_k_fp8_quantize_rows(L->d_out[s], d->T, d->H, L->tq, L->ts, st));
   MOK_CHECK(mok_k_fp8_gather_rows(d, L->sched, L->tq, L->ts, L->rq, L->rs, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
+  MOK_CHECK(mok_k_fp8_shared_backward(d, L->x[s], L->d_out[s], L->tq, L->ts, L->acts_gs,
+                                      L->acts_us, L->psg, L->psu, L->psd, L->shared_d_x, L->dsg,
+                                      L->dsu, L->dsd, L->ws8, L->status, st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
   MOK_CHECK(mok_k_fp8_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->x[s], L->routed_x,
                                       L->routed_d_out, L->rq, L->rs, L->rw[s], L->pwg, L->pwu,
                                       L->pwd, L->routed_d_x, L->d_rw, L->dwg, L->dwu, L->dwd,
                                       L->ws8, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
-  MOK_CHECK(mok_k_fp8_shared_backward(d, L->x[s], L->d_out[s], L->tq, L->ts, L->acts_gs,
-                                      L->acts_us, L->psg, L->psu, L->psd, L->shared_d_x, L->dsg,
-                                      L->dsu, L->dsd, L->ws8, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
   MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x, L->status,
                                     st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
 }
 
+/* gathering (mokd's chain): the shared expert's d_x into d_x, then the
+ * routed backward in d_out's routed buffer with the K-sum that reads d_x
+ * back (mok_k_expert_backward_in_place) */
 static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) {
   const mok_k_dims *d = &L->d;
   if (L->fp8) {
     enqueue_backward_fp8(L, s, ev, st);
     return;
   }
+  uint16_t *shared_d_x = L->gathering ? L->d_x : L->shared_d_x;
   if (ev) CUDA_CHECK(cudaEventRecord(ev[0], st));
   MOK_CHECK(mok_k_gather_rows(d, L->sched, L->d_out[s], L->routed_d_out, L->status, st));
   if (ev) CUDA_CHECK(cudaEventRecord(ev[1], st));
-  if (!L->gathering)
+  MOK_CHECK(mok_k_shared_backward(d, L->x[s], L->d_out[s], L->acts_gs, L->acts_us, L->sg, L->su,
+                                  L->sd, shared_d_x, L->dsg, L->dsu, L->dsd, L->ws, L->status,
+                                  st));
+  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
+  if (!L->gathering) {
     MOK_CHECK(mok_k_expert_backward(d, L->sched, L->acts_g, L->acts_u, L->routed_x,
                                     L->routed_d_out, L->rw[s], L->wg, L->wu, L->wd, L->routed_d_x,
                                     L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status, st));
-  else
-    MOK_CHECK(mok_k_expert_backward_gathering(d, L->sched, L->acts_g, L->acts_u, L->x[s],
-                                              L->routed_x, L->routed_d_out, L->rw[s], L->wg,
-                                              L->wu, L->wd, L->routed_d_x, L->d_rw, L->dwg,
-                                              L->dwu, L->dwd, L->ws, L->status, st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[2], st));
-  MOK_CHECK(mok_k_shared_backward(d, L->x[s], L->d_out[s], L->acts_gs, L->acts_us, L->sg, L->su,
-                                  L->sd, L->shared_d_x, L->dsg, L->dsu, L->dsd, L->ws, L->status,
-                                  st));
-  if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
-  MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x, L->status,
-                                    st));
+    if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+    MOK_CHECK(mok_k_dispatch_backward(d, L->sched, L->routed_d_x, L->shared_d_x, L->d_x,
+                                      L->status, st));
+  } else {
+    MOK_CHECK(mok_k_expert_backward_in_place(
+        d, L->sched, L->acts_g, L->acts_u, L->x[s], L->routed_d_out, L->rw[s], L->wg, L->wu,
+        L->wd, d->I_s ? L->d_x : NULL, L->d_x, L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status,
+        st));
+    if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
+  }
   if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));
 }
 

@@ -152,13 +152,13 @@ int main(int argc, char **argv) {
   free(hids), free(hrw);
   CK(cudaDeviceSynchronize());
 
-  /* what the engine's workspace should be: the larger of the two jobs, with its headroom */
+  /* what the engine's workspace should be: the larger of the two jobs, with
+   * its headroom (none past the layer's need at max_tokens, here T) */
   size_t need = mok__cuda_job_space(&cfg, (uint32_t)T, MOK_OP_BACKWARD, 0, true, false, NULL, NULL);
   size_t need_f =
       mok__cuda_job_space(&cfg, (uint32_t)T, MOK_OP_FORWARD, 0, true, false, NULL, NULL);
   if (need_f > need) need = need_f;
-  const size_t round = (size_t)2 << 20;
-  double ws_mib = mib((double)((need + need / 8 + round - 1) / round * round));
+  double ws_mib = mib((double)mok__cuda_ws_roomy(need, need));
 
   sleep(2);
   double smi0 = smi_mib(pid), dev0 = device_used();

@@ -34,9 +34,12 @@ MATCH = {
                 "expert_forward": "expert_forward", "expert_forward_gathering": "expert_forward",
                 "shared_forward": "shared_forward",
                 "combine": "combine"},
-    # mokd's backward gathers x inside expert_backward_gathering (logs before
-    # that had a gather_rows of x first, and d_out's as gather_rows#2)
+    # mokd's backward runs in one routed buffer: expert_backward_in_place
+    # includes the K-sum (dispatch_backward) and x's gather (older logs:
+    # expert_backward_gathering and a dispatch_backward; before those a
+    # gather_rows of x first, and d_out's as gather_rows#2)
     "backward": {"gather_rows": "gather_d_out",
+                 "expert_backward_in_place": "expert_backward",
                  "expert_backward_gathering": "expert_backward",
                  "shared_backward": "shared_backward", "dispatch_backward": "dispatch_backward"},
 }
