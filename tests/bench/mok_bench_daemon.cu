@@ -32,7 +32,7 @@
  * --inproc-ab 1: the boundary's cost in one process, on one stream, at one
  * moment. Two separate runs of the same kernels on an H200 at its power cap
  * differ by up to 12 % (the SM clock drifts under sustained load), more than
- * the cost to resolve. So each configuration also runs mok_bench's chain
+ * the cost to resolve. So each configuration also runs mokd's chain
  * (bench_layer.h: the kernel library called directly, on the client's
  * stream, in the client's own context, which under MPS is where a
  * trainer's kernels run), and the two sides take turns run by run, warm-up
@@ -50,9 +50,10 @@
  * of the per-rep ratios (each B over the A of its rep), forward and
  * backward; and whether one forward+backward of set 0 gives bitwise the same
  * outputs both ways (it must: the same kernels on the same inputs; the
- * run's exit status is 1 when not). The mokd backward also gathers x again
- * and copies the ctx's schedule in (routed x is not kept across jobs): that
- * is part of what the boundary costs.
+ * run's exit status is 1 when not). The chain is mokd's (bench_layer.h
+ * "gathering": one routed buffer, x's rows written back by the backward's
+ * K-sum pass); the mokd backward also copies the ctx's schedule in: that is
+ * part of what the boundary costs.
  *
  * --phases 1 (with --inproc-ab): the in-process runs also record an event
  * between the chain's steps and print each step's median; mokd started
@@ -75,7 +76,7 @@
 #include "../harness/kernel_choices.h"
 #include "bench_common.h"
 #include "bench_pool.h"
-/* the in-process layer (--inproc-ab): the kernel library as mok_bench calls it */
+/* the in-process layer (--inproc-ab): the kernel library in mokd's chain (bench_layer.h "gathering") */
 #include "bench_layer.h"
 
 
@@ -298,6 +299,7 @@ static int run_config(mok_client *c, const config *cf, const char *routing_dir, 
     in.su = (uint16_t *)po[4];
     in.sd = (uint16_t *)po[5];
     layer_alloc(&L, &d, &ip, &in);
+    L.gathering = 1; /* mokd's chain (bench_layer.h), the gather rule's default */
   }
 
   mok_forward_args fa[N_SETS];
