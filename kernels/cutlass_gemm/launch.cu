@@ -10,16 +10,19 @@
 #include "mok_kernels_internal.cuh"
 
 /* ---- the launch table ---------------------------------------------------------------------
- * One row a product it serves: the configuration, and the fewest rows a
+ * One row a product it serves: the configuration, and the range of rows a
  * group must be able to hold (the row capacity over the groups: a pure
- * function of the job's dims, never of timing or of the routing) for it to
- * run there; below, the product stays on the hand-written Hopper kernels
+ * function of the job's dims, never of timing or of the routing; the
+ * weight gradients' rows are their K) for it to run there: at least
+ * min_group_rows, and below max_group_rows where that is not 0; outside
+ * every row the product stays on the hand-written Hopper kernels
  * (mok_gemm_sm90.cu). Each row's reason is measured in kernels/PERF.md
  * ("Kernels v3"). */
 enum {
   CG_DOWN_COOP_128x256_C2,
   CG_DOWN_PP_128x128_C2,
   CG_WGRAD_COOP_128x256,
+  CG_WGRAD_PP_128x128,
   CG_DGRAD_COOP_128x256_C2,
   CG_DGRAD_PP_128x128_C2,
 };
@@ -27,31 +30,38 @@ enum {
 struct cg_row {
   int mode;
   int config;
-  long long min_group_rows;
+  long long min_group_rows, max_group_rows; /* max 0: no bound */
+  int min_out; /* the least of a group's output rows and columns, at least this */
 };
 static const cg_row cg_table[] = {
     /* the shared expert and the routed products at T = 8192: 3-8 % faster;
      * the routed products at T = 2048 (~350 rows an expert): within +-2 % */
-    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 1024},
+    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 1024, 0, 0},
     /* the down dgrad with its SwiGLU backward, g and u in by TMA during
      * the k loop, at T = 8192: 3.28 ms against the hand-written ping-pong's
      * 3.97 alone (ncu), 4.23 against 4.42 back to back; at T = 2048 the
      * layer's backward 0-2 % slower with it (PERF.md "The down dgrad on CUTLASS") */
-    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 1024},
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 1024, 0, 0},
+    /* the weight gradients at 380-640 rows an expert (T = 2048): a k loop
+     * of 6-10 blocks, the epilogue under the other warpgroup's; the layer's
+     * backward 1.4-5.1 % faster where the outputs are 2048 or more each way
+     * (I >= 2048), 3.5-4.5 % slower at qwen3.5-397b's I = 1024 (PERF.md
+     * "The weight gradients on ping-pong") */
+    {MOK_GM_WGRAD, CG_WGRAD_PP_128x128, 0, 1024, 2048},
 };
 
 /* The tests' and the bench's alternatives to the table (mok_gemm_sm90.h):
- * every product that has a configuration, whatever the rows, DOWN and the
- * down dgrad on the cooperative or on the ping-pong ones. */
+ * every product that has a configuration, whatever the rows, on the
+ * cooperative or on the ping-pong ones. */
 static const cg_row cg_every[] = {
-    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 0},
-    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 0},
-    {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
+    {MOK_GM_DOWN, CG_DOWN_COOP_128x256_C2, 0, 0, 0},
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_COOP_128x256_C2, 0, 0, 0},
+    {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0, 0, 0},
 };
 static const cg_row cg_every_pp[] = {
-    {MOK_GM_DOWN, CG_DOWN_PP_128x128_C2, 0},
-    {MOK_GM_DOWN_DGRAD, CG_DGRAD_PP_128x128_C2, 0},
-    {MOK_GM_WGRAD, CG_WGRAD_COOP_128x256, 0},
+    {MOK_GM_DOWN, CG_DOWN_PP_128x128_C2, 0, 0, 0},
+    {MOK_GM_DOWN_DGRAD, CG_DGRAD_PP_128x128_C2, 0, 0, 0},
+    {MOK_GM_WGRAD, CG_WGRAD_PP_128x128, 0, 0, 0},
 };
 static std::atomic<int> cg_choice{MOK_K_CUTLASS_TABLE};
 
@@ -92,10 +102,22 @@ int mok__cg_built(void) {
 }
 
 /* The row that serves product `mode` with these parameters, or NULL. */
+/* The least of a group's output rows and columns (WGRAD: each output half's). */
+static int cg_min_out(int mode, const mok_gemm_params *p) {
+  int m = p->M;
+  if (mode == MOK_GM_WGRAD && p->C1 && p->c_split > 0 && p->c_split < p->M)
+    m = p->c_split < p->M - p->c_split ? p->c_split : p->M - p->c_split;
+  return m < p->N ? m : p->N;
+}
+
 template <size_t N>
 static const cg_row *cg_find(const cg_row (&rows)[N], int mode, const mok_gemm_params *p) {
+  const long long capacity = mode == MOK_GM_WGRAD ? p->K : p->M; /* the groups' rows */
   for (const cg_row &r : rows)
-    if (r.mode == mode && (long long)p->M >= r.min_group_rows * p->groups) return &r;
+    if (r.mode == mode && capacity >= r.min_group_rows * p->groups &&
+        (r.max_group_rows == 0 || capacity < r.max_group_rows * p->groups) &&
+        cg_min_out(mode, p) >= r.min_out)
+      return &r;
   return nullptr;
 }
 static const cg_row *cg_row_of(int mode, const mok_gemm_params *p) {
@@ -205,8 +227,12 @@ int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t strea
     return config == CG_DGRAD_PP_128x128_C2 ? mok__cg_down_dgrad_pp_128x128_c2(p, ctas, stream)
                                             : mok__cg_down_dgrad_coop_128x256_c2(p, ctas, stream);
   case CG_WGRAD_COOP_128x256:
+  case CG_WGRAD_PP_128x128: {
     wgrad_zero<<<dim3(32, p->groups), 256, 0, stream>>>(*p);
-    return mok__cg_wgrad_coop_128x256(p, p->C1 && p->c_split < p->M ? 2 : 1, ctas, stream);
+    const int halves = p->C1 && p->c_split < p->M ? 2 : 1;
+    return config == CG_WGRAD_PP_128x128 ? mok__cg_wgrad_pp_128x128(p, halves, ctas, stream)
+                                         : mok__cg_wgrad_coop_128x256(p, halves, ctas, stream);
+  }
   }
   return MOK_EUNSUPPORTED;
 #else

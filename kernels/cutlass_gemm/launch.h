@@ -50,5 +50,6 @@ int mok__cg_down_dgrad_coop_128x256_c2(const mok_gemm_params *p, int ctas, cudaS
 int mok__cg_down_dgrad_pp_128x128_c2(const mok_gemm_params *p, int ctas, cudaStream_t stream);
 int mok__cg_wgrad_coop_128x256(const mok_gemm_params *p, int halves, int ctas,
                                cudaStream_t stream);
+int mok__cg_wgrad_pp_128x128(const mok_gemm_params *p, int halves, int ctas, cudaStream_t stream);
 
 #endif /* MOK_CUTLASS_LAUNCH_H */

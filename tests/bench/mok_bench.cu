@@ -400,7 +400,7 @@ int main(int argc, char **argv) {
     const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
     const int fp8 = !strcmp(one, "fp8");
     /* cutlass-every: the cutlass variant with every product that has a CUTLASS
-     * configuration on it, whatever the rows; cutlass-every-pp: DOWN on ping-pong */
+     * configuration on it, whatever the rows; cutlass-every-pp: on the ping-pong ones */
     const int cg_wg = !strcmp(one, "cutlass-every"), cg_pp = !strcmp(one, "cutlass-every-pp");
     const int sv = plain || piped ? MOK_K_SM90_PINGPONG
                    : cg_pp || cg_wg ? MOK_K_SM90_CUTLASS

@@ -29,7 +29,7 @@
  *   correct and bwd take the cutlass variant's choice as a second word:
  *                            every (the default: every product with a
  *                            CUTLASS configuration, whatever its rows) or
- *                            every-pp (the same with DOWN on ping-pong)
+ *                            every-pp (the same on the ping-pong ones)
  *   test_gemm_sm90 profile SHAPE T [VARIANTS]
  *                            one launch of each GEMM per tile variant
  *                            (default "rows,cluster") inside a profiler
@@ -1626,7 +1626,8 @@ int main(int argc, char **argv) {
   bool all = !strcmp(mode, "all");
   /* the cutlass variant with every product that has a CUTLASS configuration
    * on it, whatever the rows (the small shapes here are below the launch
-   * table's thresholds): DOWN cooperative, or ping-pong with "every-pp" */
+   * table's thresholds): on the cooperative configurations, or the ping-pong
+   * ones with "every-pp" */
   if (all || !strcmp(mode, "correct") || !strcmp(mode, "bwd")) {
     const bool pp = argc > 2 && !strcmp(argv[2], "every-pp");
     if (argc > 2 && !pp && strcmp(argv[2], "every")) {
@@ -1634,7 +1635,7 @@ int main(int argc, char **argv) {
       return 2;
     }
     MOK_CHECK(mok_k_sm90_set_cutlass_choice(pp ? MOK_K_CUTLASS_EVERY_PP : MOK_K_CUTLASS_EVERY));
-    printf("the cutlass variant: every product with a CUTLASS configuration, DOWN %s\n",
+    printf("the cutlass variant: every product with a CUTLASS configuration, %s\n",
            pp ? "ping-pong" : "cooperative");
   }
   if (all || !strcmp(mode, "correct")) {
