@@ -1366,11 +1366,13 @@ __global__ void __launch_bounds__(S9_THREADS, 1)
 
 static int s9_grid_override = 0;
 static int s9_pipe = 0, s9_band = 0, s9_pol_a = 0, s9_pol_b = 0;
-/* the default: 2-CTA clusters multicasting the weight tile (PERF.md v3) and the
- * ping-pong down dgrad (v4; H200, interleaved with cluster in one run: the
- * backward 2-8% faster on all 16 configurations, bitwise equal);
- * MOK_GEMM_VARIANT picks another */
-static int s9_variant = MOK_K_SM90_PINGPONG;
+/* the default: pingpong (2-CTA clusters multicasting the weight tile, PERF.md
+ * v3; the ping-pong down dgrad, v4) with the products CUTLASS's launch table
+ * takes (kernels/cutlass_gemm/launch.cu; PERF.md "Kernels v3 on CUTLASS":
+ * the forward 3-6 % faster at T=8192, bitwise equal); a build without
+ * CUTLASS runs pingpong's kernels for all of them. MOK_GEMM_VARIANT picks
+ * another */
+static int s9_variant = MOK_K_SM90_CUTLASS;
 static int s9_pair_clusters = 0; /* co-resident 2-CTA clusters (0: the variant is off) */
 static int s9_quad_clusters = 0; /* co-resident 4-CTA clusters (0: quad falls back to pairs) */
 /* the ping-pong down dgrad in 2-CTA clusters (bench knob: mok_k_sm90_set_pp_pairs) */

@@ -91,12 +91,13 @@ int mok_k_sm90_bwd_modes(void);
  *            wgrads run ROWS) (PERF.md v3).
  *   PINGPONG CLUSTER, and the down dgrad on 128x128 tiles with one
  *            consumer warpgroup a tile, so that one's SwiGLU-backward
- *            epilogue overlaps the other's k loop; the default (PERF.md v4).
+ *            epilogue overlaps the other's k loop (PERF.md v4).
  *   QUAD     PINGPONG, with GATE_UP, DOWN and the gate/up dgrad in 2x2
  *            clusters (two row blocks x two column tiles): A shared by the
  *            two column tiles, B by the two row blocks of one expert.
- *   CUTLASS  PINGPONG, with DOWN and the weight gradients on CUTLASS's sm90
- *            grouped GEMM (kernels/cutlass_gemm/, its launch table); in a build
+ *   CUTLASS  PINGPONG, with DOWN, the down dgrad and the weight gradients on
+ *            CUTLASS's sm90 grouped GEMM where its launch table says
+ *            (kernels/cutlass_gemm/launch.cu); the default. In a build
  *            without CUTLASS's headers, PINGPONG (PERF.md "Kernels v3").
  * The variant choice rows|expert|cluster|pingpong|quad|cutlass at mok_k_init_with, or the setter
  * (MOK_EINVAL for an unknown one). WGRAD always runs ROWS. */
@@ -127,8 +128,8 @@ int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M
 
 /* Tests and bench: what the cutlass variant runs on CUTLASS (kernels/cutlass_gemm/):
  * its launch table (the default), or every product that has a CUTLASS
- * configuration whatever its rows, with DOWN on the cooperative (EVERY) or
- * the ping-pong (EVERY_PP) configuration. Results do not depend on it.
+ * configuration whatever its rows, on its cooperative (EVERY) or its
+ * ping-pong (EVERY_PP) configuration. Results do not depend on it.
  * MOK_EINVAL for another value. */
 #define MOK_K_CUTLASS_TABLE 0
 #define MOK_K_CUTLASS_EVERY 1

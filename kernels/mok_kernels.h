@@ -80,7 +80,7 @@ int mok_k_check_dims(const mok_k_dims *d, char *err, size_t errlen);
  *   gemm           "hmma": every product on mma.sync; "sm90" (the default):
  *                  the Hopper kernels where the device has them
  *   variant        the Hopper tile variant (mok_gemm_sm90.h: rows, expert,
- *                  cluster, pingpong (the default), quad, cutlass)
+ *                  cluster, pingpong, quad, cutlass (the default))
  *   gather_beside  where the backward gathers x (mok_k_set_gather_host)
  *   cutlass        what the cutlass variant runs on CUTLASS (mok_gemm_sm90.h,
  *                  mok_k_sm90_set_cutlass_choice): "table" (the default),
