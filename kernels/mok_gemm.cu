@@ -895,6 +895,31 @@ static gemm_params down_wgrad(const mok_k_dims *d, const int32_t *schedule, cons
                     d->H, n, (long long)d->H * n, a->e_range, status);
 }
 
+/* a = d_out W_d, SwiGLU backward */
+static gemm_params down_dgrad(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
+                              int32_t *status) {
+  const int n = a->n_inter;
+  return gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu, a->h,
+                         a->partial, (int)cdiv(n, BN), status);
+}
+
+/* d_xr = dg W_g + du W_u */
+static gemm_params gate_up_dgrad(const mok_k_dims *d, const int32_t *schedule,
+                                 const ffn_bwd_args *a, int32_t *status) {
+  return gemm_gu_dgrad(d, schedule, a->M, a->n_inter, a->dgu, a->wg, a->wu, a->d_xr, status);
+}
+
+/* Which backward products run on the Hopper kernels; the gate/up dgrad's
+ * k16 steps must not straddle dg and du. */
+struct bwd_on90 {
+  bool dgrad, gu, wg;
+};
+static bwd_on90 bwd_kernels(int n_inter) {
+  return bwd_on90{on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD),
+                  on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n_inter % 16 == 0,
+                  on_sm90_bwd(MOK_K_SM90_BWD_WGRAD)};
+}
+
 static gemm_params gate_up_wgrad(const mok_k_dims *d, const int32_t *schedule,
                                  const ffn_bwd_args *a, int32_t *status) {
   const int n = a->n_inter;
@@ -913,21 +938,17 @@ static int ffn_wgrads(const mok_k_dims *d, const int32_t *schedule, const ffn_bw
 
 static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_bwd_args *a,
                         int32_t *status, cudaStream_t stream) {
-  const int n = a->n_inter;
-  const bool dgrad90 = on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD);
-  const bool gu90 = on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0;
-  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
-  /* a = d_out W_d, SwiGLU backward */
-  gemm_params p = gemm_down_dgrad(d, schedule, a->M, n, a->d_out, a->wd, a->g, a->u, a->rw, a->dgu,
-                                  a->h, a->partial, (int)cdiv(n, BN), status);
+  const bwd_on90 k90 = bwd_kernels(a->n_inter);
+  gemm_params p = down_dgrad(d, schedule, a, status);
   /* x's gather: beside the chosen products where they run on the
    * hand-written Hopper kernels (their idle producer warps; a product on
    * CUTLASS carries none), else a kernel of its own first */
   int host = MOK_K_GATHER_KERNEL;
   if (a->gathers) {
     const gemm_params pw = down_wgrad(d, schedule, a, status);
-    const bool on90[GATHER_PRODUCTS] = {dgrad90 && !mok__sm90_on_cutlass(MOK_GM_DOWN_DGRAD, &p), gu90,
-                                        wg90 && !mok__sm90_on_cutlass(MOK_GM_WGRAD, &pw)};
+    const bool on90[GATHER_PRODUCTS] = {
+        k90.dgrad && !mok__sm90_on_cutlass(MOK_GM_DOWN_DGRAD, &p), k90.gu,
+        k90.wg && !mok__sm90_on_cutlass(MOK_GM_WGRAD, &pw)};
     host = gather_placement(mok_k_gather_host(), on90);
     if (host == MOK_K_GATHER_KERNEL) {
       const int st = mok_k_gather_rows(d, schedule, (const mok_k_bf16 *)a->gather_src,
@@ -936,14 +957,14 @@ static int ffn_backward(const mok_k_dims *d, const int32_t *schedule, const ffn_
     }
   }
   attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_DOWN_DGRAD]);
-  int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, dgrad90, stream);
+  int st = run_gemm<MOK_GM_DOWN_DGRAD>(p, k90.dgrad, stream);
   if (st != MOK_OK) return st;
-  /* d_xr = dg W_g + du W_u; the Hopper kernel's k16 steps must not straddle dg and du */
-  p = gemm_gu_dgrad(d, schedule, a->M, n, a->dgu, a->wg, a->wu, a->d_xr, status);
+  p = gate_up_dgrad(d, schedule, a, status);
   attach_gather(&p, d, schedule, a, gather_shares[host][GATHER_ON_GU_DGRAD]);
-  st = run_gemm<MOK_GM_GU_DGRAD>(p, gu90, stream);
+  st = run_gemm<MOK_GM_GU_DGRAD>(p, k90.gu, stream);
   if (st != MOK_OK) return st;
-  return ffn_wgrads(d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD], wg90, status, stream);
+  return ffn_wgrads(d, schedule, a, gather_shares[host][GATHER_ON_DOWN_WGRAD], k90.wg, status,
+                    stream);
 }
 
 /* A routed backward's pieces (schedule's rows, workspace pieces, outputs);
@@ -1101,22 +1122,17 @@ extern "C" int mok_k_expert_backward_in_place(
   a.wg = (const bf16 *)w_gate;
   a.wu = (const bf16 *)w_up;
   a.wd = (const bf16 *)w_down;
-  const int n = a.n_inter;
-  const bool dgrad90 = on_sm90_bwd(MOK_K_SM90_BWD_DOWN_DGRAD);
-  const bool gu90 = on_sm90_bwd(MOK_K_SM90_BWD_GATE_UP_DGRAD) && n % 16 == 0;
-  const bool wg90 = on_sm90_bwd(MOK_K_SM90_BWD_WGRAD);
-  int st = run_gemm<MOK_GM_DOWN_DGRAD>(gemm_down_dgrad(d, schedule, a.M, n, a.d_out, a.wd, a.g,
-                                                       a.u, a.rw, a.dgu, a.h, a.partial,
-                                                       (int)cdiv(n, BN), status),
-                                       dgrad90, stream);
+  const bwd_on90 k90 = bwd_kernels(a.n_inter);
+  int st = run_gemm<MOK_GM_DOWN_DGRAD>(down_dgrad(d, schedule, &a, status), k90.dgrad, stream);
   /* the last reader of d_out's rows before the gate/up dgrad overwrites them */
-  if (st == MOK_OK) st = run_gemm<MOK_GM_WGRAD>(down_wgrad(d, schedule, &a, status), wg90, stream);
   if (st == MOK_OK)
-    st = run_gemm<MOK_GM_GU_DGRAD>(
-        gemm_gu_dgrad(d, schedule, a.M, n, a.dgu, a.wg, a.wu, a.d_xr, status), gu90, stream);
-  if (st == MOK_OK) st = mok_k_ksum_regather(d, schedule, routed, shared_d_x, x, d_x, status, stream);
+    st = run_gemm<MOK_GM_WGRAD>(down_wgrad(d, schedule, &a, status), k90.wg, stream);
   if (st == MOK_OK)
-    st = run_gemm<MOK_GM_WGRAD>(gate_up_wgrad(d, schedule, &a, status), wg90, stream);
+    st = run_gemm<MOK_GM_GU_DGRAD>(gate_up_dgrad(d, schedule, &a, status), k90.gu, stream);
+  if (st == MOK_OK)
+    st = mok_k_ksum_regather(d, schedule, routed, shared_d_x, x, d_x, status, stream);
+  if (st == MOK_OK)
+    st = run_gemm<MOK_GM_WGRAD>(gate_up_wgrad(d, schedule, &a, status), k90.wg, stream);
   if (st == MOK_OK) st = mok_k_drw_reduce(d, schedule, a.partial, d_rw, status, stream);
   return st;
 }
