@@ -1678,6 +1678,21 @@ static cudaError_t ws_reserve(job_ctx *c, size_t need, size_t most) {
 }
 
 /* The job's pieces of the session's workspace (grown when it needs more). */
+/* The workspace a job of this kind needs at T tokens: its own layout and,
+ * for a forward that saves its ctx, the backward's from it (training: the
+ * backward follows; take its room now rather than grow, as a growth holds
+ * both sizes until the session next idles). */
+static size_t job_room(const job_ctx *c, uint32_t T, bool brings_acts, bool staging) {
+  const mok_job_args *a = c->a;
+  size_t need = mok__cuda_job_space(a->layer, T, a->op, a->flags, brings_acts, staging, NULL, NULL);
+  if (a->op == MOK_OP_FORWARD && brings_acts) {
+    const size_t bwd = mok__cuda_job_space(a->layer, T, MOK_OP_BACKWARD, 0, true,
+                                           stage_weights_enabled(&c->d), NULL, NULL);
+    if (bwd > need) need = bwd;
+  }
+  return need;
+}
+
 static bool job_workspace(job_ctx *c) {
   const mok_job_args *a = c->a;
   const bool whole = a->op == MOK_OP_FORWARD || a->op == MOK_OP_BACKWARD;
@@ -1685,23 +1700,12 @@ static bool job_workspace(job_ctx *c) {
                                  : a->op != MOK_OP_COMPUTE || T_(c, MOK_SLOT_ACTS) != NULL;
   bool staging = (a->op == MOK_OP_BACKWARD || a->op == MOK_OP_COMPUTE_BWD) &&
                  stage_weights_enabled(&c->d);
-  const uint32_t T_max = a->layer->max_tokens > a->tokens ? a->layer->max_tokens : a->tokens;
-  size_t need =
-      mok__cuda_job_space(a->layer, a->tokens, a->op, a->flags, brings_acts, staging, NULL, NULL);
-  size_t most =
-      mok__cuda_job_space(a->layer, T_max, a->op, a->flags, brings_acts, staging, NULL, NULL);
-  if (a->op == MOK_OP_FORWARD && brings_acts) {
-    /* training: the backward from this ctx follows; take its room now rather
-     * than grow (a growth holds both sizes until the session next idles) */
-    const bool stages = stage_weights_enabled(&c->d);
-    size_t bwd = mok__cuda_job_space(a->layer, a->tokens, MOK_OP_BACKWARD, 0, true, stages, NULL,
-                                     NULL);
-    size_t bwd_most =
-        mok__cuda_job_space(a->layer, T_max, MOK_OP_BACKWARD, 0, true, stages, NULL, NULL);
-    if (bwd > need) need = bwd;
-    if (bwd_most > most) most = bwd_most;
+  size_t need = job_room(c, a->tokens, brings_acts, staging);
+  cudaError_t r = cudaSuccess;
+  if (c->s->ws_bytes < need) { /* its headroom stops at the same job at max_tokens */
+    const uint32_t T_max = a->layer->max_tokens > a->tokens ? a->layer->max_tokens : a->tokens;
+    r = ws_reserve(c, need, job_room(c, T_max, brings_acts, staging));
   }
-  cudaError_t r = ws_reserve(c, need, most);
   if (r != cudaSuccess && staging) { /* without the staged weights: slower, but it runs */
     staging = false;
     need =
