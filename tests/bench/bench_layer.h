@@ -7,10 +7,11 @@
  * expert_forward_gathering with the gate/up producer gathering x's rows
  * (mok_k_sm90_set_gather_a) and its y over the routed x, the shared
  * expert's y in out and its d_x in d_x, and the backward in d_out's routed
- * buffer, mok_k_expert_backward_in_place) with its buffers, the random fill both bench programs use, the job
- * status word and the hashes that check results bitwise. Used by mok_bench
- * (the in-process bench) and by mok_bench_daemon --inproc-ab (the same
- * chain next to the same layer through mokd). Included by one .cu file of
+ * buffer, mok_k_expert_backward_in_place) with its buffers, the random fill
+ * both bench programs use, the job status word and the hashes that check
+ * results bitwise. Used by mok_bench (the in-process bench) and by
+ * mok_bench_daemon --inproc-ab (the same chain next to the same layer
+ * through mokd). Included by one .cu file of
  * each program; mok_k_init must have run before the first launch. */
 #ifndef MOK_BENCH_LAYER_H
 #define MOK_BENCH_LAYER_H
@@ -356,8 +357,8 @@ static void enqueue_backward(layer *L, int s, cudaEvent_t *ev, cudaStream_t st) 
   } else {
     MOK_CHECK(mok_k_expert_backward_in_place(
         d, L->sched, L->acts_g, L->acts_u, L->x[s], L->routed_d_out, L->rw[s], L->wg, L->wu,
-        L->wd, d->I_s ? L->d_x : NULL, L->d_x, L->d_rw, L->dwg, L->dwu, L->dwd, L->ws, L->status,
-        st));
+        L->wd, d->I_s ? shared_d_x : NULL, L->d_x, L->d_rw, L->dwg, L->dwu, L->dwd, L->ws,
+        L->status, st));
     if (ev) CUDA_CHECK(cudaEventRecord(ev[3], st));
   }
   if (ev) CUDA_CHECK(cudaEventRecord(ev[4], st));

@@ -76,7 +76,8 @@
 #include "../harness/kernel_choices.h"
 #include "bench_common.h"
 #include "bench_pool.h"
-/* the in-process layer (--inproc-ab): the kernel library in mokd's chain (bench_layer.h "gathering") */
+/* the in-process layer (--inproc-ab): the kernel library in mokd's chain
+ * (bench_layer.h "gathering") */
 #include "bench_layer.h"
 
 
