@@ -1580,6 +1580,7 @@ static int s9_sms(void) {
 }
 
 int mok__sm90_sms(void) { return s9_sms(); }
+int mok__sm90_grid_override(void) { return s9_grid_override; }
 
 static int s9_grid(int tiles) {
   const int g = s9_grid_override > 0 ? s9_grid_override : s9_sms();

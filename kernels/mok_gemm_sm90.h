@@ -137,6 +137,13 @@ int mok_k_sm90_fp8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M
 int mok_k_sm90_set_cutlass_choice(int choice);
 int mok_k_sm90_cutlass_choice_parse(const char *name); /* "table", "every", "every-pp"; -1: other */
 
+/* Bench and tests: the FP8 products' CUTLASS configuration, 0 ..
+ * (mok_k_sm90_fp8_cutlass_config_name: NULL past the last), or -1 (the
+ * default): the launch table's. Results do not depend on it. MOK_EINVAL for
+ * another value. */
+int mok_k_sm90_set_fp8_cutlass_config(int config);
+const char *mok_k_sm90_fp8_cutlass_config_name(int config);
+
 /* Bench and tests: the pingpong variant's down dgrad in 2-CTA clusters
  * (1, the default) or on plain CTAs (0). Results do not depend on it. */
 void mok_k_sm90_set_pp_pairs(int on);

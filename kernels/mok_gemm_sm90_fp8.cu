@@ -40,6 +40,7 @@
 #include "common/ptx_sm90.cuh"
 #include "common/swiglu.cuh"
 #include "common/tile_locator.cuh"
+#include "cutlass_gemm/launch.h"
 #include "mok_gemm_sm90.h"
 #include "mok_kernels_internal.cuh"
 
@@ -481,6 +482,50 @@ static int f8_launch(const f8_params &p, const uint8_t *a, long long lda, int ex
 
 static bool f8_blocks(int N, int K) { return N > 0 && K > 0 && N % F8_BN == 0 && K % F8_BK == 0; }
 
+/* B as CUTLASS's FP8 products read it: one weight's bytes [E][N][K] with
+ * its scales [E][N/128][K/128] (a packed weight's first section) */
+static bool f8_b_plain(const mok__f8_b &b, int N, int K) {
+  const long long kbs = K / F8_BK;
+  return b.sk == 1 && b.sn == kbs && b.se == (long long)(N / F8_BN) * kbs;
+}
+
+/* The product on CUTLASS (kernels/cutlass_gemm/: the cutlass variant, where
+ * the launch table sends it) when it can take p: 1 and *st its status,
+ * else 0 (mok's kernel runs it). A as its K-long rows, one weight a set. */
+static int f8_on_cutlass(int mode, const f8_params &p, const uint8_t *a, long long lda,
+                         cudaStream_t stream, int *st) {
+  if (mok_k_sm90_variant() != MOK_K_SM90_CUTLASS || lda != p.K || !f8_b_plain(p.b0, p.N, p.K) ||
+      (mode == MOK_CG_F8_GATE_UP && !f8_b_plain(p.b1, p.N, p.K)))
+    return 0;
+  mok__cg_f8 q;
+  memset(&q, 0, sizeof q);
+  q.offsets = p.offsets;
+  q.counts = p.counts;
+  q.groups = p.E_loc;
+  q.M = p.M;
+  q.N = p.N;
+  q.K = p.K;
+  q.a = a;
+  q.sa = p.sa;
+  q.sets = mode == MOK_CG_F8_GATE_UP ? 2 : 1;
+  q.b[0] = (const uint8_t *)p.b0.bytes;
+  q.sb[0] = p.b0.scales;
+  q.c[0] = p.C0;
+  if (q.sets == 2) {
+    q.b[1] = (const uint8_t *)p.b1.bytes;
+    q.sb[1] = p.b1.scales;
+    q.c[1] = p.C1;
+    q.hq = p.Q;
+    q.hs = p.QS;
+  }
+  q.has_limit = p.has_limit;
+  q.limit = p.limit;
+  q.status = p.status;
+  if (!mok__cg_f8_takes(mode, &q)) return 0;
+  *st = mok__cg_f8_run(mode, &q, mok__sm90_grid_override(), stream);
+  return 1;
+}
+
 int mok__f8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N, int K,
                       const uint8_t *a, long long lda, const float *sa, const mok__f8_b *b0,
                       const mok__f8_b *b1, int k_split, mok_k_bf16 *c, int32_t *status,
@@ -497,6 +542,8 @@ int mok__f8_rows_gemm(const mok_k_dims *d, const int32_t *schedule, int M, int N
   p.b1 = b1 ? *b1 : *b0;
   p.C0 = (__nv_bfloat16 *)c;
   p.ldc = N;
+  int st;
+  if (k_split == K / F8_BK && f8_on_cutlass(MOK_CG_F8_PLAIN, p, a, lda, stream, &st)) return st;
   return f8_launch<F8_PLAIN>(p, a, lda, p.E_loc, stream);
 }
 
@@ -519,6 +566,8 @@ int mok__f8_gate_up(const mok_k_dims *d, const int32_t *schedule, int M, int n_i
   p.QS = hs;
   p.ldq = n_inter;
   p.ldqs = n_inter / F8_BN;
+  int st;
+  if (f8_on_cutlass(MOK_CG_F8_GATE_UP, p, a, d->H, stream, &st)) return st;
   return f8_launch<F8_GATE_UP>(p, a, d->H, p.E_loc, stream);
 }
 

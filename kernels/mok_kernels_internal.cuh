@@ -135,6 +135,7 @@ int mok__f8_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int 
  * products: the device's SMs, a TMA map of bytes (128-byte swizzle; or
  * `swizzle` 64 or 128) */
 int mok__sm90_sms(void);
+int mok__sm90_grid_override(void); /* mok_k_sm90_set_grid's CTAs; 0: one per SM */
 int mok__sm90_map_u8(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,
                      long long d2, long long ld, long long s2, int box0, int box1);
 int mok__sm90_map_bytes(CUtensorMap *m, const void *ptr, int rank, long long d0, long long d1,

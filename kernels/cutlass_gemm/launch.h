@@ -15,13 +15,17 @@
 struct mok__cg_rows {
   int first, count;
 };
-__device__ inline mok__cg_rows mok__cg_group_rows(const mok_gemm_params &p, int e, int M) {
-  if (!p.offsets) return mok__cg_rows{0, M};
-  int first = p.offsets[e], count = p.counts[e];
+__device__ inline mok__cg_rows mok__cg_rows_of(const int32_t *offsets, const int32_t *counts,
+                                               int e, int M) {
+  if (!offsets) return mok__cg_rows{0, M};
+  int first = offsets[e], count = counts[e];
   if (first < 0 || first > M) first = M;
   if (count < 0) count = 0;
   if (count > M - first) count = M - first;
   return mok__cg_rows{first, count};
+}
+__device__ inline mok__cg_rows mok__cg_group_rows(const mok_gemm_params &p, int e, int M) {
+  return mok__cg_rows_of(p.offsets, p.counts, e, M);
 }
 
 /* Once per device, from mok_k_sm90_init: the memory pool the launches'
@@ -51,5 +55,41 @@ int mok__cg_down_dgrad_pp_128x128_c2(const mok_gemm_params *p, int ctas, cudaStr
 int mok__cg_wgrad_coop_128x256(const mok_gemm_params *p, int halves, int ctas,
                                cudaStream_t stream);
 int mok__cg_wgrad_pp_128x128(const mok_gemm_params *p, int halves, int ctas, cudaStream_t stream);
+
+/* ---- the FP8 products (docs/math.md "FP8") ----
+ * C[set] [M][N] bf16 = the rows of A (e4m3 [M][K], K contiguous; scales sa
+ * [M][K/128]) times B[set] of their group transposed (e4m3 [groups][N][K];
+ * scales sb [groups][N/128][K/128]: the packed weight's first section), a
+ * product per set: sets = 1 (PLAIN) or 2 (GATE_UP: g from B[0] into C[0],
+ * u from B[1] into C[1], the same rows). N and K multiples of 128. Rows past
+ * each group's count get zeros (GATE_UP: g, u, and h's bytes and scales,
+ * from the SwiGLU pass that follows the GEMM). */
+#define MOK_CG_F8_PLAIN 16
+#define MOK_CG_F8_GATE_UP 17
+struct mok__cg_f8 {
+  const int32_t *offsets, *counts; /* the validated schedule's groups; NULL: one group of M rows */
+  int groups, M, N, K;
+  const uint8_t *a;
+  const float *sa;
+  const uint8_t *b[2];
+  const float *sb[2];
+  __nv_bfloat16 *c[2];
+  int sets;
+  /* GATE_UP: h = rnd(silu(g') u') quantised per row per 128: bytes hq [M][N], scales hs [M][N/128] */
+  uint8_t *hq;
+  float *hs;
+  int has_limit;
+  float limit;
+  const int32_t *status;
+};
+/* Whether FP8 product `mode` (MOK_CG_F8_*) runs on a CUTLASS configuration;
+ * the caller also asks for the cutlass variant. */
+int mok__cg_f8_takes(int mode, const mok__cg_f8 *p);
+/* Runs it, its zeros (and GATE_UP's SwiGLU pass) included, on `ctas`
+ * persistent CTAs (0: one per SM). Returns a mok_status. */
+int mok__cg_f8_run(int mode, const mok__cg_f8 *p, int ctas, cudaStream_t stream);
+int mok__cg_f8_coop_128x128(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
+int mok__cg_f8_pp_64x128_c2(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
+int mok__cg_f8_coop_128x128_c12(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
 
 #endif /* MOK_CUTLASS_LAUNCH_H */

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""A 61-layer MoE model through mokd and through PyTorch: memory and step time.
+"""A 61-layer MoE model through mokd, PyTorch and SonicMoE: memory and step time.
 
-    python3 tests/bench/model61.py --backend mokd|torch [--out FILE.json] [--layers 61]
+    python3 tests/bench/model61.py --backend mokd|torch|sonic [--out FILE.json] [--layers 61]
                                    [--tokens 2048] [--steps 3] [--mokd-pid PID]
 
 61 layers shaped like one EP64 rank of kimi-k2.7: 6 local experts, H=7168,
@@ -16,6 +16,11 @@ squared loss, backward (weight gradients set to None before each step).
   --backend torch  the same weights through the PyTorch reference layer of
                    tests/bench/torch_baseline.py (stable sort, gathers,
                    torch._grouped_mm, deterministic combine), autograd
+  --backend sonic  the routed experts through SonicMoE (pip install
+                   sonic-moe; tests/bench/peer_sonic.py's fixed-top-k path,
+                   its autotuning narrowed as there) and the shared expert
+                   through torch.mm, as the torch backend's; the weights
+                   drawn alike, held by the process (no mokd)
 
 Reports the client's peak (torch.cuda.max_memory_allocated), mokd's peak
 device memory above its value before the run (nvidia-smi, sampled every
@@ -75,6 +80,22 @@ class Sampler(threading.Thread):
             time.sleep(0.2)
 
 
+def shared_expert(x, sg, su, sd):
+    return torch.mm(F.silu(torch.mm(x, sg.t())) * torch.mm(x, su.t()), sd.t())
+
+
+class SonicLayer(torch.nn.Module):
+    """A layer's weights as mok.torch.MoE names and shapes them, for the sonic backend."""
+
+    def __init__(self, dev):
+        super().__init__()
+
+        def w(*shape):
+            return torch.nn.Parameter(torch.empty(*shape, device=dev, dtype=torch.bfloat16))
+        self.w_gate, self.w_up, self.w_down = w(E, I, H), w(E, I, H), w(E, H, I)
+        self.s_gate, self.s_up, self.s_down = w(I_S, H), w(I_S, H), w(H, I_S)
+
+
 def ref_layer(tb, align, x, ids, rw, wg, wu, wd, sg, su, sd):
     """torch_baseline's layer with separate gate and up weights (the MoE module's)."""
     pl = tb.Plan(ids, wg.shape[0], align)
@@ -82,13 +103,12 @@ def ref_layer(tb, align, x, ids, rw, wg, wu, wd, sg, su, sd):
     g = torch._grouped_mm(xs, wg.transpose(-2, -1), offs=pl.offs)
     u = torch._grouped_mm(xs, wu.transpose(-2, -1), offs=pl.offs)
     ys = torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=pl.offs)
-    y_shared = torch.mm(F.silu(torch.mm(x, sg.t())) * torch.mm(x, su.t()), sd.t())
-    return tb.Combine.apply(ys, rw, y_shared, pl)
+    return tb.Combine.apply(ys, rw, shared_expert(x, sg, su, sd), pl)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", choices=("mokd", "torch"), required=True)
+    ap.add_argument("--backend", choices=("mokd", "torch", "sonic"), required=True)
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
@@ -97,21 +117,36 @@ def main():
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    import mok.torch as mt
+    sonic = None
+    if a.backend == "sonic":
+        from peer_sonic import SonicPath, load_sonic
+        sonic, why = load_sonic("narrow")
+        if sonic is None:
+            print("model61 sonic: SonicMoE is not importable here (%s)" % why)
+            sys.exit(2)
+    else:
+        import mok.torch as mt
 
     layers, routers = [], []
     for _ in range(a.layers):
-        m = mt.MoE(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_S,
-                   device=dev)
+        if sonic:
+            m = SonicLayer(dev)
+        else:
+            m = mt.MoE(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_S,
+                       device=dev)
         with torch.no_grad():  # down projections scaled so the residual stays bounded
             for name, p in m.named_parameters():
                 down = name in ("w_down", "s_down")
                 p.normal_(0.0, (0.5 / math.sqrt(a.layers) if down else 1.0) /
                           math.sqrt(p.shape[-1]))
+        if sonic:  # SonicMoE's own layout of the routed weights; the originals dropped
+            m.path = SonicPath(sonic, m.w_gate, m.w_up, m.w_down)
+            del m.w_gate, m.w_up, m.w_down
         layers.append(m)
         routers.append(torch.nn.Parameter(
             (torch.randn(E, H, device=dev) / math.sqrt(H)).to(torch.bfloat16)))
-    weights_gb = sum(p.numel() * p.element_size() for m in layers for p in m.parameters()) / 1e9
+    weights_gb = sum(p.numel() * p.element_size() for m in layers
+                     for p in list(m.parameters()) + (m.path.params() if sonic else [])) / 1e9
     x0 = torch.randn(a.tokens, H, device=dev).to(torch.bfloat16)
 
     tb, align = None, 1
@@ -128,7 +163,7 @@ def main():
 
     def step():
         for m in layers:
-            for p in m.parameters():
+            for p in list(m.parameters()) + (m.path.params() if sonic else []):
                 p.grad = None
         for r in routers:
             r.grad = None
@@ -142,6 +177,8 @@ def main():
             ids = ids.to(torch.int32)
             if a.backend == "mokd":
                 y = m(hn, ids, rw)
+            elif sonic:
+                y = m.path(hn, ids, rw) + shared_expert(hn, m.s_gate, m.s_up, m.s_down)
             else:
                 y = ref_layer(tb, align, hn, ids, rw, m.w_gate, m.w_up, m.w_down, m.s_gate,
                               m.s_up, m.s_down)

@@ -11,12 +11,14 @@
  * "pingpong-plain": pingpong with its down dgrad on plain CTAs, "pingpong-pipe":
  * with one wgmma batch in flight in the k loops, "hmma" for the mma.sync
  * kernels, "fp8" for the fp8 layer: block-scaled e4m3 products, weights
- * quantised once before the timing, on the init's bf16 kernels for the rest),
+ * quantised once before the timing, on the init's bf16 kernels for the rest;
+ * "fp8-pingpong": the fp8 layer with its products on mok's own kernels),
  * on the same buffers, the variants taking
  * turns rep by rep (so a drift of the clocks weighs on all alike);
  * the JSON then has one result per (configuration, variant) with its
  * "variant", and every variant's hash of set 0 must equal the first one's
- * (all bf16 paths are bitwise equal; fp8's only to its own runs). Without it: the backend and variant that
+ * (all bf16 paths are bitwise equal, and fp8 paths equal the first fp8
+ * path). Without it: the backend and variant that
  * mok_k_init chose (MOK_GEMM, MOK_GEMM_VARIANT), one result each.
  *
  * For each configuration (shape, T, routing; the same priority order as the
@@ -221,7 +223,11 @@ static void run_config(const config *c, const char *routing_dir, int reps, int w
     unsigned long long h2 = chain_hash(&L, 0, st);
     r->hash0 = h0;
     r->deterministic = h0 == h2;
-    r->same_as_first = v == 0 || h0 == res[0].hash0 || paths[v].fp8; /* fp8: other arithmetic */
+    /* every bf16 path equals the first path; every fp8 path the first fp8 one
+     * (fp8 on mok's kernels or on CUTLASS: the same arithmetic) */
+    int first = 0;
+    while (paths && first < v && paths[first].fp8 != paths[v].fp8) first++;
+    r->same_as_first = first == v || h0 == res[first].hash0;
     if (r->status == 0) r->status = read_status(&L, st);
     r->ok = r->status == 0 && r->nonfinite == 0 && r->deterministic && r->same_as_first;
   }
@@ -398,22 +404,26 @@ int main(int argc, char **argv) {
     /* pingpong-plain: the pingpong variant with its down dgrad on plain CTAs;
      * pingpong-pipe: with one wgmma batch kept in flight in the k loops */
     const int plain = !strcmp(one, "pingpong-plain"), piped = !strcmp(one, "pingpong-pipe");
-    const int fp8 = !strcmp(one, "fp8");
+    /* fp8: the fp8 layer on the default variant (its products on CUTLASS where
+     * the launch table says); fp8-pingpong: on mok's own FP8 kernels */
+    const int fp8_pp = !strcmp(one, "fp8-pingpong"), fp8 = fp8_pp || !strcmp(one, "fp8");
     /* cutlass-every: the cutlass variant with every product that has a CUTLASS
      * configuration on it, whatever the rows; cutlass-every-pp: on the ping-pong ones */
     const int cg_wg = !strcmp(one, "cutlass-every"), cg_pp = !strcmp(one, "cutlass-every-pp");
     const int sv = plain || piped ? MOK_K_SM90_PINGPONG
                    : cg_pp || cg_wg ? MOK_K_SM90_CUTLASS
+                   : fp8_pp       ? MOK_K_SM90_PINGPONG
                    : fp8          ? mok_k_sm90_variant()
                                   : mok_k_sm90_variant_parse(one);
     if ((sv < 0 && strcmp(one, "hmma")) || D.n_paths == MAX_PATHS) {
-      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, cutlass, cutlass-every, cutlass-every-pp, hmma, fp8; at most %d)\n",
+      fprintf(stderr, "mok_bench: --variants: unknown '%s' (rows, expert, cluster, pingpong, pingpong-plain, pingpong-pipe, quad, cutlass, cutlass-every, cutlass-every-pp, hmma, fp8, fp8-pingpong; at most %d)\n",
               one, MAX_PATHS);
       return 2;
     }
     bench_path *bp = &D.paths[D.n_paths++];
     bp->fp8 = fp8;
-    bp->name = fp8     ? "fp8"
+    bp->name = fp8_pp  ? "fp8-pingpong"
+               : fp8   ? "fp8"
                : plain ? "pingpong-plain"
                : piped ? "pingpong-pipe"
                : cg_pp ? "cutlass-every-pp"

@@ -1510,6 +1510,109 @@ static double fp8_down_check(const char *name, const layer *L, const fp8_down *f
   return rel;
 }
 
+/* The FP8 forward (gate/up with h quantised, then down; the routed rows and
+ * a shared expert of T rows) on mok's kernel (the pingpong variant) and on
+ * CUTLASS (the cutlass variant: the launch table's configuration and every
+ * other, on every SM and on 7 and 1 CTAs):
+ * g, u, y, the shared outputs and the whole fp8 workspace (h's bytes and
+ * scales; everything else poisoned alike) must be bitwise equal. */
+typedef struct fp8_fwd_out {
+  std::vector<uint16_t> g, u, y, gs, us, ys;
+  std::vector<uint8_t> ws;
+} fp8_fwd_out;
+
+static fp8_fwd_out fp8_forward_on(const layer *L, const uint8_t *xq, const float *xs,
+                                  const uint8_t *tq, const float *ts, void *const w[3],
+                                  void *const sw[3], uint16_t *shared[3], void *ws,
+                                  size_t ws_bytes) {
+  const mok_k_dims *d = &L->d;
+  const size_t RI = (size_t)L->R * d->I, TI = (size_t)d->T * d->I_s;
+  CUDA_CHECK(cudaMemset(L->g, 0xff, RI * 2));
+  CUDA_CHECK(cudaMemset(L->u, 0xff, RI * 2));
+  CUDA_CHECK(cudaMemset(L->y, 0xff, (size_t)L->R * d->H * 2));
+  for (int i = 0; i < 3; i++)
+    CUDA_CHECK(cudaMemset(shared[i], 0xff, (i == 2 ? (size_t)d->T * d->H : TI) * 2));
+  CUDA_CHECK(cudaMemset(ws, 0xab, ws_bytes));
+  MOK_CHECK(mok_k_fp8_expert_forward(d, L->sched, xq, xs, w[0], w[1], w[2], L->g, L->u, L->y, ws,
+                                     L->status, 0));
+  fp8_fwd_out o;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  o.g = down16(L->g, RI);
+  o.u = down16(L->u, RI);
+  o.y = down16(L->y, (size_t)L->R * d->H);
+  o.ws.resize(ws_bytes);
+  CUDA_CHECK(cudaMemcpy(o.ws.data(), ws, ws_bytes, cudaMemcpyDeviceToHost));
+  MOK_CHECK(mok_k_fp8_shared_forward(d, tq, ts, sw[0], sw[1], sw[2], shared[0], shared[1],
+                                     shared[2], ws, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  o.gs = down16(shared[0], TI);
+  o.us = down16(shared[1], TI);
+  o.ys = down16(shared[2], (size_t)d->T * d->H);
+  return o;
+}
+
+static void fp8_forward_variants(const char *name, layer *L) {
+  mok_k_dims *d = &L->d;
+  d->I_s = d->I; /* a shared expert of the routed experts' size: W's first expert */
+  const size_t xb = (size_t)L->R * d->H, tb = (size_t)d->T * d->H;
+  uint8_t *xq = (uint8_t *)dmalloc(xb), *tq = (uint8_t *)dmalloc(tb);
+  float *xs = (float *)dmalloc(xb / 128 * 4), *ts = (float *)dmalloc(tb / 128 * 4);
+  MOK_CHECK(mok_k_fp8_quantize_rows(L->rx, (int)L->R, d->H, xq, xs, 0));
+  MOK_CHECK(mok_k_fp8_quantize_rows(L->x, d->T, d->H, tq, ts, 0));
+  const uint16_t *src[3] = {L->wg, L->wu, L->wd};
+  void *w[3], *sw[3];
+  uint16_t *shared[3];
+  for (int i = 0; i < 3; i++) {
+    const int n = i == 2 ? d->H : d->I, k = i == 2 ? d->I : d->H;
+    w[i] = dmalloc(mok_fp8_weight_bytes((uint64_t)d->E_loc, (uint64_t)n, (uint64_t)k));
+    sw[i] = dmalloc(mok_fp8_weight_bytes(1, (uint64_t)n, (uint64_t)k));
+    MOK_CHECK(mok_k_fp8_quantize_weight(src[i], d->E_loc, n, k, w[i], 0));
+    MOK_CHECK(mok_k_fp8_quantize_weight(src[i], 1, n, k, sw[i], 0));
+    shared[i] = (uint16_t *)dmalloc((i == 2 ? tb : (size_t)d->T * d->I_s) * 2);
+  }
+  const size_t ws_bytes = mok_k_fp8_workspace_bytes(d);
+  void *ws = dmalloc(ws_bytes);
+  const int variant = mok_k_sm90_variant();
+  MOK_CHECK(mok_k_sm90_set_variant(MOK_K_SM90_PINGPONG));
+  const fp8_fwd_out ref = fp8_forward_on(L, xq, xs, tq, ts, w, sw, shared, ws, ws_bytes);
+  static const int grids[] = {0, 7, 1};
+  int runs = 0, differ = 0;
+  MOK_CHECK(mok_k_sm90_set_variant(MOK_K_SM90_CUTLASS));
+  for (int c = -1; c < 0 || mok_k_sm90_fp8_cutlass_config_name(c); c++) /* -1: the table's */
+    for (int gi = 0; gi < 3; gi++) {
+      MOK_CHECK(mok_k_sm90_set_fp8_cutlass_config(c));
+      mok_k_sm90_set_grid(grids[gi]);
+      const fp8_fwd_out o = fp8_forward_on(L, xq, xs, tq, ts, w, sw, shared, ws, ws_bytes);
+      const bool same[7] = {o.g == ref.g, o.u == ref.u, o.y == ref.y, o.ws == ref.ws,
+                            o.gs == ref.gs, o.us == ref.us, o.ys == ref.ys};
+      const char *what[7] = {"g", "u", "y", "workspace (h)", "shared g", "shared u", "shared y"};
+      runs++;
+      for (int i = 0; i < 7; i++)
+        if (!same[i]) {
+          differ++;
+          EXPECT(false, "%s: fp8 forward on CUTLASS (%s, grid %d): %s differs from mok's kernel",
+                 name, c < 0 ? "the table's" : mok_k_sm90_fp8_cutlass_config_name(c), grids[gi],
+                 what[i]);
+        }
+    }
+  mok_k_sm90_set_grid(0);
+  MOK_CHECK(mok_k_sm90_set_fp8_cutlass_config(-1));
+  MOK_CHECK(mok_k_sm90_set_variant(variant));
+  printf("  %s: fp8 forward on CUTLASS, %d configurations x grids: %d outputs differ from mok's "
+         "kernel\n", name, runs, differ);
+  for (int i = 0; i < 3; i++) {
+    CUDA_CHECK(cudaFree(w[i]));
+    CUDA_CHECK(cudaFree(sw[i]));
+    CUDA_CHECK(cudaFree(shared[i]));
+  }
+  CUDA_CHECK(cudaFree(ws));
+  CUDA_CHECK(cudaFree(xq));
+  CUDA_CHECK(cudaFree(tq));
+  CUDA_CHECK(cudaFree(xs));
+  CUDA_CHECK(cudaFree(ts));
+  d->I_s = 0;
+}
+
 static void fp8_case(const char *name, int T, int H, int I, int E_loc, int K, bool hot) {
   layer L;
   mok_k_dims d = make_dims(T, H, I, E_loc, K, 0);
@@ -1555,13 +1658,22 @@ static void fp8_case(const char *name, int T, int H, int I, int E_loc, int K, bo
                  MOK_EINVAL,
          "%s: fp8 down: the launcher accepts an N or K off the 128 blocks, or a missing operand",
          name);
+  fp8_forward_variants(name, &L);
   fp8_down_free(&f);
   layer_free(&L);
 }
 
+/* Each product's time, interleaved rep by rep: the bf16 down GEMM, and the
+ * fp8 down and gate/up (h quantised) on mok's kernel (pingpong) and on each
+ * CUTLASS configuration (the cutlass variant,
+ * mok_k_sm90_set_fp8_cutlass_config). */
 static void fp8_bench(const char *only) {
-  printf("\nfp8 down against bf16 down on the same rows (median ms of 10 after one, TFLOP/s by real "
-         "rows); fp8 vs bf16 outputs: rms difference over rms\n");
+  printf("\nfp8 products on mok's kernel and on each CUTLASS configuration, bf16 down on the same "
+         "rows (median ms of 10 after one, TFLOP/s by real rows); fp8 vs bf16 down outputs: rms "
+         "difference over rms\n");
+  const int variant = mok_k_sm90_variant();
+  int configs = 0;
+  while (mok_k_sm90_fp8_cutlass_config_name(configs)) configs++;
   for (int ti = 0; ti < 2; ti++)
     for (size_t si = 0; si < sizeof BSHAPES / sizeof BSHAPES[0]; si++) {
       const bshape *sh = &BSHAPES[si];
@@ -1572,26 +1684,46 @@ static void fp8_bench(const char *only) {
       layer_forward(&L, false);
       fp8_down f;
       fp8_down_alloc(&f, &L);
-      cudaEvent_t ev[3];
-      for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
-      std::vector<float> vb, v8;
+      const size_t xb = (size_t)L.R * d.H, wb = mok_fp8_weight_bytes((uint64_t)d.E_loc,
+                                                                      (uint64_t)d.I, (uint64_t)d.H);
+      uint8_t *xq = (uint8_t *)dmalloc(xb);
+      float *xs = (float *)dmalloc(xb / 128 * 4);
+      void *wg = dmalloc(wb), *wu = dmalloc(wb), *ws = dmalloc(mok_k_fp8_workspace_bytes(&d));
+      MOK_CHECK(mok_k_fp8_quantize_rows(L.rx, (int)L.R, d.H, xq, xs, 0));
+      MOK_CHECK(mok_k_fp8_quantize_weight(L.wg, d.E_loc, d.I, d.H, wg, 0));
+      MOK_CHECK(mok_k_fp8_quantize_weight(L.wu, d.E_loc, d.I, d.H, wu, 0));
+      /* step 0: bf16 down; then per kernel (mok's, each configuration) its down and gate/up */
+      const int kernels = 1 + configs, steps = 1 + 2 * kernels;
+      std::vector<cudaEvent_t> ev(steps + 1);
+      for (auto &e : ev) CUDA_CHECK(cudaEventCreate(&e));
+      std::vector<std::vector<float>> v(steps);
       for (int i = 0; i < 11; i++) { /* interleaved */
-        CUDA_CHECK(cudaEventRecord(ev[0], 0));
-        MOK_CHECK(mok_k_down(&d, L.sched, L.h, L.wd, L.y, L.status, 0));
-        CUDA_CHECK(cudaEventRecord(ev[1], 0));
-        MOK_CHECK(fp8_down_run(&L, &f));
-        CUDA_CHECK(cudaEventRecord(ev[2], 0));
-        CUDA_CHECK(cudaEventSynchronize(ev[2]));
-        float a, b;
-        CUDA_CHECK(cudaEventElapsedTime(&a, ev[0], ev[1]));
-        CUDA_CHECK(cudaEventElapsedTime(&b, ev[1], ev[2]));
-        if (i) {
-          vb.push_back(a);
-          v8.push_back(b);
+        for (int k = 0; k < steps; k++) {
+          const int kern = (k - 1) / 2; /* 0: mok's; c + 1: configuration c */
+          MOK_CHECK(mok_k_sm90_set_variant(k > 0 && kern > 0 ? MOK_K_SM90_CUTLASS
+                                                              : MOK_K_SM90_PINGPONG));
+          MOK_CHECK(mok_k_sm90_set_fp8_cutlass_config(k > 0 && kern > 0 ? kern - 1 : -1));
+          CUDA_CHECK(cudaEventRecord(ev[k], 0));
+          if (k == 0)
+            MOK_CHECK(mok_k_down(&d, L.sched, L.h, L.wd, L.y, L.status, 0));
+          else if (k % 2)
+            MOK_CHECK(fp8_down_run(&L, &f));
+          else
+            MOK_CHECK(mok_k_fp8_gate_up(&d, L.sched, xq, xs, wg, wu, L.g, L.u, ws, L.status, 0));
+        }
+        CUDA_CHECK(cudaEventRecord(ev[steps], 0));
+        CUDA_CHECK(cudaEventSynchronize(ev[steps]));
+        for (int k = 0; i && k < steps; k++) {
+          float ms;
+          CUDA_CHECK(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+          v[k].push_back(ms);
         }
       }
+      MOK_CHECK(mok_k_sm90_set_fp8_cutlass_config(-1));
+      MOK_CHECK(mok_k_sm90_set_variant(variant));
       const double flops = 2.0 * T * d.K * (double)d.H * d.I;
-      const float mb = median(vb), m8 = median(v8);
+      std::vector<float> m(steps);
+      for (int k = 0; k < steps; k++) m[k] = median(v[k]);
       const std::vector<uint16_t> yb = down16(L.y, (size_t)L.R * d.H), y8 = down16(f.y, (size_t)L.R * d.H);
       double se = 0, sr = 0;
       for (size_t i = 0; i < yb.size(); i++) {
@@ -1599,11 +1731,22 @@ static void fp8_bench(const char *only) {
         se += (a - b) * (a - b);
         sr += a * a;
       }
-      printf("%-16s %5d bf16 %6.3f ms %5.1f TF/s | fp8 %6.3f ms %5.1f TF/s | %.2fx | rms diff %.3g\n",
-             sh->name, T, mb, flops / mb * 1e-9, m8, flops / m8 * 1e-9, mb / m8,
-             sr > 0 ? sqrt(se / sr) : 0.0);
+      printf("%-16s %5d down bf16 %6.3f ms %5.1f TF/s; fp8 vs bf16 rms diff %.3g\n", sh->name, T,
+             m[0], flops / m[0] * 1e-9, sr > 0 ? sqrt(se / sr) : 0.0);
+      for (int kern = 0; kern < kernels; kern++) {
+        const float md = m[1 + 2 * kern], mg = m[2 + 2 * kern];
+        printf("%-16s %5d   %-18s down %6.3f ms %6.1f TF/s (%.2fx mok's) | gate/up %6.3f ms "
+               "%6.1f TF/s (%.2fx mok's)\n",
+               sh->name, T, kern ? mok_k_sm90_fp8_cutlass_config_name(kern - 1) : "mok's kernel",
+               md, flops / md * 1e-9, m[1] / md, mg, 2 * flops / mg * 1e-9, m[2] / mg);
+      }
       fp8_down_check(sh->name, &L, &f, 1000);
-      for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+      for (auto &e : ev) CUDA_CHECK(cudaEventDestroy(e));
+      CUDA_CHECK(cudaFree(xq));
+      CUDA_CHECK(cudaFree(xs));
+      CUDA_CHECK(cudaFree(wg));
+      CUDA_CHECK(cudaFree(wu));
+      CUDA_CHECK(cudaFree(ws));
       fp8_down_free(&f);
       layer_free(&L);
     }

@@ -1,0 +1,146 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The FP8 products (launch.h's mok__cg_f8) on CUTLASS's sm90 ptr-array
+ * grouped GEMM with blockwise-scaled accumulation: e4m3 A and B, K-major;
+ * one scale per row per 128 of K for A and per 128 x 128 block for B, both
+ * K-major in memory (mok's layouts as they are: [rows][K/128] and the packed
+ * weight's [N/128][K/128]). Within each 128 of K the tensor cores sum four
+ * k32 products from zero; CUTLASS then adds that partial times sa * sb into
+ * f32 registers, in k order: the arithmetic of mok_gemm_sm90_fp8.cu's
+ * kernel, so the two are bitwise equal (tests/gpu/test_gemm_sm90.cu).
+ *
+ * A group is an expert (GATE_UP: an expert's gate, then its up; two groups
+ * an expert, next to each other so that its rows are read from L2 the
+ * second time); shapes and pointers are written on the device from the
+ * validated schedule, as grouped.cuh does for the bf16 products. */
+#ifndef MOK_CUTLASS_FP8_CUH
+#define MOK_CUTLASS_FP8_CUH
+
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass_gemm/grouped.cuh"
+
+namespace mok_cg_f8 {
+
+using namespace cute;
+using e4m3 = cutlass::float_e4m3_t;
+using mok_cg::bfloat16_t;
+
+template <class Tile, class Cluster, bool PingPong> struct F8Config {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                 cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using KernelSchedule = std::conditional_t<
+      PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
+  using EpilogueSchedule =
+      std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using LayoutD = cutlass::layout::RowMajor;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD *, 8,
+      bfloat16_t, LayoutD *, 8, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, e4m3,
+      cute::tuple<cutlass::layout::RowMajor *, LayoutSFA *>, 16, e4m3,
+      cute::tuple<cutlass::layout::ColumnMajor *, LayoutSFB *>, 16, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+/* The groups' arguments in device memory, one block per launch. */
+template <class C> struct Args {
+  typename C::Shape3 *shape;
+  const e4m3 **a;
+  const e4m3 **b;
+  const float **sfa;
+  const float **sfb;
+  bfloat16_t **d;
+  typename C::StrideA *sa;
+  typename C::StrideB *sb;
+  typename C::StrideD *sd;
+  typename C::LayoutSFA *lsfa;
+  typename C::LayoutSFB *lsfb;
+
+  static Args carve(mok_cg::GroupArrays &g) {
+    Args r;
+    r.shape = g.take<typename C::Shape3>();
+    r.a = g.take<const e4m3 *>();
+    r.b = g.take<const e4m3 *>();
+    r.sfa = g.take<const float *>();
+    r.sfb = g.take<const float *>();
+    r.d = g.take<bfloat16_t *>();
+    r.sa = g.take<typename C::StrideA>();
+    r.sb = g.take<typename C::StrideB>();
+    r.sd = g.take<typename C::StrideD>();
+    r.lsfa = g.take<typename C::LayoutSFA>();
+    r.lsfb = g.take<typename C::LayoutSFB>();
+    return r;
+  }
+};
+
+/* Group i = expert i / sets, set i % sets: its rows of A times that set's
+ * B[e], into C[set]'s rows; a failed job's groups have no rows. */
+template <class C> __global__ void f8_args(const mok__cg_f8 p, Args<C> a) {
+  const bool failed = job_failed(p.status);
+  const int n = p.groups * p.sets;
+  const long long kb = p.K / 128, nb = p.N / 128;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int e = i / p.sets, s = i % p.sets;
+    const mok__cg_rows r = mok__cg_rows_of(p.offsets, p.counts, e, p.M);
+    const int rows = failed ? 0 : r.count;
+    a.shape[i] = typename C::Shape3(rows, p.N, p.K);
+    a.a[i] = (const e4m3 *)(p.a + (long long)r.first * p.K);
+    a.sfa[i] = p.sa + (long long)r.first * kb;
+    a.b[i] = (const e4m3 *)(p.b[s] + (long long)e * p.N * p.K);
+    a.sfb[i] = p.sb[s] + (long long)e * nb * kb;
+    a.d[i] = (bfloat16_t *)(p.c[s] + (long long)r.first * p.N);
+    a.sa[i] = mok_cg::ld_stride<typename C::StrideA>(p.K);
+    a.sb[i] = mok_cg::ld_stride<typename C::StrideB>(p.K);
+    a.sd[i] = mok_cg::ld_stride<typename C::StrideD>(p.N);
+    a.lsfa[i] = C::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, p.N, p.K, 1));
+    a.lsfb[i] = C::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, p.N, p.K, 1));
+  }
+}
+
+/* The product on configuration C on `ctas` persistent CTAs (0: every SM):
+ * the groups' arguments and CUTLASS's workspace in one stream-ordered
+ * allocation, the arguments kernel, the GEMM. Returns a mok_status. */
+template <class C> int run(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
+  using Gemm = typename C::Gemm;
+  const int n = p.groups * p.sets;
+  if (n <= 0) return MOK_OK;
+  const size_t ab = mok_cg::group_args_bytes<Args<C>>(n);
+  size_t ws = 0;
+  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
+  void *mem = nullptr;
+  const int st = mok_cg::alloc_launch(&mem, ab + ws, stream);
+  if (st != MOK_OK) return st;
+  const Args<C> a = mok_cg::group_args_at<Args<C>>(mem, n);
+  f8_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
+  args.problem_shape = {n, a.shape, nullptr};
+  args.mainloop = {a.a, a.sa, a.b, a.sb, a.sfa, a.lsfa, a.sfb, a.lsfb};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = a.d;
+  args.epilogue.dD = a.sd;
+  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
+}
+
+} // namespace mok_cg_f8
+
+#endif /* MOK_CUTLASS_FP8_CUH */
