@@ -483,10 +483,11 @@ static int f8_launch(const f8_params &p, const uint8_t *a, long long lda, int ex
 static bool f8_blocks(int N, int K) { return N > 0 && K > 0 && N % F8_BN == 0 && K % F8_BK == 0; }
 
 /* B as CUTLASS's FP8 products read it: one weight's bytes [E][N][K] with
- * its scales [E][N/128][K/128] (a packed weight's first section) */
-static bool f8_b_plain(const mok__f8_b &b, int N, int K) {
-  const long long kbs = K / F8_BK;
-  return b.sk == 1 && b.sn == kbs && b.se == (long long)(N / F8_BN) * kbs;
+ * its scales [E][N/128][K/128] (a packed weight's first section), or
+ * (transposed: the down dgrad's) [E][K/128][N/128] */
+static bool f8_b_layout(const mok__f8_b &b, int N, int K, bool transposed) {
+  const long long kbs = K / F8_BK, nbs = N / F8_BN;
+  return b.se == nbs * kbs && (transposed ? b.sn == 1 && b.sk == nbs : b.sk == 1 && b.sn == kbs);
 }
 
 /* The product on CUTLASS (kernels/cutlass_gemm/: the cutlass variant, where
@@ -494,8 +495,10 @@ static bool f8_b_plain(const mok__f8_b &b, int N, int K) {
  * else 0 (mok's kernel runs it). A as its K-long rows, one weight a set. */
 static int f8_on_cutlass(int mode, const f8_params &p, const uint8_t *a, long long lda,
                          cudaStream_t stream, int *st) {
-  if (mok_k_sm90_variant() != MOK_K_SM90_CUTLASS || lda != p.K || !f8_b_plain(p.b0, p.N, p.K) ||
-      (mode == MOK_CG_F8_GATE_UP && !f8_b_plain(p.b1, p.N, p.K)))
+  const bool dgrad = mode == MOK_CG_F8_DOWN_DGRAD;
+  if (mok_k_sm90_variant() != MOK_K_SM90_CUTLASS || lda != p.K ||
+      !f8_b_layout(p.b0, p.N, p.K, dgrad) ||
+      (mode == MOK_CG_F8_GATE_UP && !f8_b_layout(p.b1, p.N, p.K, false)))
     return 0;
   mok__cg_f8 q;
   memset(&q, 0, sizeof q);
@@ -515,6 +518,19 @@ static int f8_on_cutlass(int mode, const f8_params &p, const uint8_t *a, long lo
     q.b[1] = (const uint8_t *)p.b1.bytes;
     q.sb[1] = p.b1.scales;
     q.c[1] = p.C1;
+    q.hq = p.Q;
+    q.hs = p.QS;
+  }
+  if (dgrad) {
+    q.g = p.G;
+    q.u = p.U;
+    q.row_slot = p.row_slot;
+    q.rw = p.rw;
+    q.n_slots = p.n_slots;
+    q.dgu = p.C0;
+    q.h = p.C1;
+    q.partial = p.partial;
+    q.n_partial = p.n_partial;
     q.hq = p.Q;
     q.hs = p.QS;
   }
@@ -596,6 +612,8 @@ int mok__f8_down_dgrad(const mok_k_dims *d, const int32_t *schedule, int M, int 
   p.QS = dgus;
   p.ldq = 2LL * n_inter;
   p.ldqs = 2 * n_inter / F8_BN;
+  int st;
+  if (f8_on_cutlass(MOK_CG_F8_DOWN_DGRAD, p, a, d->H, stream, &st)) return st;
   return f8_launch<F8_DOWN_DGRAD>(p, a, d->H, p.E_loc, stream);
 }
 

@@ -73,7 +73,7 @@ template <class C> int run(const mok_gemm_params &p, int ctas, cudaStream_t stre
   if (n <= 0) return MOK_OK;
   typename Epi::Arguments epi{};
   epi.out = mok_cg::DgradOut{nullptr, p.row_slot, p.rw, p.n_slots, p.C0, p.C1, p.partial,
-                             p.n_partial, p.N, p.has_limit, p.limit};
+                             p.n_partial, p.N, p.has_limit, p.limit, nullptr, nullptr};
   /* g and u [M][N] as bytes, boxes of one stage: 64 bytes x 128 rows */
   int st = mok__sm90_map_bytes(&epi.map_g, p.G, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
                                2 * Epi::SN, Epi::BM, 64);

@@ -23,7 +23,16 @@
  * as in the hand-written kernels (the bitwise tests check it).
  *
  * Rows: a group's tile rows below its count; the rows of a group's padding
- * and past the last group are written by dgrad_zero_rows (launch.cu). */
+ * and past the last group are written by dgrad_zero_rows (launch.cu).
+ *
+ * Fp8 (the fp8 layer's down dgrad, on the FP8 mainloop of fp8.cuh; a tile of
+ * 128 columns, one scale block): dg and du are also quantised per row per
+ * 128 columns from their bf16 values (the amax a running max, then over the
+ * quad; the values read back from the row this thread just stored, which
+ * keeps them out of registers and the stage loop rolled: fully unrolled,
+ * the epilogue missed the instruction cache on 31 % of its samples), and
+ * the d_rw partial sums a thread's 32 columns of the row ascending, then
+ * the quad: mok_gemm_sm90_fp8.cu's down dgrad epilogue, bit for bit. */
 #ifndef MOK_CUTLASS_DGRAD_EPILOGUE_CUH
 #define MOK_CUTLASS_DGRAD_EPILOGUE_CUH
 
@@ -32,6 +41,7 @@
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/pipeline/pipeline.hpp"
 
+#include "common/fp8_e4m3.h"
 #include "common/ptx_sm90.cuh"
 #include "common/swiglu.cuh"
 
@@ -62,13 +72,15 @@ struct DgradOut {
   int N;
   int has_limit;
   float limit;
+  uint8_t *q; /* Fp8: dg | du quantised, [rows][2N] bytes, scales qs [rows][2N/128] */
+  float *qs;
 };
 
 /* Stages: the ring of g/u stages; BN: the tile's columns (256 on the
  * cooperative kernel, whose two warpgroups share a tile, 64 rows each; 128
  * on the ping-pong kernel, whose warpgroups take tiles in turn, 128 rows
  * each as two m64 blocks). */
-template <int Stages, int BN_, bool Coop> class DgradEpilogue {
+template <int Stages, int BN_, bool Coop, bool Fp8 = false> class DgradEpilogue {
 public:
   static constexpr int BM = 128, BN = BN_, SN = 32; /* tile; the columns of a stage */
   static constexpr int SUBTILES = BN / SN;
@@ -76,7 +88,9 @@ public:
   static constexpr int THREADS = Coop ? 256 : 128;  /* the threads that share a tile */
   static constexpr int MB = Coop ? 1 : 2;           /* m64 blocks a thread holds */
   static constexpr int VALS = BN / 2;               /* accumulators a thread holds per m64 block */
-  static constexpr int UNROLL = 4;                  /* stages a round of the consumers' loop */
+  static constexpr int UNROLL = Fp8 ? 2 : 4;        /* stages a round of the consumers' loop */
+  static_assert(!Fp8 || (BN == 128 && MB == 1),
+                "Fp8: a tile is one scale block of 128 columns, one m64 block a thread");
 
   using DispatchPolicy = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
   using EpilogueSchedule = DispatchPolicy;
@@ -232,6 +246,10 @@ public:
     float a[MB * VALS];
 #pragma unroll
     for (int i = 0; i < MB * VALS; i++) a[i] = acc(i);
+    /* Fp8: the largest |dg| and |du| of each row's stored values so far */
+    float amax_g[R], amax_u[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) amax_g[i] = amax_u[i] = 0.0f;
     const uint32_t g_base = (uint32_t)__cvta_generic_to_shared(smem.g[0]);
     const uint32_t u_base = (uint32_t)__cvta_generic_to_shared(smem.u[0]);
     static_assert(SUBTILES % UNROLL == 0 && VALS % (16 * UNROLL) == 0, "whole rounds of stages");
@@ -254,7 +272,7 @@ public:
           gw[j] = lds32(sg + at);
           uw[j] = lds32(su + at);
         }
-        float rowsum = 0.0f;
+        float rowsum = Fp8 ? v[i] : 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
           const int n = n_tile + 32 * s + 8 * j + 2 * q;
@@ -274,16 +292,41 @@ public:
           bf16 *dgu = o.dgu + grow * (2LL * o.N);
           store_bf16x2(dgu + n, dg[0], dg[1]);
           store_bf16x2(dgu + o.N + n, du[0], du[1]);
+          if constexpr (Fp8) {
+            const float2 gq = __bfloat1622float2(__floats2bfloat162_rn(dg[0], dg[1]));
+            const float2 uq = __bfloat1622float2(__floats2bfloat162_rn(du[0], du[1]));
+            amax_g[i] = fmaxf(amax_g[i], fmaxf(fabsf(gq.x), fabsf(gq.y)));
+            amax_u[i] = fmaxf(amax_u[i], fmaxf(fabsf(uq.x), fabsf(uq.y)));
+          }
           store_bf16x2(o.h + grow * o.N + n, swiglu_h_weighted(hv[0], w[i]),
                        swiglu_h_weighted(hv[1], w[i]));
         }
-        /* every lane reaches the shuffles (skipped columns add nothing) */
-        rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
-        rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
-        v[i] = (s & 3) == 0 ? rowsum : __fadd_rn(v[i], rowsum);
-        const int pt = (n_tile + 128 * (s >> 2)) / 128;
-        if ((s & 3) == 3 && o.partial && q == 0 && used[i] && pt < o.n_partial)
-          o.partial[grow * o.n_partial + pt] = v[i];
+        if constexpr (Fp8) { /* the quad's sum once the row's 128 columns are in */
+          v[i] = rowsum;
+          if (s == SUBTILES - 1) {
+            rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
+            rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
+            const int pt = n_tile / 128;
+            if (o.partial && q == 0 && used[i] && pt < o.n_partial)
+              o.partial[grow * o.n_partial + pt] = rowsum;
+            /* a cluster's tile past N (N / 128 odd) stores nothing: its bytes
+             * would land in du's */
+            if (n_tile < o.N) {
+              const long long at = grow * (2LL * o.N) + n_tile, sat = grow * (2LL * o.N / 128) + pt;
+              quantize_row(amax_g[i], used[i], o.dgu + at, o.q + at, o.qs + sat);
+              quantize_row(amax_u[i], used[i], o.dgu + at + o.N, o.q + at + o.N,
+                           o.qs + sat + o.N / 128);
+            }
+          }
+        } else {
+          /* every lane reaches the shuffles (skipped columns add nothing) */
+          rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 1));
+          rowsum = __fadd_rn(rowsum, __shfl_xor_sync(0xffffffffu, rowsum, 2));
+          v[i] = (s & 3) == 0 ? rowsum : __fadd_rn(v[i], rowsum);
+          const int pt = (n_tile + 128 * (s >> 2)) / 128;
+          if ((s & 3) == 3 && o.partial && q == 0 && used[i] && pt < o.n_partial)
+            o.partial[grow * o.n_partial + pt] = v[i];
+        }
       }
       /* the stage's reads are done before the next TMA write to it */
       cutlass::arch::fence_view_async_shared();
@@ -306,6 +349,27 @@ public:
   }
 
 private:
+  /* Fp8: one row's 128 stored values (this thread's 32: the pairs at
+   * columns 32s + 8j + 2q of `row`, written by this thread) quantised with
+   * the row block's scale, as mok_gemm_sm90_fp8.cu's f8_quantize_row;
+   * amax: this thread's largest |value|. Every lane of the quad calls it;
+   * a row past the group's count stores nothing (dgrad_zero_rows). */
+  CUTLASS_DEVICE static void quantize_row(float amax, bool used, const bf16 *row, uint8_t *q,
+                                          float *qs) {
+    const int cq = 2 * (threadIdx.x & 3);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    if (!used) return;
+    const int ex = mok_fp8_scale_exp(amax);
+#pragma unroll 4
+    for (int k = 0; k < 16; k++) {
+      const int c = 32 * (k / 4) + 8 * (k % 4) + cq;
+      const float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(row + c));
+      *(uint16_t *)(q + c) = mok_fp8_quantize2(f.x, f.y, ex);
+    }
+    if ((threadIdx.x & 3) == 0) *qs = mok_fp8_pow2(ex);
+  }
+
   Params const &params;
   TensorStorage &smem;
 };

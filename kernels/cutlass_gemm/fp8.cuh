@@ -11,11 +11,16 @@
  * A group is an expert (GATE_UP: an expert's gate, then its up; two groups
  * an expert, next to each other so that its rows are read from L2 the
  * second time); shapes and pointers are written on the device from the
- * validated schedule, as grouped.cuh does for the bf16 products. */
+ * validated schedule, as grouped.cuh does for the bf16 products.
+ *
+ * DOWN_DGRAD: B is W_d's transposed section ([E][I][H], K = H contiguous)
+ * whose block scales lie [H/128][I/128] (N-major, as the packed form keeps
+ * them), with mok's SwiGLU-backward epilogue (dgrad_epilogue.cuh, Fp8). */
 #ifndef MOK_CUTLASS_FP8_CUH
 #define MOK_CUTLASS_FP8_CUH
 
 #include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass_gemm/dgrad_epilogue.cuh"
 #include "cutlass_gemm/grouped.cuh"
 
 namespace mok_cg_f8 {
@@ -24,15 +29,33 @@ using namespace cute;
 using e4m3 = cutlass::float_e4m3_t;
 using mok_cg::bfloat16_t;
 
+/* The mainloop: e4m3 A and B (K-major), A's scales one a row per 128 of K
+ * (K-major), B's one a 128 x 128 block (K-major, or N-major: MajorSFB). */
+template <class Tile, class Cluster, bool PingPong, class EpilogueCarveout,
+          cute::GMMA::Major MajorSFB = cute::GMMA::Major::K>
+struct F8Mainloop {
+  using ScaleConfig =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, MajorSFB>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using KernelSchedule = std::conditional_t<
+      PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
+  using Op = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, e4m3,
+      cute::tuple<cutlass::layout::RowMajor *, LayoutSFA *>, 16, e4m3,
+      cute::tuple<cutlass::layout::ColumnMajor *, LayoutSFB *>, 16, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename EpilogueCarveout::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+};
+
 template <class Tile, class Cluster, bool PingPong> struct F8Config {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
                                                                  cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using KernelSchedule = std::conditional_t<
-      PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
   using EpilogueSchedule =
       std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
@@ -44,13 +67,7 @@ template <class Tile, class Cluster, bool PingPong> struct F8Config {
       bfloat16_t, LayoutD *, 8, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, e4m3,
-      cute::tuple<cutlass::layout::RowMajor *, LayoutSFA *>, 16, e4m3,
-      cute::tuple<cutlass::layout::ColumnMajor *, LayoutSFB *>, 16, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+  using Mainloop = typename F8Mainloop<Tile, Cluster, PingPong, Epilogue>::Op;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -138,6 +155,104 @@ template <class C> int run(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = a.d;
   args.epilogue.dD = a.sd;
+  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
+}
+
+/* DOWN_DGRAD: cooperative 128x128 tiles (one scale block wide), the g and
+ * u of a whole tile in four stages, Cluster as the forward's. */
+template <class Tile, class Cluster> struct F8DgradConfig {
+  using Epilogue = mok_cg::DgradEpilogue<4, 128, true, true>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using MainloopOf = F8Mainloop<Tile, Cluster, false, Epilogue, cute::GMMA::Major::MN>;
+  using ScaleConfig = typename MainloopOf::ScaleConfig;
+  using LayoutSFA = typename MainloopOf::LayoutSFA;
+  using LayoutSFB = typename MainloopOf::LayoutSFB;
+  using Mainloop = typename MainloopOf::Op;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+};
+
+template <class C> struct DgradArgs {
+  typename C::Shape3 *shape;
+  const e4m3 **a;
+  const e4m3 **b;
+  const float **sfa;
+  const float **sfb;
+  typename C::StrideA *sa;
+  typename C::StrideB *sb;
+  typename C::LayoutSFA *lsfa;
+  typename C::LayoutSFB *lsfb;
+  int *first;
+
+  static DgradArgs carve(mok_cg::GroupArrays &g) {
+    DgradArgs r;
+    r.shape = g.take<typename C::Shape3>();
+    r.a = g.take<const e4m3 *>();
+    r.b = g.take<const e4m3 *>();
+    r.sfa = g.take<const float *>();
+    r.sfb = g.take<const float *>();
+    r.sa = g.take<typename C::StrideA>();
+    r.sb = g.take<typename C::StrideB>();
+    r.lsfa = g.take<typename C::LayoutSFA>();
+    r.lsfb = g.take<typename C::LayoutSFB>();
+    r.first = g.take<int>();
+    return r;
+  }
+};
+
+/* Group e: a [rows of e][N] = dq [rows][K] (d_out quantised) times W_d[e]'s
+ * transposed bytes [N][K]; a failed job's groups have no rows. */
+template <class C> __global__ void f8_dgrad_args(const mok__cg_f8 p, DgradArgs<C> a) {
+  const bool failed = job_failed(p.status);
+  const long long kb = p.K / 128, nb = p.N / 128;
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
+    const mok__cg_rows r = mok__cg_rows_of(p.offsets, p.counts, e, p.M);
+    const int rows = failed ? 0 : r.count;
+    a.shape[e] = typename C::Shape3(rows, p.N, p.K);
+    a.a[e] = (const e4m3 *)(p.a + (long long)r.first * p.K);
+    a.sfa[e] = p.sa + (long long)r.first * kb;
+    a.b[e] = (const e4m3 *)(p.b[0] + (long long)e * p.N * p.K);
+    a.sfb[e] = p.sb[0] + (long long)e * nb * kb;
+    a.sa[e] = mok_cg::ld_stride<typename C::StrideA>(p.K);
+    a.sb[e] = mok_cg::ld_stride<typename C::StrideB>(p.K);
+    a.lsfa[e] = C::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, p.N, p.K, 1));
+    a.lsfb[e] = C::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, p.N, p.K, 1));
+    a.first[e] = r.first;
+  }
+}
+
+/* The FP8 down dgrad on configuration C (as dgrad.cuh's run: the TMA maps of
+ * g and u, the groups' arguments and CUTLASS's workspace in one
+ * stream-ordered allocation, the arguments kernel, the GEMM). */
+template <class C> int run_dgrad(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
+  using Epi = typename C::Epilogue;
+  using Gemm = typename C::Gemm;
+  const int n = p.groups;
+  if (n <= 0) return MOK_OK;
+  typename Epi::Arguments epi{};
+  epi.out = mok_cg::DgradOut{nullptr, p.row_slot, p.rw, p.n_slots, p.dgu, p.h, p.partial,
+                             p.n_partial, p.N, p.has_limit, p.limit, p.hq, p.hs};
+  int st = mok__sm90_map_bytes(&epi.map_g, p.g, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
+                               2 * Epi::SN, Epi::BM, 64);
+  if (st == MOK_OK)
+    st = mok__sm90_map_bytes(&epi.map_u, p.u, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
+                             2 * Epi::SN, Epi::BM, 64);
+  if (st != MOK_OK) return st;
+  const size_t ab = mok_cg::group_args_bytes<DgradArgs<C>>(n);
+  size_t ws = 0;
+  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
+  void *mem = nullptr;
+  st = mok_cg::alloc_launch(&mem, ab + ws, stream);
+  if (st != MOK_OK) return st;
+  const DgradArgs<C> a = mok_cg::group_args_at<DgradArgs<C>>(mem, n);
+  f8_dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
+  epi.out.first = a.first;
+  args.problem_shape = {n, a.shape, nullptr};
+  args.mainloop = {a.a, a.sa, a.b, a.sb, a.sfa, a.lsfa, a.sfb, a.lsfb};
+  args.epilogue = epi;
   return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
 }
 

@@ -63,9 +63,14 @@ int mok__cg_wgrad_pp_128x128(const mok_gemm_params *p, int halves, int ctas, cud
  * product per set: sets = 1 (PLAIN) or 2 (GATE_UP: g from B[0] into C[0],
  * u from B[1] into C[1], the same rows). N and K multiples of 128. Rows past
  * each group's count get zeros (GATE_UP: g, u, and h's bytes and scales,
- * from the SwiGLU pass that follows the GEMM). */
+ * from the SwiGLU pass that follows the GEMM).
+ * DOWN_DGRAD (sets = 1): a = A B^T with B W_d's transposed section ([E][N =
+ * I][K = H]; scales sb [groups][K/128][N/128]), then the SwiGLU backward
+ * into dgu, h, the d_rw partials and dg | du quantised (hq, hs), as
+ * mok_gemm_sm90_fp8.cu's; C unused. */
 #define MOK_CG_F8_PLAIN 16
 #define MOK_CG_F8_GATE_UP 17
+#define MOK_CG_F8_DOWN_DGRAD 18
 struct mok__cg_f8 {
   const int32_t *offsets, *counts; /* the validated schedule's groups; NULL: one group of M rows */
   int groups, M, N, K;
@@ -75,9 +80,20 @@ struct mok__cg_f8 {
   const float *sb[2];
   __nv_bfloat16 *c[2];
   int sets;
-  /* GATE_UP: h = rnd(silu(g') u') quantised per row per 128: bytes hq [M][N], scales hs [M][N/128] */
+  /* GATE_UP: h = rnd(silu(g') u') quantised per row per 128: bytes hq [M][N], scales hs [M][N/128];
+   * DOWN_DGRAD: dg | du quantised, [M][2N] and [M][2N/128] */
   uint8_t *hq;
   float *hs;
+  /* DOWN_DGRAD: the saved g, u [M][N] (pre-clamp), each row's slot for its
+   * router weight rw (NULL: 1), the outputs dg | du [M][2N], h [M][N] and
+   * the d_rw partials [M][n_partial] (NULL: none) */
+  const __nv_bfloat16 *g, *u;
+  const int32_t *row_slot;
+  const float *rw;
+  int n_slots;
+  __nv_bfloat16 *dgu, *h;
+  float *partial;
+  int n_partial;
   int has_limit;
   float limit;
   const int32_t *status;
@@ -90,6 +106,7 @@ int mok__cg_f8_takes(int mode, const mok__cg_f8 *p);
 int mok__cg_f8_run(int mode, const mok__cg_f8 *p, int ctas, cudaStream_t stream);
 int mok__cg_f8_coop_128x128(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
 int mok__cg_f8_pp_64x128_c2(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
+int mok__cg_f8_dgrad_coop_128x128_c12(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
 int mok__cg_f8_coop_128x128_c12(const mok__cg_f8 *p, int ctas, cudaStream_t stream);
 
 #endif /* MOK_CUTLASS_LAUNCH_H */

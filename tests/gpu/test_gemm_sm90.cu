@@ -1551,6 +1551,38 @@ static fp8_fwd_out fp8_forward_on(const layer *L, const uint8_t *xq, const float
   return o;
 }
 
+/* The routed FP8 backward (the down dgrad with dg | du quantised, the gate/up
+ * dgrad, the bf16 weight gradients) from the forward's g and u on L: every
+ * output and the whole workspace (everything else poisoned alike). */
+typedef struct fp8_bwd_io {
+  uint16_t *rdout, *rdx, *dwg, *dwu, *dwd;
+  uint8_t *dq;
+  float *ds, *rw, *drw;
+} fp8_bwd_io;
+
+static std::vector<std::vector<uint8_t>> fp8_backward_on(const layer *L, const fp8_bwd_io *b,
+                                                         void *const w[3], void *ws,
+                                                         size_t ws_bytes) {
+  const mok_k_dims *d = &L->d;
+  const size_t W = (size_t)d->E_loc * d->I * d->H, TK = (size_t)d->T * d->K;
+  const size_t RH = (size_t)L->R * d->H;
+  CUDA_CHECK(cudaMemset(b->rdx, 0xff, RH * 2));
+  CUDA_CHECK(cudaMemset(b->drw, 0xff, TK * 4));
+  for (uint16_t *o : {b->dwg, b->dwu, b->dwd}) CUDA_CHECK(cudaMemset(o, 0xff, W * 2));
+  CUDA_CHECK(cudaMemset(ws, 0xab, ws_bytes));
+  MOK_CHECK(mok_k_fp8_expert_backward(d, L->sched, L->g, L->u, NULL, L->rx, b->rdout, b->dq, b->ds,
+                                      b->rw, w[0], w[1], w[2], b->rdx, b->drw, b->dwg, b->dwu,
+                                      b->dwd, ws, L->status, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  auto grab = [](const void *p, size_t n) {
+    std::vector<uint8_t> v(n);
+    CUDA_CHECK(cudaMemcpy(v.data(), p, n, cudaMemcpyDeviceToHost));
+    return v;
+  };
+  return {grab(b->rdx, RH * 2), grab(b->drw, TK * 4), grab(b->dwg, W * 2), grab(b->dwu, W * 2),
+          grab(b->dwd, W * 2), grab(ws, ws_bytes)};
+}
+
 static void fp8_forward_variants(const char *name, layer *L) {
   mok_k_dims *d = &L->d;
   d->I_s = d->I; /* a shared expert of the routed experts' size: W's first expert */
@@ -1572,9 +1604,32 @@ static void fp8_forward_variants(const char *name, layer *L) {
   }
   const size_t ws_bytes = mok_k_fp8_workspace_bytes(d);
   void *ws = dmalloc(ws_bytes);
+  fp8_bwd_io b;
+  const size_t W = (size_t)d->E_loc * d->I * d->H, TK = (size_t)d->T * d->K;
+  uint16_t *dout = (uint16_t *)dmalloc(tb * 2);
+  b.rdout = (uint16_t *)dmalloc(xb * 2);
+  b.rdx = (uint16_t *)dmalloc(xb * 2);
+  b.dwg = (uint16_t *)dmalloc(W * 2);
+  b.dwu = (uint16_t *)dmalloc(W * 2);
+  b.dwd = (uint16_t *)dmalloc(W * 2);
+  b.dq = (uint8_t *)dmalloc(xb);
+  b.ds = (float *)dmalloc(xb / 128 * 4);
+  b.rw = (float *)dmalloc(TK * 4);
+  b.drw = (float *)dmalloc(TK * 4);
+  fill(dout, tb, 47, 1.0f);
+  MOK_CHECK(mok_k_gather_rows(d, L->sched, dout, b.rdout, L->status, 0));
+  MOK_CHECK(mok_k_fp8_quantize_rows(b.rdout, (int)L->R, d->H, b.dq, b.ds, 0));
+  {
+    std::vector<float> rw(TK);
+    for (size_t i = 0; i < TK; i++) rw[i] = 0.25f + (float)(rng_next() % 1000) / 1000.0f;
+    CUDA_CHECK(cudaMemcpy(b.rw, rw.data(), TK * 4, cudaMemcpyHostToDevice));
+  }
   const int variant = mok_k_sm90_variant();
   MOK_CHECK(mok_k_sm90_set_variant(MOK_K_SM90_PINGPONG));
   const fp8_fwd_out ref = fp8_forward_on(L, xq, xs, tq, ts, w, sw, shared, ws, ws_bytes);
+  const std::vector<std::vector<uint8_t>> bref = fp8_backward_on(L, &b, w, ws, ws_bytes);
+  static const char *const bwd_what[6] = {"routed d_x", "d_rw", "d_w_gate", "d_w_up", "d_w_down",
+                                          "workspace (dg | du, h, their bytes)"};
   static const int grids[] = {0, 7, 1};
   int runs = 0, differ = 0;
   MOK_CHECK(mok_k_sm90_set_variant(MOK_K_SM90_CUTLASS));
@@ -1594,12 +1649,23 @@ static void fp8_forward_variants(const char *name, layer *L) {
                  name, c < 0 ? "the table's" : mok_k_sm90_fp8_cutlass_config_name(c), grids[gi],
                  what[i]);
         }
+      if (c >= 0) continue; /* the backward's dgrad has one configuration */
+      const std::vector<std::vector<uint8_t>> bo = fp8_backward_on(L, &b, w, ws, ws_bytes);
+      for (int i = 0; i < 6; i++)
+        if (bo[i] != bref[i]) {
+          differ++;
+          EXPECT(false, "%s: fp8 backward on CUTLASS (grid %d): %s differs from mok's kernel",
+                 name, grids[gi], bwd_what[i]);
+        }
     }
   mok_k_sm90_set_grid(0);
   MOK_CHECK(mok_k_sm90_set_fp8_cutlass_config(-1));
   MOK_CHECK(mok_k_sm90_set_variant(variant));
-  printf("  %s: fp8 forward on CUTLASS, %d configurations x grids: %d outputs differ from mok's "
-         "kernel\n", name, runs, differ);
+  printf("  %s: fp8 forward on CUTLASS, %d configurations x grids, and the backward: %d outputs "
+         "differ from mok's kernel\n", name, runs, differ);
+  for (void *p : {(void *)dout, (void *)b.rdout, (void *)b.rdx, (void *)b.dwg, (void *)b.dwu,
+                  (void *)b.dwd, (void *)b.dq, (void *)b.ds, (void *)b.rw, (void *)b.drw})
+    CUDA_CHECK(cudaFree(p));
   for (int i = 0; i < 3; i++) {
     CUDA_CHECK(cudaFree(w[i]));
     CUDA_CHECK(cudaFree(sw[i]));
