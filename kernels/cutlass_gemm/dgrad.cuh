@@ -63,38 +63,24 @@ template <class C> __global__ void dgrad_args(const mok_gemm_params p, Args<C> a
 }
 
 /* The product on configuration C, on `ctas` persistent CTAs (0: every SM):
- * the TMA maps of g and u, the groups' arguments and CUTLASS's workspace in
- * one stream-ordered allocation, the arguments kernel, the GEMM. Returns a
- * mok_status. */
+ * the TMA maps of g and u, then the grouped GEMM (grouped.cuh's
+ * run_groups). Returns a mok_status. */
 template <class C> int run(const mok_gemm_params &p, int ctas, cudaStream_t stream) {
   using Epi = typename C::Epilogue;
-  using Gemm = typename C::Gemm;
   const int n = p.groups;
   if (n <= 0) return MOK_OK;
   typename Epi::Arguments epi{};
   epi.out = mok_cg::DgradOut{nullptr, p.row_slot, p.rw, p.n_slots, p.C0, p.C1, p.partial,
                              p.n_partial, p.N, p.has_limit, p.limit, nullptr, nullptr};
-  /* g and u [M][N] as bytes, boxes of one stage: 64 bytes x 128 rows */
-  int st = mok__sm90_map_bytes(&epi.map_g, p.G, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
-                               2 * Epi::SN, Epi::BM, 64);
-  if (st == MOK_OK)
-    st = mok__sm90_map_bytes(&epi.map_u, p.U, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
-                             2 * Epi::SN, Epi::BM, 64);
+  const int st = Epi::map_saved(epi, p.G, p.U, p.N, p.M);
   if (st != MOK_OK) return st;
-
-  const size_t ab = mok_cg::group_args_bytes<Args<C>>(n);
-  size_t ws = 0;
-  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
-  void *mem = nullptr;
-  st = mok_cg::alloc_launch(&mem, ab + ws, stream);
-  if (st != MOK_OK) return st;
-  const Args<C> a = mok_cg::group_args_at<Args<C>>(mem, n);
-  dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
-  epi.out.first = a.first;
-  args.problem_shape = {n, a.shape, nullptr};
-  args.mainloop = {a.a, a.sa, a.b, a.sb};
-  args.epilogue = epi;
-  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
+  return mok_cg::run_groups<C, Args<C>>(n, ctas, stream, [&](const Args<C> &a, auto &args) {
+    dgrad_args<C><<<mok_cg::args_blocks(n), mok_cg::ARGS_THREADS, 0, stream>>>(p, a);
+    epi.out.first = a.first;
+    args.problem_shape = {n, a.shape, nullptr};
+    args.mainloop = {a.a, a.sa, a.b, a.sb};
+    args.epilogue = epi;
+  });
 }
 
 } // namespace mok_cg_dgrad

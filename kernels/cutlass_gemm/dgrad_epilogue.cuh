@@ -133,6 +133,16 @@ public:
     uint32_t tma_transaction_bytes;
   };
 
+  /* The TMA maps of the saved g and u [M][N] (bf16, as bytes): boxes of one
+   * stage, SN columns x BM rows, 64-byte swizzle. Returns a mok_status. */
+  static int map_saved(Arguments &a, const void *g, const void *u, int N, int M) {
+    const int st = mok__sm90_map_bytes(&a.map_g, g, 2, 2LL * N, M, 1, 2LL * N, 2LL * N * M, 2 * SN,
+                                       BM, 64);
+    return st != MOK_OK ? st
+                        : mok__sm90_map_bytes(&a.map_u, u, 2, 2LL * N, M, 1, 2LL * N,
+                                              2LL * N * M, 2 * SN, BM, 64);
+  }
+
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const &, Arguments const &a, void *) {
     return Params{a.out, a.map_g, a.map_u, 2u * STAGE_BYTES};

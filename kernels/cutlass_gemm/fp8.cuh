@@ -52,23 +52,12 @@ struct F8Mainloop {
 
 template <class Tile, class Cluster, bool PingPong> struct F8Config {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
-                                                                 cute::GMMA::Major::K>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using EpilogueSchedule =
-      std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using LayoutD = cutlass::layout::RowMajor;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD *, 8,
-      bfloat16_t, LayoutD *, 8, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
-
-  using Mainloop = typename F8Mainloop<Tile, Cluster, PingPong, Epilogue>::Op;
-
+  using Epilogue = typename mok_cg::StoreEpilogue<Tile, Cluster, PingPong>::Op;
+  using MainloopOf = F8Mainloop<Tile, Cluster, PingPong, Epilogue>;
+  using ScaleConfig = typename MainloopOf::ScaleConfig;
+  using LayoutSFA = typename MainloopOf::LayoutSFA;
+  using LayoutSFB = typename MainloopOf::LayoutSFB;
+  using Mainloop = typename MainloopOf::Op;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
@@ -76,87 +65,6 @@ template <class Tile, class Cluster, bool PingPong> struct F8Config {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
 };
-
-/* The groups' arguments in device memory, one block per launch. */
-template <class C> struct Args {
-  typename C::Shape3 *shape;
-  const e4m3 **a;
-  const e4m3 **b;
-  const float **sfa;
-  const float **sfb;
-  bfloat16_t **d;
-  typename C::StrideA *sa;
-  typename C::StrideB *sb;
-  typename C::StrideD *sd;
-  typename C::LayoutSFA *lsfa;
-  typename C::LayoutSFB *lsfb;
-
-  static Args carve(mok_cg::GroupArrays &g) {
-    Args r;
-    r.shape = g.take<typename C::Shape3>();
-    r.a = g.take<const e4m3 *>();
-    r.b = g.take<const e4m3 *>();
-    r.sfa = g.take<const float *>();
-    r.sfb = g.take<const float *>();
-    r.d = g.take<bfloat16_t *>();
-    r.sa = g.take<typename C::StrideA>();
-    r.sb = g.take<typename C::StrideB>();
-    r.sd = g.take<typename C::StrideD>();
-    r.lsfa = g.take<typename C::LayoutSFA>();
-    r.lsfb = g.take<typename C::LayoutSFB>();
-    return r;
-  }
-};
-
-/* Group i = expert i / sets, set i % sets: its rows of A times that set's
- * B[e], into C[set]'s rows; a failed job's groups have no rows. */
-template <class C> __global__ void f8_args(const mok__cg_f8 p, Args<C> a) {
-  const bool failed = job_failed(p.status);
-  const int n = p.groups * p.sets;
-  const long long kb = p.K / 128, nb = p.N / 128;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const int e = i / p.sets, s = i % p.sets;
-    const mok__cg_rows r = mok__cg_rows_of(p.offsets, p.counts, e, p.M);
-    const int rows = failed ? 0 : r.count;
-    a.shape[i] = typename C::Shape3(rows, p.N, p.K);
-    a.a[i] = (const e4m3 *)(p.a + (long long)r.first * p.K);
-    a.sfa[i] = p.sa + (long long)r.first * kb;
-    a.b[i] = (const e4m3 *)(p.b[s] + (long long)e * p.N * p.K);
-    a.sfb[i] = p.sb[s] + (long long)e * nb * kb;
-    a.d[i] = (bfloat16_t *)(p.c[s] + (long long)r.first * p.N);
-    a.sa[i] = mok_cg::ld_stride<typename C::StrideA>(p.K);
-    a.sb[i] = mok_cg::ld_stride<typename C::StrideB>(p.K);
-    a.sd[i] = mok_cg::ld_stride<typename C::StrideD>(p.N);
-    a.lsfa[i] = C::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, p.N, p.K, 1));
-    a.lsfb[i] = C::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, p.N, p.K, 1));
-  }
-}
-
-/* The product on configuration C on `ctas` persistent CTAs (0: every SM):
- * the groups' arguments and CUTLASS's workspace in one stream-ordered
- * allocation, the arguments kernel, the GEMM. Returns a mok_status. */
-template <class C> int run(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
-  using Gemm = typename C::Gemm;
-  const int n = p.groups * p.sets;
-  if (n <= 0) return MOK_OK;
-  const size_t ab = mok_cg::group_args_bytes<Args<C>>(n);
-  size_t ws = 0;
-  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
-  void *mem = nullptr;
-  const int st = mok_cg::alloc_launch(&mem, ab + ws, stream);
-  if (st != MOK_OK) return st;
-  const Args<C> a = mok_cg::group_args_at<Args<C>>(mem, n);
-  f8_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
-  args.problem_shape = {n, a.shape, nullptr};
-  args.mainloop = {a.a, a.sa, a.b, a.sb, a.sfa, a.lsfa, a.sfb, a.lsfb};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = a.d;
-  args.epilogue.dD = a.sd;
-  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
-}
 
 /* DOWN_DGRAD: cooperative 128x128 tiles (one scale block wide), the g and
  * u of a whole tile in four stages, Cluster as the forward's. */
@@ -175,7 +83,9 @@ template <class Tile, class Cluster> struct F8DgradConfig {
   using StrideB = typename Kernel::InternalStrideB;
 };
 
-template <class C> struct DgradArgs {
+/* The groups' operands in device memory (the mainloop's arguments), the
+ * first part of each launch's block. */
+template <class C> struct Operands {
   typename C::Shape3 *shape;
   const e4m3 **a;
   const e4m3 **b;
@@ -185,75 +95,120 @@ template <class C> struct DgradArgs {
   typename C::StrideB *sb;
   typename C::LayoutSFA *lsfa;
   typename C::LayoutSFB *lsfb;
+
+  void carve_operands(mok_cg::GroupArrays &g) {
+    shape = g.take<typename C::Shape3>();
+    a = g.take<const e4m3 *>();
+    b = g.take<const e4m3 *>();
+    sfa = g.take<const float *>();
+    sfb = g.take<const float *>();
+    sa = g.take<typename C::StrideA>();
+    sb = g.take<typename C::StrideB>();
+    lsfa = g.take<typename C::LayoutSFA>();
+    lsfb = g.take<typename C::LayoutSFB>();
+  }
+  template <class Args> void to(Args &args, int n) const {
+    args.problem_shape = {n, shape, nullptr};
+    args.mainloop = {a, sa, b, sb, sfa, lsfa, sfb, lsfb};
+  }
+};
+
+/* The plain products' block: the operands, then each group's D. */
+template <class C> struct Args : Operands<C> {
+  bfloat16_t **d;
+  typename C::StrideD *sd;
+
+  static Args carve(mok_cg::GroupArrays &g) {
+    Args r;
+    r.carve_operands(g);
+    r.d = g.take<bfloat16_t *>();
+    r.sd = g.take<typename C::StrideD>();
+    return r;
+  }
+};
+
+/* DOWN_DGRAD's block: the operands, then each group's first row for the epilogue. */
+template <class C> struct DgradArgs : Operands<C> {
   int *first;
 
   static DgradArgs carve(mok_cg::GroupArrays &g) {
     DgradArgs r;
-    r.shape = g.take<typename C::Shape3>();
-    r.a = g.take<const e4m3 *>();
-    r.b = g.take<const e4m3 *>();
-    r.sfa = g.take<const float *>();
-    r.sfb = g.take<const float *>();
-    r.sa = g.take<typename C::StrideA>();
-    r.sb = g.take<typename C::StrideB>();
-    r.lsfa = g.take<typename C::LayoutSFA>();
-    r.lsfb = g.take<typename C::LayoutSFB>();
+    r.carve_operands(g);
     r.first = g.take<int>();
     return r;
   }
 };
 
-/* Group e: a [rows of e][N] = dq [rows][K] (d_out quantised) times W_d[e]'s
- * transposed bytes [N][K]; a failed job's groups have no rows. */
-template <class C> __global__ void f8_dgrad_args(const mok__cg_f8 p, DgradArgs<C> a) {
-  const bool failed = job_failed(p.status);
+/* Group i's operands: expert e's rows of A (their scales) times set s's
+ * B[e] (its scales); a failed job's groups have no rows. Returns the rows. */
+template <class C>
+__device__ inline mok__cg_rows group_operands(const mok__cg_f8 &p, const Operands<C> &a, int i,
+                                              int e, int s, bool failed) {
   const long long kb = p.K / 128, nb = p.N / 128;
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x) {
-    const mok__cg_rows r = mok__cg_rows_of(p.offsets, p.counts, e, p.M);
-    const int rows = failed ? 0 : r.count;
-    a.shape[e] = typename C::Shape3(rows, p.N, p.K);
-    a.a[e] = (const e4m3 *)(p.a + (long long)r.first * p.K);
-    a.sfa[e] = p.sa + (long long)r.first * kb;
-    a.b[e] = (const e4m3 *)(p.b[0] + (long long)e * p.N * p.K);
-    a.sfb[e] = p.sb[0] + (long long)e * nb * kb;
-    a.sa[e] = mok_cg::ld_stride<typename C::StrideA>(p.K);
-    a.sb[e] = mok_cg::ld_stride<typename C::StrideB>(p.K);
-    a.lsfa[e] = C::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, p.N, p.K, 1));
-    a.lsfb[e] = C::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, p.N, p.K, 1));
-    a.first[e] = r.first;
+  const mok__cg_rows r = mok__cg_rows_of(p.offsets, p.counts, e, p.M);
+  const int rows = failed ? 0 : r.count;
+  a.shape[i] = typename C::Shape3(rows, p.N, p.K);
+  a.a[i] = (const e4m3 *)(p.a + (long long)r.first * p.K);
+  a.sfa[i] = p.sa + (long long)r.first * kb;
+  a.b[i] = (const e4m3 *)(p.b[s] + (long long)e * p.N * p.K);
+  a.sfb[i] = p.sb[s] + (long long)e * nb * kb;
+  a.sa[i] = mok_cg::ld_stride<typename C::StrideA>(p.K);
+  a.sb[i] = mok_cg::ld_stride<typename C::StrideB>(p.K);
+  a.lsfa[i] = C::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, p.N, p.K, 1));
+  a.lsfb[i] = C::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, p.N, p.K, 1));
+  return r;
+}
+
+/* Group i = expert i / sets, set i % sets: its rows of A times that set's
+ * B[e], into C[set]'s rows. */
+template <class C> __global__ void f8_args(const mok__cg_f8 p, Args<C> a) {
+  const bool failed = job_failed(p.status);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.groups * p.sets;
+       i += gridDim.x * blockDim.x) {
+    const int s = i % p.sets;
+    const mok__cg_rows r = group_operands<C>(p, a, i, i / p.sets, s, failed);
+    a.d[i] = (bfloat16_t *)(p.c[s] + (long long)r.first * p.N);
+    a.sd[i] = mok_cg::ld_stride<typename C::StrideD>(p.N);
   }
 }
 
-/* The FP8 down dgrad on configuration C (as dgrad.cuh's run: the TMA maps of
- * g and u, the groups' arguments and CUTLASS's workspace in one
- * stream-ordered allocation, the arguments kernel, the GEMM). */
+/* Group e: a [rows of e][N] = dq [rows][K] (d_out quantised) times W_d[e]'s
+ * transposed bytes [N][K]. */
+template <class C> __global__ void f8_dgrad_args(const mok__cg_f8 p, DgradArgs<C> a) {
+  const bool failed = job_failed(p.status);
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.groups; e += gridDim.x * blockDim.x)
+    a.first[e] = group_operands<C>(p, a, e, e, 0, failed).first;
+}
+
+/* The product on configuration C on `ctas` persistent CTAs (0: every SM),
+ * through grouped.cuh's run_groups. Returns a mok_status. */
+template <class C> int run(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
+  const int n = p.groups * p.sets;
+  return mok_cg::run_groups<C, Args<C>>(n, ctas, stream, [&](const Args<C> &a, auto &args) {
+    f8_args<C><<<mok_cg::args_blocks(n), mok_cg::ARGS_THREADS, 0, stream>>>(p, a);
+    a.to(args, n);
+    mok_cg::store_args(args.epilogue, a.d, a.sd);
+  });
+}
+
+/* The FP8 down dgrad on configuration C: the TMA maps of g and u, then the
+ * grouped GEMM, as dgrad.cuh's run. */
 template <class C> int run_dgrad(const mok__cg_f8 &p, int ctas, cudaStream_t stream) {
   using Epi = typename C::Epilogue;
-  using Gemm = typename C::Gemm;
   const int n = p.groups;
   if (n <= 0) return MOK_OK;
   typename Epi::Arguments epi{};
   epi.out = mok_cg::DgradOut{nullptr, p.row_slot, p.rw, p.n_slots, p.dgu, p.h, p.partial,
                              p.n_partial, p.N, p.has_limit, p.limit, p.hq, p.hs};
-  int st = mok__sm90_map_bytes(&epi.map_g, p.g, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
-                               2 * Epi::SN, Epi::BM, 64);
-  if (st == MOK_OK)
-    st = mok__sm90_map_bytes(&epi.map_u, p.u, 2, 2LL * p.N, p.M, 1, 2LL * p.N, 2LL * p.N * p.M,
-                             2 * Epi::SN, Epi::BM, 64);
+  const int st = Epi::map_saved(epi, p.g, p.u, p.N, p.M);
   if (st != MOK_OK) return st;
-  const size_t ab = mok_cg::group_args_bytes<DgradArgs<C>>(n);
-  size_t ws = 0;
-  typename Gemm::Arguments args = mok_cg::grouped_args<C>(ctas, n, &ws);
-  void *mem = nullptr;
-  st = mok_cg::alloc_launch(&mem, ab + ws, stream);
-  if (st != MOK_OK) return st;
-  const DgradArgs<C> a = mok_cg::group_args_at<DgradArgs<C>>(mem, n);
-  f8_dgrad_args<C><<<(n + 127) / 128, 128, 0, stream>>>(p, a);
-  epi.out.first = a.first;
-  args.problem_shape = {n, a.shape, nullptr};
-  args.mainloop = {a.a, a.sa, a.b, a.sb, a.sfa, a.lsfa, a.sfb, a.lsfb};
-  args.epilogue = epi;
-  return mok_cg::run_and_free<Gemm>(args, mem, ab, stream);
+  return mok_cg::run_groups<C, DgradArgs<C>>(n, ctas, stream, [&](const DgradArgs<C> &a,
+                                                                  auto &args) {
+    f8_dgrad_args<C><<<mok_cg::args_blocks(n), mok_cg::ARGS_THREADS, 0, stream>>>(p, a);
+    epi.out.first = a.first;
+    a.to(args, n);
+    args.epilogue = epi;
+  });
 }
 
 } // namespace mok_cg_f8

@@ -41,6 +41,20 @@ namespace mok_cg {
 using namespace cute;
 using cutlass::bfloat16_t;
 
+/* The plain products' epilogue: D = the f32 accumulator rounded to bf16,
+ * row-major, through TMA stores (no C). */
+template <class Tile, class Cluster, bool PingPong> struct StoreEpilogue {
+  using Schedule =
+      std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using LayoutD = cutlass::layout::RowMajor;
+  using Op = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD *, 8,
+      bfloat16_t, LayoutD *, 8, Schedule,
+      cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
+};
+
 /* One configuration: operand layouts (CUTLASS's names: RowMajor A is
  * K-major, ColumnMajor B is K-major), the CTA tile, the cluster and the
  * kernel schedule (cooperative or ping-pong). D is row-major bf16. */
@@ -50,16 +64,7 @@ struct Config {
   using KernelSchedule =
       std::conditional_t<PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule =
-      std::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using LayoutD = cutlass::layout::RowMajor;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD *, 8,
-      bfloat16_t, LayoutD *, 8, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<bfloat16_t, float, void, float>>::CollectiveOp;
+  using Epilogue = typename StoreEpilogue<Tile, Cluster, PingPong>::Op;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bfloat16_t, LayoutA *, 8, bfloat16_t,
@@ -255,36 +260,54 @@ int run_and_free(const typename Gemm::Arguments &args, void *mem, size_t ab, cud
   return st;
 }
 
-/* One product on configuration C (WGRAD: a weight gradient in `halves`
- * output halves; else DOWN) on `ctas` persistent CTAs (0: every SM): the
- * groups' arguments and CUTLASS's workspace in one stream-ordered
- * allocation, the arguments kernel, the GEMM. Returns a mok_status. */
-template <class C, bool Wgrad>
-int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
+/* A grouped GEMM of n groups on configuration C with arguments laid out by
+ * A, on `ctas` persistent CTAs (0: every SM): the groups' arguments and
+ * CUTLASS's workspace in one stream-ordered allocation; prepare(a, args)
+ * launches the kernel that writes the groups' arguments into a and fills
+ * CUTLASS's args from it; then the GEMM. Returns a mok_status. */
+template <class C, class A, class Prepare>
+int run_groups(int n, int ctas, cudaStream_t stream, Prepare prepare) {
   using Gemm = typename C::Gemm;
-  const int n = p.groups * (Wgrad ? halves : 1);
   if (n <= 0) return MOK_OK;
-  const size_t ab = group_args_bytes<Args<C>>(n);
+  const size_t ab = group_args_bytes<A>(n);
   size_t ws = 0;
   typename Gemm::Arguments args = grouped_args<C>(ctas, n, &ws);
   void *mem = nullptr;
   const int st = alloc_launch(&mem, ab + ws, stream);
   if (st != MOK_OK) return st;
-  const Args<C> a = group_args_at<Args<C>>(mem, n);
-  const int threads = 128, blocks = (n + threads - 1) / threads;
-  if constexpr (Wgrad)
-    wgrad_args<C><<<blocks, threads, 0, stream>>>(p, a, halves);
-  else
-    down_args<C><<<blocks, threads, 0, stream>>>(p, a);
-  args.problem_shape = {n, a.shape, nullptr};
-  args.mainloop = {a.a, a.sa, a.b, a.sb};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = a.d;
-  args.epilogue.dD = a.sd;
+  prepare(group_args_at<A>(mem, n), args);
   return run_and_free<Gemm>(args, mem, ab, stream);
+}
+
+/* StoreEpilogue's arguments: D = acc, to each group's d with stride sd. */
+template <class EpilogueArgs, class D, class SD> void store_args(EpilogueArgs &e, D d, SD sd) {
+  e.thread.alpha = 1.0f;
+  e.thread.beta = 0.0f;
+  e.ptr_C = nullptr;
+  e.dC = nullptr;
+  e.ptr_D = d;
+  e.dD = sd;
+}
+
+/* The threads and blocks of an arguments kernel over n groups. */
+constexpr int ARGS_THREADS = 128;
+inline int args_blocks(int n) { return (n + ARGS_THREADS - 1) / ARGS_THREADS; }
+
+/* One product on configuration C (WGRAD: a weight gradient in `halves`
+ * output halves; else DOWN) on `ctas` persistent CTAs (0: every SM).
+ * Returns a mok_status. */
+template <class C, bool Wgrad>
+int run(const mok_gemm_params &p, int halves, int ctas, cudaStream_t stream) {
+  const int n = p.groups * (Wgrad ? halves : 1);
+  return run_groups<C, Args<C>>(n, ctas, stream, [&](const Args<C> &a, auto &args) {
+    if constexpr (Wgrad)
+      wgrad_args<C><<<args_blocks(n), ARGS_THREADS, 0, stream>>>(p, a, halves);
+    else
+      down_args<C><<<args_blocks(n), ARGS_THREADS, 0, stream>>>(p, a);
+    args.problem_shape = {n, a.shape, nullptr};
+    args.mainloop = {a.a, a.sa, a.b, a.sb};
+    store_args(args.epilogue, a.d, a.sd);
+  });
 }
 
 } // namespace mok_cg

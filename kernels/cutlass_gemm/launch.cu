@@ -384,41 +384,43 @@ int mok__cg_run(int mode, const mok_gemm_params *p, int ctas, cudaStream_t strea
 #endif
 }
 
+#ifdef MOK_HAVE_CUTLASS
+/* An FP8 product's groups as the zero kernels of the bf16 products read
+ * them (their outputs set by the caller). */
+static mok_gemm_params f8_rows_params(const mok__cg_f8 *p) {
+  mok_gemm_params z;
+  memset(&z, 0, sizeof z);
+  z.offsets = p->offsets;
+  z.counts = p->counts;
+  z.groups = p->groups;
+  z.M = p->M;
+  z.N = p->N;
+  z.status = p->status;
+  return z;
+}
+#endif
+
 int mok__cg_f8_run(int mode, const mok__cg_f8 *p, int ctas, cudaStream_t stream) {
   if (!mok__cg_f8_takes(mode, p)) return MOK_EUNSUPPORTED;
 #ifdef MOK_HAVE_CUTLASS
   const int config = cg_f8_config(mode, p);
   if (mode == MOK_CG_F8_DOWN_DGRAD) {
     if (p->offsets) { /* the unwritten rows: dg | du, h, the partials as DOWN_DGRAD's; the bytes */
-      mok_gemm_params z;
-      memset(&z, 0, sizeof z);
-      z.offsets = p->offsets;
-      z.counts = p->counts;
-      z.groups = p->groups;
-      z.M = p->M;
-      z.N = p->N;
+      mok_gemm_params z = f8_rows_params(p);
       z.C0 = p->dgu;
       z.ldc = 2LL * p->N;
       z.C1 = p->h;
       z.partial = p->partial;
       z.n_partial = p->n_partial;
-      z.status = p->status;
       dgrad_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(z);
       f8_dgrad_zero_q<<<dim3(32, p->groups + 1), 256, 0, stream>>>(*p);
     }
     return mok__cg_f8_dgrad_coop_128x128_c12(p, ctas, stream);
   }
   if (mode == MOK_CG_F8_PLAIN && p->offsets) { /* y's unwritten rows, as DOWN's */
-    mok_gemm_params z;
-    memset(&z, 0, sizeof z);
-    z.offsets = p->offsets;
-    z.counts = p->counts;
-    z.groups = p->groups;
-    z.M = p->M;
-    z.N = p->N;
+    mok_gemm_params z = f8_rows_params(p);
     z.C0 = p->c[0];
     z.ldc = p->N;
-    z.status = p->status;
     down_zero_rows<<<dim3(32, p->groups + 1), 256, 0, stream>>>(z);
   }
   int st;
