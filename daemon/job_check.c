@@ -41,8 +41,8 @@ static int ranges_overlap(const backed_range *a, const backed_range *b) {
 }
 
 static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
-                     const mok_layer_config *layer, uint16_t op, uint32_t source, uint32_t tokens,
-                     mok_tensor_view *view, char *err, size_t errlen) {
+                     const mok_layer_config *layer, uint16_t op, uint32_t flags, uint32_t source,
+                     uint32_t tokens, mok_tensor_view *view, char *err, size_t errlen) {
   const char *name = mok_slot_name(ref->slot);
   mok_region *r = mok_region_table_find(regions, ref->region);
   if (!r) {
@@ -57,7 +57,7 @@ static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
   }
   uint32_t want_dt, want_nd;
   uint64_t want[MOK_MAX_DIMS];
-  mok_job_slot_shape_op(layer, op, source, tokens, ref->slot, &want_dt, &want_nd, want);
+  mok_job_slot_shape_job(layer, op, flags, source, tokens, ref->slot, &want_dt, &want_nd, want);
   uint32_t esz = mok_dtype_size(ref->dtype);
   if (ref->dtype != want_dt) {
     snprintf(err, errlen, "%s: dtype %u, the layer needs dtype %u", name, ref->dtype, want_dt);
@@ -110,10 +110,23 @@ static int check_ref(const mok_tensor_ref *ref, mok_region_table *regions,
   return MOK_OK;
 }
 
-int mok_job_check_flags_op(uint32_t op, uint32_t flags, char *err, size_t errlen) {
-  if ((flags & MOK_JOB_FLAGS_ALL) && op != MOK_OP_BACKWARD) { /* each flag is a backward option */
-    snprintf(err, errlen, "flags 0x%x are only valid on backward", flags);
+int mok_job_check_flags_op(const mok_layer_config *layer, uint32_t op, uint32_t flags,
+                           char *err, size_t errlen) {
+  if ((flags & MOK_JOB_RECOMPUTE) && op != MOK_OP_BACKWARD) {
+    snprintf(err, errlen, "flag 0x%x (recompute) is only valid on backward", MOK_JOB_RECOMPUTE);
     return MOK_EINVAL;
+  }
+  if (flags & MOK_JOB_QUANTIZE_WEIGHTS) {
+    if (op != MOK_OP_FORWARD) {
+      snprintf(err, errlen, "flag 0x%x (quantize weights) is only valid on forward",
+               MOK_JOB_QUANTIZE_WEIGHTS);
+      return MOK_EINVAL;
+    }
+    if (layer && layer->dtype != MOK_DTYPE_FP8_E4M3) {
+      snprintf(err, errlen, "flag 0x%x (quantize weights) needs an fp8 layer (this layer's "
+               "weights are used as they are)", MOK_JOB_QUANTIZE_WEIGHTS);
+      return MOK_EINVAL;
+    }
   }
   return MOK_OK;
 }
@@ -155,7 +168,7 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
     snprintf(err, errlen, "unknown job flags 0x%x", desc->flags);
     return MOK_EINVAL;
   }
-  int st = mok_job_check_flags_op(desc->op, desc->flags, err, errlen);
+  int st = mok_job_check_flags_op(layer, desc->op, desc->flags, err, errlen);
   if (st != MOK_OK) return st;
   if (desc->n_tensors > MOK_MAX_TENSORS) {
     snprintf(err, errlen, "%u tensors, at most %u", desc->n_tensors, MOK_MAX_TENSORS);
@@ -206,8 +219,8 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
     return st;
   for (uint32_t i = 0; i < desc->n_tensors; i++) {
     const mok_tensor_ref *ref = &desc->tensors[i];
-    int r = check_ref(ref, regions, layer, desc->op, source, desc->tokens, &ret->t[ref->slot],
-                      err, errlen);
+    int r = check_ref(ref, regions, layer, desc->op, desc->flags, source, desc->tokens,
+                      &ret->t[ref->slot], err, errlen);
     if (r != MOK_OK) return r;
   }
   for (uint32_t s = 0; s < MOK_SLOT_COUNT_; s++) {

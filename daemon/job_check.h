@@ -25,9 +25,11 @@ int mok_job_check(const mok_job_desc *desc, mok_region_table *regions,
 /* The checks an engine repeats on jobs it is handed directly (mok_engine_run),
  * one definition each; MOK_OK or a status with the reason in err. */
 
-/* The job flags are backward options (MOK_JOB_RECOMPUTE): a known flag on
- * another op is refused (MOK_EINVAL). Unknown flags are the caller's check. */
-int mok_job_check_flags_op(uint32_t op, uint32_t flags, char *err, size_t errlen);
+/* Each known flag on the op it applies to (MOK_EINVAL otherwise):
+ * MOK_JOB_RECOMPUTE on backward, MOK_JOB_QUANTIZE_WEIGHTS on a forward of an
+ * fp8 layer (layer NULL: not checked). Unknown flags are the caller's check. */
+int mok_job_check_flags_op(const mok_layer_config *layer, uint32_t op, uint32_t flags,
+                           char *err, size_t errlen);
 
 /* tokens in 1..layer->max_tokens, else refusal: the daemon's check returns
  * MOK_EINVAL, the cuda engine's MOK_ELIMIT (the status it has always given). */

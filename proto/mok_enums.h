@@ -91,7 +91,13 @@ typedef enum mok_slot {
 
 /* Job flags */
 #define MOK_JOB_RECOMPUTE 0x1u /* backward: rebuild CTX from the inputs first */
-#define MOK_JOB_FLAGS_ALL 0x1u
+/* forward of an fp8 layer: the weight slots hold the bf16 masters (as
+ * quantize_weight's source); the job first writes their packed forms into
+ * PACKED_WEIGHT (all of the layer's weights, mok_layer_packed_offset), as
+ * quantize_weight would, then runs the forward on them (docs/cuda.md
+ * "Capture and replay": what a replayed fp8 forward runs) */
+#define MOK_JOB_QUANTIZE_WEIGHTS 0x2u
+#define MOK_JOB_FLAGS_ALL 0x3u
 
 /* Shared by mokd, libmok and mokctl (client/python/mok/_lib.py mirrors them). */
 #define MOK_DEFAULT_SOCKET "/run/mok/mokd-0.sock" /* mokd's control socket, GPU 0 */

@@ -86,6 +86,8 @@ mok_job_slots mok_job_slot_sets(const mok_layer_config *layer, uint32_t op, uint
     }
   }
   if (op == MOK_OP_BACKWARD && (flags & MOK_JOB_RECOMPUTE)) s.required |= BIT(TOPK_IDS);
+  /* a quantising forward writes every weight's packed form there */
+  if (op == MOK_OP_FORWARD && (flags & MOK_JOB_QUANTIZE_WEIGHTS)) s.required |= BIT(PACKED_WEIGHT);
   if (!shared) /* quantize_weight's optional sources: the shared expert's are no argument */
     for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
       if (mok_slot_is_shared(slot)) s.optional &= ~(1ull << slot);
@@ -107,6 +109,8 @@ int mok_job_slot_is_output(uint32_t op, uint32_t flags, uint32_t slot) {
   if (op >= MOK_OP_COUNT_ || slot >= MOK_SLOT_COUNT_) return 0;
   /* recompute rebuilds ctx in place: it is written */
   if (op == MOK_OP_BACKWARD && slot == MOK_SLOT_CTX) return (flags & MOK_JOB_RECOMPUTE) != 0;
+  if (op == MOK_OP_FORWARD && slot == MOK_SLOT_PACKED_WEIGHT)
+    return (flags & MOK_JOB_QUANTIZE_WEIGHTS) != 0;
   return (op_table[op].outputs >> slot) & 1u;
 }
 
@@ -136,6 +140,30 @@ uint64_t mok_slot_packed_bytes(const mok_layer_config *l, uint32_t slot) {
   return mok_fp8_weight_bytes(w[0], w[1], w[2]);
 }
 
+/* The weight slots in the order of their packed forms in a quantising
+ * forward's packed_weight tensor. */
+static const uint32_t packed_order[] = {MOK_SLOT_W_GATE, MOK_SLOT_W_UP, MOK_SLOT_W_DOWN,
+                                        MOK_SLOT_S_GATE, MOK_SLOT_S_UP, MOK_SLOT_S_DOWN};
+
+uint64_t mok_packed_weights_offset(const mok_layer_config *l, uint32_t slot) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < sizeof packed_order / sizeof packed_order[0]; i++) {
+    uint64_t n = mok_slot_packed_bytes(l, packed_order[i]);
+    if (!n || (mok_slot_is_shared(packed_order[i]) && !l->shared_intermediate)) continue;
+    if (packed_order[i] == slot) return at;
+    at += mok_align256(n);
+  }
+  return UINT64_MAX;
+}
+
+uint64_t mok_packed_weights_bytes(const mok_layer_config *l) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < sizeof packed_order / sizeof packed_order[0]; i++)
+    if (!mok_slot_is_shared(packed_order[i]) || l->shared_intermediate)
+      at += mok_align256(mok_slot_packed_bytes(l, packed_order[i]));
+  return at;
+}
+
 uint32_t mok_quantize_source(uint64_t present) {
   uint32_t source = MOK_SLOT_COUNT_;
   for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++) {
@@ -162,11 +190,29 @@ int mok_quantize_check(const mok_layer_config *l, uint64_t present, uint32_t *re
   return MOK_OK;
 }
 
+/* A weight slot's bf16 master, in the shape a bf16 layer takes there. */
+static void master_shape(const mok_layer_config *l, uint32_t slot, uint32_t *ret_dtype,
+                         uint32_t *ret_ndim, uint64_t s[MOK_MAX_DIMS]) {
+  memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
+  uint64_t w[3];
+  if (!mok_slot_weight_dims(l, slot, w)) {
+    *ret_dtype = MOK_DTYPE_INVALID, *ret_ndim = 0;
+    return;
+  }
+  int shared = slot == MOK_SLOT_S_GATE || slot == MOK_SLOT_S_UP || slot == MOK_SLOT_S_DOWN;
+  *ret_dtype = MOK_DTYPE_BF16, *ret_ndim = shared ? 2 : 3;
+  for (uint32_t i = 0; i < *ret_ndim; i++) s[i] = w[shared + i];
+}
+
 void mok_job_slot_shape_op(const mok_layer_config *l, uint32_t op, uint32_t source,
                            uint32_t tokens, uint32_t slot, uint32_t *ret_dtype, uint32_t *ret_ndim,
                            uint64_t s[MOK_MAX_DIMS]) {
   if (op != MOK_OP_QUANTIZE_WEIGHT || (slot != source && slot != MOK_SLOT_PACKED_WEIGHT)) {
     mok_job_slot_shape(l, tokens, slot, ret_dtype, ret_ndim, s);
+    return;
+  }
+  if (slot == source) {
+    master_shape(l, source, ret_dtype, ret_ndim, s);
     return;
   }
   memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
@@ -175,14 +221,29 @@ void mok_job_slot_shape_op(const mok_layer_config *l, uint32_t op, uint32_t sour
     *ret_dtype = MOK_DTYPE_INVALID, *ret_ndim = 0;
     return;
   }
-  if (slot == source) { /* the bf16 master weight, in the shape of a bf16 layer's */
-    int shared = source == MOK_SLOT_S_GATE || source == MOK_SLOT_S_UP || source == MOK_SLOT_S_DOWN;
-    *ret_dtype = MOK_DTYPE_BF16, *ret_ndim = shared ? 2 : 3;
-    for (uint32_t i = 0; i < *ret_ndim; i++) s[i] = w[shared + i];
-    return;
-  }
   *ret_dtype = MOK_DTYPE_U8, *ret_ndim = 1;
   s[0] = mok_fp8_weight_bytes(w[0], w[1], w[2]);
+}
+
+void mok_job_slot_shape_job(const mok_layer_config *l, uint32_t op, uint32_t flags,
+                            uint32_t source, uint32_t tokens, uint32_t slot, uint32_t *ret_dtype,
+                            uint32_t *ret_ndim, uint64_t s[MOK_MAX_DIMS]) {
+  if (op != MOK_OP_FORWARD || !(flags & MOK_JOB_QUANTIZE_WEIGHTS) ||
+      l->dtype != MOK_DTYPE_FP8_E4M3) {
+    mok_job_slot_shape_op(l, op, source, tokens, slot, ret_dtype, ret_ndim, s);
+    return;
+  }
+  if (slot == MOK_SLOT_PACKED_WEIGHT) { /* every weight's packed form, one tensor */
+    memset(s, 0, sizeof(uint64_t) * MOK_MAX_DIMS);
+    *ret_dtype = MOK_DTYPE_U8, *ret_ndim = 1;
+    s[0] = mok_packed_weights_bytes(l);
+    return;
+  }
+  if (mok_slot_packed_bytes(l, slot)) { /* a weight slot: its bf16 master */
+    master_shape(l, slot, ret_dtype, ret_ndim, s);
+    return;
+  }
+  mok_job_slot_shape(l, tokens, slot, ret_dtype, ret_ndim, s);
 }
 
 void mok_job_slot_shape(const mok_layer_config *l, uint32_t tokens, uint32_t slot,

@@ -33,12 +33,26 @@ void mok_job_slot_shape(const mok_layer_config *layer, uint32_t tokens, uint32_t
 void mok_job_slot_shape_op(const mok_layer_config *layer, uint32_t op, uint32_t source,
                            uint32_t tokens, uint32_t slot, uint32_t *ret_dtype, uint32_t *ret_ndim,
                            uint64_t ret_shape[MOK_MAX_DIMS]);
+/* As mok_job_slot_shape_op, for a job with these flags: a forward with
+ * MOK_JOB_QUANTIZE_WEIGHTS on an fp8 layer reads the bf16 masters in the
+ * weight slots and writes PACKED_WEIGHT, every weight's packed form
+ * (mok_packed_weights_bytes). */
+void mok_job_slot_shape_job(const mok_layer_config *layer, uint32_t op, uint32_t flags,
+                            uint32_t source, uint32_t tokens, uint32_t slot, uint32_t *ret_dtype,
+                            uint32_t *ret_ndim, uint64_t ret_shape[MOK_MAX_DIMS]);
 /* A weight slot's matrices [E, N, K] (w_gate: [E_loc, I, H], ..., the
  * shared expert's with E = 1); 0 for any other slot. */
 int mok_slot_weight_dims(const mok_layer_config *layer, uint32_t slot, uint64_t dims[3]);
 /* The bytes of a weight slot's packed form on an fp8 layer (mok_fp8_weight_bytes);
  * 0 for any other layer or slot. */
 uint64_t mok_slot_packed_bytes(const mok_layer_config *layer, uint32_t slot);
+/* The packed_weight tensor of a quantising forward (MOK_JOB_QUANTIZE_WEIGHTS)
+ * on an fp8 layer: the packed form of each weight the layer has, in the
+ * order w_gate, w_up, w_down, s_gate, s_up, s_down, each from a 256-byte
+ * boundary of the tensor. Its bytes (0 for another layer), and where
+ * weight slot's form starts (UINT64_MAX: the layer has no such weight). */
+uint64_t mok_packed_weights_bytes(const mok_layer_config *layer);
+uint64_t mok_packed_weights_offset(const mok_layer_config *layer, uint32_t weight_slot);
 /* quantize_weight's source among the slots present (a mask, 1 << slot): the
  * one weight slot, or MOK_SLOT_COUNT_ when there is none or more than one. */
 uint32_t mok_quantize_source(uint64_t present);

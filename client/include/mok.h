@@ -261,6 +261,27 @@ MOK_EXTERN uint64_t mok_layer_packed_weight_bytes(const mok_layer *l, uint32_t w
 MOK_EXTERN int mok_quantize_weight(mok_layer *l, uint32_t weight_slot, const void *weight,
                                    void *packed, uint64_t *ret_ticket);
 
+/* A forward that quantises first (flag MOK_JOB_QUANTIZE_WEIGHTS, fp8 layers):
+ * its weight slots take the bf16 masters (shaped as quantize_weight's
+ * source) and slot MOK_SLOT_PACKED_WEIGHT one uint8 tensor that receives
+ * every weight's packed form, the bytes quantize_weight would write, before
+ * the forward runs on them: one job instead of a quantize_weight per weight
+ * and a forward, and what a CUDA graph replays (mok_standing_forward_
+ * quantized). A backward then takes the packed forms inside that tensor
+ * (at mok_layer_packed_weights_offset) in its weight slots. */
+
+/* That tensor's bytes (0 on a layer that is not fp8), and where the packed
+ * form of weight_slot starts in it (the forms of w_gate, w_up, w_down and,
+ * with a shared expert, s_gate, s_up, s_down in that order, each from a
+ * 256-byte boundary; UINT64_MAX for a slot the layer has no weight in). */
+MOK_EXTERN uint64_t mok_layer_packed_weights_bytes(const mok_layer *l);
+MOK_EXTERN uint64_t mok_layer_packed_weights_offset(const mok_layer *l, uint32_t weight_slot);
+/* As mok_tensor_for, for a job of op with these flags (a quantising
+ * forward's weight slots are bf16 masters, its packed_weight the tensor
+ * above; any other job as mok_tensor_for). */
+MOK_EXTERN mok_tensor mok_tensor_for_job(const mok_layer *l, uint32_t op, uint32_t flags,
+                                         uint32_t tokens, uint32_t slot, const void *data);
+
 /* ---- CUDA memory and streams (the cuda engine; docs/cuda.md) ----
  *
  * Any tensor may also be CUDA device memory: mok_submit and the calls
@@ -325,6 +346,16 @@ MOK_EXTERN int mok_standing_forward(mok_layer *l, uint32_t tokens, const mok_for
                                     mok_standing **ret);
 MOK_EXTERN int mok_standing_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
                                      const mok_backward_args *a, mok_standing **ret);
+/* A standing quantising forward of an fp8 layer: a's weights (w_gate ..
+ * s_down) are the bf16 masters, packed (mok_layer_packed_weights_bytes)
+ * receives their packed forms at each run, before the forward reads them:
+ * every replay quantises the masters as they are then (one read of each
+ * master and one write of its packed form a run), so a graph replayed
+ * after the optimizer changed them runs on the new weights. A standing
+ * backward of the same step names the forms inside packed. */
+MOK_EXTERN int mok_standing_forward_quantized(mok_layer *l, uint32_t tokens,
+                                              const mok_forward_args *a, void *packed,
+                                              mok_standing **ret);
 /* Record one run on a CUDA stream (capturable; the same three operations
  * each time). Work enqueued after it starts after the job. */
 MOK_EXTERN int mok_standing_enqueue(mok_standing *s, void *stream);

@@ -162,6 +162,24 @@ mok_tensor mok_tensor_for(const mok_layer *l, uint32_t tokens, uint32_t slot, co
   return t;
 }
 
+mok_tensor mok_tensor_for_job(const mok_layer *l, uint32_t op, uint32_t flags, uint32_t tokens,
+                              uint32_t slot, const void *data) {
+  mok_tensor t = {.data = data};
+  uint64_t shape[MOK_MAX_DIMS];
+  mok_job_slot_shape_job(&l->cfg, op, flags, MOK_SLOT_COUNT_, tokens, slot, &t.dtype, &t.ndim,
+                         shape);
+  for (int i = 0; i < 4; i++) t.shape[i] = shape[i];
+  return t;
+}
+
+uint64_t mok_layer_packed_weights_bytes(const mok_layer *l) {
+  return l ? mok_packed_weights_bytes(&l->cfg) : 0;
+}
+
+uint64_t mok_layer_packed_weights_offset(const mok_layer *l, uint32_t weight_slot) {
+  return l ? mok_packed_weights_offset(&l->cfg, weight_slot) : UINT64_MAX;
+}
+
 uint64_t mok_layer_packed_weight_bytes(const mok_layer *l, uint32_t weight_slot) {
   return l ? mok_slot_packed_bytes(&l->cfg, weight_slot) : 0;
 }

@@ -170,6 +170,22 @@ int mok_standing_forward(mok_layer *l, uint32_t tokens, const mok_forward_args *
   return mok_standing_create(l, MOK_OP_FORWARD, 0, tokens, t, ret);
 }
 
+int mok_standing_forward_quantized(mok_layer *l, uint32_t tokens, const mok_forward_args *a,
+                                   void *packed, mok_standing **ret) {
+  *ret = NULL;
+  if (!packed || mok_layer_packed_weights_bytes(l) == 0)
+    return mok_set_error(MOK_EINVAL, "a quantising forward needs an fp8 layer and its packed "
+                         "weights tensor (mok_layer_packed_weights_bytes)");
+  mok_tensor t[MOK_SLOT_COUNT_];
+  mok_forward_tensors(l, tokens, a, t);
+  const uint32_t flags = MOK_JOB_QUANTIZE_WEIGHTS;
+  for (uint32_t s = MOK_SLOT_W_GATE; s <= MOK_SLOT_S_DOWN; s++) /* the bf16 masters */
+    if (t[s].data) t[s] = mok_tensor_for_job(l, MOK_OP_FORWARD, flags, tokens, s, t[s].data);
+  t[MOK_SLOT_PACKED_WEIGHT] =
+      mok_tensor_for_job(l, MOK_OP_FORWARD, flags, tokens, MOK_SLOT_PACKED_WEIGHT, packed);
+  return mok_standing_create(l, MOK_OP_FORWARD, flags, tokens, t, ret);
+}
+
 int mok_standing_backward(mok_layer *l, uint32_t tokens, uint32_t flags,
                           const mok_backward_args *a, mok_standing **ret) {
   mok_tensor t[MOK_SLOT_COUNT_];

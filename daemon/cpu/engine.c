@@ -147,6 +147,10 @@ static void ctx_split(const job_env *env, void *ctx, int32_t **ret_sched, void *
 }
 
 static mok_status op_forward(job_env *env) {
+  if (env->args->flags & MOK_JOB_QUANTIZE_WEIGHTS) { /* the masters' packed forms first */
+    mok_status q = mok__cpu_fp8_quantize_weights(env);
+    if (q != MOK_OK) return q;
+  }
   void *ctx = tensor(env, MOK_SLOT_CTX), *acts = NULL;
   int32_t *sched_out = NULL;
   if (ctx) ctx_split(env, ctx, &sched_out, &acts);
@@ -303,8 +307,8 @@ static mok_job_slots slots_of(const mok_layer_config *layer, uint32_t op, uint32
 static void slot_expect(const job_env *env, int slot, uint32_t *ret_dtype, uint64_t *ret_bytes) {
   uint32_t nd = 0;
   uint64_t shape[MOK_MAX_DIMS];
-  mok_job_slot_shape_op(env->cfg, env->args->op, env->quant_source, (uint32_t)env->T,
-                        (uint32_t)slot, ret_dtype, &nd, shape);
+  mok_job_slot_shape_job(env->cfg, env->args->op, env->args->flags, env->quant_source,
+                         (uint32_t)env->T, (uint32_t)slot, ret_dtype, &nd, shape);
   uint64_t n = nd ? 1 : 0;
   for (uint32_t i = 0; i < nd; i++) n *= shape[i];
   *ret_bytes = n * mok_dtype_size(*ret_dtype);
@@ -393,7 +397,7 @@ static mok_status job_env_init(job_env *env, mok_engine *e, const mok_job_args *
   if (a->flags & ~(uint32_t)MOK_JOB_FLAGS_ALL)
     return mok__cpu_job_fail(env, MOK_EINVAL, "unknown job flags 0x%x", a->flags);
   char err[MOK_JOB_MESSAGE_MAX];
-  mok_status st = mok_job_check_flags_op(a->op, a->flags, err, sizeof err);
+  mok_status st = mok_job_check_flags_op(c, a->op, a->flags, err, sizeof err);
   if (st == MOK_OK) st = check_layer(c, err, sizeof err);
   if (st != MOK_OK) return mok__cpu_job_fail(env, st, "%s", err);
   if (a->tokens > c->max_tokens)

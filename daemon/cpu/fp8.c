@@ -64,20 +64,49 @@ static void quantize_block_rows(void *p, size_t i0, size_t i1) {
   }
 }
 
-mok_status mok__cpu_op_quantize_weight(job_env *env) {
+/* The bf16 weight src of weight slot `slot` into its packed form at packed. */
+static mok_status quantize_weight(job_env *env, uint32_t slot, const void *src, uint8_t *packed) {
   uint64_t w[3];
-  if (!mok_slot_weight_dims(env->cfg, env->quant_source, w))
+  if (!mok_slot_weight_dims(env->cfg, slot, w))
     return mok__cpu_job_fail(env, MOK_EINVAL, "no source weight");
-  uint8_t *packed = env->tensors[MOK_SLOT_PACKED_WEIGHT];
   const size_t used = (size_t)(w[0] * w[1] * w[2]);
   const size_t t_at = (size_t)mok_fp8_transposed_offset(w[0], w[1], w[2]);
   const size_t s_at = (size_t)mok_fp8_scales_offset(w[0], w[1], w[2]);
-  quantize_weight_arg a = {env->tensors[env->quant_source], (size_t)w[1], (size_t)w[2], packed,
-                           packed + t_at, (char *)packed + s_at};
+  quantize_weight_arg a = {src, (size_t)w[1], (size_t)w[2], packed, packed + t_at,
+                           (char *)packed + s_at};
   /* the bytes after each e4m3 section, up to the next: zero, as the layout says */
   memset(packed + used, 0, t_at - used);
   memset(packed + t_at + used, 0, s_at - t_at - used);
   mok__cpu_par_for(env, (size_t)w[0] * a.N / BLOCK, quantize_block_rows, &a);
+  return MOK_OK;
+}
+
+mok_status mok__cpu_op_quantize_weight(job_env *env) {
+  return quantize_weight(env, env->quant_source, env->tensors[env->quant_source],
+                         env->tensors[MOK_SLOT_PACKED_WEIGHT]);
+}
+
+mok_status mok__cpu_fp8_quantize_weights(job_env *env) {
+  uint8_t *packed = env->tensors[MOK_SLOT_PACKED_WEIGHT];
+  static const uint32_t weights[] = {MOK_SLOT_W_GATE, MOK_SLOT_W_UP, MOK_SLOT_W_DOWN,
+                                     MOK_SLOT_S_GATE, MOK_SLOT_S_UP, MOK_SLOT_S_DOWN};
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) {
+    const uint64_t at = mok_packed_weights_offset(env->cfg, weights[i]);
+    if (at == UINT64_MAX) continue; /* the layer has no such weight (no shared expert) */
+    mok_status st = quantize_weight(env, weights[i], env->tensors[weights[i]], packed + at);
+    if (st != MOK_OK) return st;
+    env->tensors[weights[i]] = packed + at; /* the rest of the job reads the packed form */
+  }
+  /* the padding between the forms: zero, like every gap of the layout */
+  uint64_t end = 0;
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) {
+    const uint64_t at = mok_packed_weights_offset(env->cfg, weights[i]);
+    if (at == UINT64_MAX) continue;
+    if (at > end) memset(packed + end, 0, (size_t)(at - end));
+    end = at + mok_slot_packed_bytes(env->cfg, weights[i]);
+  }
+  const uint64_t total = mok_packed_weights_bytes(env->cfg);
+  if (total > end) memset(packed + end, 0, (size_t)(total - end));
   return MOK_OK;
 }
 

@@ -189,6 +189,10 @@ mok_status mok__cpu_schedule_build(job_env *env, const int32_t *ids, int32_t *ou
 
 /* quantize_weight: the bf16 weight in env->quant_source -> its packed form. */
 mok_status mok__cpu_op_quantize_weight(job_env *env);
+/* A quantising forward (MOK_JOB_QUANTIZE_WEIGHTS): every weight's bf16 master
+ * into its packed form in PACKED_WEIGHT (mok_packed_weights_offset), then
+ * env->tensors' weight slots point at those forms for the rest of the job. */
+mok_status mok__cpu_fp8_quantize_weights(job_env *env);
 /* Rows of src [rows, K] (f32 holding bf16 values; K a multiple of 128),
  * each 1x128 block quantised: q [rows, ld_q] the decoded e4m3 values, s
  * [rows, ld_s] the scales. Unused rows of set (set may be NULL: all used) get

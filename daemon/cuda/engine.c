@@ -1450,7 +1450,7 @@ bool mok__cuda_check_job(job_ctx *c) {
   }
   char err[MOK_JOB_MESSAGE_MAX];
   int st = mok_job_check_tokens_op(a->layer, a->op, a->tokens, MOK_ELIMIT, err, sizeof err);
-  if (st == MOK_OK) st = mok_job_check_flags_op(a->op, a->flags, err, sizeof err);
+  if (st == MOK_OK) st = mok_job_check_flags_op(a->layer, a->op, a->flags, err, sizeof err);
   if (st != MOK_OK) {
     mok__cuda_job_fail(c, st, "%s", err);
     return false;

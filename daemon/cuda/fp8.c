@@ -67,7 +67,54 @@ static void compute_bwd(job_ctx *c, const int32_t *sched, const acts_ptrs *a,
                                         c->st));
 }
 
+static void fp8_forward_packed(job_ctx *c);
+
+/* A quantising forward (MOK_JOB_QUANTIZE_WEIGHTS): every weight's bf16 master
+ * into its packed form in packed_weight (mok_packed_weights_offset), on the
+ * job's stream before its products; q becomes the job's arguments with the
+ * weight slots on those forms (the caller points c->a at it). */
+static void quantize_weights(job_ctx *c, mok_job_args *q) {
+  static const uint32_t weights[] = {MOK_SLOT_W_GATE, MOK_SLOT_W_UP, MOK_SLOT_W_DOWN,
+                                     MOK_SLOT_S_GATE, MOK_SLOT_S_UP, MOK_SLOT_S_DOWN};
+  *q = *c->a;
+  char *packed = T_(c, MOK_SLOT_PACKED_WEIGHT);
+  uint64_t end = 0;
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) {
+    const uint64_t at = mok_packed_weights_offset(c->a->layer, weights[i]);
+    uint64_t w[3];
+    if (at == UINT64_MAX || !mok_slot_weight_dims(c->a->layer, weights[i], w)) continue;
+    if (!T_(c, (int)weights[i]) || !packed) {
+      mok__cuda_job_fail(c, MOK_EINVAL, "a quantising forward needs every weight and "
+                         "packed_weight");
+      return;
+    }
+    if (at > end) mok__cuda_memset_async(c, packed + end, (size_t)(at - end));
+    LAUNCH(c, mok_k_fp8_quantize_weight(T_(c, (int)weights[i]), (int)w[0], (int)w[1], (int)w[2],
+                                        packed + at, c->st));
+    end = at + mok_slot_packed_bytes(c->a->layer, weights[i]);
+    q->t[weights[i]].ptr = packed + at;
+    q->t[weights[i]].bytes = mok_slot_packed_bytes(c->a->layer, weights[i]);
+    q->t[weights[i]].dtype = MOK_DTYPE_U8;
+  }
+  const uint64_t total = mok_packed_weights_bytes(c->a->layer);
+  if (total > end) mok__cuda_memset_async(c, packed + end, (size_t)(total - end));
+}
+
 static void fp8_forward(job_ctx *c) {
+  mok_job_args quantized;
+  if (c->a->flags & MOK_JOB_QUANTIZE_WEIGHTS) {
+    quantize_weights(c, &quantized);
+    if (c->failed) return;
+    const mok_job_args *given = c->a;
+    c->a = &quantized; /* the products read the packed forms */
+    fp8_forward_packed(c);
+    c->a = given;
+    return;
+  }
+  fp8_forward_packed(c);
+}
+
+static void fp8_forward_packed(job_ctx *c) {
   void *ctx = T_(c, MOK_SLOT_CTX);
   const job_ws *w = &c->w;
   acts_ptrs a = ctx ? mok__cuda_ctx_acts(c, ctx) : mok__cuda_acts_split(c, w->acts, false);

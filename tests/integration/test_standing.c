@@ -10,7 +10,11 @@
  *    a thread scribbling over every standing word of one slot while another
  *    slot's runs must stay right and mokd alive;
  *  - failures end in an error, never a hang: a trigger not taken within the
- *    fence timeout, a region unregistered, a layer destroyed, mokd killed.
+ *    fence timeout, a region unregistered, a layer destroyed, mokd killed;
+ *  - fp8: the quantising forward (MOK_JOB_QUANTIZE_WEIGHTS) as a standing job
+ *    re-quantises the masters at every run, bitwise the ring's quantize_weight
+ *    chain (packed forms, out, ctx), after in-place changes too; a standing
+ *    backward on its packed forms; the checks of its packed tensor.
  */
 #include <pthread.h>
 #include <signal.h>
@@ -372,8 +376,312 @@ static void test_failures_end_in_errors(void) {
   mok_close(c);
 }
 
+/* ---- fp8: the quantising forward (MOK_JOB_QUANTIZE_WEIGHTS) ------------------
+ *
+ * What a replayed fp8 forward runs: each run quantises the bf16 masters as
+ * they are then into the packed-weights tensor and runs the forward on
+ * those forms. Held against the ring's chain: quantize_weight of each
+ * master into a buffer of its own, then a forward on those. */
+
+static const uint32_t fp8_weights[] = {MOK_SLOT_W_GATE, MOK_SLOT_W_UP, MOK_SLOT_W_DOWN,
+                                       MOK_SLOT_S_GATE, MOK_SLOT_S_UP, MOK_SLOT_S_DOWN};
+#define N_FP8_WEIGHTS (sizeof fp8_weights / sizeof fp8_weights[0])
+
+static mok_layer *fp8_layer(mok_client *c, uint32_t T) {
+  mok_layer_desc d = {.hidden = 128, .intermediate = 128, .experts = 4, .topk = 2,
+                      .shared_intermediate = 128, .max_tokens = T,
+                      .dtype = MOK_DTYPE_FP8_E4M3};
+  mok_layer *l = NULL;
+  CHECK_EQ_INT(mok_layer_create(c, &d, &l), MOK_OK);
+  return l;
+}
+
+static void *host_fill(mok_client *c, uint64_t bytes, int byte) {
+  void *p = mok_host_alloc(c, bytes);
+  CHECK_MSG(p != NULL, "mok_host_alloc: %s", mok_last_error());
+  if (p) memset(p, byte, bytes);
+  return p;
+}
+
+/* A bf16 master of weight slot s in mok memory, values in [-0.25, 0.25]. */
+static void *fp8_master(mok_client *c, mok_layer *l, uint32_t s, uint64_t *ret_bytes,
+                        unsigned seed) {
+  mok_tensor m = mok_tensor_for_job(l, MOK_OP_FORWARD, MOK_JOB_QUANTIZE_WEIGHTS, 1, s, NULL);
+  CHECK_EQ_INT(m.dtype, MOK_DTYPE_BF16);
+  uint64_t n = 1;
+  for (uint32_t i = 0; i < m.ndim; i++) n *= m.shape[i];
+  *ret_bytes = n * 2;
+  uint16_t *h = host_fill(c, n * 2, 0);
+  for (uint64_t i = 0; h && i < n; i++) {
+    float v = (float)((int)(job_rng(&seed) % 2001) - 1000) / 4000.0f;
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    h[i] = (uint16_t)(u >> 16);
+  }
+  return h;
+}
+
+typedef struct fp8_step {
+  job_bufs f;                       /* x, topk_ids, router_weights, out, ctx */
+  void *master[N_FP8_WEIGHTS];      /* bf16 */
+  uint64_t master_bytes[N_FP8_WEIGHTS];
+  void *packed;                     /* every weight's packed form (the standing job's) */
+  uint64_t packed_bytes;
+} fp8_step;
+
+static void fp8_step_alloc(mok_client *c, mok_layer *l, uint32_t T, fp8_step *st) {
+  memset(st, 0, sizeof *st);
+  alloc_bufs(c, l, MOK_OP_FORWARD, T, &st->f, 21);
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++) {
+    st->f.p[fp8_weights[i]] = NULL; /* packed u8 by job_bufs: the masters instead */
+    st->master[i] = fp8_master(c, l, fp8_weights[i], &st->master_bytes[i], 31 + (unsigned)i);
+  }
+  st->packed_bytes = mok_layer_packed_weights_bytes(l);
+  CHECK(st->packed_bytes > 0);
+  st->packed = host_fill(c, st->packed_bytes, 0xab); /* gaps must come out zero */
+}
+
+/* The quantising forward's tensors (masters in the weight slots). */
+static void fp8_forward_tensors(mok_layer *l, uint32_t T, const fp8_step *st, void *out,
+                                void *ctx, void *packed, mok_tensor *t) {
+  const uint32_t fl = MOK_JOB_QUANTIZE_WEIGHTS;
+  memset(t, 0, sizeof(mok_tensor) * MOK_SLOT_COUNT_);
+  const uint32_t io[] = {MOK_SLOT_X, MOK_SLOT_TOPK_IDS, MOK_SLOT_ROUTER_W};
+  for (size_t i = 0; i < 3; i++)
+    t[io[i]] = mok_tensor_for_job(l, MOK_OP_FORWARD, fl, T, io[i], st->f.p[io[i]]);
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++)
+    t[fp8_weights[i]] = mok_tensor_for_job(l, MOK_OP_FORWARD, fl, T, fp8_weights[i],
+                                           st->master[i]);
+  t[MOK_SLOT_OUT] = mok_tensor_for_job(l, MOK_OP_FORWARD, fl, T, MOK_SLOT_OUT, out);
+  t[MOK_SLOT_CTX] = mok_tensor_for_job(l, MOK_OP_FORWARD, fl, T, MOK_SLOT_CTX, ctx);
+  t[MOK_SLOT_PACKED_WEIGHT] =
+      mok_tensor_for_job(l, MOK_OP_FORWARD, fl, T, MOK_SLOT_PACKED_WEIGHT, packed);
+}
+
+/* The ring's chain: quantize_weight of each master into pw[i], then a plain
+ * forward on them into out and ctx. */
+static void fp8_ring_chain(mok_layer *l, uint32_t T, const fp8_step *st, void *pw[],
+                           void *out, void *ctx) {
+  mok_client *c = l->client;
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++) {
+    uint64_t tk;
+    CHECK_EQ_INT(mok_quantize_weight(l, fp8_weights[i], st->master[i], pw[i], &tk), MOK_OK);
+    CHECK_EQ_INT(mok_wait(c, tk, 10000), MOK_OK);
+  }
+  mok_forward_args a = {.x = st->f.p[MOK_SLOT_X], .topk_ids = st->f.p[MOK_SLOT_TOPK_IDS],
+                        .router_weights = st->f.p[MOK_SLOT_ROUTER_W], .w_gate = pw[0],
+                        .w_up = pw[1], .w_down = pw[2], .s_gate = pw[3], .s_up = pw[4],
+                        .s_down = pw[5], .out = out, .ctx = ctx};
+  uint64_t tk;
+  CHECK_EQ_INT(mok_forward(l, T, &a, &tk), MOK_OK);
+  CHECK_EQ_INT(mok_wait(c, tk, 10000), MOK_OK);
+}
+
+/* packed holds pw[i] at each weight's offset and zeros between them. */
+static void check_packed_forms(mok_layer *l, const uint8_t *packed, uint64_t packed_bytes,
+                               void *pw[]) {
+  uint64_t end = 0;
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++) {
+    uint64_t at = mok_layer_packed_weights_offset(l, fp8_weights[i]);
+    uint64_t n = mok_layer_packed_weight_bytes(l, fp8_weights[i]);
+    CHECK_MSG(at != UINT64_MAX && at % 256 == 0 && at >= end && at + n <= packed_bytes,
+              "%s at %llu", mok_slot_name(fp8_weights[i]), (unsigned long long)at);
+    for (uint64_t k = end; k < at; k++) CHECK_MSG(packed[k] == 0, "gap byte %llu", (unsigned long long)k);
+    CHECK_MSG(memcmp(packed + at, pw[i], n) == 0, "the packed form of %s differs from "
+              "quantize_weight's", mok_slot_name(fp8_weights[i]));
+    end = at + n;
+  }
+  for (uint64_t k = end; k < packed_bytes; k++)
+    CHECK_MSG(packed[k] == 0, "tail byte %llu", (unsigned long long)k);
+}
+
+static void test_fp8_quantizing_forward(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  const uint32_t T = 40;
+  mok_layer *l = fp8_layer(c, T);
+  fp8_step st;
+  fp8_step_alloc(c, l, T, &st);
+  /* the layout: every weight's form, 256-aligned, in slot order; none without a weight */
+  CHECK(mok_layer_packed_weights_offset(l, MOK_SLOT_W_GATE) == 0);
+  CHECK(mok_layer_packed_weights_offset(l, MOK_SLOT_X) == UINT64_MAX);
+  uint64_t ob = st.f.bytes[MOK_SLOT_OUT], cb = st.f.bytes[MOK_SLOT_CTX];
+  void *pw[N_FP8_WEIGHTS], *ref_out = host_fill(c, ob, 0), *ref_ctx = host_fill(c, cb, 0);
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++)
+    pw[i] = host_fill(c, mok_layer_packed_weight_bytes(l, fp8_weights[i]), 0);
+
+  mok_forward_args a = {.x = st.f.p[MOK_SLOT_X], .topk_ids = st.f.p[MOK_SLOT_TOPK_IDS],
+                        .router_weights = st.f.p[MOK_SLOT_ROUTER_W], .w_gate = st.master[0],
+                        .w_up = st.master[1], .w_down = st.master[2], .s_gate = st.master[3],
+                        .s_up = st.master[4], .s_down = st.master[5],
+                        .out = st.f.p[MOK_SLOT_OUT], .ctx = st.f.p[MOK_SLOT_CTX]};
+  mok_standing *sf;
+  CHECK_EQ_INT(mok_standing_forward_quantized(l, T, &a, st.packed, &sf), MOK_OK);
+  unsigned s = 5;
+  uint8_t *prev_out = malloc(ob);
+  for (int run = 0; run < 4; run++) {
+    if (run > 0) { /* an optimizer step between runs: masters changed in place */
+      for (size_t i = 0; i < N_FP8_WEIGHTS; i++) {
+        uint16_t *m = st.master[i];
+        for (int k = 0; k < 64; k++) m[job_rng(&s) % (st.master_bytes[i] / 2)] ^= 0x0040;
+      }
+      memcpy(prev_out, st.f.p[MOK_SLOT_OUT], ob);
+    }
+    CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+    CHECK_EQ_INT(mok_standing_wait(sf, 20000), MOK_OK);
+    fp8_ring_chain(l, T, &st, pw, ref_out, ref_ctx);
+    check_packed_forms(l, st.packed, st.packed_bytes, pw);
+    CHECK_MSG(memcmp(st.f.p[MOK_SLOT_OUT], ref_out, ob) == 0, "run %d: out differs", run);
+    CHECK_MSG(memcmp(st.f.p[MOK_SLOT_CTX], ref_ctx, cb) == 0, "run %d: ctx differs", run);
+    /* the run saw the masters as they were then, not the first run's */
+    if (run > 0) CHECK_MSG(memcmp(prev_out, ref_out, ob) != 0, "run %d: out unchanged", run);
+    CHECK(mok_standing_done(sf) == (uint64_t)run + 1);
+  }
+
+  /* the same flag on a ring job: the same bytes */
+  void *ring_out = host_fill(c, ob, 0), *ring_ctx = host_fill(c, cb, 0),
+       *ring_packed = host_fill(c, st.packed_bytes, 0x5a);
+  mok_tensor t[MOK_SLOT_COUNT_];
+  fp8_forward_tensors(l, T, &st, ring_out, ring_ctx, ring_packed, t);
+  uint64_t tk;
+  CHECK_EQ_INT(mok_submit(l, MOK_OP_FORWARD, MOK_JOB_QUANTIZE_WEIGHTS, T, t, &tk), MOK_OK);
+  CHECK_EQ_INT(mok_wait(c, tk, 10000), MOK_OK);
+  CHECK(memcmp(ring_out, ref_out, ob) == 0);
+  CHECK(memcmp(ring_ctx, ref_ctx, cb) == 0);
+  check_packed_forms(l, ring_packed, st.packed_bytes, pw);
+
+  /* a standing backward on the forms inside the packed tensor, chained after
+   * the forward: bitwise the ring backward on quantize_weight's buffers */
+  job_bufs bw = {0};
+  const uint32_t ins[] = {MOK_SLOT_X, MOK_SLOT_ROUTER_W, MOK_SLOT_CTX};
+  for (size_t i = 0; i < 3; i++) bw.p[ins[i]] = st.f.p[ins[i]], bw.bytes[ins[i]] = st.f.bytes[ins[i]];
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++) {
+    bw.p[fp8_weights[i]] = (uint8_t *)st.packed + mok_layer_packed_weights_offset(l, fp8_weights[i]);
+    bw.bytes[fp8_weights[i]] = mok_layer_packed_weight_bytes(l, fp8_weights[i]);
+  }
+  alloc_bufs(c, l, MOK_OP_BACKWARD, T, &bw, 41);
+  tensors_of(l, MOK_OP_BACKWARD, T, &bw, t);
+  t[MOK_SLOT_TOPK_IDS].data = NULL; /* the ctx's schedule replaces them */
+  mok_standing *sb;
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_BACKWARD, 0, T, t, &sb), MOK_OK);
+  uint16_t *m0 = st.master[0];
+  m0[3] ^= 0x0100; /* once more a change: forward and backward of this step see it */
+  CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sf, 20000), MOK_OK);
+  CHECK_EQ_INT(mok_standing_trigger(sb), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sb, 20000), MOK_OK);
+  fp8_ring_chain(l, T, &st, pw, ref_out, ref_ctx);
+  job_bufs rb = {0};
+  memcpy(rb.p, bw.p, sizeof rb.p);
+  rb.p[MOK_SLOT_CTX] = ref_ctx;
+  for (size_t i = 0; i < N_FP8_WEIGHTS; i++) rb.p[fp8_weights[i]] = pw[i];
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+    if (bw.p[slot] && mok_job_slot_is_output(MOK_OP_BACKWARD, 0, slot)) {
+      rb.p[slot] = host_fill(c, bw.bytes[slot], 0);
+      rb.bytes[slot] = bw.bytes[slot];
+    }
+  rb.p[MOK_SLOT_TOPK_IDS] = NULL;
+  run_ring(l, MOK_OP_BACKWARD, T, &rb);
+  int outs = 0;
+  for (uint32_t slot = 0; slot < MOK_SLOT_COUNT_; slot++)
+    if (rb.bytes[slot] && mok_job_slot_is_output(MOK_OP_BACKWARD, 0, slot)) {
+      CHECK_MSG(memcmp(rb.p[slot], bw.p[slot], bw.bytes[slot]) == 0, "backward %s differs",
+                mok_slot_name(slot));
+      outs++;
+    }
+  CHECK(outs == 8);
+
+  /* the packed tensor unregistered: the forward is cancelled, never a stale run */
+  mok_standing_destroy(sb);
+  mok_host_free(c, st.packed);
+  CHECK_EQ_INT(mok_standing_trigger(sf), MOK_OK);
+  CHECK_EQ_INT(mok_standing_wait(sf, 5000), MOK_ENOENT);
+  CHECK_STR_CONTAINS(mok_last_error(), "was unregistered");
+  mok_standing_destroy(sf);
+  free(prev_out);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
+/* A quantising standing forward (tensors t, flags) refused at creation with
+ * status, its message naming what. */
+static void expect_refused(mok_layer *l, uint32_t op, uint32_t flags, uint32_t T,
+                           const mok_tensor *t, int status, const char *what) {
+  mok_standing *s = NULL;
+  CHECK_EQ_INT(mok_standing_create(l, op, flags, T, t, &s), status);
+  CHECK(s == NULL);
+  CHECK_STR_CONTAINS(mok_last_error(), what);
+}
+
+static void test_fp8_quantizing_forward_refusals(void) {
+  daemon_proc d = harness_start(NULL);
+  mok_client *c;
+  CHECK_EQ_INT(mok_connect(d.sock, "standing", &c), MOK_OK);
+  const uint32_t T = 16, fl = MOK_JOB_QUANTIZE_WEIGHTS;
+  mok_layer *l = fp8_layer(c, T);
+  fp8_step st;
+  fp8_step_alloc(c, l, T, &st);
+  mok_tensor t[MOK_SLOT_COUNT_], good[MOK_SLOT_COUNT_];
+  fp8_forward_tensors(l, T, &st, st.f.p[MOK_SLOT_OUT], st.f.p[MOK_SLOT_CTX], st.packed, good);
+  /* the checks pass as given (the refusals below are each one change) */
+  mok_standing *s = NULL;
+  CHECK_EQ_INT(mok_standing_create(l, MOK_OP_FORWARD, fl, T, good, &s), MOK_OK);
+  mok_standing_destroy(s);
+
+  memcpy(t, good, sizeof t); /* without the packed tensor */
+  t[MOK_SLOT_PACKED_WEIGHT].data = NULL;
+  expect_refused(l, MOK_OP_FORWARD, fl, T, t, MOK_EINVAL, "needs packed_weight");
+  memcpy(t, good, sizeof t); /* one byte short */
+  t[MOK_SLOT_PACKED_WEIGHT].shape[0] -= 1;
+  expect_refused(l, MOK_OP_FORWARD, fl, T, t, MOK_ESHAPE, "packed_weight");
+  { /* a descriptor whose packed tensor lies past the end of its region (libmok
+     * would not build it: the daemon's own bounds check) */
+    mok_job_desc desc;
+    pthread_mutex_lock(&c->lock);
+    CHECK_EQ_INT(mok_build_desc_locked(l, MOK_OP_FORWARD, fl, T, good, &desc), MOK_OK);
+    pthread_mutex_unlock(&c->lock);
+    for (uint32_t i = 0; i < desc.n_tensors; i++)
+      if (desc.tensors[i].slot == MOK_SLOT_PACKED_WEIGHT) desc.tensors[i].offset += 1ull << 30;
+    desc.flags = (uint16_t)(desc.flags | MOK_JOB_STANDING);
+    desc.reserved[0] = 9;
+    uint64_t tk;
+    CHECK_EQ_INT(mok_submit_desc(c, &desc, &tk), MOK_OK);
+    CHECK_EQ_INT(mok_wait(c, tk, 10000), MOK_EBOUNDS);
+    CHECK_STR_CONTAINS(mok_last_error(), "packed_weight");
+  }
+  void *small = host_fill(c, 4096, 0);
+  memcpy(t, good, sizeof t); /* a weight given packed, not as its bf16 master */
+  t[MOK_SLOT_W_UP] = mok_tensor_for(
+      l, T, MOK_SLOT_W_UP, host_fill(c, mok_layer_packed_weight_bytes(l, MOK_SLOT_W_UP), 0));
+  expect_refused(l, MOK_OP_FORWARD, fl, T, t, MOK_ESHAPE, "w_up");
+  memcpy(t, good, sizeof t); /* packed_weight over a master: an output overlapping an input */
+  uint64_t big = st.packed_bytes + st.master_bytes[0];
+  uint8_t *both = host_fill(c, big, 0);
+  t[MOK_SLOT_W_GATE].data = both;
+  t[MOK_SLOT_PACKED_WEIGHT].data = both + 256;
+  expect_refused(l, MOK_OP_FORWARD, fl, T, t, MOK_EINVAL, "overlaps");
+  memcpy(t, good, sizeof t); /* the plain forward takes no packed_weight */
+  expect_refused(l, MOK_OP_FORWARD, 0, T, t, MOK_EINVAL, "packed_weight is not an argument");
+  /* the flag on a backward */
+  expect_refused(l, MOK_OP_BACKWARD, fl, T, good, MOK_EINVAL, "only valid on forward");
+  /* the flag on a layer that is not fp8 */
+  mok_layer *lb = small_layer(c, T);
+  job_bufs f = {0};
+  alloc_bufs(c, lb, MOK_OP_FORWARD, T, &f, 3);
+  tensors_of(lb, MOK_OP_FORWARD, T, &f, t);
+  expect_refused(lb, MOK_OP_FORWARD, fl, T, t, MOK_EINVAL, "needs an fp8 layer");
+  CHECK(mok_layer_packed_weights_bytes(lb) == 0);
+  CHECK_EQ_INT(mok_standing_forward_quantized(lb, T, &(mok_forward_args){0}, small, &s),
+               MOK_EINVAL);
+  mok_close(c);
+  CHECK_EQ_INT(harness_stop(&d), 0);
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_runs_equal_ring_jobs),
+    CHECK_CASE(test_fp8_quantizing_forward),
+    CHECK_CASE(test_fp8_quantizing_forward_refusals),
     CHECK_CASE(test_validation),
     CHECK_CASE(test_hostile_words),
     CHECK_CASE(test_failures_end_in_errors),
