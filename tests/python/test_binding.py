@@ -175,6 +175,7 @@ def test_constants_match_headers():
                         ("MOK_DTYPE_FP8_E4M3", _lib.DTYPE_FP8_E4M3)):
         assert re.search(r"%s = %d\b" % (name, value), text), name
     assert re.search(r"MOK_JOB_RECOMPUTE 0x%xu" % _lib.JOB_RECOMPUTE, text)
+    assert re.search(r"MOK_JOB_QUANTIZE_WEIGHTS 0x%xu" % _lib.JOB_QUANTIZE_WEIGHTS, text)
     L = _lib.lib()
     for code, name in enumerate(_lib.STATUS_NAMES):
         assert L.mok_status_name(code).decode() == name
@@ -481,6 +482,61 @@ def test_fp8_layer_through_the_binding(client):
     out2, grads2 = run_layer(layer, b, d_out, recompute=True)
     assert_bitwise(out, out2, "out")
     assert_grads_bitwise(grads, grads2, "recompute")
+
+
+def test_fp8_quantizing_forward(client):
+    """forward_quantized (one job, MOK_JOB_QUANTIZE_WEIGHTS): the packed forms quantize_weight
+    writes, at packed_weights_offset, zeros between them; out and the backward on those
+    forms bitwise the chain quantize_weight + forward + backward; saved and recompute; as
+    a standing job (host-triggered) each run quantises the masters as they are then."""
+    T, H, I, E, K, I_s = 24, 128, 128, 3, 2, 128
+    layer = client.layer(hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=I_s,
+                         dtype="fp8")
+    a, d_out = make_inputs(92, T, H, I, E, K, I_s, dtype="bfloat16")
+    packed = {k: layer.quantize_weight(k, a[k]) for k in FP8_WEIGHTS}
+    n = layer.packed_weights_bytes()
+    offs = [layer.packed_weights_offset(k) for k in FP8_WEIGHTS]
+    assert offs == sorted(offs) and all(o % 256 == 0 for o in offs) and offs[0] == 0
+    assert n >= offs[-1] + layer.packed_weight_bytes("s_down")
+    pos, kw = layer_args(a)
+    for recompute in (False, True):
+        out, ctx, region = layer.forward_quantized(*pos, recompute=recompute, **kw)
+        assert region.dtype == np.uint8 and region.shape == (n,)
+        end = 0
+        for k, o in zip(FP8_WEIGHTS, offs):
+            assert not region[end:o].any(), "gap before %s" % k
+            assert bits(region[o:o + packed[k].size]) == bits(packed[k]), k
+            end = o + packed[k].size
+        assert not region[end:].any()
+        ref_out, ref_grads = run_layer(layer, dict(a, **packed), d_out, recompute=recompute)
+        assert_bitwise(out, ref_out, "out")
+        assert_grads_bitwise(layer.backward(ctx, d_out), ref_grads, "backward")
+    # standing (the cpu engine runs them from host triggers): the masters change in place
+    # between runs, the runs follow
+    arrs = {}
+    for k, v in a.items():  # the job's tensors in mok memory, named in place
+        arrs[k] = client.empty(v.shape, v.dtype)
+        np.copyto(arrs[k], v)
+    outs = dict(out=client.empty((T, H), "bfloat16"),
+                ctx=client.empty(layer.ctx_bytes(T), "uint8"),
+                packed_weight=client.empty(n, "uint8"))
+    sj = layer.standing("forward", T, dict(arrs, **outs), flags=mok._lib.JOB_QUANTIZE_WEIGHTS)
+    try:
+        for step in range(3):
+            if step:
+                arrs["w_down"].view(np.uint16)[step] ^= np.uint16(0x0040)
+            sj.trigger()
+            sj.wait(20000)
+            cur = {k: np.array(arrs[k]) for k in FP8_WEIGHTS}
+            want = {k: layer.quantize_weight(k, cur[k]) for k in FP8_WEIGHTS}
+            for k, o in zip(FP8_WEIGHTS, offs):
+                assert bits(outs["packed_weight"][o:o + want[k].size]) == bits(want[k]), \
+                    (step, k)
+            ref_out, _ = run_layer(layer, dict(a, **want), d_out)
+            assert_bitwise(outs["out"], ref_out, "standing out, run %d" % step)
+        assert sj.done == 3
+    finally:
+        sj.close()
 
 
 def test_fp8_errors(client):

@@ -10,7 +10,9 @@ path, the bf16 Parameters as master weights, their packed e4m3 forms kept by the
 - quantize_weight runs once per weight per optimizer step, never while the weights stay,
   and again after an in-place change, whose effect the next forward shows;
 - torch.compile(fullgraph=True, backend="aot_eager") runs the custom ops for real,
-  bitwise equal to eager, with the same quantisations;
+  bitwise equal to eager, with the same quantisations; the op's fp8 forward (what CUDA
+  graphs capture) quantises at every call and saves the packed forms it ran on for its
+  backward;
 - refusals: dtype names, H or I off the 128 blocks (the daemon's message), group=,
   backend="torch";
 - the example model (client/python/examples/train_tiny_moe.py) trained with bf16 and
@@ -455,13 +457,47 @@ def test_fp8_with_a_group_is_refused(client, tmp_path, monkeypatch):
     assert joins == []
 
 
-def test_capture_is_refused_with_a_message(client):
-    """No GPU here: the refusal's own code (fp8 modules on CUDA tensors run on the cuda
-    engine: tests/gpu/test_torch_fp8.py)."""
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_op_forward_saves_the_packed_weights_it_ran_on(client, recompute, shared):
+    """The custom op's fp8 forward (what a CUDA graph captures, docs/torch.md "FP8 layers"):
+    one quantising forward from the masters as they are at that call; its second output
+    holds every weight's packed form (bitwise quantize_weight's) then the ctx, sized as the
+    fake kernel says; out and the op's backward bitwise the eager module's. After an
+    in-place change of a master the next op call runs on the new weights, no version
+    counter needed (each call quantises)."""
     from mok import _torch_impl
-    with pytest.raises(mok.Error) as ei:
-        _torch_impl._refuse_fp8_capture()
-    assert ei.value.status == "EUNSUPPORTED" and "CUDA graph capture" in ei.value.message
+    m = module(client, shared=shared, recompute=recompute)
+    x, ids, rw, d_out = inputs(40, 24)
+    mid = _torch_impl._module_id(m)
+    P = _torch_impl._packed_nbytes(m)
+    for step in range(2):
+        if step:
+            with torch.no_grad():
+                m.w_up.mul_(0.5)
+                m.w_down.add_(0.01)
+        ws = [getattr(m, n) for n in WEIGHTS]
+        out, saved = torch.ops.mok.moe_forward(mid, recompute, x, ids, rw, *ws)
+        layer = m._slot.layer
+        assert P == layer.packed_weights_bytes() > 0
+        assert saved.dtype == torch.uint8 and saved.numel() == \
+            _torch_impl._saved_nbytes(m, 24, recompute, layer.row_align)
+        assert saved.numel() == P + (0 if recompute else layer.ctx_bytes(24))
+        views = layer.packed_views(saved[:P])
+        assert sorted(views) == sorted(n for n in WEIGHTS if shared or not n.startswith("s_"))
+        for n, v in views.items():
+            assert bits(v) == bits(layer.quantize_weight(n, np16(getattr(m, n)))), (step, n)
+        ref_out, ref_grads = run(m, x, ids, rw, d_out)  # the eager module (its own cache)
+        assert bits(out) == bits(ref_out), step
+        g = torch.ops.mok.moe_backward(mid, recompute, ids if recompute else saved, x, rw,
+                                       *ws, d_out, saved)
+        names = ["d_x", "d_router_weights"] + ["d_" + n for n in WEIGHTS
+                                               if shared or not n.startswith("s_")]
+        for n, v in zip(names, g):
+            assert bits(v) == bits(ref_grads[n]), (step, n)
+    with pytest.raises(mok.Error, match="packed weights"):
+        torch.ops.mok.moe_backward(mid, recompute, ids if recompute else saved, x, rw, *ws,
+                                   d_out)
 
 
 # ---- training: the example model, bf16 and fp8 layers -----------------------------------

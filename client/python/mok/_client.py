@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from . import _lib
 from ._errors import Error
-from ._lib import OP, SLOT, JOB_RECOMPUTE, TensorArray
+from ._lib import OP, SLOT, JOB_QUANTIZE_WEIGHTS, JOB_RECOMPUTE, TensorArray
 from ._standing import Standing
 from .bf16 import bf16_dtype, is_bf16
 
@@ -873,6 +873,27 @@ class Layer:
         that slot); 0 on other layers."""
         return int(_lib.lib().mok_layer_packed_weight_bytes(self._h(), SLOT[slot]))
 
+    def packed_weights_bytes(self) -> int:
+        """The bytes of the packed-weights tensor of a quantising forward (forward_quantized,
+        a standing forward with JOB_QUANTIZE_WEIGHTS) on an fp8 layer: every weight's packed
+        form, at packed_weights_offset(slot); 0 on other layers."""
+        return int(_lib.lib().mok_layer_packed_weights_bytes(self._h()))
+
+    def packed_weights_offset(self, slot: str) -> int:
+        """Where weight slot's packed form starts in that tensor (w_gate, w_up, w_down, then
+        the shared expert's, each from a 256-byte boundary)."""
+        at = int(_lib.lib().mok_layer_packed_weights_offset(self._h(), SLOT[slot]))
+        if at == 2 ** 64 - 1:
+            raise Error("EINVAL", "%s is not a weight of this fp8 layer" % slot)
+        return at
+
+    def packed_views(self, packed: Any) -> Dict[str, Any]:
+        """{weight slot: the packed form inside packed} (views, no copies; numpy or torch):
+        what a backward takes in its weight slots after a quantising forward."""
+        return {n: packed[self.packed_weights_offset(n):
+                          self.packed_weights_offset(n) + self.packed_weight_bytes(n)]
+                for n in _WEIGHT_SLOTS if self.shared or not n.startswith("s_")}
+
     def _master_shape(self, slot):
         H, I, E, Is = self.hidden, self.intermediate, self.local_experts, self.shared_intermediate
         return {"w_gate": (E, I, H), "w_up": (E, I, H), "w_down": (E, H, I),
@@ -968,11 +989,16 @@ class Layer:
         every tensor fixed (a dict slot name -> torch CUDA tensor or shared numpy array)."""
         return Standing(self, op, T, tensors, flags, hold)
 
-    def _expect(self, T, slot):
-        key = (T, slot)
+    def _expect(self, T, slot, op=None, flags=0):
+        """(dtype code, shape) of slot at T; a quantising forward (flags) has its own."""
+        flags &= JOB_QUANTIZE_WEIGHTS  # the only flag that changes shapes
+        key = (T, slot, op if flags else None, flags)
         e = self._shapes.get(key)
         if e is None:
-            t = _lib.lib().mok_tensor_for(self._h(), T, SLOT[slot], None)
+            if flags:
+                t = _lib.lib().mok_tensor_for_job(self._h(), OP[op], flags, T, SLOT[slot], None)
+            else:
+                t = _lib.lib().mok_tensor_for(self._h(), T, SLOT[slot], None)
             e = (t.dtype, tuple(int(t.shape[i]) for i in range(t.ndim)))
             if len(self._shapes) > 4096:
                 self._shapes.clear()
@@ -993,7 +1019,7 @@ class Layer:
         self.max_tokens = new
 
     # ---- argument checks ----
-    def _array(self, op, slot, a, T, check):
+    def _array(self, op, slot, a, T, check, flags=0):
         """a as a numpy array of the slot's dtype and shape (a view, no copy)."""
         _check_torch(slot, a)
         if not isinstance(a, np.ndarray):
@@ -1002,7 +1028,7 @@ class Layer:
             a = a.view(np.uint16)
         if not check:
             return a
-        code, shape = self._expect(T, slot)
+        code, shape = self._expect(T, slot, op, flags)
         want = _NP_OF_CODE[code]
         if a.dtype != want:
             hint = ""
@@ -1096,19 +1122,19 @@ class Layer:
             for slot, a in ins.items():
                 if a is None:
                     continue
-                a = self._array(op, slot, a, T, check)
+                a = self._array(op, slot, a, T, check, flags)
                 hold.append(a)
                 ptr = c._in_mok_memory(a)
                 if ptr is None:
                     r = c._stage(slot, max(a.nbytes, 1))
                     np.copyto(r.view(a.dtype, a.shape), a)
                     ptr = r.ptr
-                code = (self._expect(T, slot)[0] if check else
+                code = (self._expect(T, slot, op, flags)[0] if check else
                         {np.dtype(v): k for k, v in _NP_OF_CODE.items()}.get(a.dtype, 0))
                 put(slot, ptr, code, a.shape)
             results = {}
             for slot in outs:
-                code, shape = self._expect(T, slot)
+                code, shape = self._expect(T, slot, op, flags)
                 dt = _NP_OF_CODE[code]
                 user = out.get(slot)
                 bits = None  # user as the slot's dtype (bfloat16: its uint16 view)
@@ -1197,7 +1223,7 @@ class Layer:
             device = None
 
             def put(slot, t):
-                code, shape = self._expect(T, slot)
+                code, shape = self._expect(T, slot, op, flags)
                 want = _torch_dtype(code)
                 if not _is_torch_cuda(t):
                     raise Error("EINVAL", "%s: %s must be a torch CUDA tensor like the other "
@@ -1231,7 +1257,7 @@ class Layer:
             results = {}
             copy_back = []
             for slot in outs:
-                code, shape = self._expect(T, slot)
+                code, shape = self._expect(T, slot, op, flags)
                 t = out.get(slot)
                 if t is None:
                     t = torch.empty(shape, dtype=_torch_dtype(code), device=device)
@@ -1275,6 +1301,36 @@ class Layer:
         if not recompute:
             del keep["topk_ids"]  # the schedule in ctx replaces it
         return res["out"], Context(self, T, bool(recompute), keep, region)
+
+    def forward_quantized(self, x: TensorLike, topk_ids: TensorLike, router_weights: TensorLike,
+                          w_gate: TensorLike, w_up: TensorLike, w_down: TensorLike,
+                          s_gate: Optional[TensorLike] = None, s_up: Optional[TensorLike] = None,
+                          s_down: Optional[TensorLike] = None, recompute: bool = False,
+                          out: Optional[Out] = None, packed: Optional[Any] = None
+                          ) -> Tuple[Result, Context, Any]:
+        """An fp8 layer's forward from the bf16 masters (w_gate .. s_down, as quantize_weight
+        takes them): one job that writes every weight's packed form into packed (uint8 of
+        packed_weights_bytes(); allocated when None), the bytes quantize_weight would, then
+        runs the forward on them. Returns (out, ctx, packed); ctx's backward takes the
+        packed forms inside packed (packed_views), so keep packed unchanged until then."""
+        op = "forward"
+        if self.packed_weights_bytes() == 0:
+            raise Error("EINVAL", "forward_quantized: this is a %s layer; it quantises fp8 "
+                        "layers' weights" % self.dtype)
+        T = self._tokens_of(op, "x", x)
+        shared = self._shared_args(op, s_gate=s_gate, s_up=s_up, s_down=s_down)
+        ins = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, w_gate=w_gate,
+                   w_up=w_up, w_down=w_down, **shared)
+        outs = _out_map(out, ["out"], op)
+        if packed is not None:
+            outs["packed_weight"] = packed
+        res, region = self._job(op, T, ins, ["out", "packed_weight"], outs,
+                                flags=JOB_QUANTIZE_WEIGHTS, ctx=None if recompute else "save")
+        packed = res["packed_weight"]
+        keep = dict(ins, **self.packed_views(packed))
+        if not recompute:
+            del keep["topk_ids"]  # the schedule in ctx replaces it
+        return res["out"], Context(self, T, bool(recompute), keep, region), packed
 
     def backward(self, ctx: Context, d_out: TensorLike, out: Optional[Out] = None,
                  retain_ctx: bool = False) -> Grads:

@@ -42,6 +42,7 @@ SLOT = {n: i for i, n in enumerate(SLOTS)}
 SLOT_COUNT = len(SLOTS)
 
 JOB_RECOMPUTE = 0x1
+JOB_QUANTIZE_WEIGHTS = 0x2  # forward of an fp8 layer: quantise the masters first (mok.h)
 NCCL_ID_BYTES = 128  # proto/mok_enums.h MOK_NCCL_ID_BYTES
 MAX_DIMS = 4
 DEFAULT_SOCKET = "/run/mok/mokd-0.sock"  # proto/mok_enums.h MOK_DEFAULT_SOCKET
@@ -140,6 +141,9 @@ def _declare(lib):
         "mok_layer_rows_capacity": (c.c_uint64, [P, c.c_uint32]),
         "mok_tensor_for": (Tensor, [P, c.c_uint32, c.c_uint32, P]),
         "mok_layer_packed_weight_bytes": (c.c_uint64, [P, c.c_uint32]),
+        "mok_layer_packed_weights_bytes": (c.c_uint64, [P]),
+        "mok_layer_packed_weights_offset": (c.c_uint64, [P, c.c_uint32]),
+        "mok_tensor_for_job": (Tensor, [P, c.c_uint32, c.c_uint32, c.c_uint32, c.c_uint32, P]),
         "mok_quantize_weight": (c.c_int, [P, c.c_uint32, P, P, c.POINTER(c.c_uint64)]),
         "mok_submit": (c.c_int, [P, c.c_uint32, c.c_uint32, c.c_uint32, c.POINTER(Tensor),
                                  c.POINTER(c.c_uint64)]),

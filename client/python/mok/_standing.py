@@ -33,7 +33,7 @@ class Standing:
         for slot, t in tensors.items():
             if t is None:
                 continue
-            code, shape = layer._expect(T, slot)
+            code, shape = layer._expect(T, slot, op, flags)
             s = arr[SLOT[slot]]
             if _is_torch_cuda(t):
                 if t.dtype != _torch_dtype(code) or tuple(t.shape) != shape or \

@@ -540,10 +540,12 @@ class MoE(torch.nn.Module):
     uint8 buffer per weight beside them (packed_weights), written by the layer's
     quantize_weight job at a forward whenever the master changed since its last
     quantisation (torch's version counter or data_ptr: one quantisation per weight per
-    optimizer step). The jobs take the packed buffers in the weight slots. Refused with
-    group= and with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with a
-    client on the cpu engine (CUDA graph capture is refused); H, I and I_s multiples of
-    128."""
+    optimizer step). The jobs take the packed buffers in the weight slots. Under CUDA graph
+    capture and torch.compile the custom ops run instead: each forward quantises the masters
+    as they are then in the same job (MOK_JOB_QUANTIZE_WEIGHTS) into its saved output, which
+    its backward reads, so a replay after an optimizer step runs on the new weights. Refused
+    with group= and with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with
+    a client on the cpu engine; H, I and I_s multiples of 128."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
@@ -712,18 +714,8 @@ class MoE(torch.nn.Module):
             if self.group is None:
                 return _forward_op(self, x, topk_ids, router_weights)
         elif _capturing(x):
-            if self.dtype == "fp8":
-                _refuse_fp8_capture()
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
-
-
-def _refuse_fp8_capture():
-    raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') under CUDA graph capture is not "
-                "supported: a replay would run the standing jobs on the packed weights of the "
-                "capture while the optimizer changes the masters, and quantize_weight has no "
-                "standing job; run fp8 modules eagerly or under torch.compile without CUDA "
-                "graphs")
 
 
 @torch.compiler.disable
@@ -843,6 +835,11 @@ class _Runner:
 # the operands of the graph's kernels) or is a Parameter; the standing job holds none of
 # them (torch.compile's CUDA graph trees refuse pool memory kept past a graph unless it
 # is an output; the ctx is one). A failure shows at client.check_standing() (mok.torch.check_graphs()).
+# An fp8 module's forward op is one quantising forward (MOK_JOB_QUANTIZE_WEIGHTS) from the
+# bf16 masters, captured or not: its second output holds the packed weights it wrote, then
+# the ctx, and its backward reads both from there (so a backward replay reads what its
+# forward replay quantised; no packed buffer outlives the graph). The MoEFunction path
+# (eager, no compile) keeps the version-counter cache instead.
 
 _modules = {}  # id -> weakref to the MoE module (ops carry the id, an int)
 _module_ids = itertools.count(1)
@@ -890,6 +887,36 @@ def _ctx_nbytes(m, T, row_align=128):
     return a256(4 * sched_ints) + 2 * a256(rows * I * 2) + 2 * a256(T * I_s * 2)
 
 
+def _packed_nbytes(m):
+    """proto/mok_slots.c mok_packed_weights_bytes for an fp8 module: every weight's packed form
+    (mok_fp8_weight_bytes: its e4m3 bytes in both orientations, 256-aligned, then its 128x128
+    block scales), each from a 256-byte boundary; 0 for a bf16 module."""
+    if m.dtype != "fp8":
+        return 0
+
+    def a256(v):
+        return (v + 255) // 256 * 256
+    E, I, H, I_s = m.w_gate.shape[0], m.intermediate, m.hidden, m.shared_intermediate
+    dims = [(E, I, H), (E, I, H), (E, H, I)]
+    if I_s:
+        dims += [(1, I_s, H), (1, I_s, H), (1, H, I_s)]
+    return sum(a256(2 * a256(e * n * k) + 4 * e * (n // 128) * (k // 128)) for e, n, k in dims)
+
+
+def _saved_nbytes(m, T, recompute, row_align=128):
+    """The forward op's second output, what its backward reads: on an fp8 module the packed
+    weights its job wrote (_packed_nbytes) first, then the ctx (none with recompute)."""
+    return _packed_nbytes(m) + (0 if recompute else _ctx_nbytes(m, T, row_align))
+
+
+def _packed_of(layer, saved, P):
+    """{weight slot: its packed form} inside the first P bytes of an fp8 op's saved tensor."""
+    if layer.packed_weights_bytes() != P:
+        raise Error("EINVAL", "mok.torch: the module's packed weights take %d bytes, its layer "
+                    "says %d" % (P, layer.packed_weights_bytes()))
+    return layer.packed_views(saved[:P])
+
+
 def _standing_run(slot, layer, op, T, tensors, flags):
     key = (id(layer), op, T, flags,
            tuple(sorted((k, v.data_ptr()) for k, v in tensors.items() if v is not None)))
@@ -917,9 +944,11 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
     slot = m._get_slot()
     T = x.shape[0]
     layer = slot.layer_for(T)
+    if slot.fp8:
+        return _op_forward_fp8(m, slot, layer, recompute, x, topk_ids, router_weights,
+                               dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate,
+                                    s_up=s_up, s_down=s_down))
     if _capturing(x):
-        if slot.fp8:
-            _refuse_fp8_capture()
         shared = dict(s_gate=s_gate, s_up=s_up, s_down=s_down) if s_gate is not None else {}
         out = torch.empty_like(x)
         ctx = torch.empty(0 if recompute else layer.ctx_bytes(T), dtype=torch.uint8,
@@ -929,21 +958,57 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
         _standing_run(slot, layer, "forward", T, t, 0)
         return out, ctx
     ws = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up, s_down=s_down)
-    if slot.fp8:
-        # the module's own Parameters are the masters the packed cache follows (under
-        # torch.compile the op may see other tensor objects over the same memory)
-        ws, _ = slot.pack(layer, m._masters())
     out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
     if region is None:
         region = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, region
 
 
+def _op_forward_fp8(m, slot, layer, recompute, x, topk_ids, router_weights, masters):
+    """An fp8 module's forward op: one quantising forward (MOK_JOB_QUANTIZE_WEIGHTS) from the
+    bf16 masters as they are now, writing every weight's packed form into the op's second
+    output (then the ctx), which its backward reads: captured, each replay quantises the
+    masters of its moment, and the backward replay reads the forms its forward replay wrote
+    (docs/torch.md "FP8 layers"). Returns (out, saved)."""
+    T = x.shape[0]
+    P = _packed_nbytes(m)
+    masters = {k: v for k, v in masters.items() if v is not None}
+    n_ctx = 0 if recompute else layer.ctx_bytes(T)
+    saved = torch.empty(P + n_ctx, dtype=torch.uint8, device=x.device)
+    packed = saved[:P]
+    _packed_of(layer, saved, P)  # the module's sizes are the layer's
+    out = torch.empty_like(x)
+    ins = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, **masters)
+    flags = _lib.JOB_QUANTIZE_WEIGHTS
+    if _capturing(x):
+        t = dict(ins, out=out, packed_weight=packed, ctx=None if recompute else saved[P:])
+        _standing_run(slot, layer, "forward", T, t, flags)
+    elif x.is_cuda:
+        layer._job("forward", T, ins, ["out", "packed_weight"],
+                   {"out": out, "packed_weight": packed}, flags=flags,
+                   ctx=None if recompute else saved[P:])
+        _tracker(slot.client).note(tuple(ins.values()) + (out, saved))
+    else:
+        outs = {"out": _np(out), "packed_weight": _np(packed)}
+        _, region = layer._job("forward", T, {k: _np(v) for k, v in ins.items()},
+                               ["out", "packed_weight"], outs, flags=flags,
+                               ctx=None if recompute else "save")
+        if region is not None:
+            try:
+                np.copyto(_np(saved)[P:], region.u8[:n_ctx])
+            finally:
+                with layer.client._lock:
+                    layer.client._ctx_release(region)
+    with slot.pack_lock:
+        slot.quantizations += len(masters)
+    return out, saved
+
+
 @_op_forward.register_fake
 def _op_forward_fake(mid, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
                      s_gate, s_up, s_down):
     m = _module(mid)
-    n = 0 if recompute else _ctx_nbytes(m, x.shape[0], _row_align(m, x))
+    n = _saved_nbytes(m, x.shape[0], recompute, _row_align(m, x))
     return torch.empty_like(x), x.new_empty((n,), dtype=torch.uint8)
 
 
@@ -952,7 +1017,10 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
                  router_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, s_gate: Optional[torch.Tensor],
                  s_up: Optional[torch.Tensor], s_down: Optional[torch.Tensor],
-                 d_out: torch.Tensor) -> List[torch.Tensor]:
+                 d_out: torch.Tensor,
+                 fp8_saved: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    # fp8_saved: an fp8 module's forward output (its packed weights, then its ctx); saved is
+    # topk_ids with recompute, else that output too
     m = _module(mid)
     slot = m._get_slot()
     T = x.shape[0]
@@ -960,13 +1028,20 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
     d_out = d_out.contiguous()
     masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
                    s_down=s_down)
+    ws = masters
+    if slot.fp8:
+        if fp8_saved is None:
+            raise Error("EINVAL", "mok.torch: an fp8 backward needs its forward's packed weights")
+        P = _packed_nbytes(m)
+        ws = _packed_of(layer, fp8_saved, P)  # the forms the forward (replay) wrote
+        if not recompute:
+            saved = fp8_saved[P:]
     if _capturing(x):
-        if slot.fp8:
-            _refuse_fp8_capture()
-        ins = {k: v for k, v in dict(masters, x=x, router_weights=router_weights).items()
+        like = dict(masters, x=x, router_weights=router_weights)
+        ins = {k: v for k, v in dict(ws, x=x, router_weights=router_weights).items()
                if v is not None}
         names = list(_GRAD_NAMES[:5]) + (list(_GRAD_NAMES[5:]) if s_gate is not None else [])
-        out = {n: torch.empty_like(ins[n[2:]]) for n in names}
+        out = {n: torch.empty_like(like[n[2:]]) for n in names}
         t = dict(ins, d_out=d_out, **out)
         if recompute:
             t.update(topk_ids=saved, ctx=torch.empty(layer.ctx_bytes(T), dtype=torch.uint8,
@@ -976,9 +1051,6 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
             t.update(ctx=saved)
             _standing_run(slot, layer, "backward", T, t, 0)
         return [out[n] for n in names]
-    ws = masters
-    if slot.fp8:  # the packed weights as the forward left them
-        ws = slot.packed_now([k for k, v in masters.items() if v is not None])
     out = _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out,
                         masters)
     return list(out.values())
@@ -986,7 +1058,7 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
 
 @_op_backward.register_fake
 def _op_backward_fake(mid, recompute, saved, x, router_weights, w_gate, w_up, w_down, s_gate,
-                      s_up, s_down, d_out):
+                      s_up, s_down, d_out, fp8_saved=None):
     outs = [torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_gate),
             torch.empty_like(w_up), torch.empty_like(w_down)]
     if s_gate is not None:
@@ -997,13 +1069,17 @@ def _op_backward_fake(mid, recompute, saved, x, router_weights, w_gate, w_up, w_
 def _op_setup_context(ctx, inputs, output):
     mid, recompute, x, ids, rw, wg, wu, wd, sg, su, sd = inputs
     ctx.mid, ctx.recompute, ctx.shared = mid, recompute, sg is not None
-    ctx.save_for_backward(ids if recompute else output[1], x, rw, wg, wu, wd, sg, su, sd)
+    # an fp8 module's backward reads the packed weights in the forward's output (recompute
+    # too); a bf16 one's saves what it did before
+    fp8 = _module(mid).dtype == "fp8"
+    ctx.save_for_backward(ids if recompute else output[1], x, rw, wg, wu, wd, sg, su, sd,
+                          output[1] if fp8 else None)
 
 
 def _op_autograd(ctx, d_out, d_ctx):
-    saved, x, rw, wg, wu, wd, sg, su, sd = ctx.saved_tensors
+    saved, x, rw, wg, wu, wd, sg, su, sd, fp8_saved = ctx.saved_tensors
     g = torch.ops.mok.moe_backward(ctx.mid, ctx.recompute, saved, x, rw, wg, wu, wd, sg, su,
-                                   sd, d_out.to(torch.bfloat16))
+                                   sd, d_out.to(torch.bfloat16), fp8_saved)
     shared = tuple(g[5:8]) if ctx.shared else (None, None, None)
     return (None, None, g[0], None, g[1], g[2], g[3], g[4]) + shared
 
