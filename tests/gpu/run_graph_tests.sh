@@ -8,12 +8,17 @@
 #   3. test_graphs.py compile: fullgraph=True and reduce-overhead follow eager (under MPS)
 #   4. test_graphs.py kill: mokd killed during replays -> an error within the timeout
 #   5. test_graphs.py bench: step time eager vs captured, mokd vs the PyTorch layer (MPS)
-#   6. ep: an expert-parallel group (EP=2) of two mokd on one GPU under MPS:
+#   6. fp8: test_graphs.py fp8 (under MPS): the example model with fp8 MoE layers, a
+#      captured training step replayed 50 times with optimizer steps between replays
+#      (and inside the graph), losses, gradients and weights bitwise equal to eager; a
+#      captured forward replayed after in-place master changes; compile and
+#      reduce-overhead (test_standing, step 1, runs the quantising forward too)
+#   7. ep: an expert-parallel group (EP=2) of two mokd on one GPU under MPS:
 #      test_standing_ep on the cuda engine (standing jobs of group layers, host-triggered),
 #      then tests/gpu/test_graphs_ep.py (a captured training step with two group layers
 #      replayed 50 times per rank, losses and weights bitwise equal to eager)
 # Binaries: $MOK_DEVBUILD (default .devbuild, tests/gpu/build_device.sh), else `make`.
-#   tests/gpu/run_graph_tests.sh OUTDIR [STEP...]   STEP: standing bitwise compile kill bench ep
+#   tests/gpu/run_graph_tests.sh OUTDIR [STEP...]   STEP: standing bitwise compile kill bench fp8 ep
 # Logs and a summary go to OUTDIR. Exit 0 when every step passed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -82,7 +87,7 @@ step_ep() {
 }
 
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(standing bitwise compile kill bench ep)
+[ ${#steps[@]} = 0 ] && steps=(standing bitwise compile kill bench fp8 ep)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1
 python3 -c 'import torch; print("torch", torch.__version__)'
 for s in "${steps[@]}"; do
@@ -92,6 +97,7 @@ for s in "${steps[@]}"; do
     compile) start_mps; step_py compile --steps 30; stop_mps ;;
     kill) step_kill ;;
     bench) start_mps; step_py bench --steps 100; stop_mps ;;
+    fp8) start_mps; step_py fp8 --replays 50 --steps 20; stop_mps ;;
     ep) start_mps; step_ep; stop_mps ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

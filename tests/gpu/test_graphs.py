@@ -14,6 +14,14 @@
       timeout, mok.torch.check_graphs() raises ECLOSED, this process goes on
   test_graphs.py bench [--steps 100]       step time: eager vs captured, mokd vs the
       pure PyTorch layer (which cannot be captured: it syncs with the host)
+  test_graphs.py fp8 [--replays 50]        the example model with fp8 MoE layers
+      (docs/torch.md "FP8 layers"): (a) the whole training step captured (optimizer
+      inside) and (b) forward + backward captured with the optimizer stepping eagerly
+      between replays, each replayed N times: losses, gradients and weights bitwise
+      equal to the same steps run eagerly; (c) a captured forward replayed after an
+      in-place change of a master (through the autograd-visible op and through .data,
+      which no version counter sees) runs on the changed weights; (d) torch.compile
+      fullgraph and reduce-overhead follow eager within --tol
 Prints "PASS <what>" / "FAIL <what>: ..." lines and a JSON line "RESULT {...}"; exit 1 on
 a failure.
 """
@@ -54,9 +62,9 @@ def cfg_of(a):
                               aux_coef=0.01, task="revadd", seed=a.seed)
 
 
-def make(cfg, backend, client):
+def make(cfg, backend, client, dtype="bfloat16"):
     torch.manual_seed(cfg.seed)
-    model = ex.TinyMoE(cfg, backend, client).cuda()
+    model = ex.TinyMoE(cfg, backend, client, dtype).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0, capturable=True)
     return model, opt
@@ -78,9 +86,20 @@ def step_fn(model, opt, cfg, inp, tgt, mask):
     return loss.detach()
 
 
-def eager_run(cfg, client, data, backend="mokd"):
-    model, opt = make(cfg, backend, client)
-    losses = [step_fn(model, opt, cfg, *b).clone() for b in data]
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def eager_run(cfg, client, data, backend="mokd", dtype="bfloat16", grads=None):
+    """Losses and final weights of the steps on data, run eagerly; grads: a list that
+    receives each step's gradients (cloned)."""
+    model, opt = make(cfg, backend, client, dtype)
+    losses = []
+    for b in data:
+        losses.append(step_fn(model, opt, cfg, *b).clone())
+        if grads is not None:
+            grads.append(grads_of(model))
     torch.cuda.synchronize()
     return torch.stack(losses).cpu(), {k: v.detach().clone() for k, v in
                                        model.state_dict().items()}
@@ -89,9 +108,9 @@ def eager_run(cfg, client, data, backend="mokd"):
 class Captured:
     """A whole training step in one CUDA graph (static inputs, copied in per step)."""
 
-    def __init__(self, cfg, client, data, warmup=3, mode="thread_local"):
+    def __init__(self, cfg, client, data, warmup=3, mode="thread_local", dtype="bfloat16"):
         self.cfg = cfg
-        self.model, self.opt = make(cfg, "mokd", client)
+        self.model, self.opt = make(cfg, "mokd", client, dtype)
         self.losses = []
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -265,9 +284,172 @@ def test_bench(a, client):
     return res
 
 
+class CapturedGrads:
+    """Forward and backward in one CUDA graph; clipping and the optimizer run eagerly
+    after each replay (the masters change between replays, outside the graph)."""
+
+    def __init__(self, cfg, client, data, warmup=3, dtype="fp8"):
+        self.cfg = cfg
+        self.model, self.opt = make(cfg, "mokd", client, dtype)
+        self.losses, self.grads = [], []
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up steps (real training steps, counted)
+            for b in data[:warmup]:
+                self.losses.append(step_fn(self.model, self.opt, cfg, *b).clone())
+                self.grads.append(grads_of(self.model))
+        torch.cuda.current_stream().wait_stream(s)
+        self.static = [t.clone() for t in data[warmup]]
+        self.opt.zero_grad(set_to_none=True)  # the graph's backward makes .grad (its pool)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            logits, aux, _ = self.model(self.static[0])
+            self.loss = ex.lm_loss(logits, self.static[1], self.static[2], cfg.vocab)
+            (self.loss + cfg.aux_coef * aux).backward()
+
+    def step(self, b):
+        for dst, src in zip(self.static, b):
+            dst.copy_(src)
+        self.graph.replay()
+        loss = self.loss.detach().clone()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        grads = grads_of(self.model)  # clipped, as eager_run takes them
+        self.opt.step()
+        return loss, grads
+
+
+def same_grads(a, b):
+    """Names of the gradients that differ (or are missing on one side)."""
+    return [k for k in sorted(set(a) | set(b)) if k not in a or k not in b or
+            not torch.equal(a[k], b[k])]
+
+
+def test_fp8(a, client):
+    """fp8 MoE layers under CUDA graphs (module docstring, fp8)."""
+    cfg = cfg_of(a)
+    n = a.replays + 3
+    data = batches(cfg, n)
+    ref_grads = []
+    ref_losses, ref_state = eager_run(cfg, client, data, dtype="fp8", grads=ref_grads)
+    res = {}
+
+    # (a) the whole step in the graph (AdamW(capturable=True) inside)
+    cap = Captured(cfg, client, data, warmup=3, dtype="fp8")
+    losses = list(cap.losses)
+    for b in data[3:]:
+        losses.append(cap.replay(b))
+    torch.cuda.synchronize()
+    mt.check_graphs(client)
+    losses = torch.stack(losses).cpu()
+    report(torch.equal(losses, ref_losses), "fp8, whole step captured: losses bitwise equal "
+           "to eager over %d steps" % n, "" if torch.equal(losses, ref_losses) else
+           "first differing step %d" % int((losses != ref_losses).nonzero()[0]))
+    bad = same_grads(grads_of(cap.model), ref_grads[-1])
+    report(not bad, "fp8, whole step captured: last step's gradients bitwise equal to eager",
+           ", ".join(bad[:5]))
+    state = cap.model.state_dict()
+    bad = [k for k in ref_state if not torch.equal(state[k], ref_state[k])]
+    report(not bad, "fp8, whole step captured: weights bitwise equal to eager (%d tensors)" %
+           len(ref_state), ", ".join(bad[:5]))
+    q = [blk.moe.quantizations for blk in cap.model.blocks]
+    res["whole_step_first_last"] = [losses[:2].tolist(), losses[-2:].tolist()]
+    del cap
+
+    # (b) forward + backward captured, the optimizer stepping eagerly between replays
+    capg = CapturedGrads(cfg, client, data, warmup=3)
+    losses, grads = list(capg.losses), list(capg.grads)
+    for b in data[3:]:
+        l, g = capg.step(b)
+        losses.append(l)
+        grads.append(g)
+    torch.cuda.synchronize()
+    mt.check_graphs(client)
+    losses = torch.stack(losses).cpu()
+    report(torch.equal(losses, ref_losses), "fp8, optimizer between replays: losses bitwise "
+           "equal to eager over %d steps" % n)
+    bad = [(i, same_grads(g, r)) for i, (g, r) in enumerate(zip(grads, ref_grads))]
+    bad = [(i, names) for i, names in bad if names]
+    report(not bad and len(grads) == n, "fp8, optimizer between replays: every step's "
+           "gradients bitwise equal to eager (%d steps)" % n,
+           "" if not bad else "step %d: %s" % (bad[0][0], ", ".join(bad[0][1][:4])))
+    state = capg.model.state_dict()
+    bad = [k for k in ref_state if not torch.equal(state[k], ref_state[k])]
+    report(not bad, "fp8, optimizer between replays: weights bitwise equal to eager",
+           ", ".join(bad[:5]))
+    report(float(losses[-5:].mean()) < float(losses[:3].mean()), "fp8 loss falls",
+           "%.4f -> %.4f" % (float(losses[:3].mean()), float(losses[-5:].mean())))
+    del capg
+
+    # (c) a captured forward sees in-place changes of the masters
+    torch.manual_seed(cfg.seed)
+    m = mt.MoE(cfg.hidden, cfg.intermediate, cfg.experts, cfg.topk,
+               shared_intermediate=cfg.shared, client=client, dtype="fp8").cuda()
+    T = 256
+    g = torch.Generator(device="cuda").manual_seed(cfg.seed + 7)
+    x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.argsort(torch.rand(T, cfg.experts, device="cuda", generator=g),
+                        dim=1)[:, :cfg.topk].to(torch.int32)
+    rw = torch.rand(T, cfg.topk, device="cuda", generator=g)
+    with torch.no_grad():
+        eager0 = m(x, ids, rw).clone()  # warm-up, eager (the module's own cache)
+        fg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fg):
+            y = m(x, ids, rw)
+        fg.replay()
+        torch.cuda.synchronize()
+        first = y.clone()
+        report(torch.equal(first, eager0), "fp8 captured forward: replay equals eager")
+        m.w_gate.mul_(0.5)  # in place, seen by the version counter
+        m.s_down.add_(0.01)
+        fg.replay()
+        eager1 = m(x, ids, rw)
+        torch.cuda.synchronize()
+        report(torch.equal(y, eager1) and not torch.equal(y, first),
+               "fp8 captured forward: a replay after an in-place change runs on the new "
+               "weights (equal to eager on them, unlike before)")
+        second = y.clone()
+        m.w_down.data.mul_(0.25)  # through .data: no version counter sees it
+        fg.replay()
+        m.quantize_weights(force=True)  # the eager cache needs telling; the graph does not
+        eager2 = m(x, ids, rw)
+        torch.cuda.synchronize()
+        report(torch.equal(y, eager2) and not torch.equal(y, second),
+               "fp8 captured forward: a replay after a change through .data runs on it too")
+    mt.check_graphs(client)
+    del fg
+
+    # (d) torch.compile: fullgraph, then reduce-overhead (CUDA graph trees)
+    for mode in (None, "reduce-overhead"):
+        model, opt = make(cfg, "mokd", client, "fp8")
+        torch._dynamo.reset()
+        cm = torch.compile(model, fullgraph=True, mode=mode)
+        ls = []
+        for inp, tgt, mask in data[:a.steps]:
+            if mode:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits, aux, _ = cm(inp)
+            loss = ex.lm_loss(logits, tgt, mask, cfg.vocab)
+            opt.zero_grad(set_to_none=True)
+            (loss + cfg.aux_coef * aux).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            ls.append(loss.detach().clone())
+        torch.cuda.synchronize()
+        mt.check_graphs(client)
+        ls = torch.stack(ls).cpu()
+        ref = ref_losses[:len(ls)]
+        rel = float(((ls - ref).abs() / ref.abs()).max())
+        report(rel < a.tol, "fp8 torch.compile(fullgraph=True%s) losses follow eager (max rel "
+               "%.2e over %d steps)" % (", mode=%s" % mode if mode else "", rel, len(ls)))
+        res["compile_" + (mode or "default") + "_max_rel"] = rel
+        del cm, model, opt
+    res.update(steps=n, quantizations_per_layer_whole_step=q)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("bitwise", "compile", "kill", "bench"))
+    ap.add_argument("what", choices=("bitwise", "compile", "kill", "bench", "fp8"))
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--tol", type=float, default=2e-2)
@@ -282,8 +464,8 @@ def main():
     else:
         client = mok.connect()
         mt.set_default_client(client)
-        r = {"bitwise": test_bitwise, "compile": test_compile, "bench": test_bench}[a.what](
-            a, client)
+        r = {"bitwise": test_bitwise, "compile": test_compile, "bench": test_bench,
+             "fp8": test_fp8}[a.what](a, client)
     print("RESULT " + json.dumps({a.what: r, "failed": failed}), flush=True)
     sys.exit(1 if failed else 0)
 
