@@ -432,3 +432,38 @@ def test_titan_fp8_refusals(client):
         dtype="fp8")
     with pytest.raises(mok.Error, match="intermediate = 64 is not a multiple of 128"):
         ge(torch.randn(8, H).to(torch.bfloat16), torch.tensor([2, 2, 2, 2]))
+
+
+# ---- the FP8 accuracy runs' script, in its smoke mode (a few steps) --------------------
+
+ACCURACY = os.path.join(REPO, "tests", "gpu", "fp8_accuracy.py")
+
+
+def accuracy(mokd, out, *args):
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "client", "python"),
+               MOK_LIBRARY=LIBMOK)
+    return subprocess.run([sys.executable, ACCURACY, "--socket", mokd, "--out", str(out)] +
+                          list(args), capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_accuracy_script_smoke(mokd, tmp_path):
+    """Both runs, a few steps each, on the cpu engine: the table, the JSON, the checks."""
+    pytest.importorskip("transformers")
+    import json
+    p = accuracy(mokd, tmp_path, "--smoke")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "fp8_accuracy: passed" in p.stdout
+    for run, steps, layers, per_step in (("tiny", 4, 2, 6), ("qwen3", 3, 2, 3)):
+        res = json.load(open(str(tmp_path / ("fp8_accuracy_%s.json" % run))))
+        assert res["run"] == run and res["engine"] == "cpu" and res["passed"] is True
+        assert [len(res["losses"][d]) for d in ("bfloat16", "fp8")] == [steps, steps]
+        assert res["quantizations"]["fp8"] == [per_step * steps] * layers
+        assert res["losses"]["fp8"] != res["losses"]["bfloat16"]
+        assert res["rel_diff"] <= res["bound"] and all(c["ok"] for c in res["checks"])
+        assert "%s: %d steps" % (run, steps) in p.stdout
+    # the bound can fail: fp8 is not bf16's bits, so a bound of 0 fails with exit 1
+    p = accuracy(mokd, tmp_path, "--smoke", "--bound", "0", "tiny")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAIL final loss" in p.stdout and "fp8_accuracy: FAILED: tiny" in p.stdout
+    res = json.load(open(str(tmp_path / "fp8_accuracy_tiny.json")))
+    assert res["passed"] is False and res["bound"] == 0
