@@ -35,14 +35,17 @@ bounds' meaning (the learning check is left out).
   MOK_SOCKET=/tmp/mokd.sock PYTHONPATH=client/python \\
       python3 tests/gpu/fp8_accuracy.py --out DIR [tiny] [qwen3]
 """
-import argparse
-import copy
-import json
-import math
 import os
-import sys
-import time
-import types
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (tiny run)
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
