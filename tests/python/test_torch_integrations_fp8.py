@@ -10,6 +10,8 @@ CPU tensors through the binding's numpy path, the models' own Parameters as the 
   backward; an in-place change of gate_up_proj re-quantises w_gate and w_up, one of
   down_proj only w_down; requantize() makes the next call quantise everything;
 - after optimizer steps the runner still equals MoE(dtype="fp8") on the new weights;
+  torchtitan's weights as DTensors (a 1-rank gloo mesh) are followed as held;
+- tests/gpu/fp8_accuracy.py in its smoke mode (a few steps of both runs);
 - refusals: dtype names, backend="torch" with fp8, dims off the 128 blocks (the daemon's
   message at the first call).
 Skipped without torch or without a build; the transformers part without transformers
@@ -467,3 +469,40 @@ def test_accuracy_script_smoke(mokd, tmp_path):
     assert "FAIL final loss" in p.stdout and "fp8_accuracy: FAILED: tiny" in p.stdout
     res = json.load(open(str(tmp_path / "fp8_accuracy_tiny.json")))
     assert res["passed"] is False and res["bound"] == 0
+
+
+def test_titan_dtensor_weights_are_followed_as_held(client, monkeypatch, tmp_path):
+    """DTensor Parameters (FSDP2's, here on a 1-rank gloo mesh): an optimizer step moves
+    the DTensor's version counter, not that of its to_local() view, so the runner
+    follows the Parameter as held: one quantisation per weight per step, and the layer
+    of the new weights after it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "pg"), rank=0,
+                            world_size=1)
+    try:
+        count = Counter(monkeypatch)
+        mesh = init_device_mesh("cpu", (1,))
+        ex = titan_ref.init(titan_ref.Experts(H, I, E), 3).to(torch.bfloat16)
+        for n in ("w1", "w2", "w3"):
+            setattr(ex, n, torch.nn.Parameter(distribute_tensor(getattr(ex, n).detach(), mesh,
+                                                                [Shard(0)])))
+        m = mtt.GroupedExperts.from_torchtitan(ex, client=client, dtype="fp8")
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        counts = torch.tensor([4, 6, 0, 5])
+        x = torch.randn(16, H, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+        for step in range(2):
+            m.zero_grad(set_to_none=True)
+            out = m(x, counts)
+            out.float().square().sum().backward()
+            assert len(count.of([m._run])) == 3 * (step + 1)
+            assert m(x, counts) is not None and len(count.of([m._run])) == 3 * (step + 1)
+            local = [w.to_local().detach() for w in (m.w1, m.w3, m.w2)]
+            hand = by_hand_module(client, "fp8", *local, topk=1)
+            want = hand(x, mtt.grouped_ids(counts, 16).view(16, 1), torch.ones(16, 1))
+            assert same(out.detach(), want), step
+            assert type(m.w1.grad).__name__ == "DTensor"  # gradients reach the DTensors
+            opt.step()
+    finally:
+        dist.destroy_process_group()
