@@ -11,12 +11,16 @@
 #          against their own experts; staging of views that are not 16-byte aligned
 #   example  client/python/examples/hf_transformers_moe.py: 20 training steps of a tiny
 #          Qwen3-MoE with its own experts and with mokd's, loss curves within 2e-2
+#   fp8acc tests/gpu/fp8_accuracy.py: the FP8 accuracy runs (the example model 300 steps,
+#          a tiny Qwen3-MoE through mok.hf_transformers 50 steps, each in bf16 and fp8 from
+#          the same start and batches; final losses within 1 % and 2 %), JSON in OUTDIR
 # Binaries: $MOK_DEVBUILD (default .devbuild, from tests/gpu/build_device.sh; carry it).
-#   tests/gpu/run_torch_integrations.sh OUTDIR [STEP...]   STEP: group integ example (default all)
+#   tests/gpu/run_torch_integrations.sh OUTDIR [STEP...]
+#   STEP: group integ example fp8acc (default all)
 # Logs go to OUTDIR. Exit status 0 when every step passed; the last lines are a summary.
 set -uo pipefail
 if [ $# -lt 1 ]; then
-  echo "usage: $0 OUTDIR [group] [integ] [example]" >&2
+  echo "usage: $0 OUTDIR [group] [integ] [example] [fp8acc]" >&2
   exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -106,13 +110,23 @@ step_example() {
   record example "$([ "$rc" = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
 }
 
+step_fp8acc() {
+  echo "== fp8acc: tests/gpu/fp8_accuracy.py (bf16 and fp8 training, final losses)"
+  start_mokd 7 0 || { cleanup; record fp8acc "FAIL (mokd)"; return; }
+  MOK_SOCKET=$SOCK timeout 500 python3 tests/gpu/fp8_accuracy.py --out "$OUTDIR" 2>&1 \
+    | tee "$OUTDIR/fp8_accuracy.log"
+  local rc=${PIPESTATUS[0]}
+  cleanup
+  record fp8acc "$([ "$rc" = 0 ] && echo PASS || echo "FAIL (rc $rc)")"
+}
+
 steps=("$@")
-[ ${#steps[@]} = 0 ] && steps=(group integ example)
+[ ${#steps[@]} = 0 ] && steps=(group integ example fp8acc)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
 python3 -c 'import torch; print("torch", torch.__version__)'
 for s in "${steps[@]}"; do
   case $s in
-    group|integ|example) "step_$s" ;;
+    group|integ|example|fp8acc) "step_$s" ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
 done

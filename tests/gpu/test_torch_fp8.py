@@ -130,30 +130,13 @@ def main():
 def ex_losses(ex, dtype, dev, steps=30):
     """AdamW steps of the example model (2 layers, H = I = I_s = 128, E = 8, K = 2) on its
     reversal task with MoE layers of dtype: one seed, so the same initial weights and
-    batches for both dtypes (the recipe of tests/python/test_torch_fp8.py, on the GPU)."""
+    batches for both dtypes (train_tiny_moe.train_losses, as tests/python/test_torch_fp8.py
+    runs it on the cpu engine)."""
     import types
     cfg = types.SimpleNamespace(task="reverse", seed=1234, vocab=16, seq=8, batch=16,
                                 hidden=128, intermediate=128, shared=128, experts=8, topk=2,
                                 layers=2, heads=4, lr=3e-3, warmup=10, aux_coef=0.01)
-    torch.manual_seed(cfg.seed)
-    model = ex.TinyMoE(cfg, "mokd", None, dtype=dtype).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    losses = []
-    for _ in range(steps):
-        inp, tgt, mask = ex.batch(cfg, gen, "cpu")
-        inp, tgt, mask = inp.to(dev), tgt.to(dev), mask.to(dev)
-        logits, aux, _ = model(inp)
-        loss = ex.lm_loss(logits, tgt, mask, cfg.vocab)
-        opt.zero_grad(set_to_none=True)
-        (loss + cfg.aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return losses
+    return ex.train_losses(cfg, dtype, None, dev, steps)[0]
 
 
 if __name__ == "__main__":

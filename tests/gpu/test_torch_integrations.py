@@ -14,7 +14,13 @@ Against each model's own experts, in bf16 on the GPU:
      moe_reference on the same weights;
   4. staging: mok.torch.MoE on topk_ids / router_weights views 8 bytes past a 16-byte
      boundary, and the binding's torch path with an out= view at such an offset,
-     bitwise equal to aligned copies (before: EINVAL "not 16-byte aligned").
+     bitwise equal to aligned copies (before: EINVAL "not 16-byte aligned");
+  5. the runners with dtype="fp8" on CUDA tensors: a Qwen3-MoE experts module
+     (mok.hf_transformers.apply(dtype="fp8")), torchtitan's GroupedExperts and a
+     use_mok'd MoE with a shared expert, each bitwise equal to mok.torch.MoE(dtype="fp8")
+     on the same weights (out and every gradient), one quantisation per weight per
+     optimizer step, and again equal after the step (the cpu engine's version of these
+     checks: tests/python/test_torch_integrations_fp8.py).
 Prints one line per check and "torch integrations: PASS" when all passed (exit 0).
 """
 import copy
@@ -223,12 +229,131 @@ def staging(client):
           "staging: Layer.forward with views in and an out= view at 8 mod 16: bitwise equal")
 
 
+def fp8_module(client, w_gate, w_up, w_down, shared=(None, None, None), topk=2):
+    """mok.torch.MoE(dtype="fp8") holding copies of the given weights."""
+    I_s = 0 if shared[0] is None else shared[0].shape[0]
+    m = mt.MoE(w_gate.shape[2], w_gate.shape[1], w_gate.shape[0], topk, shared_intermediate=I_s,
+               client=client, device=DEV, dtype="fp8")
+    with torch.no_grad():
+        for n, w in zip(("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"),
+                        (w_gate, w_up, w_down) + tuple(shared)):
+            if w is not None:
+                getattr(m, n).copy_(w)
+    return m
+
+
+def fp8_runners(client):
+    """The runners in fp8 against mok.torch.MoE(dtype="fp8") on the same weights, bitwise."""
+    H, I, E, K = 256, 128, 8, 2
+    g = torch.Generator().manual_seed(11)
+
+    def call(fn, params, x, d_out):
+        for p in params:
+            p.grad = None
+        xg = x.clone().requires_grad_(True)
+        out = fn(xg)
+        out.backward(d_out)
+        torch.cuda.synchronize()
+        return [out.detach(), xg.grad] + [p.grad.clone() for p in params]
+
+    def same(a, b):
+        return all(torch.equal(p, q) for p, q in zip(a, b)) and len(a) == len(b)
+
+    # transformers: one Qwen3-MoE experts module
+    try:
+        import transformers as tf
+        cfg = tf.Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=512,
+                                moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                                num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=64, norm_topk_prob=True)
+        torch.manual_seed(0)
+        model = tf.Qwen3MoeForCausalLM(cfg).to(DEV, torch.bfloat16)
+        mhf.apply(model, client=client, dtype="fp8")
+        ex = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+        T = 333
+        x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+        ids = torch.argsort(torch.rand(T, E, generator=g), 1)[:, :K].to(DEV)
+        ids[5, 1] = E  # transformers' sentinel: no expert
+        rw = torch.rand(T, K, generator=g).to(DEV)
+        d_out = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+        rws = []
+
+        def hf_call(xg):
+            r = rw.clone().requires_grad_(True)
+            rws.append(r)
+            return ex(xg, ids, r)
+
+        def hand_call(m):
+            def f(xg):
+                r = rw.clone().requires_grad_(True)
+                rws.append(r)
+                return m(xg, torch.where(ids < E, ids, -1).to(torch.int32), r)
+            return f
+
+        for step in range(2):
+            got = call(hf_call, [ex.gate_up_proj, ex.down_proj], x, d_out) + [rws[-1].grad]
+            gu = ex.gate_up_proj.detach()
+            m = fp8_module(client, gu[:, :I], gu[:, I:], ex.down_proj.detach())
+            want = call(hand_call(m), [m.w_gate, m.w_up, m.w_down], x, d_out) + [rws[-1].grad]
+            want = want[:2] + [torch.cat([want[2], want[3]], 1), want[4], want[5]]
+            run = ex.__dict__["_mok_run"]
+            check(same(got, want) and run.quantizations == 3 * (step + 1),
+                  "fp8 Qwen3-MoE experts (step %d): bitwise equal to MoE(dtype='fp8') on "
+                  "gate_up_proj's halves (out, d_x, d_gate_up_proj, d_down_proj, d_rw); "
+                  "quantisations %d" % (step, run.quantizations))
+            torch.optim.SGD([ex.gate_up_proj, ex.down_proj], lr=0.5).step()
+    except ImportError as e:
+        check(False, "transformers is importable (%s)" % e)
+
+    # torchtitan: GroupedExperts, then a whole MoE with a shared expert
+    ex = titan_ref.init(titan_ref.Experts(H, I, E), 1).to(DEV, torch.bfloat16)
+    ge = mtt.GroupedExperts.from_torchtitan(ex, client=client, dtype="fp8")
+    counts = torch.tensor([37, 0, 64, 5, 120, 1, 0, 33], device=DEV)
+    N = int(counts.sum()) + 11
+    x = torch.randn(N, H, generator=g).to(DEV, torch.bfloat16)
+    d_out = torch.randn(N, H, generator=g).to(DEV, torch.bfloat16)
+    gids = mtt.grouped_ids(counts, N).view(N, 1)
+    ones = torch.ones(N, 1, device=DEV)
+    for step in range(2):
+        got = call(lambda xg: ge(xg, counts), [ge.w1, ge.w3, ge.w2], x, d_out)
+        m = fp8_module(client, ex.w1.detach(), ex.w3.detach(), ex.w2.detach(), topk=1)
+        want = call(lambda xg: m(xg, gids, ones), [m.w_gate, m.w_up, m.w_down], x, d_out)
+        check(same(got, want) and ge._run.quantizations == 3 * (step + 1),
+              "fp8 torchtitan GroupedExperts (step %d): bitwise equal to MoE(dtype='fp8'); "
+              "quantisations %d" % (step, ge._run.quantizations))
+        torch.optim.SGD(ge.parameters(), lr=0.5).step()
+    tm = titan_ref.init(titan_ref.MoE(H, I, E, K), 2).to(DEV, torch.bfloat16)
+    tm.expert_bias = torch.linspace(-0.01, 0.01, E, device=DEV)
+    tm.tokens_per_expert = torch.zeros(E, device=DEV)
+    mtt.use_mok(tm, client=client, dtype="fp8")
+    sh = tm.shared_experts
+    held = [tm.experts.w1, tm.experts.w3, tm.experts.w2, sh.w1.weight, sh.w3.weight,
+            sh.w2.weight]
+    x3 = torch.randn(2, 150, H, generator=g).to(DEV, torch.bfloat16)
+    d3 = torch.randn(2, 150, H, generator=g).to(DEV, torch.bfloat16)
+    for step in range(2):
+        got = call(tm, held, x3, d3)
+        m = fp8_module(client, *[p.detach() for p in held[:3]],
+                       shared=[p.detach() for p in held[3:]])
+
+        def hand(xg):
+            x2 = xg.reshape(-1, H)
+            top, ids, _ = tm.router(x2, tm.expert_bias)
+            return m(x2, ids.to(torch.int32), top.float()).reshape(xg.shape)
+        want = call(hand, [getattr(m, n) for n in ("w_gate", "w_up", "w_down", "s_gate",
+                                                   "s_up", "s_down")], x3, d3)
+        check(same(got, want) and tm._mok_run.quantizations == 6 * (step + 1),
+              "fp8 torchtitan use_mok with a shared expert (step %d): bitwise equal to "
+              "MoE(dtype='fp8'); quantisations %d" % (step, tm._mok_run.quantizations))
+        torch.optim.SGD(held, lr=0.5).step()
+
+
 def main():
     c = mok.connect()
     if c.engine != "cuda":
         print("needs mokd --engine cuda at $MOK_SOCKET")
         return 2
-    for f in (torchtitan_experts, torchtitan_moe, hf, staging):
+    for f in (torchtitan_experts, torchtitan_moe, hf, staging, fp8_runners):
         try:
             f(c)
         except Exception as e:  # a crash of one part still lets the others report

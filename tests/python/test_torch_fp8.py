@@ -504,25 +504,8 @@ def test_op_forward_saves_the_packed_weights_it_ran_on(client, recompute, shared
 
 def train(client, dtype, steps, cfg):
     import train_tiny_moe as ex
-    torch.manual_seed(cfg.seed)
-    model = ex.TinyMoE(cfg, "mokd", client, dtype=dtype)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    losses = []
-    for _ in range(steps):
-        inp, tgt, mask = ex.batch(cfg, gen, "cpu")
-        logits, aux, _ = model(inp)
-        loss = ex.lm_loss(logits, tgt, mask, cfg.vocab)
-        opt.zero_grad(set_to_none=True)
-        (loss + cfg.aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    return np.array(losses), init, [b.moe.quantizations for b in model.blocks]
+    losses, init, quantizations = ex.train_losses(cfg, dtype, client, "cpu", steps)
+    return np.array(losses), init, quantizations
 
 
 def test_training_fp8_follows_bf16(client):

@@ -129,7 +129,10 @@ class TinyMoE(nn.Module):
 
 
 def batch(cfg, gen, dev):
-    """inp [B, 2N], target [B, 2N], loss mask: the reversed half."""
+    """inp [B, 2N], target [B, 2N], loss mask: the reversed half (cfg.loss_on "second", the
+    default), or every position ("all": a language model's loss, whose random first half
+    keeps (N-1)/(2N) ln(vocab-1) of entropy that no model removes, as natural text keeps
+    its own)."""
     sep = cfg.vocab - 1
     s = torch.randint(0, cfg.vocab - 1, (cfg.batch, cfg.seq), generator=gen, device=dev)
     second = s.flip(1)
@@ -138,7 +141,7 @@ def batch(cfg, gen, dev):
     full = torch.cat([s, torch.full((cfg.batch, 1), sep, device=dev), second], 1)
     inp, tgt = full[:, :-1], full[:, 1:]
     mask = torch.zeros_like(tgt, dtype=torch.float32)
-    mask[:, cfg.seq:] = 1.0
+    mask[:, 0 if getattr(cfg, "loss_on", "second") == "all" else cfg.seq:] = 1.0
     return inp, tgt, mask
 
 
@@ -146,6 +149,37 @@ def lm_loss(logits, tgt, mask, vocab):
     logp = logits.float().log_softmax(-1)
     nll = -(logp * onehot(tgt, vocab)).sum(-1)
     return (nll * mask).sum() / mask.sum()
+
+
+def train_losses(cfg, dtype, client, dev, steps, log=None):
+    """The loss of each of `steps` AdamW steps (cfg's lr, warm-up, clipping at 1) of TinyMoE
+    with MoE layers of `dtype` through mokd on `client` (CUDA tensors on the cuda engine,
+    dev "cuda"; CPU tensors on the cpu engine, dev "cpu"; None: the default client),
+    from cfg.seed: the same initial weights and the same batches (drawn on the CPU) for
+    every dtype, so that runs differ by their layers alone. log(step, loss), when given,
+    is called every step. Returns (losses, the initial state_dict, each layer's
+    quantisations)."""
+    torch.manual_seed(cfg.seed)
+    model = TinyMoE(cfg, "mokd", client, dtype=dtype).to(dev)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    losses = []
+    for step in range(steps):
+        inp, tgt, mask = (t.to(dev) for t in batch(cfg, gen, "cpu"))
+        logits, aux, _ = model(inp)
+        loss = lm_loss(logits, tgt, mask, cfg.vocab)
+        opt.zero_grad(set_to_none=True)
+        (loss + cfg.aux_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log is not None:
+            log(step, losses[-1])
+    return losses, init, [b.moe.quantizations for b in model.blocks]
 
 
 def train(cfg, backend, client, dev, log_every=0):
@@ -213,6 +247,9 @@ def main():
                     help="revadd: the second half is (reversed + original) mod (vocab-1), "
                          "which the experts must learn as a table; reverse: reversal only "
                          "(learnt by attention within ~30 steps)")
+    ap.add_argument("--loss-on", choices=("second", "all"), default="second",
+                    help="second: the loss on the second half only; all: every position (a "
+                         "language model's loss, the random first half's entropy included)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=16, help="data tokens + the separator")
     ap.add_argument("--seq", type=int, default=8, help="N: tokens to reverse")

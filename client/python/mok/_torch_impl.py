@@ -187,19 +187,40 @@ _WEIGHTS = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "fp8": "fp8", "float8_e4m3fn": "fp8"}
 
 
-def _module_dtype(dtype):
-    """"bfloat16" or "fp8" for MoE(dtype=...): the names the binding takes for those two,
-    or torch.bfloat16 / torch.float8_e4m3fn."""
+def _module_dtype(dtype, who="mok.torch.MoE"):
+    """"bfloat16" or "fp8" for MoE(dtype=...) and the runners' dtype=: the names the binding
+    takes for those two, or torch.bfloat16 / torch.float8_e4m3fn."""
     if isinstance(dtype, torch.dtype):
         name = {torch.bfloat16: "bfloat16",
                 getattr(torch, "float8_e4m3fn", None): "fp8"}.get(dtype)
     else:
         name = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
     if name is None:
-        raise ValueError("mok.torch.MoE: dtype must be \"bfloat16\" (the default) or \"fp8\" "
+        raise ValueError("%s: dtype must be \"bfloat16\" (the default) or \"fp8\" "
                          "(also \"float8_e4m3fn\"; block-scaled e4m3 GEMMs, docs/math.md), "
-                         "got %r" % (dtype,))
+                         "got %r" % (who, dtype))
     return name
+
+
+class _Master:
+    """An fp8 weight's master as _Slot.pack takes it: `value`, the weight as a bf16 tensor of
+    the layer's shape (any strides; what autograd sees), and `of`, the tensor whose identity,
+    _version and data pointer say when the weight changed: value itself for MoE's
+    Parameters, or the Parameter value was cut or cast from (transformers' gate_up_proj,
+    which holds w_gate and w_up; a float32 or DTensor weight)."""
+    __slots__ = ("value", "of")
+
+    def __init__(self, value, of=None):
+        self.value, self.of = value, value if of is None else of
+
+    def key(self):
+        of = self.of
+        local = of.to_local() if hasattr(of, "to_local") else of  # a DTensor: its shard
+        return (of._version, local.data_ptr())
+
+    def take(self):
+        """The weight as quantize_weight takes it: contiguous bf16 at a 16-byte multiple."""
+        return aligned(self.value.detach().contiguous())
 
 
 class _Packed:
@@ -261,25 +282,28 @@ class _Slot:
 
     # ---- fp8: the packed weights (docs/torch.md "FP8 layers") ----
     def pack(self, layer, masters, force=False):
-        """The packed forms of an fp8 layer's weights, masters {slot: bf16 tensor or None}:
-        ({slot: u8 tensor}, {slot: generation}). A weight is quantised (layer.quantize_weight,
-        into its buffer, allocated once per weight and device) only when its master is
-        another tensor, or the same one at another _version or data_ptr, than at its last
+        """The packed forms of an fp8 layer's weights, masters {slot: bf16 tensor, _Master or
+        None}: ({slot: u8 tensor}, {slot: generation}). A weight is quantised
+        (layer.quantize_weight, into its buffer, allocated once per weight and device) only
+        when the tensor it follows (the master itself, or a _Master's `of`) is another
+        tensor, or the same one at another _version or data_ptr, than at its last
         quantisation: once per optimizer step, none while the weights stay as they are."""
         bufs, gens = {}, {}
         with self.pack_lock:
             for name, w in masters.items():
                 if w is None:
                     continue
+                m = w if isinstance(w, _Master) else _Master(w)
                 n = layer.packed_weight_bytes(name)  # the library's size, whatever the layout
                 e = self.packed.get(name)
-                if e is None or e.buf.numel() != n or e.buf.device != w.device:
+                dev = m.value.device
+                if e is None or e.buf.numel() != n or e.buf.device != dev:
                     e = self.packed[name] = _Packed(torch.empty(n, dtype=torch.uint8,
-                                                                device=w.device))
-                key = (w._version, w.data_ptr())
-                if force or e.key != key or e.src is None or e.src() is not w:
-                    _quantize(layer, name, w, e.buf)
-                    e.src, e.key = weakref.ref(w), key
+                                                                device=dev))
+                key = m.key()
+                if force or e.key != key or e.src is None or e.src() is not m.of:
+                    _quantize(layer, name, m.take(), e.buf)
+                    e.src, e.key = weakref.ref(m.of), key
                     e.generation += 1
                     self.quantizations += 1
                 bufs[name], gens[name] = e.buf, e.generation
@@ -374,7 +398,8 @@ def _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out
     like = dict(masters, x=x, router_weights=router_weights)
     # fresh gradient buffers, written by mokd; autograd's AccumulateGrad then takes
     # them as .grad (when None) or adds them with a torch op
-    out = {n: torch.empty_like(like[n[2:]]) for n in names}
+    out = {n: torch.empty_like(like[n[2:]], memory_format=torch.contiguous_format)
+           for n in names}
     ins = dict(x=x, router_weights=router_weights, **w)
     if x.is_cuda:
         if recompute:
@@ -413,12 +438,13 @@ class MoEFunction(torch.autograd.Function):
     through mokd (docs/design.md#the-layer). Call through moe() or MoE; arguments must already be
     contiguous tensors of the slot dtypes (bf16, int32, float32), all CUDA (the cuda engine,
     in place) or all CPU (the binding's numpy path, the cpu engine). On an fp8 slot the
-    weights are the bf16 masters: the jobs take their packed forms (_Slot.pack), and the
-    weight gradients are the masters' (bf16)."""
+    weights are the bf16 masters (any strides): the jobs take their packed forms
+    (_Slot.pack of `sources` when given, {slot: _Master}, else of the weights), and the
+    weight gradients are the masters' (bf16, contiguous)."""
 
     @staticmethod
-    def forward(ctx, slot, recompute, x, topk_ids, router_weights, w_gate, w_up, w_down,
-                s_gate, s_up, s_down):
+    def forward(ctx, slot, recompute, sources, x, topk_ids, router_weights, w_gate, w_up,
+                w_down, s_gate, s_up, s_down):
         if x.is_cuda:
             _check_capture("forward")
             # views at offsets that are not 16-byte aligned: an aligned copy (docs/torch.md)
@@ -429,7 +455,8 @@ class MoEFunction(torch.autograd.Function):
         layer = slot.layer_for(T)
         masters = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
                        s_down=s_down)
-        ws, gens = slot.pack(layer, masters) if slot.fp8 else (masters, None)
+        ws, gens = (slot.pack(layer, masters if sources is None else sources) if slot.fp8
+                    else (masters, None))
         out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
         ctx.slot, ctx.layer, ctx.recompute, ctx.tokens = slot, layer, recompute, T
         ctx.gens = gens
@@ -455,25 +482,28 @@ class MoEFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         g = [out["d_x"], None, out["d_router_weights"], out["d_w_gate"], out["d_w_up"],
              out["d_w_down"], out.get("d_s_gate"), out.get("d_s_up"), out.get("d_s_down")]
-        g = [v if (v is not None and need[i + 2]) else None for i, v in enumerate(g)]
-        return (None, None) + tuple(g)
+        g = [v if (v is not None and need[i + 3]) else None for i, v in enumerate(g)]
+        return (None, None, None) + tuple(g)
 
 @torch.compiler.disable
-def _apply(slot, recompute, x, ids, rw, wg, wu, wd, sg, su, sd):
+def _apply(slot, recompute, sources, x, ids, rw, wg, wu, wd, sg, su, sd):
     # torch.compile: a graph break here (the code around the layer compiles, the mokd jobs
     # run eagerly between the compiled graphs); fullgraph=True refuses the model.
-    return MoEFunction.apply(slot, recompute, x, ids, rw, wg, wu, wd, sg, su, sd)
+    return MoEFunction.apply(slot, recompute, sources, x, ids, rw, wg, wu, wd, sg, su, sd)
 
 
 def moe(slot: _Slot, x: torch.Tensor, topk_ids: torch.Tensor, router_weights: torch.Tensor,
         w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         s_gate: Optional[torch.Tensor] = None, s_up: Optional[torch.Tensor] = None,
-        s_down: Optional[torch.Tensor] = None, recompute: bool = False) -> torch.Tensor:
+        s_down: Optional[torch.Tensor] = None, recompute: bool = False,
+        sources: Optional[dict] = None) -> torch.Tensor:
     """The functional form (slot: MoE._slot). x [..., H] (cast to bf16 when it is another
     float dtype), topk_ids [..., K] (int32), router_weights [..., K] (float32); returns
     out [..., H] bf16. CUDA tensors run on the cuda engine (in place, on the current
     stream), CPU tensors through the binding's numpy path (the cpu engine); all on one
-    device. On an fp8 slot the weights are the bf16 masters (quantised as _Slot.pack says)."""
+    device. On an fp8 slot the weights are the bf16 masters (quantised as _Slot.pack says;
+    sources, {slot: _Master}: what each packed weight follows and is quantised from, where
+    that is not the weight given, as for the runners' weights cut from another Parameter)."""
     H = x.shape[-1]
     K = topk_ids.shape[-1]
     lead = x.shape[:-1]
@@ -495,8 +525,8 @@ def moe(slot: _Slot, x: torch.Tensor, topk_ids: torch.Tensor, router_weights: to
     x2 = x.reshape(-1, H).to(torch.bfloat16).contiguous()
     ids2 = topk_ids.reshape(-1, K).to(torch.int32).contiguous()
     rw2 = router_weights.reshape(-1, K).to(torch.float32).contiguous()
-    out = _apply(slot, bool(recompute), x2, ids2, rw2, w_gate, w_up, w_down, s_gate, s_up,
-                 s_down)
+    out = _apply(slot, bool(recompute), sources, x2, ids2, rw2, w_gate, w_up, w_down, s_gate,
+                 s_up, s_down)
     return out.reshape(*lead, H)
 
 
@@ -789,11 +819,25 @@ class _Runner:
     mokd layer (a _Slot) per shape, created at first use; backend="torch" runs
     moe_reference instead (no daemon; also on the CPU). Weights of another float dtype are
     cast to bf16 and non-contiguous ones copied (autograd takes the gradients back
-    through the cast or copy)."""
+    through the cast or copy). CUDA tensors run on the cuda engine, CPU tensors with a
+    client on the cpu engine, as for MoE.
 
-    def __init__(self, backend="mokd", client=None, max_tokens=None):
+    dtype="fp8" (the names MoE takes) runs an fp8 layer on the caller's weights as masters,
+    exactly as MoE(dtype="fp8") does on its Parameters (the same _Slot.pack): the packed
+    forms are kept per runner (one runner per experts module) and written again at a call
+    whenever the tensor a weight follows changed (identity, _version, data_ptr). A weight
+    follows itself, or the tensor `follow` names for its slot (the Parameter it was cut
+    from: a change of transformers' gate_up_proj re-quantises w_gate and w_up). The
+    weights need not be contiguous (nothing reads them but the quantisation)."""
+
+    def __init__(self, backend="mokd", client=None, max_tokens=None, dtype="bfloat16",
+                 who="mok"):
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
+        self.dtype = _module_dtype(dtype, who)
+        if self.dtype == "fp8" and backend != "mokd":
+            raise ValueError("%s: dtype='fp8' needs backend='mokd' (backend='torch' runs "
+                             "moe_reference, the bf16 layer)" % who)
         self.backend, self._client, self.max_tokens = backend, client, max_tokens
         self.slots = {}
 
@@ -803,25 +847,57 @@ class _Runner:
             self._client = default_client()
         return self._client
 
+    @property
+    def quantizations(self):
+        """quantize_weight jobs run for this runner's layers (fp8; 0 for bf16)."""
+        return sum(s.quantizations for s in self.slots.values())
+
+    @property
+    def packed_weights(self):
+        """{weight slot: packed uint8 tensor} of the layer last used (fp8; empty before the
+        first call and for bf16)."""
+        for s in reversed(list(self.slots.values())):
+            with s.pack_lock:
+                return {n: e.buf for n, e in s.packed.items()}
+        return {}
+
+    def requantize(self):
+        """fp8: quantise every weight again at the next call (after writes that torch's
+        version counter does not see, such as writes through .data)."""
+        for s in self.slots.values():
+            with s.pack_lock:
+                for e in s.packed.values():
+                    e.key = None
+
     def __call__(self, x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate=None,
-                 s_up=None, s_down=None):
+                 s_up=None, s_down=None, follow=None):
         if self.backend == "torch":
             return moe_reference(x, topk_ids, router_weights, w_gate, w_up, w_down, s_gate,
                                  s_up, s_down)
-        ws = [None if w is None else w.to(torch.bfloat16).contiguous()
-              for w in (w_gate, w_up, w_down, s_gate, s_up, s_down)]
-        for w in ws:
-            if w is not None and not w.is_cuda:
-                raise Error("EINVAL", "mok: expert weights must be CUDA tensors (mokd reads them "
-                            "in place), got %s" % w.device)
-        E, I, H = ws[0].shape
+        given = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
+                     s_down=s_down)
+        sources = None
+        if self.dtype == "fp8":
+            # mokd reads only the packed forms: the weights stay as they are (a view of a
+            # Parameter, any strides), cast to bf16 where they are not
+            ws = {k: None if w is None else w.to(torch.bfloat16) for k, w in given.items()}
+            follow = follow or {}
+            sources = {k: _Master(ws[k], follow.get(k, w)) for k, w in given.items()
+                       if w is not None}
+        else:
+            ws = {k: None if w is None else w.to(torch.bfloat16).contiguous()
+                  for k, w in given.items()}
+        E, I, H = ws["w_gate"].shape
         K = topk_ids.shape[-1]
-        I_s = ws[3].shape[0] if ws[3] is not None else 0
+        I_s = ws["s_gate"].shape[0] if ws["s_gate"] is not None else 0
         key = (H, I, E, K, I_s)
         slot = self.slots.get(key)
         if slot is None:
-            slot = self.slots[key] = _Slot(self.client, H, I, E, K, I_s, None, self.max_tokens)
-        return moe(slot, x, topk_ids, router_weights, *ws)
+            slot = self.slots[key] = _Slot(self.client, H, I, E, K, I_s, None, self.max_tokens,
+                                           dtype=self.dtype)
+        return moe(slot, x, topk_ids, router_weights, *ws.values(), sources=sources)
+
+
 # ---- custom ops: torch.compile(fullgraph=True) and CUDA graph capture -----------------------
 #
 # mok::moe_forward and mok::moe_backward are PyTorch custom ops (torch.library.custom_op):

@@ -14,6 +14,7 @@ so every experts module of the model runs as one mokd job per call:
 
     import mok.hf_transformers as mhf
     mhf.apply(model)                      # or: mhf.register(); model.set_experts_implementation("mok")
+    mhf.apply(model, dtype="fp8")         # fp8 layers on the model's weights as masters
 
 Layouts: ``down_proj`` is mok's w_down [E, H, I] (named in place). The gate and up
 halves of ``gate_up_proj`` are not contiguous [E, I, H] tensors (each expert's rows
@@ -21,7 +22,15 @@ alternate between them), so each call makes one copy of gate_up_proj into mok's
 w_gate and w_up (2*E*I*H bf16 values) and backward concatenates their gradients in one
 pass (no zero-filled buffers). The router weights' gradient is mokd's d_router_weights.
 Only the concatenated, non-transposed, bias-free SiLU layout is taken (others raise).
-docs/torch.md, "Hugging Face transformers".
+
+dtype="fp8" runs fp8 layers (block-scaled e4m3 GEMMs, as mok.torch.MoE(dtype="fp8")): the
+model's Parameters stay the masters (optimizer, checkpoints and gradients as before), each
+experts module keeps the packed forms of its w_gate, w_up and w_down and quantises them
+again at its first call after gate_up_proj or down_proj changed (torch's version counter,
+identity or data pointer: once per optimizer step); a change of gate_up_proj re-quantises
+both of its halves. Nothing but that quantisation reads the masters, so the gate and up
+halves go in as views of gate_up_proj (no copy per call). docs/torch.md, "Hugging Face
+transformers".
 """
 import types
 
@@ -29,7 +38,8 @@ import torch
 
 from ._torch_impl import _Runner
 
-__all__ = ["experts_forward", "register", "apply", "split_gate_up", "NAME"]
+__all__ = ["experts_forward", "register", "apply", "split_gate_up", "gate_up_halves",
+           "requantize", "NAME"]
 
 NAME = "mok"
 
@@ -51,11 +61,34 @@ class _SplitGateUp(torch.autograd.Function):
         return torch.cat([d_gate, d_up], dim=1)
 
 
-def split_gate_up(gate_up):
-    """(w_gate, w_up), each [E, I, H], from transformers' gate_up_proj [E, 2I, H]."""
+class _GateUpHalves(torch.autograd.Function):
+    """gate_up [E, 2I, H] -> (w_gate, w_up) [E, I, H] as views (no copy); backward cat."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        I = gate_up.shape[1] // 2
+        return gate_up[:, :I], gate_up[:, I:]
+
+    backward = staticmethod(_SplitGateUp.backward)
+
+
+def _check_gate_up(gate_up):
     if gate_up.dim() != 3 or gate_up.shape[1] % 2:
         raise ValueError("gate_up_proj must be [E, 2*I, H], got %s" % (tuple(gate_up.shape),))
+
+
+def split_gate_up(gate_up):
+    """(w_gate, w_up), each [E, I, H], from transformers' gate_up_proj [E, 2I, H]."""
+    _check_gate_up(gate_up)
     return _SplitGateUp.apply(gate_up)
+
+
+def gate_up_halves(gate_up):
+    """(w_gate, w_up), each [E, I, H], as views of gate_up_proj [E, 2I, H] (no copy; not
+    contiguous): for an fp8 layer, which reads only their packed forms. The gradient is one
+    torch.cat of the two halves' gradients, as for split_gate_up."""
+    _check_gate_up(gate_up)
+    return _GateUpHalves.apply(gate_up)
 
 
 def _check_layout(m):
@@ -87,13 +120,22 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if run is None:
         _check_layout(self)
         run = self.__dict__["_mok_run"] = _Runner(getattr(self, "_mok_backend", "mokd"),
-                                                  getattr(self, "_mok_client", None))
-    E = self.gate_up_proj.shape[0]
+                                                  getattr(self, "_mok_client", None),
+                                                  dtype=getattr(self, "_mok_dtype", "bfloat16"),
+                                                  who="mok.hf_transformers")
+    gate_up = self.gate_up_proj
+    E = gate_up.shape[0]
     ids = top_k_index.to(torch.int32)
     ids = torch.where((ids >= 0) & (ids < E), ids, torch.full_like(ids, -1))
-    w_gate, w_up = split_gate_up(self.gate_up_proj)
-    out = run(hidden_states, ids, top_k_weights.to(torch.float32), w_gate, w_up,
-              self.down_proj)
+    rw = top_k_weights.to(torch.float32)
+    if run.dtype == "fp8":
+        # the packed w_gate and w_up both follow gate_up_proj: a change of it quantises both
+        w_gate, w_up = gate_up_halves(gate_up)
+        out = run(hidden_states, ids, rw, w_gate, w_up, self.down_proj,
+                  follow={"w_gate": gate_up, "w_up": gate_up})
+    else:
+        w_gate, w_up = split_gate_up(gate_up)
+        out = run(hidden_states, ids, rw, w_gate, w_up, self.down_proj)
     return out.to(hidden_states.dtype)
 
 
@@ -115,19 +157,35 @@ def _experts_modules(model):
             yield m
 
 
-def apply(model, backend="mokd", client=None):
+def apply(model, backend="mokd", client=None, dtype="bfloat16"):
     """Run every experts module of `model` through mokd: checks each one's layout, then
     selects the "mok" experts implementation (or, without ExpertsInterface, replaces
     the modules' forward). backend="torch" runs moe_reference instead (no daemon).
-    Returns the number of experts modules."""
+    dtype="fp8" (or "float8_e4m3fn", torch.float8_e4m3fn) runs fp8 layers on the model's
+    weights as masters (mokd only; H and I multiples of 128, which the daemon checks at
+    the first call). Returns the number of experts modules."""
+    _Runner(backend, client, dtype=dtype, who="mok.hf_transformers.apply")  # refuse early
     mods = list(_experts_modules(model))
     for m in mods:
         _check_layout(m)
         m.__dict__.pop("_mok_run", None)
-        m._mok_backend, m._mok_client = backend, client
+        m._mok_backend, m._mok_client, m._mok_dtype = backend, client, dtype
     if register() and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(NAME)
     else:
         for m in mods:
             m.forward = types.MethodType(experts_forward, m)
     return len(mods)
+
+
+def requantize(model):
+    """fp8: every experts module of `model` quantises its weights again at its next call
+    (after writes torch's version counter does not see, such as writes through .data).
+    Returns the number of experts modules that had run."""
+    n = 0
+    for m in _experts_modules(model):
+        run = m.__dict__.get("_mok_run")
+        if run is not None:
+            run.requantize()
+            n += 1
+    return n

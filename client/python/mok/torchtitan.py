@@ -6,6 +6,7 @@ Two ways in, both on the weights torchtitan already holds (no copies of bf16 wei
     import mok.torchtitan as mtt
     moe.experts = mtt.GroupedExperts.from_torchtitan(moe.experts)   # 1. the experts only
     mtt.use_mok(moe)                                                # 2. the whole MoE layer
+    mtt.use_mok(moe, dtype="fp8")        # either one with fp8 layers (dtype= on both)
 
 1. ``GroupedExperts`` has torchtitan's interface: ``w1``, ``w3`` [E, hidden_dim, dim],
    ``w2`` [E, dim, hidden_dim] and ``forward(x, num_tokens_per_expert)``, where x
@@ -28,7 +29,13 @@ w2 (I = hidden_dim, H = dim); the shared expert's ``w1.weight``, ``w3.weight`` [
 and ``w2.weight`` [H, I_s] are mok's s_gate, s_up, s_down. Weights are named in place
 when they are contiguous bf16 CUDA tensors (FSDP's bf16 compute parameters); float32
 weights are cast (one copy per call, the gradient cast back by autograd). DTensor
-weights are used through ``to_local()``. docs/torch.md, "torchtitan".
+weights are used through ``to_local()``.
+
+dtype="fp8" runs fp8 layers (block-scaled e4m3 GEMMs, as mok.torch.MoE(dtype="fp8")) on
+torchtitan's Parameters as masters: each GroupedExperts (each use_mok'd MoE) keeps the
+packed forms of its weights and quantises a weight again at its first call after its
+Parameter changed (torch's version counter, identity or data pointer: once per
+optimizer step). docs/torch.md, "torchtitan".
 """
 import types
 
@@ -38,7 +45,8 @@ from torch import nn
 
 from ._torch_impl import _Runner
 
-__all__ = ["GroupedExperts", "use_mok", "grouped_ids", "reference_grouped_experts"]
+__all__ = ["GroupedExperts", "use_mok", "grouped_ids", "reference_grouped_experts",
+           "requantize"]
 
 
 def _local(w):
@@ -74,20 +82,22 @@ class GroupedExperts(nn.Module):
     """torchtitan's GroupedExperts (same Parameters, shapes, forward and init_weights)
     with the experts computed by mokd. backend="torch" computes moe_reference instead
     (no daemon), client: a mok.Client on the cuda engine (default
-    mok.torch.default_client())."""
+    mok.torch.default_client(); a cpu-engine client runs CPU tensors). dtype="fp8": an
+    fp8 layer on w1, w3, w2 as masters (mokd only; dim and hidden_dim multiples of 128)."""
 
     def __init__(self, dim, hidden_dim, num_experts, use_grouped_mm=True, backend="mokd",
-                 client=None, max_tokens=None):
+                 client=None, max_tokens=None, dtype="bfloat16"):
         super().__init__()
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.use_grouped_mm = use_grouped_mm  # kept for torchtitan's code; mokd ignores it
-        self._run = _Runner(backend, client, max_tokens)
+        self._run = _Runner(backend, client, max_tokens, dtype, "mok.torchtitan.GroupedExperts")
 
     @classmethod
-    def from_torchtitan(cls, experts, backend="mokd", client=None, max_tokens=None):
+    def from_torchtitan(cls, experts, backend="mokd", client=None, max_tokens=None,
+                        dtype="bfloat16"):
         """A GroupedExperts holding `experts`' own Parameter objects (no copy): the
         optimizer, FSDP and checkpoints see the same tensors."""
         E, hidden_dim, dim = experts.w1.shape
@@ -96,7 +106,7 @@ class GroupedExperts(nn.Module):
         m.num_experts = experts.num_experts
         m.w1, m.w2, m.w3 = experts.w1, experts.w2, experts.w3
         m.use_grouped_mm = getattr(experts, "use_grouped_mm", True)
-        m._run = _Runner(backend, client, max_tokens)
+        m._run = _Runner(backend, client, max_tokens, dtype, "mok.torchtitan.GroupedExperts")
         return m
 
     def forward(self, x, num_tokens_per_expert):
@@ -107,7 +117,9 @@ class GroupedExperts(nn.Module):
         N = x.shape[0]
         ids = grouped_ids(num_tokens_per_expert, N).view(N, 1)
         ones = torch.ones(N, 1, dtype=torch.float32, device=x.device)
-        out = self._run(x, ids, ones, w1, w3, w2)
+        # fp8: the packed forms follow the Parameters as held (a DTensor, not its local view)
+        out = self._run(x, ids, ones, w1, w3, w2,
+                        follow=dict(w_gate=self.w1, w_up=self.w3, w_down=self.w2))
         return out.to(x.dtype)
 
     def init_weights(self, init_std):
@@ -116,7 +128,8 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
-def _shared_weights(moe):
+def _shared_params(moe):
+    """The shared expert's w1, w3, w2 weights as held (None each without one)."""
     sh = getattr(moe, "shared_experts", None)
     if sh is None:
         return None, None, None
@@ -124,7 +137,7 @@ def _shared_weights(moe):
     if not all(isinstance(m, nn.Linear) and m.bias is None for m in lin):
         raise ValueError("mok.torchtitan.use_mok: the shared expert is not a FeedForward of "
                          "bias-free w1, w2, w3; swap the experts only (GroupedExperts)")
-    return tuple(_local(m.weight) for m in lin)
+    return tuple(m.weight for m in lin)
 
 
 def _moe_forward(self, x):
@@ -134,16 +147,21 @@ def _moe_forward(self, x):
     with torch.no_grad():  # torchtitan's load-balancing counts, as its own forward keeps them
         self.tokens_per_expert.add_(num_tokens_per_expert)
     ex = self.experts
-    sg, su, sd = _shared_weights(self)
-    out = self._mok_run(x2, ids, top_scores.to(torch.float32), _local(ex.w1), _local(ex.w3),
-                        _local(ex.w2), sg, su, sd)
+    held = dict(zip(("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"),
+                    (ex.w1, ex.w3, ex.w2) + _shared_params(self)))
+    out = self._mok_run(x2, ids, top_scores.to(torch.float32),
+                        *(None if w is None else _local(w) for w in held.values()),
+                        follow={k: w for k, w in held.items() if w is not None})
     return out.to(x.dtype).reshape(bs, slen, dim)
 
 
-def use_mok(moe, backend="mokd", client=None, max_tokens=None):
+def use_mok(moe, backend="mokd", client=None, max_tokens=None, dtype="bfloat16"):
     """Run a torchtitan MoE module (torchtitan.models.moe.MoE) as one mokd layer: its
     router and load-balancing counts as before, routed and shared experts in mokd.
-    Changes `moe` in place (its forward) and returns it; the Parameters stay torchtitan's."""
+    Changes `moe` in place (its forward) and returns it; the Parameters stay torchtitan's.
+    dtype="fp8": an fp8 layer on them as masters (mokd only; dim, hidden_dim and the
+    shared expert's hidden size multiples of 128)."""
+    run = _Runner(backend, client, max_tokens, dtype, "mok.torchtitan.use_mok")
     if getattr(moe, "score_before_experts", False):
         raise ValueError("mok.torchtitan.use_mok: score_before_experts=True scales the experts' "
                          "inputs, mokd scales their outputs; swap the experts only "
@@ -151,7 +169,20 @@ def use_mok(moe, backend="mokd", client=None, max_tokens=None):
     if getattr(moe, "shared_gate", None) is not None:
         raise ValueError("mok.torchtitan.use_mok: a gated shared expert is not mokd's layer; "
                          "swap the experts only (GroupedExperts)")
-    _shared_weights(moe)  # refuse an unknown shared expert now, not at the first call
-    moe._mok_run = _Runner(backend, client, max_tokens)
+    _shared_params(moe)  # refuse an unknown shared expert now, not at the first call
+    moe._mok_run = run
     moe.forward = types.MethodType(_moe_forward, moe)
     return moe
+
+
+def requantize(module):
+    """fp8: every GroupedExperts and use_mok'd MoE in `module` (itself included) quantises
+    its weights again at its next call (after writes torch's version counter does not
+    see, such as writes through .data). Returns how many runners were marked."""
+    n = 0
+    for m in module.modules():
+        for run in (m.__dict__.get("_run"), m.__dict__.get("_mok_run")):
+            if isinstance(run, _Runner):
+                run.requantize()
+                n += 1
+    return n
