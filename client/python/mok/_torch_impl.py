@@ -540,8 +540,11 @@ class MoE(torch.nn.Module):
     uint8 buffer per weight beside them (packed_weights), written by the layer's
     quantize_weight job at a forward whenever the master changed since its last
     quantisation (torch's version counter or data_ptr: one quantisation per weight per
-    optimizer step). The jobs take the packed buffers in the weight slots. Refused with
-    group= and with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with a
+    optimizer step). The jobs take the packed buffers in the weight slots. On a group
+    (a mok.Group of dtype "bfloat16", or a process group) each rank packs its local
+    experts' masters the same way, and the results equal the fp8 module without a group
+    on the ranks' tokens concatenated, bit for bit (docs/ep.md "FP8 layers on a group").
+    Refused with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with a
     client on the cpu engine (CUDA graph capture is refused); H, I and I_s multiples of
     128."""
 
@@ -557,11 +560,6 @@ class MoE(torch.nn.Module):
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
         dtype = _module_dtype(dtype)
-        if dtype == "fp8" and group is not None:
-            # before any join: a process group's join is collective
-            raise ValueError("mok.torch.MoE: dtype='fp8' with group= is not supported yet: mokd "
-                             "refuses fp8 layers on expert-parallel groups; use "
-                             "dtype='bfloat16' on a group, or fp8 without one")
         if dtype == "fp8" and backend != "mokd":
             raise ValueError("mok.torch.MoE: dtype='fp8' needs backend='mokd' (backend='torch' "
                              "runs moe_reference, the bf16 layer)")
@@ -578,6 +576,8 @@ class MoE(torch.nn.Module):
                                  "group's buffers on every rank")
             if client is None:
                 client = default_client()
+            # an fp8 layer runs on a bf16 group too (its activations are bf16): bf16 and
+            # fp8 modules of one process group share the join
             sizing = dict(max_tokens=max_tokens, hidden=hidden, topk=topk, experts=experts,
                           dtype="bfloat16")
             sizing.update(group_options or {})
