@@ -7,8 +7,9 @@
  * against the same engine's EP=1 results (bitwise) and ref64 (tolerance).
  *
  * On the GPU machine the same tests run on the cuda engine
- * (MOK_TEST_ENGINE=cuda, under MPS; tests/gpu/run_device_tests.sh): bf16
- * only, so the float32 cases run in bf16 there. MOK_TEST_GPUS=n puts rank
+ * (MOK_TEST_ENGINE=cuda, under MPS; tests/gpu/run_ep_tests.sh): bf16 and
+ * fp8 layers only, so the float32 cases run in bf16 there (the fp8 cases,
+ * test_fp8_*, run as they are: fp8 layers on bf16 groups). MOK_TEST_GPUS=n puts rank
  * r's daemon on GPU r % n. MOK_TEST_NCCL=1 (cuda engine, one GPU per rank)
  * forms every group through NCCL (docs/ep_nccl.md): rank 0's mokd makes the
  * id, the test hands it to every rank; cases needing more ranks than GPUs,
