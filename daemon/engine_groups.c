@@ -24,7 +24,9 @@ static mok_ep_group *session_group(mok_engine_thread *t, esession *s, uint32_t i
 }
 
 /* A layer on a group: its shapes must fit the group's sizing; it holds the
- * rank's local experts. */
+ * rank's local experts. The group's dtype is the layer's activations' (an
+ * fp8 layer's are bf16: it runs on a bf16 group, its fp8 a layer property,
+ * docs/ep.md "FP8 layers on a group"). */
 int mok__group_layer_config(mok_engine_thread *t, esession *s, mok_layer_config *cfg, char *err,
                             size_t errlen) {
   mok_ep_group *g = session_group(t, s, cfg->group_id);
@@ -34,14 +36,32 @@ int mok__group_layer_config(mok_engine_thread *t, esession *s, mok_layer_config 
     return MOK_ENOENT;
   }
   const mok_ep_group_sizing *z = mok_ep_group_get_sizing(g);
-  if (cfg->hidden != z->hidden || cfg->topk != z->topk || cfg->experts != z->experts ||
-      cfg->dtype != z->dtype || cfg->max_tokens > z->max_tokens) {
+  const bool fp8 = cfg->dtype == MOK_DTYPE_FP8_E4M3;
+  if (fp8 && z->dtype != MOK_DTYPE_BF16) {
     snprintf(err, errlen,
-             "the layer (hidden %u, topk %u, experts %u, dtype %u, max_tokens %u) does not fit "
-             "its group (hidden %u, topk %u, experts %u, dtype %u, max_tokens up to %u)",
-             cfg->hidden, cfg->topk, cfg->experts, cfg->dtype, cfg->max_tokens, z->hidden,
-             z->topk, z->experts, z->dtype, z->max_tokens);
+             "an fp8 layer's activations are bfloat16: it runs on a bfloat16 group, and group "
+             "%u is %s (join one with dtype bfloat16)",
+             cfg->group_id, mok_dtype_name(z->dtype));
     return MOK_EINVAL;
+  }
+  if (cfg->hidden != z->hidden || cfg->topk != z->topk || cfg->experts != z->experts ||
+      mok_layer_act_dtype(cfg->dtype) != z->dtype || cfg->max_tokens > z->max_tokens) {
+    snprintf(err, errlen,
+             "the layer (hidden %u, topk %u, experts %u, dtype %s, max_tokens %u) does not fit "
+             "its group (hidden %u, topk %u, experts %u, dtype %s, max_tokens up to %u)",
+             cfg->hidden, cfg->topk, cfg->experts, mok_dtype_name(cfg->dtype), cfg->max_tokens,
+             z->hidden, z->topk, z->experts, mok_dtype_name(z->dtype), z->max_tokens);
+    return MOK_EINVAL;
+  }
+  if (fp8 && z->ring_rows) {
+    /* the cuda engine's fp8 backward writes every local expert's weight
+     * gradients at once, so a macrobatch of some experts would clear the
+     * others'; both engines refuse alike */
+    snprintf(err, errlen,
+             "fp8 layers do not run on a group with ring_rows (%u): join one without a ring "
+             "(capacity still bounds the routed buffers)",
+             z->ring_rows);
+    return MOK_EUNSUPPORTED;
   }
   cfg->group_world = z->world;
   cfg->group_rank = mok_ep_group_rank(g);

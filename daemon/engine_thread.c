@@ -741,7 +741,9 @@ static bool run_one_job(mok_engine_thread *t, esession *s) {
     }
   }
   mok_ep_group *group = NULL;
-  if (le && le->cfg.group_id) {
+  /* quantize_weight reads one of the rank's weights and writes its packed
+   * form: the rank's own work, no turn in the group */
+  if (le && le->cfg.group_id && desc.op != MOK_OP_QUANTIZE_WEIGHT) {
     /* a job on the engine thread reads the outputs of the session's earlier
      * jobs: they finish first */
     if (t->ops->groups == MOK_ENGINE_GROUPS_ON_CALLER)

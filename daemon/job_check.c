@@ -127,6 +127,12 @@ int mok_job_check_flags_op(const mok_layer_config *layer, uint32_t op, uint32_t 
                "weights are used as they are)", MOK_JOB_QUANTIZE_WEIGHTS);
       return MOK_EINVAL;
     }
+    if (layer && layer->group_id) {
+      snprintf(err, errlen, "flag 0x%x (quantize weights) is for layers without a group: a "
+               "group layer's forward takes the packed weights (quantize_weight first)",
+               MOK_JOB_QUANTIZE_WEIGHTS);
+      return MOK_EUNSUPPORTED;
+    }
   }
   return MOK_OK;
 }

@@ -78,6 +78,10 @@ int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen) {
   if (!cfg->has_limit) cfg->swiglu_limit = 0.0f;
   cfg->local_experts = cfg->experts;
   cfg->first_expert = 0;
-  if (cfg->dtype == MOK_DTYPE_FP8_E4M3) return mok_layer_check_fp8_blocks(cfg, err, errlen);
+  /* a group layer's packed weights hold its rank's experts, known once the
+   * engine thread placed it in its group: the engines' prepare_layer checks
+   * it then */
+  if (cfg->dtype == MOK_DTYPE_FP8_E4M3 && !cfg->group_id)
+    return mok_layer_check_fp8_blocks(cfg, err, errlen);
   return MOK_OK;
 }

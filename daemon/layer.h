@@ -21,7 +21,9 @@ int mok_layer_validate(mok_layer_config *cfg, char *err, size_t errlen);
  * MOK_ELIMIT when a packed weight (routed or shared; both orientations
  * and the scales, mok_fp8_weight_bytes) would pass 4 GiB (one wire
  * dimension).
- * mok_layer_validate checks it; the cpu engine repeats it for direct jobs. */
+ * mok_layer_validate checks it for a layer without a group; the engines'
+ * prepare_layer check it (again) with the layer's local experts, which for
+ * a layer on a group are its rank's. */
 int mok_layer_check_fp8_blocks(const mok_layer_config *cfg, char *err, size_t errlen);
 
 #endif

@@ -88,13 +88,13 @@ static mok_request_verdict validate_layer(mok_request *req, const Mok__LayerConf
       .has_limit = lc->has_swiglu_limit,
       .swiglu_limit = lc->swiglu_limit,
   };
+  cfg.group_id = lc->group_id; /* the engine thread checks it against the group */
+  cfg.group_tag = lc->group_tag;
   int r = mok_layer_validate(&cfg, req->message, sizeof req->message);
   if (r != MOK_OK) {
     req->status = r;
     return MOK_REQ_REPLY;
   }
-  cfg.group_id = lc->group_id; /* the engine thread checks it against the group */
-  cfg.group_tag = lc->group_tag;
   req->layer = cfg;
   return MOK_REQ_OK;
 }

@@ -22,6 +22,17 @@ const char *mok_slot_name(uint32_t slot) {
   }
 }
 
+const char *mok_dtype_name(uint32_t dtype) {
+  switch (dtype) {
+  case MOK_DTYPE_F32: return "float32";
+  case MOK_DTYPE_BF16: return "bfloat16";
+  case MOK_DTYPE_I32: return "int32";
+  case MOK_DTYPE_U8: return "uint8";
+  case MOK_DTYPE_FP8_E4M3: return "fp8";
+  default: return "unknown";
+  }
+}
+
 /* Slots that exist only with a shared expert. */
 int mok_slot_is_shared(uint32_t s) {
   return s == MOK_SLOT_S_GATE || s == MOK_SLOT_S_UP || s == MOK_SLOT_S_DOWN ||

@@ -68,5 +68,7 @@ int mok_slot_is_shared(uint32_t slot);
 
 const char *mok_op_name(uint32_t op);
 const char *mok_slot_name(uint32_t slot);
+/* "float32", "bfloat16", "fp8", ... (the names the Python binding takes) */
+const char *mok_dtype_name(uint32_t dtype);
 
 #endif

@@ -11,7 +11,9 @@ int mok_group_join(mok_client *c, const char *key, uint32_t rank, uint32_t world
                    const mok_group_sizing *sz, mok_group **ret) {
   if (!c || !key || !sz || !ret) return mok_set_error(MOK_EINVAL, "mok_group_join: NULL argument");
   if (sz->dtype != MOK_DTYPE_F32 && sz->dtype != MOK_DTYPE_BF16)
-    return mok_set_error(MOK_EINVAL, "mok_group_join: dtype must be MOK_DTYPE_F32 or BF16");
+    return mok_set_error(MOK_EINVAL, "mok_group_join: dtype must be MOK_DTYPE_F32 or BF16: a group's "
+                                     "dtype is its activations' (an fp8 layer runs on a "
+                                     "bfloat16 group)");
   if (!(sz->capacity >= 0.0f && sz->capacity <= 1.0f))
     return mok_set_error(MOK_EINVAL,
                          "mok_group_join: capacity must be in (0, 1], or 0 for all routes");

@@ -362,10 +362,6 @@ static mok_status check_layer(const mok_layer_config *c, char *err, size_t errle
   if (c->dtype == MOK_DTYPE_FP8_E4M3) {
     int r = mok_layer_check_fp8_blocks(c, err, errlen);
     if (r != MOK_OK) return r;
-    if (c->group_id) {
-      snprintf(err, errlen, "fp8 layers run without an expert-parallel group for now");
-      return MOK_EUNSUPPORTED;
-    }
   }
   if (!c->hidden || !c->intermediate || !c->topk || !c->local_experts || !c->experts) {
     snprintf(err, errlen, "hidden, intermediate, topk and experts must be at least 1");

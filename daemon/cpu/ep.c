@@ -18,6 +18,12 @@
  * Every routed row goes through the same row-independent, fixed-order code
  * as a single-daemon job, and each local expert's rows keep ascending
  * (rank, token, k) order, so results equal the cpu engine's EP=1 bits.
+ *
+ * An fp8 layer runs on a bf16 group: the rows exchanged are its bf16
+ * activations, and the steps quantise the routed rows this rank computes
+ * on (1x128 blocks of one row: the bytes the single-daemon layer gives
+ * them), so its bits equal EP=1's too. Its weights are packed (the rank's
+ * local experts); it runs without a ring (engine_groups.c).
  */
 #include <stdio.h>
 #include <string.h>
@@ -526,7 +532,8 @@ void mok__cpu_run_group(mok_engine *e, struct mok_ep_group *g, const mok_job_arg
   const mok_ep_group_sizing *sz = mok_ep_group_get_sizing(g);
   if (c->group_world != sz->world || c->group_tokens != sz->max_tokens ||
       c->group_rank != mok_ep_group_rank(g) || c->hidden != sz->hidden || c->topk != sz->topk ||
-      c->experts != sz->experts || c->dtype != sz->dtype) {
+      c->experts != sz->experts || mok_layer_act_dtype(c->dtype) != sz->dtype ||
+      (l.fp8 && sz->ring_rows)) { /* fp8: no ring (engine_groups.c) */
     mok__cpu_job_fail(&l, MOK_EINVAL, "the layer does not fit its group's sizing");
     return;
   }

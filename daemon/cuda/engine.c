@@ -414,10 +414,6 @@ static int cuda_prepare_layer(mok_engine *e, mok_layer_config *cfg, char *err, s
   if (fp8) {
     int r = mok_layer_check_fp8_blocks(cfg, err, errlen);
     if (r != MOK_OK) return r;
-    if (cfg->group_world) {
-      snprintf(err, errlen, "fp8 layers run without an expert-parallel group for now");
-      return MOK_EUNSUPPORTED;
-    }
     if (!mok_k_fp8_supported(&d)) {
       snprintf(err, errlen, "fp8 layers need the Hopper (sm_90a) FP8 kernels, which this GPU "
                "or driver cannot run");
@@ -512,8 +508,10 @@ size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op,
     mok_layout_dims lv = mok_group_routed_dims(cfg);
     R = (size_t)mok_rows_capacity(&lv);
     sched = (size_t)mok_schedule_bytes(&lv);
-    kernels = mok_k_workspace_bytes(&dv);
-    int ring = ring_rows_of(cfg);
+    /* fp8: the kernels' pieces and the quantised h, dg | du of the group's
+     * rows; its routed rows' bytes and scales (f8_rq, f8_rs) below take R */
+    kernels = fp8 ? mok_k_fp8_workspace_bytes(&dv) : mok_k_workspace_bytes(&dv);
+    int ring = ring_rows_of(cfg); /* never for fp8 (engine_groups.c) */
     if (ring > 0) {
       /* the GEMMs' workspace for a macrobatch; the schedule build still
        * needs its histogram of the whole batch (dims of one row of capacity) */
@@ -530,7 +528,9 @@ size_t mok__cuda_job_space(const mok_layer_config *cfg, uint32_t T, uint32_t op,
     ids = 0;
     ep = (size_t)cfg->group_world * cfg->group_tokens * K * 4;
     ep_own = (size_t)T * K * 4;
-    if (I_s) kernels_aux = mok_k_workspace_bytes(&d);
+    /* the shared expert on the side stream: its own workspace (fp8: it
+     * quantises the own tokens into f8_tq, f8_ts, which only it uses) */
+    if (I_s) kernels_aux = fp8 ? mok_k_fp8_workspace_bytes(&d) : mok_k_workspace_bytes(&d);
   }
   const bool uses_kernels = whole || op == MOK_OP_DISPATCH || op == MOK_OP_COMPUTE ||
                             op == MOK_OP_COMPUTE_BWD;

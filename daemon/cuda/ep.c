@@ -24,6 +24,13 @@
  * single-daemon job on the members' tokens concatenated (rank-major), so
  * out, d_x, d_rw and the routed weight gradients equal EP=1's bits.
  *
+ * An fp8 layer runs on a bf16 group: the buffers carry its bf16 rows, and
+ * after the pull each member quantises the routed rows it computes on (one
+ * row's 1x128 blocks: the bytes the single-daemon layer copies from its
+ * token), runs the fp8 expert kernels on them and pushes bf16 results; its
+ * shared expert quantises the own tokens on the side stream. No ring
+ * (engine_groups.c refuses fp8 layers on a group with one).
+ *
  * The device barriers wait at most the group's timeout; a member that does
  * not arrive fails the job with MOK_ETIMEOUT, and the engine thread then
  * breaks the group. Device barriers need the members' kernels to run at the
@@ -515,7 +522,7 @@ static bool device_protocol(ep_job *j, int own_status) {
   mok_k_ep_post kp;
   memset(&kp, 0, sizeof kp);
   kp.w[0] = (int32_t)post.seq;
-  kp.w[1] = (int32_t)post.op;
+  kp.w[1] = (int32_t)(post.op | post.dtype << 16); /* the layer's dtype: one of the compared words */
   kp.w[2] = (int32_t)post.flags;
   kp.w[3] = (int32_t)post.tag;
   kp.w[4] = (int32_t)post.intermediate;
@@ -675,6 +682,111 @@ static void ring_backward(ep_job *j, bool recompute, const uint16_t *wg, const u
   MARK(j, "ring");
 }
 
+/* ---- fp8 layers (docs/math.md "FP8"): the routed rows quantised after the pull ---- */
+
+static bool fp8_layer(const job_ctx *c) { return c->a->layer->dtype == MOK_DTYPE_FP8_E4M3; }
+
+/* The routed rows of the virtual batch (bf16, pulled) quantised per row into
+ * the workspace's f8_rq, f8_rs. Every row of the capacity: those past the
+ * rows in use hold whatever they held, and the fp8 products never read them
+ * (a row past its expert's rows gets scale 0, a tile past the last expert
+ * loads nothing). */
+static void fp8_quantize_routed(ep_job *j, const uint16_t *rows) {
+  job_ctx *c = j->c;
+  LAUNCH(c, mok_k_fp8_quantize_rows(rows, (int)mok_k_rows_capacity(&j->dv), c->d.H, c->w.f8_rq,
+                                    c->w.f8_rs, c->st));
+}
+
+/* The shared expert's forward on the side stream: bf16, or fp8 on the own
+ * tokens quantised there (f8_tq, f8_ts: the side stream's alone). */
+static void shared_forward_side(ep_job *j, uint16_t *y) {
+  job_ctx *c = j->c;
+  const job_ws *w = &c->w;
+  if (!fp8_layer(c)) {
+    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
+                                   j->acts.gs, j->acts.us, y, w->kernels_aux, c->status,
+                                   c->s->aux));
+    return;
+  }
+  LAUNCH(c, mok_k_fp8_quantize_rows(BF(c, X), c->d.T, c->d.H, w->f8_tq, w->f8_ts, c->s->aux));
+  LAUNCH(c, mok_k_fp8_shared_forward(&c->d, w->f8_tq, w->f8_ts, T_(c, MOK_SLOT_S_GATE),
+                                     T_(c, MOK_SLOT_S_UP), T_(c, MOK_SLOT_S_DOWN), j->acts.gs,
+                                     j->acts.us, y, w->kernels_aux, c->status, c->s->aux));
+}
+
+static void shared_backward_side(ep_job *j) {
+  job_ctx *c = j->c;
+  const job_ws *w = &c->w;
+  if (!fp8_layer(c)) {
+    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
+                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), w->shared,
+                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN),
+                                    w->kernels_aux, c->status, c->s->aux));
+    return;
+  }
+  LAUNCH(c,
+         mok_k_fp8_quantize_rows(BF(c, D_OUT), c->d.T, c->d.H, w->f8_tq, w->f8_ts, c->s->aux));
+  LAUNCH(c, mok_k_fp8_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), w->f8_tq, w->f8_ts,
+                                      j->acts.gs, j->acts.us, T_(c, MOK_SLOT_S_GATE),
+                                      T_(c, MOK_SLOT_S_UP), T_(c, MOK_SLOT_S_DOWN), w->shared,
+                                      BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN),
+                                      w->kernels_aux, c->status, c->s->aux));
+}
+
+/* The local experts' forward on the pulled rows (routed_a) into routed_b. */
+static void experts_forward(ep_job *j) {
+  job_ctx *c = j->c;
+  const job_ws *w = &c->w;
+  if (!fp8_layer(c)) {
+    LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   BF(c, W_DOWN), j->acts.g, j->acts.u, w->routed_b, w->kernels,
+                                   c->status, c->st));
+    return;
+  }
+  fp8_quantize_routed(j, w->routed_a);
+  LAUNCH(c, mok_k_fp8_expert_forward(&j->dv, j->sched, w->f8_rq, w->f8_rs, T_(c, MOK_SLOT_W_GATE),
+                                     T_(c, MOK_SLOT_W_UP), T_(c, MOK_SLOT_W_DOWN), j->acts.g,
+                                     j->acts.u, w->routed_b, w->kernels, c->status, c->st));
+}
+
+/* Backward with recompute: the gate/up product again on the pulled x rows,
+ * bitwise as forward (g, u into the acts). */
+static void experts_recompute(ep_job *j) {
+  job_ctx *c = j->c;
+  const job_ws *w = &c->w;
+  if (!fp8_layer(c)) {
+    LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
+                                   j->acts.g, j->acts.u, w->routed_c, c->status, c->st));
+    return;
+  }
+  fp8_quantize_routed(j, w->routed_a);
+  LAUNCH(c, mok_k_fp8_gate_up(&j->dv, j->sched, w->f8_rq, w->f8_rs, T_(c, MOK_SLOT_W_GATE),
+                              T_(c, MOK_SLOT_W_UP), j->acts.g, j->acts.u, w->kernels, c->status,
+                              c->st));
+}
+
+/* The local experts' backward on the pulled x (routed_a) and d_out
+ * (routed_b) rows: d_x rows into routed_c, d_rw per virtual slot. */
+static void experts_backward(ep_job *j) {
+  job_ctx *c = j->c;
+  const job_ws *w = &c->w;
+  if (!fp8_layer(c)) {
+    const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
+    mok__cuda_stage_weights(c, &wg, &wu, &wd);
+    LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, w->routed_a,
+                                    w->routed_b, w->ep_rw, wg, wu, wd, w->routed_c, w->ep_drw,
+                                    BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), w->kernels,
+                                    c->status, c->st));
+    return;
+  }
+  fp8_quantize_routed(j, w->routed_b);
+  LAUNCH(c, mok_k_fp8_expert_backward(
+                &j->dv, j->sched, j->acts.g, j->acts.u, NULL, w->routed_a, w->routed_b, w->f8_rq,
+                w->f8_rs, w->ep_rw, T_(c, MOK_SLOT_W_GATE), T_(c, MOK_SLOT_W_UP),
+                T_(c, MOK_SLOT_W_DOWN), w->routed_c, w->ep_drw, BF(c, D_W_GATE), BF(c, D_W_UP),
+                BF(c, D_W_DOWN), w->kernels, c->status, c->st));
+}
+
 static void ep_forward(ep_job *j) {
   job_ctx *c = j->c;
   const job_ws *w = &c->w;
@@ -685,10 +797,7 @@ static void ep_forward(ep_job *j) {
   if (!group_turn(j, MOK_OK, NULL)) return;
   MARK(j, "copy-in");
   side_begin(j);
-  if (j->side)
-    LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                   j->acts.gs, j->acts.us, w->shared, w->kernels_aux, c->status,
-                                   c->s->aux));
+  if (j->side) shared_forward_side(j, w->shared);
   device_barrier(j, 1);
   if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
   MARK(j, "barrier-1");
@@ -704,9 +813,7 @@ static void ep_forward(ep_job *j) {
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, w->routed_a, c->status,
                                  c->st));
     MARK(j, "pull");
-    LAUNCH(c, mok_k_expert_forward(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                   BF(c, W_DOWN), j->acts.g, j->acts.u, w->routed_b, w->kernels,
-                                   c->status, c->st));
+    experts_forward(j);
     /* the kernels skip the rows past those in use (no_tail): define them */
     LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
     exchange_back(j, w->routed_b, NULL);
@@ -742,14 +849,8 @@ static void ep_backward(ep_job *j) {
   MARK(j, "copy-in");
   side_begin(j);
   if (j->side) {
-    if (recompute)
-      LAUNCH(c, mok_k_shared_forward(&c->d, BF(c, X), BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN),
-                                     j->acts.gs, j->acts.us, w->shared, w->kernels_aux,
-                                     c->status, c->s->aux));
-    LAUNCH(c, mok_k_shared_backward(&c->d, BF(c, X), BF(c, D_OUT), j->acts.gs, j->acts.us,
-                                    BF(c, S_GATE), BF(c, S_UP), BF(c, S_DOWN), w->shared,
-                                    BF(c, D_S_GATE), BF(c, D_S_UP), BF(c, D_S_DOWN),
-                                    w->kernels_aux, c->status, c->s->aux));
+    if (recompute) shared_forward_side(j, w->shared); /* its y only a scratch */
+    shared_backward_side(j);
   }
   device_barrier(j, 1);
   if (mok_ep_group_is_nccl(j->g)) LAUNCH(c, mok_k_ep_post_check(&j->kg, c->status, c->st));
@@ -762,8 +863,8 @@ static void ep_backward(ep_job *j) {
   } else {
     LAUNCH(c, mok_k_schedule_validate(&j->dv, j->sched, c->status, c->st));
   }
-  const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
   if (c->l->ring_rows) {
+    const uint16_t *wg = BF(c, W_GATE), *wu = BF(c, W_UP), *wd = BF(c, W_DOWN);
     mok__cuda_stage_weights(c, &wg, &wu, &wd);
     ring_backward(j, recompute, wg, wu, wd);
     exchange_back(j, NULL, w->ep_drw);
@@ -771,18 +872,13 @@ static void ep_backward(ep_job *j) {
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.x, w->routed_a, c->status,
                                  c->st));
     if (recompute) { /* the gate/up GEMM again, bitwise as forward */
-      LAUNCH(c, mok_k_gate_up_swiglu(&j->dv, j->sched, w->routed_a, BF(c, W_GATE), BF(c, W_UP),
-                                     j->acts.g, j->acts.u, w->routed_c, c->status, c->st));
+      experts_recompute(j);
       LAUNCH(c, mok_k_acts_zero_tail(&j->dv, j->sched, j->acts.g, j->acts.u, c->st));
     }
     LAUNCH(c, mok_k_ep_pull_rows(&j->kg, &j->dv, j->sched, j->kg.off.d_out, w->routed_b,
                                  c->status, c->st));
     MARK(j, recompute ? "pull+recompute" : "pull");
-    mok__cuda_stage_weights(c, &wg, &wu, &wd);
-    LAUNCH(c, mok_k_expert_backward(&j->dv, j->sched, j->acts.g, j->acts.u, w->routed_a,
-                                    w->routed_b, w->ep_rw, wg, wu, wd, w->routed_c, w->ep_drw,
-                                    BF(c, D_W_GATE), BF(c, D_W_UP), BF(c, D_W_DOWN), w->kernels,
-                                    c->status, c->st));
+    experts_backward(j);
     exchange_back(j, w->routed_c, w->ep_drw);
   }
   /* the own tokens: ordered K-sum of d_x (with the shared expert's), the own d_rw */
@@ -804,7 +900,9 @@ static int job_fits(const job_ctx *c, const mok_ep_group *g, const ep_state *st,
   }
   if (cfg->group_world != sz->world || cfg->group_tokens != sz->max_tokens ||
       cfg->group_rank != mok_ep_group_rank(g) || cfg->hidden != sz->hidden ||
-      cfg->topk != sz->topk || cfg->experts != sz->experts || cfg->dtype != sz->dtype) {
+      cfg->topk != sz->topk || cfg->experts != sz->experts ||
+      mok_layer_act_dtype(cfg->dtype) != sz->dtype ||
+      (cfg->dtype == MOK_DTYPE_FP8_E4M3 && sz->ring_rows)) { /* fp8: no ring */
     snprintf(msg, len, "the layer does not fit its group's sizing");
     return MOK_EINVAL;
   }

@@ -28,8 +28,9 @@
 #include "mok_status.h"
 
 #define SEG_MAGIC 0x5045474bu /* "KGEP" */
-#define SEG_VERSION 5u /* 3: capacity and ring in the sizing; 4: member incarnations;
-                          * 5: whole failure messages in the posts */
+#define SEG_VERSION 6u /* 3: capacity and ring in the sizing; 4: member incarnations;
+                          * 5: whole failure messages in the posts; 6: the layer's
+                          * dtype in the posts */
 #define SEG_ALIGN 4096u
 #define GEN_SHIFT 40u /* arrive word: generation << 40 | seq << 2 | phase */
 
@@ -180,7 +181,9 @@ static int check_sizing(const mok_ep_group_sizing *s, uint32_t rank, char *err, 
                 "experts = %u is not a multiple of world = %u (each rank holds experts / world)",
                 s->experts, s->world);
   if (s->dtype != MOK_DTYPE_F32 && s->dtype != MOK_DTYPE_BF16)
-    return fail(err, errlen, MOK_EINVAL, "dtype must be float32 or bfloat16");
+    return fail(err, errlen, MOK_EINVAL,
+                "dtype must be float32 or bfloat16: a group's dtype is its activations' (an "
+                "fp8 layer's are bfloat16: it runs on a bfloat16 group)");
   if (s->capacity_ppm > 1000000u)
     return fail(err, errlen, MOK_EINVAL,
                 "capacity = %u millionths is above 1 (all routes); use 0 or 1 for the worst case",
@@ -1004,6 +1007,7 @@ mok_ep_group_post mok_ep_group_post_for(const mok_layer_config *l, uint32_t op, 
   p.tokens = tokens;
   if (l) {
     p.tag = l->group_tag;
+    p.dtype = l->dtype;
     p.intermediate = l->intermediate;
     p.shared_intermediate = l->shared_intermediate;
     p.has_limit = l->has_limit;
@@ -1031,6 +1035,9 @@ static void describe_post(const mok_ep_group_post *p, const mok_ep_group_post *o
                           size_t len) {
   int n = snprintf(buf, len, "%s%s tag %u", mok_op_name(p->op),
                    p->flags & MOK_JOB_RECOMPUTE ? "+recompute" : "", p->tag);
+  if (n < 0 || (size_t)n >= len) return;
+  if (p->dtype != o->dtype)
+    n += snprintf(buf + n, len - (size_t)n, " %s layer", mok_dtype_name(p->dtype));
   if (n < 0 || (size_t)n >= len) return;
   if (p->intermediate != o->intermediate || p->shared_intermediate != o->shared_intermediate)
     n += snprintf(buf + n, len - (size_t)n, " I %u/%u", p->intermediate, p->shared_intermediate);
@@ -1063,7 +1070,7 @@ int mok_ep_group_job_post(mok_ep_group *g, mok_ep_group_post *mine, char *err, s
       return fail(err, errlen, MOK_EINVAL, "group job %llu: rank %u is at job %llu",
                   (unsigned long long)g->seq, p, (unsigned long long)o->seq);
     if (o->op != first->op || o->flags != first->flags || o->tag != first->tag ||
-        o->intermediate != first->intermediate ||
+        o->dtype != first->dtype || o->intermediate != first->intermediate ||
         o->shared_intermediate != first->shared_intermediate ||
         o->has_limit != first->has_limit ||
         memcmp(&o->swiglu_limit, &first->swiglu_limit, sizeof(float)) != 0) {

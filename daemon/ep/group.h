@@ -60,6 +60,7 @@ typedef struct mok_ep_group_post {
   uint32_t op, flags, tokens;
   uint32_t tag, intermediate, shared_intermediate, has_limit;
   float swiglu_limit;
+  uint32_t dtype; /* the layer's: an fp8 layer and a bf16 one share a bf16 group */
   int32_t status; /* this member's own checks before barrier 1 */
   char msg[MOK_JOB_MESSAGE_MAX]; /* its whole message: a peer's failure reaches every client */
 } mok_ep_group_post;

@@ -691,7 +691,7 @@ static void test_errors(mok_client *c, cudaStream_t st) {
   printf("  float32 layer -> %s: %s\n", mok_status_name(r), mok_last_error());
   EXPECT(r == MOK_EUNSUPPORTED, "a float32 layer gave %s", mok_status_name(r));
   /* fp8 layers run (test_cuda_engine fp8); one whose H is not whole 128
-   * blocks is refused naming the dimension, and so is an fp8 layer on a group */
+   * blocks is refused naming the dimension */
   ld.hidden = 192;
   ld.intermediate = 128;
   ld.dtype = MOK_DTYPE_FP8_E4M3;

@@ -166,3 +166,114 @@ def test_group_capacity_overflow(daemons):
     results, errors = run_ranks(daemons, "py-ep-cap-%d" % os.getpid(), (TMAX, TMAX),
                                 capacity=0.5 / (W * TMAX * K))
     assert all(isinstance(e, mok.Error) and e.status == "EOVERFLOW" for e in errors), errors
+
+
+# ---- fp8 layers on a group (docs/ep.md "FP8 layers on a group") ----
+
+H8, I8, I8_S = 128, 128, 128
+
+
+def fp8_inputs(seed, T):
+    rng = np.random.default_rng(seed)
+    x = mok.to_bf16(rng.standard_normal((T, H8)))
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    ids[::5, 1] = -1
+    rw = rng.uniform(0.1, 0.9, (T, K)).astype(np.float32)
+    d_out = mok.to_bf16(rng.standard_normal((T, H8)))
+    return x, ids, rw, d_out
+
+
+def fp8_masters(seed):
+    rng = np.random.default_rng(seed)
+    return {n: mok.to_bf16(0.1 * rng.standard_normal(s)) for n, s in
+            (("w_gate", (E, I8, H8)), ("w_up", (E, I8, H8)), ("w_down", (E, H8, I8)),
+             ("s_gate", (I8_S, H8)), ("s_up", (I8_S, H8)), ("s_down", (H8, I8_S)))}
+
+
+def fp8_run(layer, masters, x, ids, rw, d_out, recompute):
+    """quantize_weight of each master (this layer's experts), forward, backward."""
+    p = {n: layer.quantize_weight(n, w) for n, w in masters.items()}
+    out, ctx = layer.forward(x, ids, rw, p["w_gate"], p["w_up"], p["w_down"], p["s_gate"],
+                             p["s_up"], p["s_down"], recompute=recompute)
+    return out, layer.backward(ctx, d_out)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_fp8_group_layer_matches_ep1(daemons, recompute):
+    """An fp8 layer on a bfloat16 group: each rank packs its local experts' masters; out,
+    d_x, d_rw and the routed weight gradients equal the fp8 layer at EP=1 bit for bit, the
+    shared expert's gradients EP=1 on the rank's own tokens."""
+    Ts, key = (TMAX, 9), "py-ep-fp8-%d-%d" % (os.getpid(), recompute)
+    m = fp8_masters(5)
+    El = E // W
+    results, errors = [None] * W, [None] * W
+
+    def rank(r):
+        try:
+            with mok.connect(daemons[r]) as c:
+                g = c.group(key, r, W, max_tokens=TMAX, hidden=H8, topk=K, experts=E,
+                            dtype="bfloat16")
+                layer = c.layer(hidden=H8, intermediate=I8, experts=E, topk=K,
+                                shared_intermediate=I8_S, dtype="fp8", group=g)
+                assert layer.packed_weight_bytes("w_gate") == \
+                    2 * El * I8 * H8 + 4 * El * (I8 // 128) * (H8 // 128)
+                own = dict(m, **{n: m[n][r * El:(r + 1) * El] for n in ("w_gate", "w_up",
+                                                                         "w_down")})
+                results[r] = fp8_run(layer, own, *fp8_inputs(30 + r, Ts[r]), recompute)
+        except mok.Error as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [None] * W, errors
+    parts = [fp8_inputs(30 + r, Ts[r]) for r in range(W)]
+    with mok.connect(daemons[0]) as c:  # EP=1: every expert, all tokens; and each rank's own
+        def ep1(ps):
+            layer = c.layer(hidden=H8, intermediate=I8, experts=E, topk=K,
+                            shared_intermediate=I8_S, dtype="fp8", max_tokens=W * TMAX)
+            args = (np.concatenate([p[i] for p in ps]) for i in range(4))
+            return fp8_run(layer, m, *args, recompute)
+        out1, g1 = ep1(parts)
+        own1 = [ep1([p]) for p in parts]
+    off = 0
+    for r in range(W):
+        out, g = results[r]
+        rows = slice(off, off + Ts[r])
+        assert out.tobytes() == out1[rows].tobytes(), r
+        assert g.d_x.tobytes() == g1.d_x[rows].tobytes(), r
+        assert g.d_router_weights.tobytes() == g1.d_router_weights[rows].tobytes(), r
+        for n in ("d_w_gate", "d_w_up", "d_w_down"):
+            assert getattr(g, n).tobytes() == getattr(g1, n)[r * El:(r + 1) * El].tobytes(), n
+        for n in ("d_s_gate", "d_s_up", "d_s_down"):
+            assert getattr(g, n).tobytes() == getattr(own1[r][1], n).tobytes(), n
+        off += Ts[r]
+    # it ran in fp8: the unquantised layer differs by the format's error
+    x, ids, rw, _ = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    f = {n: mok.from_bf16(w) for n, w in m.items()}
+    r_out = ref.forward(mok.from_bf16(x), ids, rw, f["w_gate"], f["w_up"], f["w_down"],
+                        f["s_gate"], f["s_up"], f["s_down"])
+    err = ref.rel_err(mok.from_bf16(np.concatenate([res[0] for res in results])), r_out)
+    assert 0.005 < err < 0.15, err
+
+
+def test_fp8_group_refusals(daemons):
+    with mok.connect(daemons[0]) as c:
+        with pytest.raises(mok.Error) as e:  # a group's dtype is its activations'
+            c.group("py-ep-fp8-dtype", 0, 2, max_tokens=TMAX, hidden=H8, topk=K, experts=E,
+                    dtype="fp8")
+        assert e.value.status == "EINVAL" and "bfloat16 group" in e.value.message
+        g = c.group("py-ep-fp8-f32-%d" % os.getpid(), 0, 2, max_tokens=TMAX, hidden=H8,
+                    topk=K, experts=E, dtype="float32")
+        with pytest.raises(mok.Error) as e:
+            c.layer(hidden=H8, intermediate=I8, experts=E, topk=K, dtype="fp8", group=g)
+        assert e.value.status == "EINVAL" and "is float32" in e.value.message, e.value
+        g.leave()
+        g = c.group("py-ep-fp8-ring-%d" % os.getpid(), 0, 2, max_tokens=TMAX, hidden=H8,
+                    topk=K, experts=E, dtype="bfloat16", ring_rows=8)
+        with pytest.raises(mok.Error) as e:
+            c.layer(hidden=H8, intermediate=I8, experts=E, topk=K, dtype="fp8", group=g)
+        assert e.value.status == "EUNSUPPORTED" and "ring_rows" in e.value.message, e.value
+        g.leave()

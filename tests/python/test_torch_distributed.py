@@ -223,6 +223,43 @@ def test_moe_with_process_group_shares_one_join(run):
         assert "max_tokens= is needed" in v["no_max_tokens"]
 
 
+def test_fp8_moe_on_a_process_group_equals_the_module_without_one(run):
+    """mok.torch.MoE(dtype="fp8", group=process group): every rank's out, d_x, d_rw and
+    routed weight gradients bitwise equal to the fp8 module without a group on the ranks'
+    tokens concatenated; its shared expert's gradients to that module on its own tokens."""
+    import mok.torch as mt
+    res, socks = run
+    E, El = W.E3, W.E3 // WORLD
+    masters = W.fp8_masters(E)
+    parts = [W.fp8_inputs(40 + r, W.T_OF[r], E) for r in range(WORLD)]
+    with mok.connect(socks[0]) as c:
+        def ep1(ps):
+            m = mt.MoE(W.H8, W.I8, E, W.K, shared_intermediate=W.I8, client=c, dtype="fp8")
+            return W.fp8_step(m, masters, 0, *(torch.cat([p[i] for p in ps]) for i in range(4)))
+        all1 = ep1(parts)
+        own1 = [ep1([p]) for p in parts]
+    off = 0
+    for r in range(WORLD):
+        v = ok(res, r, "moe_fp8")
+        assert v["rank"] == r and v["world"] == WORLD and "dtype=fp8" in v["repr"]
+        assert v["quantizations"] == 6  # each master once
+        assert v["packed"] == 2 * El * W.I8 * W.H8 + 4 * El  # the rank's experts only
+        rows = slice(off, off + W.T_OF[r])
+        for n in ("out", "d_x", "d_rw"):
+            assert v[n].tobytes() == all1[n][rows].tobytes(), (r, n)
+        for n in ("d_w_gate", "d_w_up", "d_w_down"):
+            assert v[n].tobytes() == all1[n][r * El:(r + 1) * El].tobytes(), (r, n)
+        for n in ("d_s_gate", "d_s_up", "d_s_down"):
+            assert v[n].tobytes() == own1[r][n].tobytes(), (r, n)
+        off += W.T_OF[r]
+    # it ran in fp8: the bf16 reference differs by the format's error
+    x, ids, rw, _ = (torch.cat([p[i] for p in parts]) for i in range(4))
+    r_out = ref.forward(x.float().numpy(), ids.numpy(), rw.numpy(),
+                        *(masters[n].float().numpy() for n in W.FP8_ORDER))
+    got = np.concatenate([ok(res, r, "moe_fp8")["out"] for r in range(WORLD)])
+    assert 0.005 < ref.rel_err(got, r_out) < 0.15
+
+
 # ---- the verdict alone (no processes) ----
 
 def info(engine="cuda", host="h", gpu="0000:19:00.0", sizing=None, transport="auto",

@@ -434,27 +434,38 @@ def test_dims_off_the_blocks(client, dims, name):
     mt.MoE(h, i, E, K, shared_intermediate=i_s, client=client)(x, ids, torch.rand(8, K))
 
 
-def test_fp8_with_a_group_is_refused(client, tmp_path, monkeypatch):
-    g = client.group("fp8-refused-%d" % os.getpid(), 0, 1, max_tokens=64, hidden=H, topk=K,
+def test_fp8_on_a_group_equals_the_module_without_one(client):
+    """An fp8 module on a bfloat16 group (one rank here: tests/python/test_ep.py and
+    test_torch_distributed.py run several) gives the fp8 module's bits; on a float32
+    group mokd refuses its layer, naming the group's dtype."""
+    g = client.group("fp8-group-%d" % os.getpid(), 0, 1, max_tokens=16, hidden=H, topk=K,
                      experts=E, dtype="bfloat16")
-    with pytest.raises(ValueError, match="dtype='fp8' with group= is not supported"):
-        mt.MoE(H, I, E, K, group=g, dtype="fp8")
-    assert mt.MoE(H, I, E, K, group=g).group is g  # bf16 on the group: as before
+    torch.manual_seed(3)
+    a = mt.MoE(H, I, E, K, shared_intermediate=I_S, client=client, dtype="fp8", group=g)
+    b = mt.MoE(H, I, E, K, shared_intermediate=I_S, client=client, dtype="fp8")
+    b.load_state_dict(a.state_dict())
+    assert "dtype=fp8" in repr(a) and "group rank 0 of 1" in repr(a)
+    x = torch.randn(16, H).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(16)]).to(torch.int32)
+    rw = torch.rand(16, K)
+    d_out = torch.randn(16, H).to(torch.bfloat16)
+    res = []
+    for m in (a, b):
+        xi, rwi = x.clone().requires_grad_(), rw.clone().requires_grad_()
+        out = m(xi, ids, rwi)
+        out.backward(d_out)
+        res.append([out, xi.grad, rwi.grad] + [p.grad for p in m.parameters()])
+    for u, v in zip(*res):
+        assert torch.equal(u.view(torch.int16) if u.dtype == torch.bfloat16 else u,
+                           v.view(torch.int16) if v.dtype == torch.bfloat16 else v)
+    assert a.quantizations == b.quantizations == 6
     g.leave()
-    # a torch.distributed process group: refused before the (collective) join
-    import torch.distributed as dist
-    import mok.distributed
-    joins = []
-    monkeypatch.setattr(mok.distributed, "join", lambda *a, **kw: joins.append(a))
-    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "pg"), rank=0,
-                            world_size=1)
-    try:
-        with pytest.raises(ValueError, match="dtype='fp8' with group= is not supported"):
-            mt.MoE(H, I, E, K, client=client, group=dist.group.WORLD, max_tokens=64,
-                   dtype="float8_e4m3fn")
-    finally:
-        dist.destroy_process_group()
-    assert joins == []
+    g32 = client.group("fp8-group32-%d" % os.getpid(), 0, 1, max_tokens=16, hidden=H,
+                       topk=K, experts=E, dtype="float32")
+    with pytest.raises(mok.Error) as ei:
+        mt.MoE(H, I, E, K, client=client, dtype="fp8", group=g32)(x, ids, rw)
+    assert ei.value.status == "EINVAL" and "is float32" in ei.value.message
+    g32.leave()
 
 
 @pytest.mark.parametrize("recompute", [False, True])

@@ -33,6 +33,48 @@ def weights(seed, E):
             for s in ((E, I, H), (E, I, H), (E, H, I))]
 
 
+H8 = I8 = 128  # fp8 modules: whole 128-blocks
+FP8_ORDER = ("w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
+
+
+def fp8_masters(E):
+    """bf16 masters of an fp8 MoE of E experts (with a shared expert), the same everywhere."""
+    import torch
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"w_gate": (E, I8, H8), "w_up": (E, I8, H8), "w_down": (E, H8, I8),
+              "s_gate": (I8, H8), "s_up": (I8, H8), "s_down": (H8, I8)}
+    return {n: (0.1 * torch.randn(s, generator=gen)).to(torch.bfloat16)
+            for n, s in shapes.items()}
+
+
+def fp8_inputs(seed, T, E):
+    import torch
+    x, ids, rw, _ = inputs(seed, T, E)
+    rng = np.random.default_rng(seed + 1000)
+    x = torch.from_numpy(rng.standard_normal((T, H8)).astype(np.float32)).to(torch.bfloat16)
+    d_out = torch.from_numpy(rng.standard_normal((T, H8)).astype(np.float32)).to(torch.bfloat16)
+    return x, torch.from_numpy(ids), torch.from_numpy(rw), d_out
+
+
+def fp8_step(m, masters, first, x, ids, rw, d_out):
+    """Load the masters (experts first ..) into MoE m, forward and backward: float32 numpy
+    arrays of out, the input gradients and the weight gradients."""
+    import torch
+    El = m.w_gate.shape[0]
+    with torch.no_grad():
+        for n, w in masters.items():
+            getattr(m, n).copy_(w[first:first + El] if n.startswith("w_") else w)
+    x = x.clone().requires_grad_()
+    rw = rw.clone().requires_grad_()
+    out = m(x, ids, rw)
+    out.backward(d_out)
+    res = {"out": out, "d_x": x.grad, "d_rw": rw.grad}
+    res.update({"d_" + n: getattr(m, n).grad for n in masters})
+    res = {k: v.detach().float().numpy() for k, v in res.items()}
+    res["quantizations"] = m.quantizations
+    return res
+
+
 def run_layer(c, g, r_global, E):
     """forward + backward of this rank's tokens on a group layer (numpy, f32)."""
     layer = c.layer(hidden=H, intermediate=I, experts=E, topk=K, group=g, group_tag=3)
@@ -138,6 +180,19 @@ def main(r, world, port, socks, outdir):
             out["no_max_tokens"] = str(e)
         return out
     attempt("moe", moe_build)
+
+    # mok.torch.MoE(dtype="fp8") on the process group, CPU tensors on the cpu engine: each
+    # rank packs its local experts' masters (the test holds the results against the fp8
+    # module without a group)
+    def moe_fp8():
+        import mok.torch as mt
+        m = mt.MoE(H8, I8, E3, K, shared_intermediate=I8, client=c, group=dist.group.WORLD,
+                   max_tokens=TMAX, dtype="fp8", group_options={"timeout_ms": 5000})
+        out = fp8_step(m, fp8_masters(E3), r * (E3 // world), *fp8_inputs(40 + r, T_OF[r], E3))
+        out.update(rank=m.group.rank, world=m.group.world, repr=repr(m),
+                   packed=m.packed_weights["w_gate"].numel())
+        return out
+    attempt("moe_fp8", moe_fp8)
 
     c.close()
     with open(os.path.join(outdir, "rank%d.pkl" % r), "wb") as f:

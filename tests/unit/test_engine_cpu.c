@@ -1760,8 +1760,9 @@ static void test_fp8_jobs_read_their_own_section(void) {
   mok_engine_cpu.close(e);
 }
 
-/* Direct jobs (no daemon checks): an fp8 layer of the wrong size, a short
- * packed weight, a quantize job without exactly one source. */
+/* Direct jobs (no daemon checks): an fp8 layer of the wrong size (and one on
+ * a group, which runs), a short packed weight, a quantize job without
+ * exactly one source. */
 static void test_fp8_refusals(void) {
   mok_engine *e = engine_open(1);
   char err[256];
@@ -1770,8 +1771,11 @@ static void test_fp8_refusals(void) {
   CHECK_EQ_INT(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err), MOK_EINVAL);
   CHECK_STR_CONTAINS(err, "hidden = 7000 is not a multiple of 128");
   c.hidden = 128;
-  c.group_id = 3;
-  CHECK_EQ_INT(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err), MOK_EUNSUPPORTED);
+  /* on a group (rank 0 of 2, one local expert): prepared like any group layer
+   * (docs/ep.md "FP8 layers on a group") */
+  c.group_id = 3, c.group_world = 2, c.group_rank = 0, c.group_tokens = 4;
+  c.local_experts = 1;
+  CHECK_MSG(mok_engine_cpu.prepare_layer(e, &c, err, sizeof err) == MOK_OK, "%s", err);
   spec s = fp8_spec(35);
   problem *p = problem_make(&s);
   engine_prepare(e, p);

@@ -566,6 +566,31 @@ static void test_quantize_weight_output_is_isolated(void) {
   CHECK_MSG(check_job(&f, err) == MOK_OK, "%s", err);
 }
 
+/* The quantising forward's flag: a forward of an fp8 layer without a group
+ * only (a group layer's forward reads packed weights, never masters). */
+static void test_quantize_weights_flag_rules(void) {
+  fixture f;
+  fixture_init_fp8(&f, 0);
+  char err[256] = "";
+  const uint32_t fl = MOK_JOB_QUANTIZE_WEIGHTS;
+  CHECK_MSG(mok_job_check_flags_op(&f.layer, MOK_OP_FORWARD, fl, err, sizeof err) == MOK_OK,
+            "%s", err);
+  CHECK_EQ_INT(mok_job_check_flags_op(&f.layer, MOK_OP_BACKWARD, fl, err, sizeof err),
+               MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "only valid on forward");
+  f.layer.group_id = 3;
+  CHECK_EQ_INT(mok_job_check_flags_op(&f.layer, MOK_OP_FORWARD, fl, err, sizeof err),
+               MOK_EUNSUPPORTED);
+  CHECK_STR_CONTAINS(err, "layers without a group");
+  CHECK_MSG(mok_job_check_flags_op(&f.layer, MOK_OP_FORWARD, 0, err, sizeof err) == MOK_OK,
+            "%s", err);
+  f.layer.group_id = 0;
+  f.layer.dtype = MOK_DTYPE_BF16;
+  CHECK_EQ_INT(mok_job_check_flags_op(&f.layer, MOK_OP_FORWARD, fl, err, sizeof err),
+               MOK_EINVAL);
+  CHECK_STR_CONTAINS(err, "needs an fp8 layer");
+}
+
 static const check_case cases[] = {
     CHECK_CASE(test_a_good_forward_resolves_every_tensor),
     CHECK_CASE(test_references_outside_the_session_fail),
@@ -587,6 +612,7 @@ static const check_case cases[] = {
     CHECK_CASE(test_fp8_backward_gradients_stay_bf16),
     CHECK_CASE(test_quantize_weight_takes_one_bf16_source_and_its_packed_size),
     CHECK_CASE(test_quantize_weight_output_is_isolated),
+    CHECK_CASE(test_quantize_weights_flag_rules),
     {0}};
 
 int main(int argc, char **argv) { return check_main(argc, argv, cases); }

@@ -573,9 +573,13 @@ class MoE(torch.nn.Module):
     optimizer step). The jobs take the packed buffers in the weight slots. Under CUDA graph
     capture and torch.compile the custom ops run instead: each forward quantises the masters
     as they are then in the same job (MOK_JOB_QUANTIZE_WEIGHTS) into its saved output, which
-    its backward reads, so a replay after an optimizer step runs on the new weights. Refused
-    with group= and with backend="torch"; CUDA tensors on the cuda engine, CPU tensors with
-    a client on the cpu engine; H, I and I_s multiples of 128."""
+    its backward reads, so a replay after an optimizer step runs on the new weights. On a
+    group (a mok.Group of dtype "bfloat16", or a process group) each rank packs its local
+    experts' masters the same way, and the results equal the fp8 module without a group on
+    the ranks' tokens concatenated, bit for bit (docs/ep.md "FP8 layers on a group"); an fp8
+    module on a group runs eagerly (its capture is refused). Refused with backend="torch";
+    CUDA tensors on the cuda engine, CPU tensors with a client on the cpu engine; H, I and
+    I_s multiples of 128."""
 
     def __init__(self, hidden: int, intermediate: int, experts: int, topk: int,
                  shared_intermediate: int = 0, swiglu_limit: Optional[float] = None,
@@ -589,11 +593,6 @@ class MoE(torch.nn.Module):
         if backend not in ("mokd", "torch"):
             raise ValueError("backend must be 'mokd' or 'torch', got %r" % (backend,))
         dtype = _module_dtype(dtype)
-        if dtype == "fp8" and group is not None:
-            # before any join: a process group's join is collective
-            raise ValueError("mok.torch.MoE: dtype='fp8' with group= is not supported yet: mokd "
-                             "refuses fp8 layers on expert-parallel groups; use "
-                             "dtype='bfloat16' on a group, or fp8 without one")
         if dtype == "fp8" and backend != "mokd":
             raise ValueError("mok.torch.MoE: dtype='fp8' needs backend='mokd' (backend='torch' "
                              "runs moe_reference, the bf16 layer)")
@@ -610,6 +609,8 @@ class MoE(torch.nn.Module):
                                  "group's buffers on every rank")
             if client is None:
                 client = default_client()
+            # an fp8 layer runs on a bf16 group too (its activations are bf16): bf16 and
+            # fp8 modules of one process group share the join
             sizing = dict(max_tokens=max_tokens, hidden=hidden, topk=topk, experts=experts,
                           dtype="bfloat16")
             sizing.update(group_options or {})
@@ -744,6 +745,11 @@ class MoE(torch.nn.Module):
             if self.group is None:
                 return _forward_op(self, x, topk_ids, router_weights)
         elif _capturing(x):
+            if self.dtype == "fp8" and self.group is not None:
+                raise Error("EUNSUPPORTED", "mok.torch.MoE(dtype='fp8') on a group under CUDA "
+                            "graph capture is not supported: the quantising forward that "
+                            "captured fp8 modules run is for layers without a group; run it "
+                            "eagerly (torch.compile without CUDA graphs runs it eagerly too)")
             return _forward_op(self, x, topk_ids, router_weights)
         return _forward_mokd(self, x, topk_ids, router_weights)
 
