@@ -416,7 +416,30 @@ def test_fp8(a, client):
         report(torch.equal(y, eager2) and not torch.equal(y, second),
                "fp8 captured forward: a replay after a change through .data runs on it too")
     mt.check_graphs(client)
-    del fg
+    # a deleted graph: its pool freed (and its addresses perhaps allocated again, which makes
+    # mokd cancel the standing job) is no failure; capturing anew makes the jobs anew
+    del fg, y
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    junk = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 4, 16, 64)]
+    try:
+        mt.check_graphs(client)
+        report(True, "fp8: check_graphs after a graph was deleted and its pool freed: no error")
+    except mok.Error as e:
+        report(False, "fp8: check_graphs after a graph was deleted and its pool freed: no "
+               "error", str(e))
+    del junk
+    with torch.no_grad():
+        fg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fg):
+            y = m(x, ids, rw)
+        m.w_up.mul_(0.5)
+        fg.replay()
+        eager3 = m(x, ids, rw)
+        torch.cuda.synchronize()
+    report(torch.equal(y, eager3), "fp8: a graph captured again after that replays like eager")
+    mt.check_graphs(client)
+    del fg, y
 
     # (d) torch.compile: fullgraph, then reduce-overhead (CUDA graph trees)
     for mode in (None, "reduce-overhead"):

@@ -999,13 +999,30 @@ def _packed_of(layer, saved, P):
     return layer.packed_views(saved[:P])
 
 
-def _standing_run(slot, layer, op, T, tensors, flags):
-    key = (id(layer), op, T, flags,
-           tuple(sorted((k, v.data_ptr()) for k, v in tensors.items() if v is not None)))
+def _buffer_id(t):
+    """The CUDA allocation holding t's data (its CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 when the
+    address is allocated no more."""
+    bufid = ctypes.c_uint64()
+    if _libcuda().cuPointerGetAttribute(ctypes.byref(bufid), _CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                        t if isinstance(t, int) else t.data_ptr()) != 0:
+        return 0
+    return bufid.value
+
+
+def _standing_run(slot, layer, op, T, tensors, flags, owned):
+    """Enqueue the standing job of these tensors on the current stream (under capture),
+    made once per (layer, op, T, flags, addresses). owned: the names of the tensors this op
+    allocated inside the capture (the graph's pool holds them while the graph lives)."""
+    named = {k: v for k, v in tensors.items() if v is not None}
+    key = (id(layer), op, T, flags, tuple(sorted((k, v.data_ptr()) for k, v in named.items())))
     sj = slot.standing.get(key)
     if sj is not None:
-        try:  # a cancelled one (a region re-registered, say) is made anew
+        try:  # a cancelled one (a region re-registered, say) is made anew, and so is one
+            # whose addresses now hold other allocations than those it was made on (a dead
+            # graph's pool freed and allocated again): mokd would still map the old ones
             sj.check()
+            if any(_buffer_id(p) != b for p, b in sj._buffers):
+                raise Error("ENOENT", "reallocated")
         except Error:
             sj.close()
             sj = None
@@ -1013,7 +1030,26 @@ def _standing_run(slot, layer, op, T, tensors, flags):
         # the tensors are Parameters (the module holds them) or the capture's own
         # allocations (the graph's pool keeps them): not held, see mok/_standing.py
         sj = slot.standing[key] = layer.standing(op, T, tensors, flags, hold=False)
+        sj._buffers = [(v.data_ptr(), _buffer_id(v)) for v in named.values()]
+        sj._owned = [(named[k].data_ptr(), _buffer_id(named[k])) for k in owned if k in named]
+        sj._cache = (slot.standing, key)
     sj.enqueue(torch.cuda.current_stream(tensors["x"].device).cuda_stream)
+
+
+def _close_orphans(client):
+    """Close mok.torch's standing jobs whose graphs are gone. A job's own allocations (its
+    op's outputs, made inside the capture) stay in the graph's pool while the graph lives;
+    once one of them is freed (a deleted graph's pool released, its addresses perhaps
+    allocated again, which makes mokd cancel the job), no replay can run the job, so its
+    cancellation is no failure of a replay. A job whose Parameter was reallocated under a
+    live graph keeps its error: that graph's replays did not run."""
+    for sj in list(client._standing_jobs):
+        owned = getattr(sj, "_owned", None)
+        if sj._h and owned and any(_buffer_id(p) != b for p, b in owned):
+            cache, key = sj._cache
+            if cache.get(key) is sj:
+                del cache[key]
+            sj.close()
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
@@ -1037,7 +1073,7 @@ def _op_forward(mid: int, recompute: bool, x: torch.Tensor, topk_ids: torch.Tens
                           device=x.device)
         t = dict(x=x, topk_ids=topk_ids, router_weights=router_weights, w_gate=w_gate,
                  w_up=w_up, w_down=w_down, out=out, ctx=None if recompute else ctx, **shared)
-        _standing_run(slot, layer, "forward", T, t, 0)
+        _standing_run(slot, layer, "forward", T, t, 0, ("out", "ctx"))
         return out, ctx
     ws = dict(w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up, s_down=s_down)
     out, region = _run_forward(slot, layer, x, topk_ids, router_weights, ws, recompute)
@@ -1064,7 +1100,7 @@ def _op_forward_fp8(m, slot, layer, recompute, x, topk_ids, router_weights, mast
     flags = _lib.JOB_QUANTIZE_WEIGHTS
     if _capturing(x):
         t = dict(ins, out=out, packed_weight=packed, ctx=None if recompute else saved[P:])
-        _standing_run(slot, layer, "forward", T, t, flags)
+        _standing_run(slot, layer, "forward", T, t, flags, ("out", "packed_weight", "ctx"))
     elif x.is_cuda:
         layer._job("forward", T, ins, ["out", "packed_weight"],
                    {"out": out, "packed_weight": packed}, flags=flags,
@@ -1128,10 +1164,11 @@ def _op_backward(mid: int, recompute: bool, saved: torch.Tensor, x: torch.Tensor
         if recompute:
             t.update(topk_ids=saved, ctx=torch.empty(layer.ctx_bytes(T), dtype=torch.uint8,
                                                      device=x.device))
-            _standing_run(slot, layer, "backward", T, t, _lib.JOB_RECOMPUTE)
+            _standing_run(slot, layer, "backward", T, t, _lib.JOB_RECOMPUTE,
+                          tuple(names) + ("ctx",))
         else:
             t.update(ctx=saved)
-            _standing_run(slot, layer, "backward", T, t, 0)
+            _standing_run(slot, layer, "backward", T, t, 0, tuple(names))
         return [out[n] for n in names]
     out = _run_backward(slot, layer, T, recompute, saved, x, router_weights, ws, d_out,
                         masters)
@@ -1188,4 +1225,6 @@ def _forward_op(m, x, topk_ids, router_weights):
 def check_graphs(client=None):
     """Raise the first failure of a standing job (what captured graphs replay) of client
     (default: default_client()); call it after synchronising the replays."""
-    (client or default_client()).check_standing()
+    c = client or default_client()
+    _close_orphans(c)
+    c.check_standing()
