@@ -28,11 +28,16 @@
  * Fp8 (the fp8 layer's down dgrad, on the FP8 mainloop of fp8.cuh; a tile of
  * 128 columns, one scale block): dg and du are also quantised per row per
  * 128 columns from their bf16 values (the amax a running max, then over the
- * quad; the values read back from the row this thread just stored, which
- * keeps them out of registers and the stage loop rolled: fully unrolled,
- * the epilogue missed the instruction cache on 31 % of its samples), and
- * the d_rw partial sums a thread's 32 columns of the row ascending, then
- * the quad: mok_gemm_sm90_fp8.cu's down dgrad epilogue, bit for bit. */
+ * quad), and the d_rw partial sums a thread's 32 columns of the row
+ * ascending, then the quad: mok_gemm_sm90_fp8.cu's down dgrad epilogue, bit
+ * for bit. The quantisation reads the bf16 values back from shared memory:
+ * each thread writes its dg and du pairs over the g and u it just read in
+ * the stage (the same bytes, its own), and the tile's stages (the ring holds
+ * all of them) go back to the load warp only after the quantisation. Kept
+ * in registers instead, the fully unrolled epilogue missed the instruction
+ * cache on 31 % of its samples; read back from global memory (the stores
+ * just made), the tile waited on L2 (ncu: half the stall cycles long
+ * scoreboard, tensor pipe 27 %). */
 #ifndef MOK_CUTLASS_DGRAD_EPILOGUE_CUH
 #define MOK_CUTLASS_DGRAD_EPILOGUE_CUH
 
@@ -91,6 +96,7 @@ public:
   static constexpr int UNROLL = Fp8 ? 2 : 4;        /* stages a round of the consumers' loop */
   static_assert(!Fp8 || (BN == 128 && MB == 1),
                 "Fp8: a tile is one scale block of 128 columns, one m64 block a thread");
+  static_assert(!Fp8 || Stages >= SUBTILES, "Fp8: the ring holds a whole tile's stages");
 
   using DispatchPolicy = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
   using EpilogueSchedule = DispatchPolicy;
@@ -262,6 +268,7 @@ public:
     for (int i = 0; i < R; i++) amax_g[i] = amax_u[i] = 0.0f;
     const uint32_t g_base = (uint32_t)__cvta_generic_to_shared(smem.g[0]);
     const uint32_t u_base = (uint32_t)__cvta_generic_to_shared(smem.u[0]);
+    const LoadPipelineState first = state; /* Fp8: the tile's stages, released at its end */
     static_assert(SUBTILES % UNROLL == 0 && VALS % (16 * UNROLL) == 0, "whole rounds of stages");
 #pragma unroll 1
     for (int s0 = 0; s0 < SUBTILES; s0 += UNROLL)
@@ -300,13 +307,23 @@ public:
             du[c] = g.du;
           }
           bf16 *dgu = o.dgu + grow * (2LL * o.N);
-          store_bf16x2(dgu + n, dg[0], dg[1]);
-          store_bf16x2(dgu + o.N + n, du[0], du[1]);
-          if constexpr (Fp8) {
-            const float2 gq = __bfloat1622float2(__floats2bfloat162_rn(dg[0], dg[1]));
-            const float2 uq = __bfloat1622float2(__floats2bfloat162_rn(du[0], du[1]));
+          if constexpr (Fp8) { /* the pairs stored, kept in the stage for the quantisation */
+            const __nv_bfloat162 gb = __floats2bfloat162_rn(dg[0], dg[1]);
+            const __nv_bfloat162 ub = __floats2bfloat162_rn(du[0], du[1]);
+            *(__nv_bfloat162 *)(dgu + n) = gb;
+            *(__nv_bfloat162 *)(dgu + o.N + n) = ub;
+            const uint32_t at = r * 64 + ((j ^ ((r >> 1) & 3)) << 4) + 4 * q;
+            uint32_t gbw, ubw;
+            memcpy(&gbw, &gb, 4);
+            memcpy(&ubw, &ub, 4);
+            st_shared_u32(sg + at, gbw);
+            st_shared_u32(su + at, ubw);
+            const float2 gq = __bfloat1622float2(gb), uq = __bfloat1622float2(ub);
             amax_g[i] = fmaxf(amax_g[i], fmaxf(fabsf(gq.x), fabsf(gq.y)));
             amax_u[i] = fmaxf(amax_u[i], fmaxf(fabsf(uq.x), fabsf(uq.y)));
+          } else {
+            store_bf16x2(dgu + n, dg[0], dg[1]);
+            store_bf16x2(dgu + o.N + n, du[0], du[1]);
           }
           store_bf16x2(o.h + grow * o.N + n, swiglu_h_weighted(hv[0], w[i]),
                        swiglu_h_weighted(hv[1], w[i]));
@@ -323,8 +340,8 @@ public:
              * would land in du's */
             if (n_tile < o.N) {
               const long long at = grow * (2LL * o.N) + n_tile, sat = grow * (2LL * o.N / 128) + pt;
-              quantize_row(amax_g[i], used[i], o.dgu + at, o.q + at, o.qs + sat);
-              quantize_row(amax_u[i], used[i], o.dgu + at + o.N, o.q + at + o.N,
+              quantize_row(amax_g[i], used[i], g_base, first.index(), rl[i], o.q + at, o.qs + sat);
+              quantize_row(amax_u[i], used[i], u_base, first.index(), rl[i], o.q + at + o.N,
                            o.qs + sat + o.N / 128);
             }
           }
@@ -338,9 +355,18 @@ public:
             o.partial[grow * o.n_partial + pt] = v[i];
         }
       }
-      /* the stage's reads are done before the next TMA write to it */
+      /* the stage's reads (and Fp8's writes) are done before the next TMA
+       * write to it; Fp8 gives the tile's stages back once it is quantised */
       cutlass::arch::fence_view_async_shared();
-      pipeline.consumer_release(state);
+      if constexpr (Fp8) {
+        if (s == SUBTILES - 1) {
+          LoadPipelineState r = first;
+#pragma unroll 1
+          for (int k = 0; k < SUBTILES; k++, ++r) pipeline.consumer_release(r);
+        }
+      } else {
+        pipeline.consumer_release(state);
+      }
       ++state;
       /* after a round: the next round's accumulators to the front of each m64 block */
       if (su_ == UNROLL - 1 && s0 + UNROLL < SUBTILES) {
@@ -359,13 +385,14 @@ public:
   }
 
 private:
-  /* Fp8: one row's 128 stored values (this thread's 32: the pairs at
-   * columns 32s + 8j + 2q of `row`, written by this thread) quantised with
-   * the row block's scale, as mok_gemm_sm90_fp8.cu's f8_quantize_row;
-   * amax: this thread's largest |value|. Every lane of the quad calls it;
-   * a row past the group's count stores nothing (dgrad_zero_rows). */
-  CUTLASS_DEVICE static void quantize_row(float amax, bool used, const bf16 *row, uint8_t *q,
-                                          float *qs) {
+  /* Fp8: one row's 128 values (this thread's 32: the pairs at columns
+   * 32s + 8j + 2q of tile row r, which this thread wrote into the stages at
+   * `base`, the tile's first stage at index s0) quantised with the row
+   * block's scale, as mok_gemm_sm90_fp8.cu's f8_quantize_row; amax: this
+   * thread's largest |value|. Every lane of the quad calls it; a row past
+   * the group's count stores nothing (dgrad_zero_rows). */
+  CUTLASS_DEVICE static void quantize_row(float amax, bool used, uint32_t base, int s0, int r,
+                                          uint8_t *q, float *qs) {
     const int cq = 2 * (threadIdx.x & 3);
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
@@ -373,8 +400,10 @@ private:
     const int ex = mok_fp8_scale_exp(amax);
 #pragma unroll 4
     for (int k = 0; k < 16; k++) {
-      const int c = 32 * (k / 4) + 8 * (k % 4) + cq;
-      const float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(row + c));
+      const int s = k / 4, j = k % 4, c = 32 * s + 8 * j + cq;
+      const uint32_t at = ((s0 + s) % Stages) * STAGE_BYTES + r * 64 +
+                          ((j ^ ((r >> 1) & 3)) << 4) + 2 * cq;
+      const float2 f = bf2_to_f2(lds32(base + at));
       *(uint16_t *)(q + c) = mok_fp8_quantize2(f.x, f.y, ex);
     }
     if ((threadIdx.x & 3) == 0) *qs = mok_fp8_pow2(ex);
