@@ -60,9 +60,10 @@ static const cg_row cg_table[] = {
      * all 16 (kernels/PERF.md "FP8 on CUTLASS") */
     {MOK_CG_F8_PLAIN, CG_F8_COOP_128x128_C12, 0, 0, 0},
     {MOK_CG_F8_GATE_UP, CG_F8_COOP_128x128_C12, 0, 0, 0},
-    /* the FP8 down dgrad with mok's SwiGLU-backward epilogue: 3.37 ms against
-     * mok's FP8 kernel's 5.24 at kimi-k2.7 T=8192 (ncu); the fp8 backward
-     * 5-13 % faster at T=8192, 2-9 % at T=2048 (kernels/PERF.md "FP8 on CUTLASS") */
+    /* the FP8 down dgrad with mok's SwiGLU-backward epilogue: 2.96 ms against
+     * mok's FP8 kernel's 5.24 at kimi-k2.7 T=8192 (ncu, H200); the fp8 backward
+     * 5-13 % faster at T=8192, 2-9 % at T=2048 (kernels/PERF.md "FP8 on CUTLASS",
+     * "The FP8 down dgrad quantising from shared memory") */
     {MOK_CG_F8_DOWN_DGRAD, CG_F8_DGRAD_COOP_128x128_C12, 0, 0, 0},
 };
 
