@@ -7,7 +7,8 @@
 # mok.hf_transformers against their references, mok.torch's import rules and staging,
 # mok.torch.MoE(dtype="fp8") on CPU tensors with a cpu-engine mokd (test_torch_fp8.py),
 # the transformers and torchtitan runners in fp8 and bf16 on it
-# (test_torch_integrations_fp8.py).
+# (test_torch_integrations_fp8.py), mok.torch's cache of standing jobs and check_graphs
+# (test_torch_standing_cache.py).
 #   tests/python/ci_torch.sh OUTDIR        (about 65 s to install, 60 s to run)
 # Environment: TORCH_VERSION (2.11.0), TRANSFORMERS_VERSION (5.24.0; "none" skips it),
 # PIP_ARGS (extra pip arguments). Logs: OUTDIR/pip.log, OUTDIR/pytest.log. Exit status
@@ -52,7 +53,7 @@ set +e
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs \
   tests/python/test_torch_distributed.py tests/python/test_torch_integrations_cpu.py \
   tests/python/test_torch_import.py tests/python/test_torch_compile.py tests/python/test_torch_fp8.py \
-  tests/python/test_torch_integrations_fp8.py \
+  tests/python/test_torch_integrations_fp8.py tests/python/test_torch_standing_cache.py \
   tests/python/test_binding.py 2>&1 | tee "$OUTDIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # a skip here means a missing piece, not a passing test
