@@ -5,8 +5,7 @@
 # given, on CUTLASS's own blockwise-scaled FP8 grouped GEMM at the same four product shapes
 # (the recipe's scales: 1x128 on A, 128x128 on B; cooperative 128x128x128 in 1x2
 # clusters). Prints one table (tests/bench/ncu_table.py): per kernel its time, SM clock,
-# TFLOP/s where the FLOPs are known, tensor pipe, issue slots and the three largest stall
-# reasons.
+# TFLOP/s where the FLOPs are known, tensor pipe, issue slots and the stall ncu names first.
 #
 #   tests/bench/ncu_fp8_gemms.sh OUTDIR [SHAPE [T]]      (default kimi-k2.7 8192)
 #

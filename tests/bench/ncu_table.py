@@ -10,9 +10,9 @@ DRAM and L2 throughput, and the stall ncu's rule names first. Kernels shorter th
 
   ncu_table.py [--rows R --H H --I I] [--min-us 50] FILE.csv...
 
-FILE may be gzipped (.gz). A file named [...]ncu_ex68_<product>.csv holds CUTLASS example 68 at that product's shape
-(tests/bench/ncu_fp8_gemms.sh); with --rows/--H/--I (the layer's routed rows a GPU and
-expert shape) its kernel gets the product's FLOPs.
+FILE may be gzipped (.gz). A file named [...]ncu_ex68_<product>.csv holds CUTLASS example
+68 at that product's shape (tests/bench/ncu_fp8_gemms.sh); with --rows/--H/--I (the layer's
+routed rows a GPU and expert shape) its kernel gets the product's FLOPs.
 """
 import argparse
 import csv

@@ -81,6 +81,16 @@ def _libcuda():
     return _cu
 
 
+def _buffer_id(t):
+    """The CUDA allocation holding t's data (its CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 when the
+    address is allocated no more."""
+    bufid = ctypes.c_uint64()
+    if _libcuda().cuPointerGetAttribute(ctypes.byref(bufid), _CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                        t if isinstance(t, int) else t.data_ptr()) != 0:
+        return 0
+    return bufid.value
+
+
 class _Tracker:
     def __init__(self):
         self.lock = threading.Lock()
@@ -89,28 +99,27 @@ class _Tracker:
 
     def note(self, tensors):
         cu = _libcuda()
-        bufid = ctypes.c_uint64()
         with self.lock:
             for t in tensors:
                 if t is None:
                     continue
                 p = t.data_ptr()
-                if cu.cuPointerGetAttribute(ctypes.byref(bufid), _CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                                            p) != 0:
+                bufid = _buffer_id(p)
+                if not bufid:
                     continue
                 hit = None
                 for i, r in enumerate(self.regions):
                     if r[0] <= p < r[0] + r[1]:
                         hit = i
                         break
-                if hit is not None and self.regions[hit][2] == bufid.value:
+                if hit is not None and self.regions[hit][2] == bufid:
                     continue
                 if hit is not None:
                     del self.regions[hit]  # freed and allocated again: libmok re-registers
                 base, size = ctypes.c_uint64(), ctypes.c_size_t()
                 if cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), p) != 0:
                     continue
-                self.regions.append([base.value, size.value, bufid.value])
+                self.regions.append([base.value, size.value, bufid])
                 self.count += 1
 
 
@@ -999,16 +1008,6 @@ def _packed_of(layer, saved, P):
     return layer.packed_views(saved[:P])
 
 
-def _buffer_id(t):
-    """The CUDA allocation holding t's data (its CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 when the
-    address is allocated no more."""
-    bufid = ctypes.c_uint64()
-    if _libcuda().cuPointerGetAttribute(ctypes.byref(bufid), _CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                                        t if isinstance(t, int) else t.data_ptr()) != 0:
-        return 0
-    return bufid.value
-
-
 def _standing_run(slot, layer, op, T, tensors, flags, owned):
     """Enqueue the standing job of these tensors on the current stream (under capture),
     made once per (layer, op, T, flags, addresses). owned: the names of the tensors this op
@@ -1021,7 +1020,7 @@ def _standing_run(slot, layer, op, T, tensors, flags, owned):
             # whose addresses now hold other allocations than those it was made on (a dead
             # graph's pool freed and allocated again): mokd would still map the old ones
             sj.check()
-            if any(_buffer_id(p) != b for p, b in sj._buffers):
+            if any(_buffer_id(p) != b for p, b in sj._buffers.values()):
                 raise Error("ENOENT", "reallocated")
         except Error:
             sj.close()
@@ -1030,8 +1029,8 @@ def _standing_run(slot, layer, op, T, tensors, flags, owned):
         # the tensors are Parameters (the module holds them) or the capture's own
         # allocations (the graph's pool keeps them): not held, see mok/_standing.py
         sj = slot.standing[key] = layer.standing(op, T, tensors, flags, hold=False)
-        sj._buffers = [(v.data_ptr(), _buffer_id(v)) for v in named.values()]
-        sj._owned = [(named[k].data_ptr(), _buffer_id(named[k])) for k in owned if k in named]
+        sj._buffers = {k: (v.data_ptr(), _buffer_id(v)) for k, v in named.items()}
+        sj._owned = [k for k in owned if k in named]
         sj._cache = (slot.standing, key)
     sj.enqueue(torch.cuda.current_stream(tensors["x"].device).cuda_stream)
 
@@ -1045,7 +1044,8 @@ def _close_orphans(client):
     live graph keeps its error: that graph's replays did not run."""
     for sj in list(client._standing_jobs):
         owned = getattr(sj, "_owned", None)
-        if sj._h and owned and any(_buffer_id(p) != b for p, b in owned):
+        if sj._h and owned and any(_buffer_id(sj._buffers[k][0]) != sj._buffers[k][1]
+                                   for k in owned):
             cache, key = sj._cache
             if cache.get(key) is sj:
                 del cache[key]
